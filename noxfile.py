@@ -1,0 +1,81 @@
+"""Sessions for the tl monorepo: one per package, integration, lint, typecheck, docs, demo, bench."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+FIXTURES = ROOT / "packages" / "tl-core" / "tests" / "fixtures"
+PYTHON = "3.11"
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs", "demo"]
+nox.options.error_on_missing_interpreters = False
+
+#: Each package: (what to install besides the package itself, extra pytest args).
+PACKAGES: dict[str, list[str]] = {
+    "tl-core": [
+        str(FIXTURES / "tl-fake-driver"),
+        str(FIXTURES / "tl-fake-broken"),
+        "jsonschema",
+    ],
+}
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    session.install(*CONSTRAINTS, *args)
+
+
+@nox.session(python=PYTHON, tags=["test"])
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's own test suite with only that package (and tl-core) installed."""
+    pkg = ROOT / "packages" / package
+    deps = [] if package == "tl-core" else [str(ROOT / "packages" / "tl-core")]
+    _install(session, "pytest", *deps, str(pkg), *PACKAGES[package])
+    session.run("pytest", str(pkg / "tests"), "-q", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["test"])
+def integration(session: nox.Session) -> None:
+    """Cross-package tests (every locally runnable driver installed together)."""
+    _install(session, "pytest", str(ROOT / "packages" / "tl-core"))
+    session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def lint(session: nox.Session) -> None:
+    """Ruff over every package, test and script."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on tl-core."""
+    _install(session, "mypy", str(ROOT / "packages" / "tl-core"))
+    session.run("mypy", str(ROOT / "packages" / "tl-core" / "src" / "tl_core"))
+
+
+@nox.session(python=PYTHON, tags=["check"])
+def docs(session: nox.Session) -> None:
+    """Check that generated docs (the spec JSON Schema) match the code."""
+    _install(session, str(ROOT / "packages" / "tl-core"))
+    session.run("python", "scripts/write_spec_schema.py", "--check")
+
+
+@nox.session(python=PYTHON, tags=["demo"])
+def demo(session: nox.Session) -> None:
+    """The main job on the built-in default: `tl demo` on a native model."""
+    _install(session, str(ROOT / "packages" / "tl-core"))
+    session.run("tl", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["bench"])
+def bench(session: nox.Session) -> None:
+    """Capture cost as ratios to a plain forward (not run by default)."""
+    _install(session, str(ROOT / "packages" / "tl-core"))
+    session.run("python", "benchmarks/bench_native_capture.py", *session.posargs)

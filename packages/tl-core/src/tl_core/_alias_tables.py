@@ -1,0 +1,415 @@
+"""The alias tables: what each name of another tool means in the canonical vocabulary.
+
+Read from the tools themselves: TransformerLens's ``HookedTransformer`` components and 4.x
+``TransformerBridge`` generalized components (``hook_aliases``), nnterp's
+``StandardizedTransformer`` accessors, and interp-engine's published point list and hook
+mapping table. ``tl_core._aliases`` does the resolving; see its docstring for the statuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from tl_core._model_info import ModelInfo
+
+__all__ = ["FAMILY_TABLES", "MULTI_STREAM", "HookFamily", "HookStatus", "Rule", "Target"]
+
+HookStatus = Literal[
+    "canonical", "alias", "derived", "reconstructed_read_only", "structurally_absent"
+]
+HookFamily = Literal["canonical", "legacy", "tl_bridge", "nnterp", "interp_engine"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a name leads: a canonical template (or none) and the honest status."""
+
+    canonical: str | None  # a template: "{i}" is the block index, "{last}" the last block
+    status: HookStatus
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One accepted name template: its family, default target and per-model targets."""
+
+    family: HookFamily
+    target: Target
+    # With a ModelInfo, the first target whose condition holds replaces ``target``.
+    by_model: tuple[tuple[Callable[[ModelInfo], bool], Target], ...] = ()
+
+
+def _alias(canonical: str, note: str = "") -> Target:
+    return Target(canonical, "alias", note)
+
+
+def _derived(canonical: str | None, note: str) -> Target:
+    return Target(canonical, "derived", note)
+
+
+def _rebuilt(canonical: str | None, note: str) -> Target:
+    return Target(canonical, "reconstructed_read_only", note)
+
+
+def _absent(note: str) -> Target:
+    return Target(None, "structurally_absent", note)
+
+
+def _sandwich(info: ModelInfo) -> bool:
+    return info.sandwich_norm
+
+
+def _parallel(info: ModelInfo) -> bool:
+    return info.parallel_attn_mlp
+
+
+def _gated(info: ModelInfo) -> bool:
+    return info.gated_mlp
+
+
+def _ungated(info: ModelInfo) -> bool:
+    return not info.gated_mlp
+
+
+def _rotary(info: ModelInfo) -> bool:
+    return info.positional_embedding_type == "rotary"
+
+
+def _no_norm(info: ModelInfo) -> bool:
+    return info.normalization_type is None and info.n_layers > 0
+
+
+_TOKENS = "The input token ids (integers), not an activation: use the input_ids you passed."
+_FLAT = "The other tool may flatten the head axes; tl serves the per-head layout."
+_PRE_LN1_COPY = (
+    "TransformerLens fires this on the block input repeated over heads "
+    "([b, p, n_heads, d_model]), before ln1, so each head's input can be patched separately. "
+    "tl keeps no per-head copy: capture blocks.{i}.hook_in and broadcast it, or use "
+    "blocks.{i}.attn.hook_in for the attention input after ln1."
+)
+
+
+def _contribution(sublayer: str, norm: str, family: HookFamily, what: str) -> Rule:
+    """A sublayer output whose meaning changes on sandwich-norm models."""
+    return Rule(
+        family,
+        _alias(
+            f"blocks.{{i}}.{sublayer}.hook_out",
+            f"{what} On sandwich-norm models (Gemma 2/3, OLMo 2) it is the output of the "
+            f"post-sublayer norm, blocks.{{i}}.{norm}.hook_out; pass info= to resolve per "
+            f"model.",
+        ),
+        ((_sandwich, _alias(f"blocks.{{i}}.{norm}.hook_out", f"{what} After the norm.")),),
+    )
+
+
+def _legacy(canonical: str, note: str = "") -> Rule:
+    return Rule("legacy", _alias(canonical, note))
+
+
+_LEGACY: dict[str, Rule] = {
+    "hook_embed": _legacy("embed.hook_out"),
+    "hook_pos_embed": _legacy(
+        "pos_embed.hook_out",
+        "Learned positions only; on rotary models TransformerBridge serves the rotary "
+        "cos/sin table under this name, which is not an activation.",
+    ),
+    "hook_tokens": Rule("legacy", _derived(None, _TOKENS)),
+    "hook_unembed": _legacy("unembed.hook_out"),
+    "blocks.{i}.hook_resid_pre": _legacy("blocks.{i}.hook_in"),
+    "blocks.{i}.hook_resid_mid": _legacy(
+        "blocks.{i}.ln2.hook_in", "Absent in parallel attention/MLP blocks."
+    ),
+    "blocks.{i}.hook_resid_post": _legacy("blocks.{i}.hook_out"),
+    "blocks.{i}.hook_attn_out": _contribution(
+        "attn", "ln1_post", "legacy", "What attention adds to the residual stream."
+    ),
+    "blocks.{i}.hook_mlp_out": _contribution(
+        "mlp", "ln2_post", "legacy", "What the MLP adds to the residual stream."
+    ),
+    "blocks.{i}.hook_mlp_in": Rule(
+        "legacy",
+        _alias(
+            "blocks.{i}.ln2.hook_in",
+            "TransformerLens fires hook_mlp_in on the input of ln2 (the residual after "
+            "attention), not on the MLP module's input after ln2, which is "
+            "blocks.{i}.mlp.hook_in.",
+        ),
+        (
+            (
+                _parallel,
+                _alias("blocks.{i}.hook_in", "In a parallel block ln2 reads the block input."),
+            ),
+        ),
+    ),
+    "blocks.{i}.hook_attn_in": Rule("legacy", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)),
+    **{
+        f"blocks.{{i}}.hook_{x}_input": Rule(
+            "legacy", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)
+        )
+        for x in "qkv"
+    },
+    **{
+        f"blocks.{{i}}.mlp.hook_expert_{x}": Rule(
+            "legacy",
+            _rebuilt(
+                "blocks.{i}.mlp.hook_in",
+                f"Mixture-of-experts routing ({x}); tl has no routing hooks. Rebuild it from "
+                f"blocks.{{i}}.mlp.hook_in and the model's router weight (softmax over all "
+                f"experts before the top-k for weights, the top-k for indices).",
+            ),
+        )
+        for x in ("weights", "indices")
+    },
+}
+
+_TL_BRIDGE: dict[str, Rule] = {
+    "embed.hook_in": Rule("tl_bridge", _derived(None, _TOKENS)),
+    "pos_embed.hook_in": Rule(
+        "tl_bridge", _derived(None, "The position ids (integers), not an activation.")
+    ),
+    **{
+        f"rotary_emb.{h}": Rule(
+            "tl_bridge",
+            _derived(
+                None,
+                "The rotary cos/sin table, a function of the positions and the config, not an "
+                "activation; the rotated queries and keys are blocks.<i>.attn.hook_rot_q and "
+                "hook_rot_k.",
+            ),
+        )
+        for h in ("hook_out", "hook_cos", "hook_sin")
+    },
+    "unembed.hook_in": Rule(
+        "tl_bridge",
+        _alias("ln_final.hook_out"),
+        ((_no_norm, _alias("blocks.{last}.hook_out", "No final norm: the last block's output.")),),
+    ),
+    **{
+        f"blocks.{{i}}.attn.{p}.hook_in": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_in"))
+        for p in ("q", "k", "v", "qkv")
+    },
+    **{
+        f"blocks.{{i}}.attn.{p}.hook_out": Rule(
+            "tl_bridge", _alias(f"blocks.{{i}}.attn.hook_{p}", _FLAT)
+        )
+        for p in "qkv"
+    },
+    "blocks.{i}.attn.qkv.hook_out": Rule(
+        "tl_bridge",
+        _derived(
+            None,
+            "The fused QKV projection output: attn.hook_q, hook_k and hook_v flattened and "
+            "concatenated on the last axis; capture those three.",
+        ),
+    ),
+    "blocks.{i}.attn.o.hook_in": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_z", _FLAT)),
+    "blocks.{i}.attn.o.hook_out": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_out")),
+    **{
+        f"blocks.{{i}}.attn.hook_{h}": Rule(
+            "tl_bridge", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)
+        )
+        for h in ("attn_in", "q_input", "k_input", "v_input")
+    },
+    **{
+        f"blocks.{{i}}.attn.hook_{x}_normed": Rule(
+            "tl_bridge",
+            _rebuilt(
+                f"blocks.{{i}}.attn.hook_{x}",
+                f"QK-norm output; tl has no hook between the norm and the rotary embedding. "
+                f"Rebuild it from blocks.{{i}}.attn.hook_{x} and the model's {x}_norm weight.",
+            ),
+        )
+        for x in "qk"
+    },
+    "blocks.{i}.mlp.in.hook_in": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_in")),
+    "blocks.{i}.mlp.gate.hook_in": Rule(
+        "tl_bridge",
+        _alias("blocks.{i}.mlp.hook_in", "Gated MLPs only."),
+        ((_ungated, _absent("This model's MLP has no gate projection.")),),
+    ),
+    "blocks.{i}.mlp.in.hook_out": Rule(
+        "tl_bridge",
+        _alias(
+            "blocks.{i}.mlp.hook_pre",
+            "On gated MLPs the bridge's `in` is the linear (up) branch, "
+            "blocks.{i}.mlp.hook_pre_linear; pass info= to resolve per model.",
+        ),
+        ((_gated, _alias("blocks.{i}.mlp.hook_pre_linear", "The linear (up) branch.")),),
+    ),
+    "blocks.{i}.mlp.gate.hook_out": Rule(
+        "tl_bridge",
+        _alias("blocks.{i}.mlp.hook_pre", "Gated MLPs only."),
+        ((_ungated, _absent("This model's MLP has no gate projection.")),),
+    ),
+    "blocks.{i}.mlp.out.hook_in": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_post")),
+    "blocks.{i}.mlp.out.hook_out": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_out")),
+}
+
+
+def _nn(canonical: str, note: str = "") -> Rule:
+    return Rule("nnterp", _alias(canonical, note))
+
+
+_NNTERP: dict[str, Rule] = {
+    "layers_input[{i}]": _nn("blocks.{i}.hook_in"),
+    "layers_mid[{i}]": _nn("blocks.{i}.ln2.hook_in", "Absent in parallel blocks."),
+    "layers_output[{i}]": _nn("blocks.{i}.hook_out"),
+    "attentions_input[{i}]": _nn("blocks.{i}.attn.hook_in"),
+    "attentions_norm_output[{i}]": _nn("blocks.{i}.ln1.hook_out"),
+    "attentions_premix[{i}]": _nn("blocks.{i}.attn.hook_z", _FLAT),
+    "attentions_output[{i}]": _contribution(
+        "attn", "ln1_post", "nnterp", "What attention adds to the residual stream."
+    ),
+    **{
+        f"attention_{word}[{{i}}]": Rule(
+            "nnterp",
+            _alias(
+                f"blocks.{{i}}.attn.hook_{x}",
+                f"nnterp reads the {word} the attention kernel receives, after any rotary "
+                f"embedding: on rotary models that is blocks.{{i}}.attn.hook_rot_{x}; pass "
+                f"info= to resolve per model.",
+            ),
+            ((_rotary, _alias(f"blocks.{{i}}.attn.hook_rot_{x}", "After the rotary embedding.")),),
+        )
+        for word, x in (("queries", "q"), ("keys", "k"))
+    },
+    "attention_scores[{i}]": _nn("blocks.{i}.attn.hook_attn_scores"),
+    "attention_probabilities[{i}]": _nn("blocks.{i}.attn.hook_pattern"),
+    "attention_head_outputs[{i}]": _nn("blocks.{i}.attn.hook_z"),
+    "mlps_input[{i}]": _nn("blocks.{i}.mlp.hook_in"),
+    "mlps_norm_output[{i}]": _nn("blocks.{i}.ln2.hook_out"),
+    "mlps_activation[{i}]": Rule(
+        "nnterp",
+        _derived(
+            "blocks.{i}.mlp.hook_pre",
+            "act_fn(blocks.{i}.mlp.hook_pre). On ungated MLPs that is blocks.{i}.mlp.hook_post; "
+            "on gated ones tl has no hook there (hook_post also multiplies by hook_pre_linear). "
+            "Pass info= to resolve per model.",
+        ),
+        ((_ungated, _alias("blocks.{i}.mlp.hook_post", "Ungated MLP: the activation.")),),
+    ),
+    "mlps_neurons[{i}]": _nn("blocks.{i}.mlp.hook_post"),
+    "mlps_output[{i}]": _contribution(
+        "mlp", "ln2_post", "nnterp", "What the MLP adds to the residual stream."
+    ),
+    "embeddings_input": Rule("nnterp", _derived(None, _TOKENS)),
+    "embed_tokens.input": Rule("nnterp", _derived(None, _TOKENS)),
+    "embeddings_output": _nn("embed.hook_out"),
+    "token_embeddings": _nn("embed.hook_out"),
+    "embed_tokens": _nn("embed.hook_out", "nnterp's embed_tokens is the module; its output."),
+    "embed_tokens.output": _nn("embed.hook_out"),
+    "ln_final.input": _nn("ln_final.hook_in"),
+    "ln_final.output": _nn("ln_final.hook_out"),
+    "ln_final_output": _nn("ln_final.hook_out"),
+    "lm_head.input": Rule(
+        "nnterp",
+        _alias("ln_final.hook_out"),
+        ((_no_norm, _alias("blocks.{last}.hook_out", "No final norm: the last block's output.")),),
+    ),
+    "lm_head.output": _nn("unembed.hook_out"),
+    "lm_head_output": _nn("unembed.hook_out"),
+    "logits": _nn(
+        "unembed.hook_out",
+        "nnterp's logits are what the model returns, after any final soft-capping (Gemma 2); "
+        "unembed.hook_out is the unembedding's output before it.",
+    ),
+    "next_token_probs": Rule(
+        "nnterp",
+        _derived(
+            "unembed.hook_out",
+            "softmax(unembed.hook_out[:, -1]) over the vocabulary (nnterp assumes left padding).",
+        ),
+    ),
+}
+
+
+def _ie(canonical: str, note: str = "") -> Rule:
+    return Rule("interp_engine", _alias(canonical, note))
+
+
+MULTI_STREAM = (
+    "Only hyper-connection (multi-stream residual) trunks such as DeepSeek-V4 have it; tl's "
+    "vocabulary describes single-stream residual models."
+)
+
+_INTERP_ENGINE: dict[str, Rule] = {
+    "embeddings": _ie("embed.hook_out"),
+    "resid_pre.{i}": _ie("blocks.{i}.hook_in"),
+    "attn_in.{i}": _ie("blocks.{i}.attn.hook_in"),
+    **{
+        f"{x}_norm_in.{{i}}": _ie(
+            f"blocks.{{i}}.attn.hook_{x}",
+            "Models with QK-norm only (its input is the projection output). " + _FLAT,
+        )
+        for x in "qk"
+    },
+    **{
+        f"{x}_norm_out.{{i}}": Rule(
+            "interp_engine",
+            _rebuilt(
+                f"blocks.{{i}}.attn.hook_{x}",
+                f"QK-norm output; tl has no hook between the norm and the rotary embedding. "
+                f"Rebuild it from blocks.{{i}}.attn.hook_{x} and the model's {x}_norm weight.",
+            ),
+        )
+        for x in "qk"
+    },
+    "value.{i}": _ie("blocks.{i}.attn.hook_v", _FLAT),
+    "attn_scores.{i}": _ie("blocks.{i}.attn.hook_attn_scores"),
+    "attn_probs.{i}": _ie("blocks.{i}.attn.hook_pattern"),
+    "z.{i}": _ie("blocks.{i}.attn.hook_z", _FLAT),
+    "attn_gate.{i}": Rule(
+        "interp_engine",
+        _rebuilt(
+            "blocks.{i}.attn.hook_in",
+            "Gated-attention models (Qwen3.5): the raw gate projection, which tl does not "
+            "hook. Rebuild it from blocks.{i}.attn.hook_in and the gate projection weight.",
+        ),
+    ),
+    "attn_out.{i}": _ie("blocks.{i}.attn.hook_out"),
+    "attn_out_post.{i}": _contribution(
+        "attn", "ln1_post", "interp_engine", "What attention adds to the residual stream."
+    ),
+    "resid_mid.{i}": _ie("blocks.{i}.ln2.hook_in", "Absent in parallel blocks."),
+    "mlp_in.{i}": _ie("blocks.{i}.mlp.hook_in"),
+    "mlp_pre.{i}": _ie("blocks.{i}.mlp.hook_pre"),
+    "mlp_pre_linear.{i}": _ie("blocks.{i}.mlp.hook_pre_linear", "Gated MLPs only."),
+    "mlp_act.{i}": _ie("blocks.{i}.mlp.hook_post"),
+    **{
+        f"{x}.{{i}}": Rule(
+            "interp_engine",
+            _rebuilt(
+                "blocks.{i}.mlp.hook_in",
+                "Mixture-of-experts routing; tl has no routing hooks. Rebuild it from "
+                "blocks.{i}.mlp.hook_in and the model's router weight.",
+            ),
+        )
+        for x in ("router_logits", "expert_weights", "expert_indices")
+    },
+    "mlp_out.{i}": _ie("blocks.{i}.mlp.hook_out"),
+    "mlp_out_post.{i}": _contribution(
+        "mlp", "ln2_post", "interp_engine", "What the MLP adds to the residual stream."
+    ),
+    "resid_post.{i}": _ie("blocks.{i}.hook_out"),
+    "final_norm": _ie("ln_final.hook_out"),
+    "lm_head": _ie("unembed.hook_out"),
+    **{
+        f"{x}.{{i}}": Rule("interp_engine", _absent(MULTI_STREAM))
+        for x in (
+            "resid_streams",
+            "attn_stream_collapse",
+            "mlp_stream_collapse",
+            "attn_stream_write",
+            "attn_stream_mix",
+            "mlp_stream_write",
+            "mlp_stream_mix",
+        )
+    },
+}
+
+
+#: The four alias families; no template may appear in two of them.
+FAMILY_TABLES: tuple[dict[str, Rule], ...] = (_LEGACY, _TL_BRIDGE, _NNTERP, _INTERP_ENGINE)

@@ -1,0 +1,388 @@
+"""``LocalDriver``: the shared engine of drivers that run an ``nn.Module`` in-process.
+
+A subclass supplies the module, its ``HookPoint`` tree (canonical name -> HookPoint) and a
+``run_model`` call; this base turns ``capture`` lists and ``intervene`` plans into
+temporary hooks, runs prefill or generation, and always removes what it attached.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tl_core._affine import AffineEdit, compile_plan
+from tl_core._aliases import canonical_name, suggest_names
+from tl_core._batching import TokenBatch, pad_batch
+from tl_core._driver import FEATURES, ForwardResult
+from tl_core._errors import HookNameError, UserError
+from tl_core._hook_point import HookHandle, HookPoint
+from tl_core._model_info import ModelInfo
+from tl_core._readout import ModelReadout
+from tl_core._sampling import SamplingOptions, next_tokens
+from tl_core._shapes import feature_shape
+from tl_core._specs import InterventionPlan, build_plan
+from tl_core._tokenizer import Tokenizer
+from tl_core._vocabulary import layout_of
+
+__all__ = ["LocalDriver"]
+
+
+class LocalDriver(ABC):
+    """Base class for in-process drivers (``native``, ``hf``).
+
+    Subclasses implement the abstract members; everything in the Driver protocol is
+    provided here on top of them.
+    """
+
+    #: The name users type to get this driver.
+    name: ClassVar[str] = ""
+    provides_sequence_logits: bool = True
+    #: Features this driver has; local drivers have all of them unless they say otherwise.
+    features: ClassVar[frozenset[str]] = FEATURES
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The ``nn.Module`` that owns the hook points (registered inside the bridge)."""
+
+    @property
+    @abstractmethod
+    def hook_points(self) -> Mapping[str, HookPoint]:
+        """Canonical hook name -> the ``HookPoint`` that fires there."""
+
+    @property
+    @abstractmethod
+    def info(self) -> ModelInfo:
+        """The model's sizes and structure."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer for text input."""
+
+    @abstractmethod
+    def run_model(
+        self,
+        input_ids: torch.Tensor | None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward pass with whatever hooks are attached.
+
+        Args:
+            input_ids: ``[batch, pos]`` ids (``None`` when starting from ``residual``).
+            attention_mask: ``[batch, pos]``, 1 for real tokens; ``None`` = all real.
+            position_ids: ``[batch, pos]``; ``None`` = derived from the mask or ``arange``.
+            start_at_layer: Start at this block, reading ``residual`` as its input.
+            stop_at_layer: Return the residual stream entering this block.
+            residual: ``[batch, pos, d_model]`` input of ``start_at_layer``.
+
+        Returns:
+            Logits ``[batch, pos, d_vocab]``, or the residual stream when stopping early.
+        """
+
+    def readout(self) -> ModelReadout | None:
+        """The final norm and unembedding, for cache analysis (``None`` if unavailable)."""
+        return None
+
+    @property
+    def non_fireable_reasons(self) -> Mapping[str, str]:
+        """Canonical hooks the model structurally lacks -> why (for error messages)."""
+        return {}
+
+    # -- Driver protocol --------------------------------------------------------------
+
+    @property
+    def supported_hook_points(self) -> frozenset[str]:
+        """Every canonical hook this driver fires."""
+        return frozenset(self.hook_points)
+
+    @property
+    def non_fireable_hook_points(self) -> frozenset[str]:
+        """Canonical hooks the model structurally lacks."""
+        return frozenset(self.non_fireable_reasons)
+
+    def supports(self, feature: str) -> bool:
+        """Whether this driver has ``feature``."""
+        return feature in self.features
+
+    def close(self) -> None:
+        """Nothing to release for an in-process model; kept for the protocol."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's first parameter lives (inputs are moved there)."""
+        for param in self.module.parameters():
+            return param.device
+        return torch.device("cpu")
+
+    def resolve_hook(self, name: str) -> str:
+        """The canonical name of ``name`` if this driver fires it.
+
+        Raises:
+            HookNameError: Unknown name, or a hook this model does not have (with the reason
+                or the nearest names it does have).
+        """
+        if not isinstance(name, str):
+            raise HookNameError(f"hook names are strings, got {type(name).__name__}: {name!r}")
+        canonical = canonical_name(name)
+        if canonical in self.hook_points:
+            return canonical
+        reason = self.non_fireable_reasons.get(canonical)
+        if reason is not None:
+            shown = repr(name) if name == canonical else f"{name!r} ({canonical!r})"
+            raise HookNameError(f"driver {self.name!r} cannot fire {shown}: {reason}")
+        close = suggest_names(canonical, self.hook_points)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise HookNameError(
+            f"hook {name!r} (canonical {canonical!r}) does not exist on this "
+            f"{self.info.architecture or 'model'} with {self.info.n_layers} layers.{hint}"
+        )
+
+    def feature_shape(self, hook: str) -> tuple[int, ...] | None:
+        """Per-position shape of ``hook`` (``None`` for attention patterns)."""
+        return feature_shape(hook, layout_of(hook), self.info)
+
+    def plan(self, intervene: Any, lengths: Sequence[int]) -> InterventionPlan:
+        """Validate ``intervene`` against this driver before any model work."""
+        return build_plan(
+            intervene,
+            lengths=lengths,
+            resolve_name=self.resolve_hook,
+            fireable=self.hook_points,
+            feature_shape=self.feature_shape,
+            allow_callables=self.supports("intervention_callbacks"),
+        )
+
+    def batch(self, input_ids: Any, *, padding_side: str = "right") -> TokenBatch:
+        """Pad ``input_ids`` with this tokenizer's pad id, on the model's device."""
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+        return pad_batch(input_ids, pad_id=pad, padding_side=padding_side, device=self.device)  # type: ignore[arg-type]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
+        *,
+        capture: Sequence[str] = (),
+        intervene: Any = None,
+        max_new_tokens: int = 1,
+        return_logits: bool = True,
+        capture_device: torch.device | str | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> ForwardResult:
+        """Run prompts with captures and interventions (see ``Driver.forward``).
+
+        Extra keyword arguments of local drivers: ``capture_device`` (where captures go;
+        default: stay where computed), ``start_at_layer``/``stop_at_layer``/``residual``
+        (partial forwards; with ``stop_at_layer`` the ``logits`` field holds the residual
+        stream), and for ``max_new_tokens > 1`` the sampling options of ``generate``.
+
+        Raises:
+            UserError: Bad names, specs, options or inputs, before the model runs.
+        """
+        sampling = _pop_sampling(kwargs)
+        stop_at_eos = bool(kwargs.pop("stop_at_eos", True))
+        if kwargs:
+            raise UserError(
+                f"{type(self).__name__}.forward got unknown options {sorted(kwargs)}; "
+                f"local drivers take capture, intervene, max_new_tokens, return_logits, "
+                f"capture_device, start_at_layer, stop_at_layer, residual and sampling options"
+            )
+        if max_new_tokens < 0:
+            raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        batch = self.batch(input_ids)
+        names = [self.resolve_hook(n) for n in capture]
+        plan = self.plan(intervene, batch.lengths)
+        if max_new_tokens > 1 or (max_new_tokens == 1 and sampling.do_sample):
+            if start_at_layer is not None or stop_at_layer is not None:
+                raise UserError("start_at_layer/stop_at_layer cannot be combined with generation")
+            return self._generate(
+                batch, names, plan, max_new_tokens, sampling, capture_device, stop_at_eos
+            )
+        store: dict[str, torch.Tensor] = {}
+        with self.attached(plan, batch, capture=names, store=store):
+            out = self.run_model(
+                None if start_at_layer is not None and residual is not None else batch.ids,
+                start_at_layer=start_at_layer,
+                stop_at_layer=stop_at_layer,
+                residual=residual,
+            )
+        new = None
+        if max_new_tokens == 1 and stop_at_layer is None:
+            last = torch.tensor(batch.lengths, device=out.device) - 1
+            new = out[torch.arange(out.shape[0], device=out.device), last].argmax(-1)[:, None]
+        return ForwardResult(
+            logits=out if return_logits else None,
+            captured=_move(store, capture_device),
+            new_tokens=new,
+            raw_output=None,
+            lengths=batch.lengths,
+        )
+
+    @contextmanager
+    def attached(
+        self,
+        plan: InterventionPlan,
+        batch: TokenBatch,
+        *,
+        capture: Sequence[str] = (),
+        store: dict[str, torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Attach the plan's edits, then capture hooks; remove them all on exit."""
+        handles: list[HookHandle] = []
+        try:
+            for hook in sorted(plan.hooks, key=_forward_order_key):
+                point = self.hook_points[hook]
+                if any(plan.specs_for(hook)):
+                    handles.append(point.add_hook(_SpecEdit(plan, hook, self.feature_shape(hook), batch)))
+                for fn in plan.callables.get(hook, ()):
+                    handles.append(point.add_hook(fn))
+            if store is not None:
+                for hook in capture:
+                    handles.append(self.hook_points[hook].add_hook(_Capture(store, hook)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _generate(
+        self,
+        batch: TokenBatch,
+        capture: Sequence[str],
+        plan: InterventionPlan,
+        max_new_tokens: int,
+        sampling: SamplingOptions,
+        capture_device: torch.device | str | None,
+        stop_at_eos: bool,
+    ) -> ForwardResult:
+        """Decode step by step with the plan active at every step (full recomputation).
+
+        Prompts are left-padded so every row's next token is the last column; positions
+        come from the attention mask, and spec positions are shifted by each row's padding.
+        """
+        left = self.batch(_rows(batch), padding_side="left")
+        ids, mask = left.ids, left.attention_mask()
+        eos = self.tokenizer.eos_token_id if stop_at_eos else None
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        generated: list[torch.Tensor] = []
+        store: dict[str, torch.Tensor] = {}
+        first_logits: torch.Tensor | None = None
+        for step in range(max_new_tokens):
+            step_batch = TokenBatch(ids, left.lengths, left.offsets)
+            with self.attached(plan, step_batch, capture=capture if step == 0 else (), store=store):
+                logits = self.run_model(ids, attention_mask=mask)
+            if first_logits is None:
+                first_logits = logits
+            token = next_tokens(logits[:, -1], sampling)
+            if eos is not None:
+                token = torch.where(done, torch.full_like(token, eos), token)
+                done |= token == eos
+            generated.append(token)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            if eos is not None and bool(done.all()):
+                break
+        assert first_logits is not None
+        return ForwardResult(
+            logits=_left_to_right(first_logits, left, "b p vocab"),
+            captured={
+                k: _left_to_right(v, left, layout_of(k))
+                for k, v in _move(store, capture_device).items()
+            },
+            new_tokens=torch.stack(generated, dim=1),
+            raw_output=None,
+            lengths=left.lengths,
+        )
+
+
+def _forward_order_key(hook: str) -> tuple[int, str]:
+    parts = hook.split(".")
+    layer = int(parts[1]) if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit() else -1
+    return (layer, hook)
+
+
+class _SpecEdit:
+    """A forward hook applying one hook's compiled specs; compiled once per shape."""
+
+    def __init__(
+        self, plan: InterventionPlan, hook: str, shape: tuple[int, ...] | None, batch: TokenBatch
+    ) -> None:
+        self._plan = plan
+        self._hook = hook
+        self._layout = layout_of(hook)
+        self._shape = shape
+        self._offsets = batch.offsets
+        self._compiled: dict[tuple[Any, ...], AffineEdit | None] = {}
+
+    def __call__(self, x: torch.Tensor, *, hook: HookPoint) -> torch.Tensor:
+        seq_len = x.shape[2] if self._layout == "b h q k" else x.shape[1]
+        key = (seq_len, x.dtype, x.device)
+        if key not in self._compiled:
+            self._compiled[key] = compile_plan(
+                self._plan,
+                self._hook,
+                layout=self._layout,
+                feature_shape=self._shape if self._shape is not None else (x.shape[-1],),
+                seq_len=seq_len,
+                offsets=self._offsets,
+                dtype=x.dtype,
+                device=x.device,
+            )
+        edit = self._compiled[key]
+        return x if edit is None else edit.apply(x)
+
+
+class _Capture:
+    """A forward hook storing the (detached) value under its canonical name."""
+
+    def __init__(self, store: dict[str, torch.Tensor], name: str) -> None:
+        self._store = store
+        self._name = name
+
+    def __call__(self, x: torch.Tensor, *, hook: HookPoint) -> None:
+        self._store[self._name] = x.detach()
+
+
+def _move(store: Mapping[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    if device is None:
+        return dict(store)
+    return {k: v.to(device) for k, v in store.items()}
+
+
+def _rows(batch: TokenBatch) -> list[list[int]]:
+    ids = batch.ids.tolist()
+    return [row[o : o + n] for row, o, n in zip(ids, batch.offsets, batch.lengths, strict=True)]
+
+
+def _left_to_right(x: torch.Tensor, left: TokenBatch, layout: str) -> torch.Tensor:
+    """Move left-padded rows to right padding, as ForwardResult promises."""
+    if not any(left.offsets):
+        return x
+    out = torch.zeros_like(x)
+    for row, (offset, length) in enumerate(zip(left.offsets, left.lengths, strict=True)):
+        span = slice(offset, offset + length)
+        if layout == "b h q k":
+            out[row, :, :length, :length] = x[row, :, span, span]
+        else:
+            out[row, :length] = x[row, span]
+    return out
+
+
+def _pop_sampling(kwargs: dict[str, Any]) -> SamplingOptions:
+    keys = ("do_sample", "temperature", "top_k", "top_p", "seed")
+    return SamplingOptions(**{k: kwargs.pop(k) for k in keys if k in kwargs})
+

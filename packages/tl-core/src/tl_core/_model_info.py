@@ -1,0 +1,51 @@
+"""``ModelInfo``: the shape facts about a model that every driver reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["ModelInfo"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Sizes and structure of the model behind a driver.
+
+    Attributes:
+        n_layers: Number of transformer blocks.
+        d_model: Residual-stream width.
+        n_heads: Query heads per block.
+        d_head: Width of one head.
+        d_mlp: MLP hidden width (per expert for mixture-of-experts models).
+        d_vocab: Vocabulary size (rows of the unembedding).
+        n_ctx: Longest sequence the model takes.
+        n_key_value_heads: Key/value heads (``n_heads`` unless grouped-query attention).
+        normalization_type: ``"LN"`` (LayerNorm), ``"RMS"`` (RMSNorm) or ``None``.
+        positional_embedding_type: ``"standard"`` (learned), ``"rotary"`` or ``"none"``.
+        gated_mlp: Whether the MLP has a gate projection (``hook_pre_linear`` fires).
+        parallel_attn_mlp: Whether attention and MLP read the same block input (GPT-J,
+            NeoX): then ``ln2.hook_in`` / ``hook_resid_mid`` does not exist.
+        sandwich_norm: Whether each sublayer is followed by its own norm (Gemma 2/3, OLMo 2).
+        architecture: A free-form family name (``"native-llama"``, ``"LlamaForCausalLM"``).
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_head: int
+    d_mlp: int
+    d_vocab: int
+    n_ctx: int
+    n_key_value_heads: int | None = None
+    normalization_type: Literal["LN", "RMS"] | None = "LN"
+    positional_embedding_type: Literal["standard", "rotary", "none"] = "standard"
+    gated_mlp: bool = False
+    parallel_attn_mlp: bool = False
+    sandwich_norm: bool = False
+    architecture: str = ""
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, resolving the ``None`` default to ``n_heads``."""
+        return self.n_key_value_heads or self.n_heads

@@ -1,0 +1,25 @@
+"""Sort canonical hook names in the order a forward pass reaches them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tl_core._vocabulary import CANONICAL_TEMPLATES, block_index, template_of
+
+__all__ = ["forward_order"]
+
+_RANK = {t.template: i for i, t in enumerate(CANONICAL_TEMPLATES)}
+
+
+def _key(name: str) -> tuple[int, int, int]:
+    layer = block_index(name)
+    rank = _RANK.get(template_of(name).template, 0)
+    if layer is not None:
+        return (1, layer, rank)
+    # Global hooks: embeddings before the blocks, final norm and unembed after them.
+    return (0 if name.startswith(("embed", "pos_embed")) else 2, 0, rank)
+
+
+def forward_order(names: Iterable[str]) -> list[str]:
+    """``names`` (canonical) sorted by when the forward pass computes them."""
+    return sorted(names, key=_key)

@@ -1,0 +1,35 @@
+"""Per-position feature shapes of canonical hooks, from their layout and the model's sizes."""
+
+from __future__ import annotations
+
+from tl_core._model_info import ModelInfo
+
+__all__ = ["feature_shape", "position_axis"]
+
+_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "attn.hook_rot_k")
+
+
+def feature_shape(name: str, layout: str, info: ModelInfo) -> tuple[int, ...] | None:
+    """The shape after the ``batch, pos`` axes of canonical hook ``name``.
+
+    Returns ``None`` for attention scores and patterns, whose width is the key length.
+    """
+    if layout == "b h q k":
+        return None
+    heads = info.kv_heads if name.endswith(_KV_HOOKS) else info.n_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "b p d": (info.d_model,),
+        "b p 1": (1,),
+        "b p h dh": (heads, info.d_head),
+        "b p dm": (info.d_mlp,),
+        "b p vocab": (info.d_vocab,),
+        "b p h d": (info.n_heads, info.d_model),
+    }
+    if layout not in shapes:
+        raise ValueError(f"unknown hook layout {layout!r} for {name!r}")
+    return shapes[layout]
+
+
+def position_axis(layout: str) -> int:
+    """Which axis of a hook's tensor indexes the (query) position."""
+    return 2 if layout == "b h q k" else 1

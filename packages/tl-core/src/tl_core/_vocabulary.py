@@ -1,0 +1,486 @@
+"""The canonical hook vocabulary: one row per named site of a decoder-only LM's forward pass.
+
+Every name a user can type resolves (see ``tl_core._aliases``) to one of the concrete names
+built from ``CANONICAL_TEMPLATES``. A template carries the tensor layout, what the site
+holds, its HookedTransformer name and the structural condition under which a model has it.
+
+Structural decisions (the ``requires`` column):
+
+* ``blocks.{i}.ln2.hook_in`` is the residual stream between attention and MLP
+  (``hook_resid_mid``). It needs only a *sequential* block, not a norm: a norm-less
+  sequential model still has that residual, and this is its only canonical name. A parallel
+  block (GPT-J, NeoX) has no such residual, so the name is absent there.
+* The rest of ``ln2`` (``hook_scale``, ``hook_normalized``, ``hook_out``) is the MLP's input
+  norm and needs only a norm: parallel blocks keep it (GPT-J ties it to ``ln1``, in which
+  case a driver serves ``ln1``'s values under both names). ``ln1``'s four sites, every
+  ``ln_final`` site and ``ln1.hook_in`` need a norm; ``ln1.hook_in`` always equals
+  ``blocks.{i}.hook_in`` and is kept for symmetry with the other norms.
+* ``attn.hook_result`` is opt-in (it costs ``n_heads`` copies of the residual width), so
+  ``canonical_hook_names`` lists it only when asked.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from tl_core._errors import ConfigError, HookNameError
+from tl_core._model_info import ModelInfo
+
+__all__ = [
+    "CANONICAL_TEMPLATES",
+    "LAYOUTS",
+    "HookRequirement",
+    "HookTemplate",
+    "block_index",
+    "canonical_hook_names",
+    "is_canonical",
+    "layout_of",
+    "requirement_met",
+    "template_of",
+]
+
+HookRequirement = Literal[
+    "standard_pos", "rotary", "gated_mlp", "sequential", "sandwich_norm", "attn_result", "norm"
+]
+
+#: Every layout a canonical hook can have. ``b`` batch, ``p`` position, ``d`` d_model,
+#: ``h`` heads (key/value heads for ``hook_k``/``hook_v``/``hook_rot_k``), ``dh`` d_head,
+#: ``q``/``k`` query/key positions, ``dm`` d_mlp, ``vocab`` d_vocab, ``1`` a kept axis.
+LAYOUTS: frozenset[str] = frozenset(
+    {"b p d", "b p 1", "b p h dh", "b h q k", "b p dm", "b p vocab", "b p h d"}
+)
+
+_BLOCK_PREFIX = "blocks.{i}."
+
+
+@dataclass(frozen=True)
+class HookTemplate:
+    """One row of the hook vocabulary.
+
+    Attributes:
+        template: The canonical name, with ``{i}`` for the block index
+            (``"blocks.{i}.attn.hook_q"``); global hooks have no ``{i}``.
+        layout: The tensor's axes, one of ``LAYOUTS``.
+        description: What the site holds.
+        legacy: The HookedTransformer name of the same tensor (identical where the names
+            agree), or ``None`` where HookedTransformer has no hook holding it.
+        requires: The structural condition under which a model has the site, or ``None``
+            when every decoder-only model has it: ``"standard_pos"`` (learned positional
+            embedding), ``"rotary"``, ``"gated_mlp"``, ``"sequential"`` (attention and MLP
+            not parallel), ``"sandwich_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
+    """
+
+    template: str
+    layout: str
+    description: str
+    legacy: str | None = None
+    requires: HookRequirement | None = None
+
+    @property
+    def per_block(self) -> bool:
+        """Whether the template has a block index."""
+        return self.template.startswith(_BLOCK_PREFIX)
+
+    @property
+    def suffix(self) -> str:
+        """The part after ``blocks.{i}.`` (the whole name for global hooks)."""
+        return self.template[len(_BLOCK_PREFIX) :] if self.per_block else self.template
+
+    def format(self, layer: int | None = None) -> str:
+        """The concrete name for block ``layer``.
+
+        Args:
+            layer: The block index; ignored for global hooks.
+
+        Returns:
+            ``"blocks.3.attn.hook_q"`` for ``format(3)`` of ``"blocks.{i}.attn.hook_q"``.
+
+        Raises:
+            HookNameError: A per-block template without a layer, or a negative layer.
+        """
+        if not self.per_block:
+            return self.template
+        if layer is None or layer < 0:
+            raise HookNameError(
+                f"{self.template!r} needs a block index >= 0, got {layer!r}: write e.g. "
+                f"{self.template.format(i=0)!r}."
+            )
+        return f"blocks.{layer}.{self.suffix}"
+
+
+def _norm_family(
+    prefix: str, what: str, requires: HookRequirement, in_note: str
+) -> tuple[HookTemplate, ...]:
+    """The four sites of one norm: input, scale, normalized (pre-weight), output."""
+    return (
+        HookTemplate(f"{prefix}.hook_in", "b p d", f"Input of {what} ({in_note}).", None, requires),
+        HookTemplate(
+            f"{prefix}.hook_scale",
+            "b p 1",
+            f"Divisor of {what}: sqrt(var + eps) for LayerNorm, sqrt(mean(x^2) + eps) for RMSNorm.",
+            f"{prefix}.hook_scale",
+            requires,
+        ),
+        HookTemplate(
+            f"{prefix}.hook_normalized",
+            "b p d",
+            f"Normalized value of {what}, after centring/scaling and before its weight and bias.",
+            f"{prefix}.hook_normalized",
+            requires,
+        ),
+        HookTemplate(
+            f"{prefix}.hook_out",
+            "b p d",
+            f"Output of {what}, weight and bias applied.",
+            None,
+            requires,
+        ),
+    )
+
+
+_LN1 = _norm_family("blocks.{i}.ln1", "the pre-attention norm", "norm", "= hook_in")
+_LN1_POST = _norm_family(
+    "blocks.{i}.ln1_post",
+    "the post-attention norm (sandwich-norm models)",
+    "sandwich_norm",
+    "= attn.hook_out",
+)
+# ln2.hook_in is resid_mid and has its own row (it needs a sequential block, not a norm).
+_LN2_REST = _norm_family("blocks.{i}.ln2", "the pre-MLP norm", "norm", "")[1:]
+_LN2_POST = _norm_family(
+    "blocks.{i}.ln2_post",
+    "the post-MLP norm (sandwich-norm models)",
+    "sandwich_norm",
+    "= mlp.hook_out",
+)
+_LN_FINAL = _norm_family("ln_final", "the final norm", "norm", "= the last block's hook_out")
+
+#: The vocabulary, in forward order: global hooks before the blocks, one block's hooks,
+#: global hooks after the blocks.
+CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
+    HookTemplate(
+        "embed.hook_out",
+        "b p d",
+        "Token embedding module output, before positional embeddings and before any scaling "
+        "the model applies (Gemma's sqrt(d_model)).",
+        "hook_embed",
+    ),
+    HookTemplate(
+        "pos_embed.hook_out",
+        "b p d",
+        "Learned positional embedding.",
+        "hook_pos_embed",
+        "standard_pos",
+    ),
+    HookTemplate(
+        "blocks.{i}.hook_in",
+        "b p d",
+        "Residual stream entering block i.",
+        "blocks.{i}.hook_resid_pre",
+    ),
+    *_LN1,
+    HookTemplate(
+        "blocks.{i}.attn.hook_in",
+        "b p d",
+        "Input of the attention module (= ln1.hook_out; the block input when there is no norm).",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_q",
+        "b p h dh",
+        "Queries per head, the projection's output before any QK-norm and rotary embedding.",
+        "blocks.{i}.attn.hook_q",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_k",
+        "b p h dh",
+        "Keys per key/value head (h = n_key_value_heads), before any QK-norm and rotary embedding.",
+        "blocks.{i}.attn.hook_k",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_v",
+        "b p h dh",
+        "Values per key/value head (h = n_key_value_heads).",
+        "blocks.{i}.attn.hook_v",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_rot_q",
+        "b p h dh",
+        "Queries after QK-norm (if any) and the rotary embedding.",
+        "blocks.{i}.attn.hook_rot_q",
+        "rotary",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_rot_k",
+        "b p h dh",
+        "Keys per key/value head after QK-norm (if any) and the rotary embedding.",
+        "blocks.{i}.attn.hook_rot_k",
+        "rotary",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_attn_scores",
+        "b h q k",
+        "Attention scores before the softmax: scaled, soft-capped where the model does, masked.",
+        "blocks.{i}.attn.hook_attn_scores",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_pattern",
+        "b h q k",
+        "Attention probabilities (after softmax).",
+        "blocks.{i}.attn.hook_pattern",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_z",
+        "b p h dh",
+        "Per-head mix of values, the output projection's input.",
+        "blocks.{i}.attn.hook_z",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_result",
+        "b p h d",
+        "Per-head output after the output projection, before the sum over heads (opt-in).",
+        "blocks.{i}.attn.hook_result",
+        "attn_result",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_out",
+        "b p d",
+        "Attention module output (before any post-attention norm).",
+        "blocks.{i}.hook_attn_out",
+    ),
+    *_LN1_POST,
+    HookTemplate(
+        "blocks.{i}.ln2.hook_in",
+        "b p d",
+        "Residual stream between attention and MLP (input of the pre-MLP norm); sequential "
+        "blocks only.",
+        "blocks.{i}.hook_resid_mid",
+        "sequential",
+    ),
+    *_LN2_REST,
+    HookTemplate(
+        "blocks.{i}.mlp.hook_in",
+        "b p d",
+        "Input of the MLP module (= ln2.hook_out; after the pre-MLP norm).",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.hook_pre",
+        "b p dm",
+        "MLP pre-activation: the input projection's output, or the gate projection's on "
+        "gated MLPs.",
+        "blocks.{i}.mlp.hook_pre",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.hook_pre_linear",
+        "b p dm",
+        "Gated MLPs: the linear (up) projection's output that multiplies act(hook_pre).",
+        "blocks.{i}.mlp.hook_pre_linear",
+        "gated_mlp",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.hook_post",
+        "b p dm",
+        "MLP neurons: act(hook_pre), times hook_pre_linear on gated MLPs; the output "
+        "projection's input.",
+        "blocks.{i}.mlp.hook_post",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.hook_out",
+        "b p d",
+        "MLP module output (before any post-MLP norm).",
+        "blocks.{i}.hook_mlp_out",
+    ),
+    *_LN2_POST,
+    HookTemplate(
+        "blocks.{i}.hook_out",
+        "b p d",
+        "Residual stream leaving block i.",
+        "blocks.{i}.hook_resid_post",
+    ),
+    *_LN_FINAL,
+    HookTemplate(
+        "unembed.hook_out",
+        "b p vocab",
+        "Unembedding output (logits before any final soft-capping).",
+        "hook_unembed",
+    ),
+)
+
+_FIRST_BLOCK_ROW = next(n for n, t in enumerate(CANONICAL_TEMPLATES) if t.per_block)
+_GLOBAL_BEFORE_BLOCKS = frozenset(t.template for t in CANONICAL_TEMPLATES[:_FIRST_BLOCK_ROW])
+_BLOCK_SUFFIXES: dict[str, HookTemplate] = {t.suffix: t for t in CANONICAL_TEMPLATES if t.per_block}
+_GLOBAL_NAMES: dict[str, HookTemplate] = {
+    t.template: t for t in CANONICAL_TEMPLATES if not t.per_block
+}
+# Canonical indices have no sign and no leading zero, so each site has exactly one name.
+_BLOCK_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
+
+
+def _split_canonical(name: str) -> tuple[HookTemplate, int | None] | None:
+    """``(template, layer)`` for a concrete canonical name, ``None`` for anything else."""
+    template = _GLOBAL_NAMES.get(name)
+    if template is not None:
+        return template, None
+    if not name.startswith("blocks."):
+        return None
+    match = _BLOCK_RE.fullmatch(name)
+    if match is None:
+        return None
+    template = _BLOCK_SUFFIXES.get(match.group(2))
+    return None if template is None else (template, int(match.group(1)))
+
+
+def is_canonical(name: object) -> bool:
+    """Whether ``name`` is a concrete canonical hook name (``"blocks.3.hook_out"``).
+
+    Anything else, aliases and non-strings included, is ``False``.
+    """
+    return isinstance(name, str) and _split_canonical(name) is not None
+
+
+def template_of(name: str) -> HookTemplate:
+    """The vocabulary row of a canonical or alias name.
+
+    Args:
+        name: A concrete hook name in any family (``"blocks.3.hook_resid_pre"``).
+
+    Returns:
+        The template of the canonical name it resolves to.
+
+    Raises:
+        HookNameError: Unknown name, or one with no canonical site (derived,
+            reconstructed or structurally absent; the message says which and why).
+    """
+    split = _split_canonical(name) if isinstance(name, str) else None
+    if split is not None:
+        return split[0]
+    split = _split_canonical(_resolve_canonical(name))
+    assert split is not None  # canonical_name only returns canonical names
+    return split[0]
+
+
+def layout_of(name: str) -> str:
+    """The tensor layout of a canonical or alias name.
+
+    Args:
+        name: A concrete hook name in any family.
+
+    Returns:
+        One of ``LAYOUTS``, e.g. ``"b p h dh"``.
+
+    Raises:
+        HookNameError: As ``template_of``.
+    """
+    return template_of(name).layout
+
+
+def block_index(name: str) -> int | None:
+    """The block index a hook name points into.
+
+    Args:
+        name: A concrete hook name in any family.
+
+    Returns:
+        ``"blocks.3.attn.hook_q"`` -> 3, ``"resid_post.5"`` -> 5; ``None`` for global hooks
+        (``"hook_embed"``).
+
+    Raises:
+        HookNameError: A name no vocabulary family knows.
+    """
+    split = _split_canonical(name) if isinstance(name, str) else None
+    if split is not None:
+        return split[1]
+    from tl_core._aliases import resolve_hook_name  # _aliases imports this module
+
+    resolution = resolve_hook_name(name)
+    if resolution.canonical is not None:
+        split = _split_canonical(resolution.canonical)
+        if split is not None:
+            return split[1]
+    digits = re.search(r"(?:^blocks\.|\[|\.)([0-9]+)(?:\.|\]|$)", name)
+    return int(digits.group(1)) if digits else None
+
+
+def _resolve_canonical(name: str) -> str:
+    from tl_core._aliases import canonical_name  # _aliases imports this module
+
+    return canonical_name(name)
+
+
+def requirement_met(
+    requires: HookRequirement | None, info: ModelInfo, *, include_attn_result: bool = True
+) -> bool:
+    """Whether a model with ``info`` has sites that need ``requires``.
+
+    Args:
+        requires: A ``HookTemplate.requires`` value.
+        info: The model's structure.
+        include_attn_result: What to answer for the opt-in ``"attn_result"``.
+
+    Returns:
+        ``True`` when the model has such sites.
+    """
+    if requires is None:
+        return True
+    if requires == "standard_pos":
+        return info.positional_embedding_type == "standard"
+    if requires == "rotary":
+        return info.positional_embedding_type == "rotary"
+    if requires == "gated_mlp":
+        return info.gated_mlp
+    if requires == "sequential":
+        return not info.parallel_attn_mlp
+    if requires == "sandwich_norm":
+        return info.sandwich_norm
+    if requires == "attn_result":
+        return include_attn_result
+    return info.normalization_type is not None
+
+
+@lru_cache(maxsize=64)
+def _names_for(info: ModelInfo, include_attn_result: bool) -> tuple[str, ...]:
+    head: list[str] = []
+    block: list[HookTemplate] = []
+    tail: list[str] = []
+    for template in CANONICAL_TEMPLATES:
+        if not requirement_met(template.requires, info, include_attn_result=include_attn_result):
+            continue
+        if template.per_block:
+            block.append(template)
+        elif template.template in _GLOBAL_BEFORE_BLOCKS:
+            head.append(template.template)
+        else:
+            tail.append(template.template)
+    blocks = [t.format(layer) for layer in range(info.n_layers) for t in block]
+    return (*head, *blocks, *tail)
+
+
+def canonical_hook_names(info: ModelInfo, *, include_attn_result: bool = False) -> list[str]:
+    """Every concrete canonical hook a model with this structure has, in forward order.
+
+    Order: ``embed``, ``pos_embed`` (learned positions only), each block's hooks in forward
+    order, the ``ln_final`` hooks (models with norms), ``unembed.hook_out``. See the module
+    docstring for how parallel and norm-less blocks are treated.
+
+    Args:
+        info: The model's sizes and structure.
+        include_attn_result: Also list the opt-in ``blocks.{i}.attn.hook_result``.
+
+    Returns:
+        A new list of names.
+
+    Raises:
+        ConfigError: ``info`` is not a ``ModelInfo`` or has a negative ``n_layers``.
+    """
+    if not isinstance(info, ModelInfo):
+        raise ConfigError(
+            f"canonical_hook_names needs a ModelInfo, got {type(info).__name__}: {info!r}"
+        )
+    if not isinstance(info.n_layers, int) or info.n_layers < 0:
+        raise ConfigError(
+            f"ModelInfo.n_layers must be an int >= 0, got {info.n_layers!r}; fix the driver's "
+            f"ModelInfo."
+        )
+    return list(_names_for(info, bool(include_attn_result)))

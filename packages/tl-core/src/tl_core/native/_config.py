@@ -1,0 +1,278 @@
+"""``NativeConfig``: the size and shape of a native (plain-torch) transformer."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tl_core._errors import ConfigError
+from tl_core._model_info import ModelInfo
+
+__all__ = ["MIN_VOCAB", "NativeConfig"]
+
+#: Smallest vocabulary the built-in ``ByteTokenizer`` fits into (256 bytes + 3 specials).
+MIN_VOCAB = 259
+
+_ACT_FNS = ("gelu", "gelu_new", "relu", "silu")
+_NORMS = ("LN", "RMS")
+_POS_TYPES = ("standard", "rotary")
+_INIT_MODES = ("gpt2", "xavier_normal")
+_POSITIVE_INTS = ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")
+_BOOLS = ("gated_mlp", "use_attn_result", "tie_word_embeddings")
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """Configuration of a ``NativeTransformer``; field names follow TransformerLens.
+
+    The defaults describe a two-layer GPT-2-style model. ``NativeConfig.llama_style()``
+    gives the Llama-style counterpart (RMSNorm, rotary, grouped-query attention, gated
+    SiLU MLP, no biases).
+
+    Attributes:
+        n_layers: Number of transformer blocks.
+        d_model: Residual-stream width.
+        n_heads: Query heads per block.
+        d_head: Width of one head (need not equal ``d_model // n_heads``).
+        d_mlp: MLP hidden width.
+        d_vocab: Vocabulary size; at least 259 so the ``ByteTokenizer`` fits.
+        n_ctx: Longest sequence the model accepts.
+        act_fn: MLP activation: ``"gelu"`` (exact), ``"gelu_new"`` (tanh), ``"relu"``,
+            ``"silu"``.
+        normalization_type: ``"LN"`` (LayerNorm with bias) or ``"RMS"`` (RMSNorm).
+        positional_embedding_type: ``"standard"`` (learned ``W_pos``) or ``"rotary"``.
+        n_key_value_heads: Key/value heads; ``None`` means ``n_heads``. Fewer heads than
+            ``n_heads`` gives grouped-query attention; ``n_heads`` must be a multiple.
+        gated_mlp: Whether the MLP has a gate projection (``hook_pre_linear`` fires).
+        init_mode: ``"gpt2"`` (normal, std 0.02) or ``"xavier_normal"`` for weights;
+            biases start at zero and norm weights at one in both modes.
+        seed: Seed of the private generator that initialises the weights.
+        eps: Epsilon added to the variance (LN) or mean square (RMS) in every norm.
+        rotary_base: Base of the rotary frequencies.
+        use_attn_result: Whether ``attn.hook_result`` (per-head output) exists and fires.
+        tie_word_embeddings: Whether the unembedding is the transpose of ``W_E``.
+        use_bias: Whether the linear maps (q, k, v, o, MLP, unembed) have biases;
+            ``None`` means yes for LN models and no for RMS models. LayerNorm always has
+            its own bias.
+    """
+
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    d_head: int = 16
+    d_mlp: int = 256
+    d_vocab: int = MIN_VOCAB
+    n_ctx: int = 256
+    act_fn: Literal["gelu", "gelu_new", "relu", "silu"] = "gelu"
+    normalization_type: Literal["LN", "RMS"] = "LN"
+    positional_embedding_type: Literal["standard", "rotary"] = "standard"
+    n_key_value_heads: int | None = None
+    gated_mlp: bool = False
+    init_mode: Literal["gpt2", "xavier_normal"] = "gpt2"
+    seed: int = 0
+    eps: float = 1e-5
+    rotary_base: float = 10000.0
+    use_attn_result: bool = False
+    tie_word_embeddings: bool = False
+    use_bias: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            _check_positive_int(name, getattr(self, name))
+        if self.d_vocab < MIN_VOCAB:
+            raise ConfigError(
+                f"NativeConfig field 'd_vocab' must be at least {MIN_VOCAB} so the byte "
+                f"tokenizer's ids fit, got {self.d_vocab}; raise it to {MIN_VOCAB} or more."
+            )
+        for name, choices in (
+            ("act_fn", _ACT_FNS),
+            ("normalization_type", _NORMS),
+            ("positional_embedding_type", _POS_TYPES),
+            ("init_mode", _INIT_MODES),
+        ):
+            _check_choice(name, getattr(self, name), choices)
+        for name in _BOOLS:
+            _check_bool(name, getattr(self, name))
+        if self.use_bias is not None:
+            _check_bool("use_bias", self.use_bias)
+        if self.n_key_value_heads is not None:
+            _check_positive_int("n_key_value_heads", self.n_key_value_heads)
+            if self.n_heads % self.n_key_value_heads != 0:
+                raise ConfigError(
+                    f"NativeConfig field 'n_heads' ({self.n_heads}) must be a multiple of "
+                    f"'n_key_value_heads' ({self.n_key_value_heads}) for grouped-query "
+                    "attention; choose n_key_value_heads among the divisors of n_heads."
+                )
+        if self.positional_embedding_type == "rotary" and self.d_head % 2 != 0:
+            raise ConfigError(
+                f"NativeConfig field 'd_head' must be even for rotary embeddings, got "
+                f"{self.d_head}; use an even d_head or positional_embedding_type='standard'."
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(
+                f"NativeConfig field 'seed' must be a non-negative int, got {self.seed!r}."
+            )
+        for name in ("eps", "rotary_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(
+                    f"NativeConfig field {name!r} must be a positive number, got {value!r}."
+                )
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, resolving ``n_key_value_heads=None`` to ``n_heads``."""
+        return self.n_key_value_heads or self.n_heads
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the linear maps carry biases (``use_bias`` with its default resolved)."""
+        if self.use_bias is None:
+            return self.normalization_type == "LN"
+        return self.use_bias
+
+    @classmethod
+    def gpt2_style(cls, **overrides: Any) -> NativeConfig:
+        """A GPT-2-style config: LayerNorm, learned positions, GELU MLP, biases.
+
+        Args:
+            **overrides: Fields to change; unknown names raise ``ConfigError``.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: An unknown field or an invalid value.
+        """
+        base: dict[str, Any] = {
+            "normalization_type": "LN",
+            "positional_embedding_type": "standard",
+            "act_fn": "gelu",
+            "gated_mlp": False,
+            "use_bias": True,
+        }
+        return cls.from_dict({**base, **overrides})
+
+    @classmethod
+    def llama_style(cls, **overrides: Any) -> NativeConfig:
+        """A Llama-style config: RMSNorm, rotary, 2 key/value heads, gated SiLU MLP, no biases.
+
+        Args:
+            **overrides: Fields to change; unknown names raise ``ConfigError``.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: An unknown field or an invalid value.
+        """
+        base: dict[str, Any] = {
+            "normalization_type": "RMS",
+            "positional_embedding_type": "rotary",
+            "n_key_value_heads": 2,
+            "act_fn": "silu",
+            "gated_mlp": True,
+            "use_bias": False,
+        }
+        return cls.from_dict({**base, **overrides})
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NativeConfig:
+        """Build a config from a mapping of field names to values.
+
+        Args:
+            data: Field values; missing fields keep their defaults.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: ``data`` is not a mapping, names an unknown field (the message
+                suggests the nearest field), or holds an invalid value.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"A NativeConfig is built from a mapping of field names, got "
+                f"{type(data).__name__}."
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"Unknown NativeConfig field {key!r}.{hint} "
+                    f"Known fields: {', '.join(known)}."
+                )
+        return cls(**data)
+
+    @classmethod
+    def coerce(cls, cfg: NativeConfig | Mapping[str, Any]) -> NativeConfig:
+        """Return ``cfg`` if it is a ``NativeConfig``, else build one from the mapping.
+
+        Args:
+            cfg: A config or a mapping of field names to values.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: ``cfg`` is neither, or the mapping is invalid.
+        """
+        if isinstance(cfg, NativeConfig):
+            return cfg
+        return cls.from_dict(cfg)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (round-trips through ``from_dict``)."""
+        return dataclasses.asdict(self)
+
+    def to_model_info(self) -> ModelInfo:
+        """The ``ModelInfo`` describing a model built from this config."""
+        return ModelInfo(
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_head=self.d_head,
+            d_mlp=self.d_mlp,
+            d_vocab=self.d_vocab,
+            n_ctx=self.n_ctx,
+            n_key_value_heads=self.n_key_value_heads,
+            normalization_type=self.normalization_type,
+            positional_embedding_type=self.positional_embedding_type,
+            gated_mlp=self.gated_mlp,
+            architecture=self._architecture(),
+        )
+
+    def _architecture(self) -> str:
+        if self.normalization_type == "LN" and self.positional_embedding_type == "standard":
+            return "native-gpt2"
+        if self.normalization_type == "RMS" and self.positional_embedding_type == "rotary":
+            return "native-llama"
+        return "native"
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"NativeConfig field {name!r} must be a positive int, got {value!r}.")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"NativeConfig field {name!r} must be one of {', '.join(map(repr, choices))}, "
+            f"got {value!r}.{hint}"
+        )
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"NativeConfig field {name!r} must be a bool (True or False), got {value!r} "
+            f"of type {type(value).__name__}."
+        )

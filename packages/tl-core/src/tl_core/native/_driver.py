@@ -1,0 +1,129 @@
+"""``NativeDriver``: the ``LocalDriver`` over ``NativeTransformer``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tl_core._absence import absent_hook_reasons
+from tl_core._errors import ConfigError
+from tl_core._hook_point import HookPoint
+from tl_core._local_driver import LocalDriver
+from tl_core._model_info import ModelInfo
+from tl_core._readout import ModelReadout
+from tl_core._tokenizer import ByteTokenizer, Tokenizer
+from tl_core.native._config import NativeConfig
+from tl_core.native._model import NativeTransformer
+
+__all__ = ["NativeDriver"]
+
+_PRESETS = {"gpt2": NativeConfig.gpt2_style, "llama": NativeConfig.llama_style}
+
+
+class NativeDriver(LocalDriver):
+    """Runs a ``NativeTransformer`` with the built-in byte-level tokenizer."""
+
+    name = "native"
+
+    def __init__(self, model: NativeTransformer, tokenizer: Tokenizer | None = None) -> None:
+        self._model = model
+        self._tokenizer = tokenizer or ByteTokenizer()
+        self._absent = absent_hook_reasons(model.info, model.hook_points)
+
+    @classmethod
+    def boot(
+        cls,
+        config: NativeConfig | Mapping[str, Any] | str | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **overrides: Any,
+    ) -> NativeDriver:
+        """Build a seeded random model.
+
+        Args:
+            config: A ``NativeConfig``, a dict with TransformerLens-style keys, a preset
+                (``"gpt2"``, ``"llama"``) or ``None`` (the GPT-2-style default).
+            device: Where the model lives.
+            dtype: Parameter dtype (default float32).
+            **overrides: Config fields that replace the config's values.
+
+        Raises:
+            ConfigError: Unknown keys or invalid values, naming the key.
+        """
+        cfg = _config(config, overrides)
+        model = NativeTransformer(cfg)
+        if device is not None or dtype is not None:
+            model = model.to(device=device, dtype=dtype)
+        return cls(model)
+
+    @property
+    def module(self) -> nn.Module:
+        """The ``NativeTransformer``."""
+        return self._model
+
+    @property
+    def hook_points(self) -> Mapping[str, HookPoint]:
+        """Canonical name -> HookPoint of every site the model fires."""
+        return self._model.hook_points
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's sizes."""
+        return self._model.info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The byte-level tokenizer."""
+        return self._tokenizer
+
+    @property
+    def non_fireable_reasons(self) -> Mapping[str, str]:
+        """Canonical hooks this configuration lacks, with the reason."""
+        return self._absent
+
+    def readout(self) -> ModelReadout:
+        """Final norm and unembedding weights."""
+        return self._model.readout()
+
+    def run_model(
+        self,
+        input_ids: torch.Tensor | None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward of the native model."""
+        return self._model(  # type: ignore[no-any-return]
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            start_at_layer=start_at_layer,
+            stop_at_layer=stop_at_layer,
+            residual=residual,
+        )
+
+
+def _config(config: NativeConfig | Mapping[str, Any] | str | None, overrides: Mapping[str, Any]) -> NativeConfig:
+    if isinstance(config, str):
+        if config not in _PRESETS:
+            raise ConfigError(
+                f"unknown native preset {config!r}; choose one of {sorted(_PRESETS)} or pass "
+                f"a NativeConfig / dict"
+            )
+        return _PRESETS[config](**overrides)
+    if config is None:
+        return NativeConfig.gpt2_style(**overrides)
+    if isinstance(config, NativeConfig):
+        return NativeConfig.coerce({**config.to_dict(), **overrides}) if overrides else config
+    if isinstance(config, Mapping):
+        return NativeConfig.coerce({**config, **overrides})
+    raise ConfigError(
+        f"native config must be a NativeConfig, a dict or a preset name, got {type(config).__name__}"
+    )

@@ -1,0 +1,46 @@
+"""The `tl` command: drivers listing, resolve, demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tl_core.cli import main
+
+
+def test_drivers_lists_native(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["drivers"]) == 0
+    out = capsys.readouterr().out
+    assert "native" in out and "tl-core" in out
+    assert main(["drivers", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    native = next(r for r in rows if r["name"] == "native")
+    assert native["status"] == "ok" and "gradients" in native["features"]
+
+
+def test_resolve_explains_aliases(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["resolve", "blocks.2.hook_resid_post", "layers_output[2]"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("blocks.2.hook_out") == 2
+
+
+def test_unknown_hook_is_an_error_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["resolve", "blocks.2.hook_resid_psot"]) == 1
+    assert "did you mean" in capsys.readouterr().err.lower()
+
+
+def test_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    for section in ("capture", "intervention", "residual-stream analysis", "generation"):
+        assert section in out
+    assert "matches x*0.5+1 at position 2: True" in out
+    assert "is zero: True" in out
+
+
+def test_console_script_is_installed() -> None:
+    result = subprocess.run([sys.executable, "-m", "tl_core.cli", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and "tl-core" in result.stdout

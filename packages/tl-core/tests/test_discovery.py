@@ -1,0 +1,118 @@
+"""Driver discovery through real entry points (fake distributions are installed by nox)."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+
+import pytest
+
+import tl_core
+from tl_core import (
+    DriverContractError,
+    DriverLoadError,
+    DriverNotFoundError,
+    EngineVersionError,
+    TransformerBridge,
+    available_drivers,
+    boot,
+    clear_driver_cache,
+    validate_driver,
+)
+from tl_core._versions import version_in_range
+from tl_core.native import NativeDriver
+
+
+def _fixtures_installed() -> bool:
+    try:
+        metadata.version("tl-fake-driver")
+        metadata.version("tl-fake-broken")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_fixtures = pytest.mark.skipif(
+    not _fixtures_installed(), reason="fake driver distributions are installed by `nox -s tests`"
+)
+
+
+def test_native_is_discovered_and_keeps_the_contract() -> None:
+    clear_driver_cache()
+    drivers = available_drivers()
+    assert drivers["native"].distribution == "tl-core"
+    assert drivers["native"].error is None
+    driver = NativeDriver.boot("llama", n_layers=1)
+    validate_driver(driver, name="native")
+    assert isinstance(boot({"n_layers": 1}, driver="native"), TransformerBridge)
+
+
+@pytest.mark.parametrize("name,dist", [("vllm", "tl-driver-vllm"), ("inspect", "tl-driver-inspect")])
+def test_missing_known_driver_names_the_install_line(name: str, dist: str) -> None:
+    with pytest.raises(DriverNotFoundError) as info:
+        boot("model", driver=name)
+    message = str(info.value)
+    assert f"pip install {dist}" in message and "native" in message and repr(name) in message
+
+
+def test_misspelt_driver_gets_did_you_mean() -> None:
+    with pytest.raises(DriverNotFoundError, match="did you mean 'native'"):
+        boot(driver="natve")
+
+
+def test_validate_driver_names_the_broken_attribute() -> None:
+    class NoClose:
+        supported_hook_points = frozenset({"blocks.0.hook_out"})
+        non_fireable_hook_points: frozenset[str] = frozenset()
+        provides_sequence_logits = True
+
+        def forward(self) -> None: ...
+
+        def supports(self, feature: str) -> bool:
+            return False
+
+    with pytest.raises(DriverContractError, match="'close'"):
+        validate_driver(NoClose())
+    bad = NoClose()
+    bad.close = lambda: None  # type: ignore[attr-defined]
+    bad.supported_hook_points = frozenset({"blocks.0.hook_resid_post"})
+    with pytest.raises(DriverContractError, match="not a canonical hook name"):
+        validate_driver(bad)
+    bad.supported_hook_points = ["blocks.0.hook_out"]  # type: ignore[assignment]
+    with pytest.raises(DriverContractError, match="frozenset"):
+        validate_driver(bad)
+
+
+@pytest.mark.parametrize(
+    "version,spec,ok",
+    [("0.32.1", ">=0.32,<0.33", True), ("0.33.0", ">=0.32,<0.33", False), ("0.32.0+cpu", ">=0.32,<0.33", True),
+     ("1.2", "~=1.1", True), ("2.0", "~=1.1", False), ("0.31.9", ">=0.32", False)],
+)
+def test_version_ranges(version: str, spec: str, ok: bool) -> None:
+    assert version_in_range(version, spec) is ok
+
+
+@needs_fixtures
+def test_fake_remote_driver_is_discovered_and_valid() -> None:
+    clear_driver_cache()
+    row = available_drivers()["fake"]
+    assert row.distribution == "tl-fake-driver" and row.error is None
+    bridge = tl_core.RemoteBridge.boot("llama", driver="fake", n_layers=1)
+    validate_driver(bridge.driver, name="fake")
+    assert bridge.driver.name == "fake"
+
+
+@needs_fixtures
+def test_broken_fakes_get_clear_errors() -> None:
+    clear_driver_cache()
+    drivers = available_drivers()
+    assert "tl_fake_engine_that_does_not_exist" in (drivers["broken"].error or "")
+    with pytest.raises(DriverLoadError, match="broken.*tl-fake-broken.*tl_fake_engine_that_does_not_exist"):
+        boot(driver="broken")
+    with pytest.raises(DriverLoadError, match="'tl-fake-driver' and 'tl-fake-broken'|'tl-fake-broken' and 'tl-fake-driver'"):
+        boot(driver="clash")
+    with pytest.raises(EngineVersionError, match=r">=99.0,<100.*tl-fake-driver 1.0.0"):
+        boot(driver="oldengine")
+    with pytest.raises(DriverContractError, match="'close'"):
+        boot(driver="contractless")
+    with pytest.raises(DriverLoadError, match="must name a tl_core.DriverEntry"):
+        boot(driver="notanentry")

@@ -1,0 +1,678 @@
+"""The hook vocabulary: canonical templates, alias families, statuses and model listings."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from tl_core._aliases import (
+    HookResolution,
+    canonical_name,
+    known_alias_templates,
+    resolve_hook_name,
+    suggest_names,
+)
+from tl_core._errors import ConfigError, HookNameError, UserError
+from tl_core._model_info import ModelInfo
+from tl_core._vocabulary import (
+    CANONICAL_TEMPLATES,
+    LAYOUTS,
+    HookTemplate,
+    block_index,
+    canonical_hook_names,
+    is_canonical,
+    layout_of,
+    template_of,
+)
+
+GPT2 = ModelInfo(
+    n_layers=3,
+    d_model=16,
+    n_heads=4,
+    d_head=4,
+    d_mlp=64,
+    d_vocab=50,
+    n_ctx=32,
+    architecture="gpt2-style",
+)
+LLAMA = ModelInfo(
+    n_layers=2,
+    d_model=16,
+    n_heads=4,
+    d_head=4,
+    d_mlp=48,
+    d_vocab=50,
+    n_ctx=32,
+    n_key_value_heads=2,
+    normalization_type="RMS",
+    positional_embedding_type="rotary",
+    gated_mlp=True,
+    architecture="llama-style",
+)
+GEMMA2 = dataclasses.replace(LLAMA, sandwich_norm=True, architecture="gemma2-style")
+NEOX = dataclasses.replace(GPT2, parallel_attn_mlp=True, positional_embedding_type="rotary")
+NO_NORM = dataclasses.replace(GPT2, normalization_type=None)
+
+REQUIREMENTS = {
+    None,
+    "standard_pos",
+    "rotary",
+    "gated_mlp",
+    "sequential",
+    "sandwich_norm",
+    "attn_result",
+    "norm",
+}
+
+
+# --- canonical templates -------------------------------------------------------------------
+
+
+def test_templates_are_unique_with_known_layouts_and_requirements() -> None:
+    names = [t.template for t in CANONICAL_TEMPLATES]
+    assert len(names) == len(set(names))
+    for t in CANONICAL_TEMPLATES:
+        assert t.layout in LAYOUTS, t
+        assert t.requires in REQUIREMENTS, t
+        assert t.description.strip(), t
+        assert ("{i}" in t.template) == t.template.startswith("blocks.{i}."), t
+
+
+def test_design_table_and_lead_additions_are_all_canonical() -> None:
+    names = {t.template for t in CANONICAL_TEMPLATES}
+    expected = {
+        "embed.hook_out",
+        "pos_embed.hook_out",
+        "blocks.{i}.hook_in",
+        "blocks.{i}.attn.hook_in",
+        "blocks.{i}.attn.hook_q",
+        "blocks.{i}.attn.hook_k",
+        "blocks.{i}.attn.hook_v",
+        "blocks.{i}.attn.hook_rot_q",
+        "blocks.{i}.attn.hook_rot_k",
+        "blocks.{i}.attn.hook_attn_scores",
+        "blocks.{i}.attn.hook_pattern",
+        "blocks.{i}.attn.hook_z",
+        "blocks.{i}.attn.hook_result",
+        "blocks.{i}.attn.hook_out",
+        "blocks.{i}.ln2.hook_in",
+        "blocks.{i}.mlp.hook_in",
+        "blocks.{i}.mlp.hook_pre",
+        "blocks.{i}.mlp.hook_pre_linear",
+        "blocks.{i}.mlp.hook_post",
+        "blocks.{i}.mlp.hook_out",
+        "blocks.{i}.hook_out",
+        "unembed.hook_out",
+    }
+    for norm in ("blocks.{i}.ln1", "blocks.{i}.ln1_post", "blocks.{i}.ln2_post", "ln_final"):
+        expected |= {f"{norm}.hook_{s}" for s in ("in", "scale", "normalized", "out")}
+    expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
+    assert names == expected
+
+
+@pytest.mark.parametrize(
+    ("template", "layout"),
+    [
+        ("blocks.{i}.attn.hook_k", "b p h dh"),
+        ("blocks.{i}.attn.hook_pattern", "b h q k"),
+        ("blocks.{i}.attn.hook_result", "b p h d"),
+        ("blocks.{i}.ln1.hook_scale", "b p 1"),
+        ("ln_final.hook_scale", "b p 1"),
+        ("blocks.{i}.mlp.hook_post", "b p dm"),
+        ("unembed.hook_out", "b p vocab"),
+        ("blocks.{i}.hook_out", "b p d"),
+    ],
+)
+def test_layouts_follow_the_design(template: str, layout: str) -> None:
+    assert layout_of(template.replace("{i}", "1")) == layout
+
+
+@pytest.mark.parametrize("template", CANONICAL_TEMPLATES, ids=lambda t: t.template)
+@pytest.mark.parametrize("layer", [0, 7])
+def test_every_canonical_name_resolves_to_itself(template: HookTemplate, layer: int) -> None:
+    name = template.format(layer)
+    resolution = resolve_hook_name(name)
+    assert resolution == HookResolution(name, name, "canonical", "canonical", "")
+    assert canonical_name(name) == name
+    assert is_canonical(name)
+    assert template_of(name) is template
+    assert layout_of(name) == template.layout
+    assert block_index(name) == (layer if template.per_block else None)
+
+
+def test_format_needs_a_layer_for_block_templates() -> None:
+    block = template_of("blocks.0.hook_out")
+    assert block.format(4) == "blocks.4.hook_out"
+    with pytest.raises(HookNameError, match="block index"):
+        block.format()
+    with pytest.raises(HookNameError, match="block index"):
+        block.format(-1)
+    assert template_of("unembed.hook_out").format(9) == "unembed.hook_out"
+
+
+def test_legacy_field_names_resolve_back_to_their_template() -> None:
+    for t in CANONICAL_TEMPLATES:
+        if t.legacy is None:
+            continue
+        legacy = t.legacy.replace("{i}", "2")
+        assert canonical_name(legacy) == t.format(2), t.legacy
+
+
+def test_is_canonical_rejects_aliases_and_junk() -> None:
+    for name in [
+        "hook_embed",
+        "blocks.3.hook_resid_post",
+        "resid_post.3",
+        "blocks.03.hook_out",
+        "blocks.-1.hook_out",
+        "blocks.x.hook_out",
+        "",
+        "blocks.3.hook_outt",
+    ]:
+        assert not is_canonical(name), name
+    assert not is_canonical(3)
+    assert not is_canonical(None)
+
+
+# --- alias families ------------------------------------------------------------------------
+
+LEGACY = [
+    ("hook_embed", "embed.hook_out"),
+    ("hook_pos_embed", "pos_embed.hook_out"),
+    ("blocks.4.hook_resid_pre", "blocks.4.hook_in"),
+    ("blocks.4.hook_resid_mid", "blocks.4.ln2.hook_in"),
+    ("blocks.4.hook_resid_post", "blocks.4.hook_out"),
+    ("blocks.4.hook_attn_out", "blocks.4.attn.hook_out"),
+    ("blocks.4.hook_mlp_out", "blocks.4.mlp.hook_out"),
+    # TransformerLens fires hook_mlp_in before ln2: the residual, not the MLP's argument.
+    ("blocks.4.hook_mlp_in", "blocks.4.ln2.hook_in"),
+    ("hook_unembed", "unembed.hook_out"),
+]
+TL_BRIDGE = [
+    ("blocks.1.attn.q.hook_out", "blocks.1.attn.hook_q"),
+    ("blocks.1.attn.k.hook_out", "blocks.1.attn.hook_k"),
+    ("blocks.1.attn.v.hook_out", "blocks.1.attn.hook_v"),
+    ("blocks.1.attn.q.hook_in", "blocks.1.attn.hook_in"),
+    ("blocks.1.attn.qkv.hook_in", "blocks.1.attn.hook_in"),
+    ("blocks.1.attn.o.hook_in", "blocks.1.attn.hook_z"),
+    ("blocks.1.attn.o.hook_out", "blocks.1.attn.hook_out"),
+    ("blocks.1.mlp.in.hook_in", "blocks.1.mlp.hook_in"),
+    ("blocks.1.mlp.in.hook_out", "blocks.1.mlp.hook_pre"),
+    ("blocks.1.mlp.gate.hook_out", "blocks.1.mlp.hook_pre"),
+    ("blocks.1.mlp.out.hook_in", "blocks.1.mlp.hook_post"),
+    ("blocks.1.mlp.out.hook_out", "blocks.1.mlp.hook_out"),
+    ("unembed.hook_in", "ln_final.hook_out"),
+]
+NNTERP = [
+    ("layers_input[2]", "blocks.2.hook_in"),
+    ("layers_mid[2]", "blocks.2.ln2.hook_in"),
+    ("layers_output[2]", "blocks.2.hook_out"),
+    ("attentions_input[2]", "blocks.2.attn.hook_in"),
+    ("attentions_norm_output[2]", "blocks.2.ln1.hook_out"),
+    ("attentions_output[2]", "blocks.2.attn.hook_out"),
+    ("attentions_premix[2]", "blocks.2.attn.hook_z"),
+    ("attention_probabilities[2]", "blocks.2.attn.hook_pattern"),
+    ("attention_scores[2]", "blocks.2.attn.hook_attn_scores"),
+    ("mlps_input[2]", "blocks.2.mlp.hook_in"),
+    ("mlps_norm_output[2]", "blocks.2.ln2.hook_out"),
+    ("mlps_neurons[2]", "blocks.2.mlp.hook_post"),
+    ("mlps_output[2]", "blocks.2.mlp.hook_out"),
+    ("token_embeddings", "embed.hook_out"),
+    ("embeddings_output", "embed.hook_out"),
+    ("embed_tokens", "embed.hook_out"),
+    ("ln_final_output", "ln_final.hook_out"),
+    ("ln_final.output", "ln_final.hook_out"),
+    ("lm_head_output", "unembed.hook_out"),
+    ("logits", "unembed.hook_out"),
+]
+INTERP_ENGINE = [
+    ("embeddings", "embed.hook_out"),
+    ("resid_pre.5", "blocks.5.hook_in"),
+    ("attn_in.5", "blocks.5.attn.hook_in"),
+    ("value.5", "blocks.5.attn.hook_v"),
+    ("attn_scores.5", "blocks.5.attn.hook_attn_scores"),
+    ("attn_probs.5", "blocks.5.attn.hook_pattern"),
+    ("z.5", "blocks.5.attn.hook_z"),
+    ("attn_out.5", "blocks.5.attn.hook_out"),
+    ("attn_out_post.5", "blocks.5.attn.hook_out"),
+    ("resid_mid.5", "blocks.5.ln2.hook_in"),
+    ("mlp_in.5", "blocks.5.mlp.hook_in"),
+    ("mlp_pre.5", "blocks.5.mlp.hook_pre"),
+    ("mlp_pre_linear.5", "blocks.5.mlp.hook_pre_linear"),
+    ("mlp_act.5", "blocks.5.mlp.hook_post"),
+    ("mlp_out.5", "blocks.5.mlp.hook_out"),
+    ("resid_post.5", "blocks.5.hook_out"),
+    ("final_norm", "ln_final.hook_out"),
+    ("lm_head", "unembed.hook_out"),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "name", "expected"),
+    [("legacy", n, e) for n, e in LEGACY]
+    + [("tl_bridge", n, e) for n, e in TL_BRIDGE]
+    + [("nnterp", n, e) for n, e in NNTERP]
+    + [("interp_engine", n, e) for n, e in INTERP_ENGINE],
+)
+def test_alias_families_resolve(family: str, name: str, expected: str) -> None:
+    resolution = resolve_hook_name(name)
+    assert (resolution.status, resolution.family, resolution.canonical) == (
+        "alias",
+        family,
+        expected,
+    )
+    assert canonical_name(name) == expected
+    assert layout_of(name) == layout_of(expected)
+    assert block_index(name) == block_index(expected)
+
+
+def test_every_alias_target_is_a_canonical_template() -> None:
+    templates = {t.template for t in CANONICAL_TEMPLATES}
+    families = {"canonical", "legacy", "tl_bridge", "nnterp", "interp_engine"}
+    seen: set[str] = set()
+    for key, (family, status, target) in known_alias_templates().items():
+        assert family in families, key
+        seen.add(family)
+        if status in ("canonical", "alias"):
+            assert target in templates, key
+        elif status == "structurally_absent":
+            assert target is None, key
+        elif target is not None:
+            assert target in templates, key
+        if "{i}" in key:
+            assert target is None or "{i}" in target or "{last}" in target, key
+    assert seen == families
+
+
+# --- statuses ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "family", "source"),
+    [
+        ("blocks.3.hook_q_input", "legacy", "blocks.3.hook_in"),
+        ("blocks.3.hook_k_input", "legacy", "blocks.3.hook_in"),
+        ("blocks.3.hook_v_input", "legacy", "blocks.3.hook_in"),
+        ("blocks.3.hook_attn_in", "legacy", "blocks.3.hook_in"),
+        ("blocks.3.attn.hook_q_input", "tl_bridge", "blocks.3.hook_in"),
+        ("hook_tokens", "legacy", None),
+        ("embed.hook_in", "tl_bridge", None),
+        ("blocks.3.attn.qkv.hook_out", "tl_bridge", None),
+        ("next_token_probs", "nnterp", "unembed.hook_out"),
+        ("mlps_activation[3]", "nnterp", "blocks.3.mlp.hook_pre"),
+    ],
+)
+def test_derived_names(name: str, family: str, source: str | None) -> None:
+    resolution = resolve_hook_name(name)
+    assert (resolution.status, resolution.family, resolution.canonical) == (
+        "derived",
+        family,
+        source,
+    )
+    assert resolution.note
+    with pytest.raises(HookNameError, match="derived") as raised:
+        canonical_name(name)
+    assert resolution.note in str(raised.value)
+
+
+def test_per_head_input_note_names_both_sides_of_the_norm() -> None:
+    note = resolve_hook_name("blocks.3.hook_q_input").note
+    assert "blocks.3.hook_in" in note
+    assert "blocks.3.attn.hook_in" in note
+    assert "{i}" not in note
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("q_norm_out.4", "blocks.4.attn.hook_q"),
+        ("k_norm_out.4", "blocks.4.attn.hook_k"),
+        ("blocks.4.attn.hook_q_normed", "blocks.4.attn.hook_q"),
+        ("router_logits.4", "blocks.4.mlp.hook_in"),
+        ("attn_gate.4", "blocks.4.attn.hook_in"),
+        ("blocks.4.mlp.hook_expert_weights", "blocks.4.mlp.hook_in"),
+    ],
+)
+def test_reconstructed_read_only_names(name: str, source: str) -> None:
+    resolution = resolve_hook_name(name)
+    assert (resolution.status, resolution.canonical) == ("reconstructed_read_only", source)
+    with pytest.raises(HookNameError, match="reconstructed, read-only"):
+        canonical_name(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "family"),
+    [
+        ("blocks.2.cross_attn.hook_q", "legacy"),
+        ("blocks.2.hook_cross_attn_out", "legacy"),
+        ("decoder.0.hook_resid_pre", "legacy"),
+        ("encoder.1.attn.hook_pattern", "legacy"),
+        ("resid_streams.2", "interp_engine"),
+        ("attn_stream_mix.2", "interp_engine"),
+        ("resid_post.2.stream-1", "interp_engine"),
+    ],
+)
+def test_structurally_absent_names(name: str, family: str) -> None:
+    resolution = resolve_hook_name(name)
+    assert (resolution.status, resolution.family, resolution.canonical) == (
+        "structurally_absent",
+        family,
+        None,
+    )
+    with pytest.raises(HookNameError, match="structurally absent"):
+        canonical_name(name)
+    with pytest.raises(HookNameError):
+        layout_of(name)
+
+
+# --- resolution against a model -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("info", "name", "status", "canonical"),
+    [
+        (LLAMA, "hook_pos_embed", "structurally_absent", "pos_embed.hook_out"),
+        (GPT2, "blocks.1.attn.hook_rot_q", "structurally_absent", "blocks.1.attn.hook_rot_q"),
+        (GPT2, "mlp_pre_linear.1", "structurally_absent", "blocks.1.mlp.hook_pre_linear"),
+        (NEOX, "blocks.1.hook_resid_mid", "structurally_absent", "blocks.1.ln2.hook_in"),
+        (NEOX, "blocks.1.hook_mlp_in", "alias", "blocks.1.hook_in"),
+        (NEOX, "blocks.1.ln2.hook_normalized", "canonical", "blocks.1.ln2.hook_normalized"),
+        (NO_NORM, "blocks.1.ln1.hook_scale", "structurally_absent", "blocks.1.ln1.hook_scale"),
+        (NO_NORM, "blocks.1.hook_resid_mid", "alias", "blocks.1.ln2.hook_in"),
+        (NO_NORM, "unembed.hook_in", "alias", "blocks.2.hook_out"),
+        (GEMMA2, "blocks.1.hook_attn_out", "alias", "blocks.1.ln1_post.hook_out"),
+        (GEMMA2, "mlps_output[1]", "alias", "blocks.1.ln2_post.hook_out"),
+        (GEMMA2, "attn_out.1", "alias", "blocks.1.attn.hook_out"),
+        (LLAMA, "blocks.1.hook_attn_out", "alias", "blocks.1.attn.hook_out"),
+        (LLAMA, "blocks.1.mlp.in.hook_out", "alias", "blocks.1.mlp.hook_pre_linear"),
+        (GPT2, "blocks.1.mlp.in.hook_out", "alias", "blocks.1.mlp.hook_pre"),
+        (GPT2, "blocks.1.mlp.gate.hook_out", "structurally_absent", None),
+        (LLAMA, "attention_queries[1]", "alias", "blocks.1.attn.hook_rot_q"),
+        (GPT2, "attention_keys[1]", "alias", "blocks.1.attn.hook_k"),
+        (GPT2, "mlps_activation[1]", "alias", "blocks.1.mlp.hook_post"),
+        (LLAMA, "mlps_activation[1]", "derived", "blocks.1.mlp.hook_pre"),
+        (GPT2, "blocks.1.attn.hook_result", "canonical", "blocks.1.attn.hook_result"),
+    ],
+)
+def test_resolution_per_model(
+    info: ModelInfo, name: str, status: str, canonical: str | None
+) -> None:
+    resolution = resolve_hook_name(name, info=info)
+    assert (resolution.status, resolution.canonical) == (status, canonical)
+    if status == "structurally_absent":
+        assert resolution.note
+        with pytest.raises(HookNameError, match="structurally absent"):
+            canonical_name(name, info=info)
+
+
+def test_model_dependent_names_say_so_without_a_model() -> None:
+    for name in [
+        "blocks.1.hook_attn_out",
+        "mlps_output[1]",
+        "blocks.1.mlp.in.hook_out",
+        "attention_queries[1]",
+    ]:
+        assert "info=" in resolve_hook_name(name).note, name
+
+
+def test_absent_canonical_names_agree_with_the_listing() -> None:
+    for info in (GPT2, LLAMA, GEMMA2, NEOX, NO_NORM):
+        listed = set(canonical_hook_names(info, include_attn_result=True))
+        for layer in range(info.n_layers):
+            for t in CANONICAL_TEMPLATES:
+                name = t.format(layer)
+                status = resolve_hook_name(name, info=info).status
+                assert (status == "canonical") == (name in listed), (info.architecture, name)
+
+
+def test_block_index_is_range_checked_against_the_model() -> None:
+    assert canonical_name("layers_output[1]", info=LLAMA) == "blocks.1.hook_out"
+    for name in ["blocks.2.hook_out", "layers_output[2]", "resid_post.9"]:
+        with pytest.raises(HookNameError, match="2 blocks"):
+            resolve_hook_name(name, info=LLAMA)
+
+
+# --- listing a model's hooks ---------------------------------------------------------------
+
+
+def _block(layer: int, *suffixes: str) -> list[str]:
+    return [f"blocks.{layer}.{s}" for s in suffixes]
+
+
+def test_gpt2_style_listing() -> None:
+    names = canonical_hook_names(GPT2)
+    per_block = [
+        "hook_in",
+        "ln1.hook_in",
+        "ln1.hook_scale",
+        "ln1.hook_normalized",
+        "ln1.hook_out",
+        "attn.hook_in",
+        "attn.hook_q",
+        "attn.hook_k",
+        "attn.hook_v",
+        "attn.hook_attn_scores",
+        "attn.hook_pattern",
+        "attn.hook_z",
+        "attn.hook_out",
+        "ln2.hook_in",
+        "ln2.hook_scale",
+        "ln2.hook_normalized",
+        "ln2.hook_out",
+        "mlp.hook_in",
+        "mlp.hook_pre",
+        "mlp.hook_post",
+        "mlp.hook_out",
+        "hook_out",
+    ]
+    expected = ["embed.hook_out", "pos_embed.hook_out"]
+    for layer in range(GPT2.n_layers):
+        expected += _block(layer, *per_block)
+    expected += [
+        "ln_final.hook_in",
+        "ln_final.hook_scale",
+        "ln_final.hook_normalized",
+        "ln_final.hook_out",
+        "unembed.hook_out",
+    ]
+    assert names == expected
+    assert len(names) == 7 + 22 * GPT2.n_layers
+    assert not any("rot_" in n or "pre_linear" in n or "hook_result" in n for n in names)
+
+
+def test_llama_style_listing() -> None:
+    names = canonical_hook_names(LLAMA)
+    assert "pos_embed.hook_out" not in names
+    assert names[:2] == ["embed.hook_out", "blocks.0.hook_in"]
+    assert len(names) == 6 + 25 * LLAMA.n_layers
+    for layer in range(LLAMA.n_layers):
+        for hook in ("attn.hook_rot_q", "attn.hook_rot_k", "mlp.hook_pre_linear"):
+            assert f"blocks.{layer}.{hook}" in names
+        # rotary after the projections, gate/linear before the neurons
+        block = [n for n in names if n.startswith(f"blocks.{layer}.")]
+        assert (
+            block.index(f"blocks.{layer}.attn.hook_k")
+            < block.index(f"blocks.{layer}.attn.hook_rot_q")
+            < block.index(f"blocks.{layer}.attn.hook_attn_scores")
+        )
+        assert (
+            block.index(f"blocks.{layer}.mlp.hook_pre")
+            < block.index(f"blocks.{layer}.mlp.hook_pre_linear")
+            < block.index(f"blocks.{layer}.mlp.hook_post")
+        )
+    assert names[-1] == "unembed.hook_out"
+
+
+def test_listing_is_in_forward_order() -> None:
+    names = canonical_hook_names(GEMMA2, include_attn_result=True)
+    position = {n: i for i, n in enumerate(names)}
+    chain = [
+        "embed.hook_out",
+        "blocks.0.hook_in",
+        "blocks.0.ln1.hook_out",
+        "blocks.0.attn.hook_z",
+        "blocks.0.attn.hook_result",
+        "blocks.0.attn.hook_out",
+        "blocks.0.ln1_post.hook_out",
+        "blocks.0.ln2.hook_in",
+        "blocks.0.mlp.hook_in",
+        "blocks.0.mlp.hook_out",
+        "blocks.0.ln2_post.hook_out",
+        "blocks.0.hook_out",
+        "blocks.1.hook_in",
+        "blocks.1.hook_out",
+        "ln_final.hook_in",
+        "unembed.hook_out",
+    ]
+    assert [position[n] for n in chain] == sorted(position[n] for n in chain)
+
+
+def test_listing_honours_structure() -> None:
+    gpt2 = set(canonical_hook_names(GPT2))
+    with_result = canonical_hook_names(GPT2, include_attn_result=True)
+    assert set(with_result) - gpt2 == {f"blocks.{i}.attn.hook_result" for i in range(3)}
+
+    neox = set(canonical_hook_names(NEOX))
+    assert not any(n.endswith("ln2.hook_in") for n in neox)
+    assert {f"blocks.{i}.ln2.hook_out" for i in range(3)} <= neox
+
+    no_norm = set(canonical_hook_names(NO_NORM))
+    assert not any(".ln1." in n or "ln_final" in n or "ln2.hook_scale" in n for n in no_norm)
+    assert "blocks.0.ln2.hook_in" in no_norm  # the residual between attention and MLP
+
+    gemma = set(canonical_hook_names(GEMMA2)) - set(canonical_hook_names(LLAMA))
+    assert gemma == {
+        f"blocks.{i}.{norm}.hook_{s}"
+        for i in range(2)
+        for norm in ("ln1_post", "ln2_post")
+        for s in ("in", "scale", "normalized", "out")
+    }
+
+
+def test_listing_returns_a_fresh_list_and_rejects_bad_info() -> None:
+    first = canonical_hook_names(GPT2)
+    first.clear()
+    assert canonical_hook_names(GPT2)
+    assert canonical_hook_names(dataclasses.replace(GPT2, n_layers=0))[:2] == [
+        "embed.hook_out",
+        "pos_embed.hook_out",
+    ]
+    with pytest.raises(ConfigError):
+        canonical_hook_names("gpt2")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="n_layers"):
+        canonical_hook_names(dataclasses.replace(GPT2, n_layers=-1))
+
+
+# --- errors and suggestions ----------------------------------------------------------------
+
+
+def test_typo_suggests_the_alias_and_its_canonical_name_with_the_layer_kept() -> None:
+    with pytest.raises(HookNameError) as raised:
+        resolve_hook_name("blocks.3.hook_resid_psot")
+    message = str(raised.value)
+    assert "'blocks.3.hook_resid_psot'" in message
+    assert "Did you mean 'blocks.3.hook_resid_post' (= 'blocks.3.hook_out')" in message
+    assert len(re.findall(r"'blocks\.\d+\.[^']*'", message.split("Did you mean")[1])) <= 6
+    assert "blocks.0." not in message
+
+
+@pytest.mark.parametrize(
+    ("typo", "wanted"),
+    [
+        ("blocks.2.attn.hook_patern", "'blocks.2.attn.hook_pattern'"),
+        ("hook_embd", "'hook_embed' (= 'embed.hook_out')"),
+        ("layers_outputs[4]", "'layers_output[4]' (= 'blocks.4.hook_out')"),
+        ("resid_psot.6", "'resid_post.6' (= 'blocks.6.hook_out')"),
+    ],
+)
+def test_typos_in_every_family_get_suggestions(typo: str, wanted: str) -> None:
+    with pytest.raises(HookNameError, match="Did you mean") as raised:
+        canonical_name(typo)
+    assert wanted in str(raised.value)
+
+
+def test_nonsense_gets_no_suggestions() -> None:
+    with pytest.raises(HookNameError) as raised:
+        resolve_hook_name("zzzz")
+    assert "Did you mean" not in str(raised.value)
+    assert isinstance(raised.value, UserError)
+
+
+@pytest.mark.parametrize("bad", [None, 3, 3.5, b"blocks.0.hook_out", ["blocks.0.hook_out"]])
+def test_non_strings_are_rejected(bad: object) -> None:
+    with pytest.raises(HookNameError, match="strings"):
+        resolve_hook_name(bad)  # type: ignore[arg-type]
+    with pytest.raises(HookNameError):
+        canonical_name(bad)  # type: ignore[arg-type]
+    with pytest.raises(HookNameError):
+        layout_of(bad)  # type: ignore[arg-type]
+
+
+def test_bad_info_is_rejected() -> None:
+    with pytest.raises(ConfigError):
+        resolve_hook_name("blocks.0.hook_out", info={"n_layers": 2})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name", ["blocks.-1.hook_out", "layers_output[-1]", "resid_post.-2", "blocks.-3.attn.hook_q"]
+)
+def test_negative_block_index(name: str) -> None:
+    with pytest.raises(HookNameError, match="negative block index"):
+        resolve_hook_name(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "example"),
+    [
+        ("blocks.hook_out", "blocks.0.hook_out"),
+        ("blocks.attn.hook_q", "blocks.0.attn.hook_q"),
+        ("hook_resid_post", "blocks.0.hook_resid_post"),
+        ("attn.hook_pattern", "blocks.0.attn.hook_pattern"),
+        ("layers_output", "layers_output[0]"),
+        ("resid_post", "resid_post.0"),
+    ],
+)
+def test_missing_block_index(name: str, example: str) -> None:
+    with pytest.raises(HookNameError, match="needs a block index") as raised:
+        resolve_hook_name(name)
+    assert repr(example) in str(raised.value)
+
+
+def test_zero_padded_index_is_refused_with_the_fix() -> None:
+    with pytest.raises(HookNameError, match="leading zero") as raised:
+        resolve_hook_name("blocks.03.hook_out")
+    assert "'blocks.3.hook_out'" in str(raised.value)
+
+
+def test_block_index_of_aliases_and_unknown_names() -> None:
+    assert block_index("resid_post.5") == 5
+    assert block_index("layers_input[0]") == 0
+    assert block_index("hook_embed") is None
+    assert block_index("resid_streams.7") == 7
+    with pytest.raises(HookNameError):
+        block_index("blocks.1.nope")
+
+
+def test_suggest_names_is_case_insensitive_and_bounded() -> None:
+    candidates = [
+        "blocks.0.hook_out",
+        "blocks.0.hook_in",
+        "BLOCKS.0.ATTN.HOOK_Q",
+        7,
+        "embed.hook_out",
+    ]
+    assert suggest_names("blocks.0.hook_ot", candidates)[0] == "blocks.0.hook_out"  # type: ignore[arg-type]
+    assert suggest_names("blocks.0.attn.hook_q", candidates)[0] == "BLOCKS.0.ATTN.HOOK_Q"  # type: ignore[arg-type]
+    assert len(suggest_names("blocks.0.hook", candidates, n=1)) == 1  # type: ignore[arg-type]
+    assert suggest_names("blocks.0.hook_out", candidates, n=0) == []  # type: ignore[arg-type]
+    assert suggest_names("qqqq", candidates) == []  # type: ignore[arg-type]
+    assert suggest_names("x", {"x": 1}) == ["x"]
+
+
+def test_resolution_is_cached_and_immutable() -> None:
+    first = resolve_hook_name("layers_output[1]")
+    assert resolve_hook_name("layers_output[1]") is first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.canonical = "x"  # type: ignore[misc]

@@ -1,0 +1,17 @@
+"""Tiny randomly initialised HuggingFace checkpoints for tests and demos, built offline.
+
+Only ``torch``, ``transformers`` and ``tokenizers`` are needed, so drivers other than
+``hf`` (vLLM, inspect) and demos can use it too::
+
+    from tl_driver_hf.testing import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint("llama", tmp_path / "tiny-llama")
+    # AutoModelForCausalLM.from_pretrained(folder), vllm.LLM(str(folder)), ...
+"""
+
+from __future__ import annotations
+
+from tl_driver_hf.testing._checkpoint import TINY_FAMILIES, tiny_config, write_tiny_checkpoint
+from tl_driver_hf.testing._tokenizer import train_tiny_tokenizer
+
+__all__ = ["TINY_FAMILIES", "tiny_config", "train_tiny_tokenizer", "write_tiny_checkpoint"]
