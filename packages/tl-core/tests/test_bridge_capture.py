@@ -68,9 +68,9 @@ def test_unknown_and_absent_hooks_are_clear_errors() -> None:
     llama = TransformerBridge.boot_native("llama", n_layers=2)
     with pytest.raises(HookNameError, match=r"blocks\.1\.hook_resid_post|blocks\.1\.hook_out"):
         llama.run_with_cache("x", names_filter=["blocks.1.hook_resid_psot"])
-    with pytest.raises(HookNameError, match="pos_embed.hook_out.*position embedding"):
+    with pytest.raises(HookNameError, match=r"pos_embed.hook_out.*position embedding"):
         llama.run_with_cache("x", names_filter=["hook_pos_embed"])
-    with pytest.raises(HookNameError, match="blocks.7.hook_out.*2 layers"):
+    with pytest.raises(HookNameError, match=r"blocks.7.hook_out.*2 layers"):
         llama.run_with_cache("x", names_filter=["blocks.7.hook_out"])
     with pytest.raises(HookNameError, match="use_attn_result=True"):
         llama.run_with_cache("x", names_filter=["blocks.0.attn.hook_result"])

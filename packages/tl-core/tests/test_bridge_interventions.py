@@ -108,7 +108,7 @@ def test_callables_in_intervene_run_on_local_drivers(bridge: TransformerBridge) 
 def test_bad_specs_fail_before_running(bridge: TransformerBridge) -> None:
     calls: list[int] = []
     with bridge.hooks([("embed.hook_out", lambda x, hook: calls.append(1))]):
-        with pytest.raises(SpecError, match="factr.*factor"):
+        with pytest.raises(SpecError, match=r"factr.*factor"):
             bridge(PROMPT, intervene={HOOK: {"op": "scale", "factr": 2}})
         with pytest.raises(SpecError, match="suppres"):
             bridge(PROMPT, intervene={HOOK: {"op": "suppres"}})

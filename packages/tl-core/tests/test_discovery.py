@@ -106,13 +106,13 @@ def test_broken_fakes_get_clear_errors() -> None:
     clear_driver_cache()
     drivers = available_drivers()
     assert "tl_fake_engine_that_does_not_exist" in (drivers["broken"].error or "")
-    with pytest.raises(DriverLoadError, match="broken.*tl-fake-broken.*tl_fake_engine_that_does_not_exist"):
+    with pytest.raises(DriverLoadError, match=r"broken.*tl-fake-broken.*tl_fake_engine_that_does_not_exist"):
         boot(driver="broken")
-    with pytest.raises(DriverLoadError, match="'tl-fake-driver' and 'tl-fake-broken'|'tl-fake-broken' and 'tl-fake-driver'"):
+    with pytest.raises(DriverLoadError, match=r"'tl-fake-driver' and 'tl-fake-broken'|'tl-fake-broken' and 'tl-fake-driver'"):
         boot(driver="clash")
     with pytest.raises(EngineVersionError, match=r">=99.0,<100.*tl-fake-driver 1.0.0"):
         boot(driver="oldengine")
     with pytest.raises(DriverContractError, match="'close'"):
         boot(driver="contractless")
-    with pytest.raises(DriverLoadError, match="must name a tl_core.DriverEntry"):
+    with pytest.raises(DriverLoadError, match=r"must name a tl_core.DriverEntry"):
         boot(driver="notanentry")

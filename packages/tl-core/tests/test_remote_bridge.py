@@ -53,7 +53,7 @@ def test_read_only_hooks_fire_on_replay(remote: RemoteBridge) -> None:
 def test_a_hook_that_changes_a_value_raises_and_points_to_intervene(remote: RemoteBridge) -> None:
     with pytest.raises(RemoteHookMutationError, match="intervene="):
         remote.run_with_hooks("x", fwd_hooks=[("blocks.0.hook_out", lambda x, hook: x * 2)])
-    with pytest.raises(RemoteHookMutationError, match="blocks.0.hook_out"):
+    with pytest.raises(RemoteHookMutationError, match=r"blocks.0.hook_out"):
         remote.run_with_hooks("x", fwd_hooks=[("blocks.0.hook_out", lambda x, hook: x.mul_(0))])
     assert not any(p.has_hooks for p in remote.hook_dict.values())
 
@@ -61,7 +61,7 @@ def test_a_hook_that_changes_a_value_raises_and_points_to_intervene(remote: Remo
 def test_specs_run_in_the_engine(remote: RemoteBridge, local: TransformerBridge) -> None:
     spec = {"blocks.0.mlp.hook_out": {"op": "scale", "factor": 0.0, "pos": [1, 2]}}
     torch.testing.assert_close(remote("specs", intervene=spec), local("specs", intervene=spec))
-    with pytest.raises(SpecError, match="declarative specs only|callable"):
+    with pytest.raises(SpecError, match=r"declarative specs only|callable"):
         remote("specs", intervene={"blocks.0.hook_out": lambda x, hook: x})
 
 

@@ -115,7 +115,7 @@ class LocalDriver(ABC):
         """Whether this driver has ``feature``."""
         return feature in self.features
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional override, not abstract
         """Nothing to release for an in-process model; kept for the protocol."""
 
     @property

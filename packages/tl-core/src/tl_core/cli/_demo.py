@@ -12,7 +12,7 @@ from typing import Any
 
 __all__ = ["register", "run"]
 
-PROMPTS = ["The cat sat on the mat.", "Interpretability is fun"]
+PROMPTS = ["The cat sat on the mat.", "Probes read minds"]
 
 
 def register(sub: Any) -> None:
@@ -62,9 +62,9 @@ def _tour(args: argparse.Namespace) -> None:
     last = target.shape[1] - 1
     spec = {"blocks.0.attn.hook_out": {"op": "suppress", "pos": last}}
     edited, edited_cache = model.run_with_cache(PROMPTS[0], intervene=spec, names_filter=["blocks.0.attn.hook_out", "blocks.1.hook_out"])
-    clean_last = logits[0, last]
-    moved = (edited[0, last] - clean_last).abs().max().item()
-    untouched = (edited[0, :last] - logits[0, :last]).abs().max().item()
+    clean = model(PROMPTS[0])
+    moved = (edited[0, last] - clean[0, last]).abs().max().item()
+    untouched = (edited[0, :last] - clean[0, :last]).abs().max().item()
     print(f"spec {spec}")
     print(f"max |logit change| at position {last}: {moved:.4f}; at positions 0..{last - 1}: {untouched:.1e}")
     print(f"edited value at that position is zero: {bool((edited_cache['blocks.0.attn.hook_out'][0, last] == 0).all())}")
