@@ -85,3 +85,15 @@ def test_close_releases_the_driver() -> None:
     with RemoteBridge.boot("gpt2", driver="fake", n_layers=1) as bridge:
         driver = bridge.driver
     assert driver.closed
+
+
+def test_spec_on_an_unfireable_hook_names_it_and_the_reason(remote: RemoteBridge) -> None:
+    with pytest.raises(HookNameError, match=r"blocks\.1\.attn\.hook_pattern.*fused attention"):
+        remote("x", intervene={"blocks.1.attn.hook_pattern": {"op": "suppress"}})
+
+
+def test_subcommand_plugins_extend_the_tl_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from tl_core.cli import main
+
+    assert main(["fake-hello", "--name", "world"]) == 0
+    assert capsys.readouterr().out.strip() == "hello world from the fake driver"
