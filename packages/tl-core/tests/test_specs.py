@@ -15,12 +15,11 @@ import torch
 
 from tl_core._affine import AffineEdit, compile_plan, compile_specs
 from tl_core._errors import HookNameError, SpecError, TLError
+from tl_core._plan import InterventionPlan, build_plan
 from tl_core._specs import (
     SPEC_JSON_SCHEMA,
     SPEC_OPS,
-    InterventionPlan,
     InterventionSpec,
-    build_plan,
     parse_spec,
 )
 

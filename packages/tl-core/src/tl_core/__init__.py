@@ -14,23 +14,13 @@ from tl_core._version import __version__
 if TYPE_CHECKING:
     from tl_core._affine import (
         AffineEdit as AffineEdit,
-    )
-    from tl_core._affine import (
         compile_plan as compile_plan,
-    )
-    from tl_core._affine import (
         compile_specs as compile_specs,
     )
     from tl_core._aliases import (
         HookResolution as HookResolution,
-    )
-    from tl_core._aliases import (
         canonical_name as canonical_name,
-    )
-    from tl_core._aliases import (
         resolve_hook_name as resolve_hook_name,
-    )
-    from tl_core._aliases import (
         suggest_names as suggest_names,
     )
     from tl_core._boot import (
@@ -44,68 +34,30 @@ if TYPE_CHECKING:
     )
     from tl_core._discovery import (
         DriverEntry as DriverEntry,
-    )
-    from tl_core._discovery import (
         EngineRequirement as EngineRequirement,
-    )
-    from tl_core._discovery import (
         InstalledDriver as InstalledDriver,
-    )
-    from tl_core._discovery import (
         available_drivers as available_drivers,
-    )
-    from tl_core._discovery import (
         clear_driver_cache as clear_driver_cache,
-    )
-    from tl_core._discovery import (
         get_driver_entry as get_driver_entry,
-    )
-    from tl_core._discovery import (
         load_driver_class as load_driver_class,
     )
     from tl_core._driver import (
         FEATURES as FEATURES,
-    )
-    from tl_core._driver import (
         Driver as Driver,
-    )
-    from tl_core._driver import (
         ForwardResult as ForwardResult,
-    )
-    from tl_core._driver import (
         validate_driver as validate_driver,
     )
     from tl_core._errors import (
         ConfigError as ConfigError,
-    )
-    from tl_core._errors import (
         DriverContractError as DriverContractError,
-    )
-    from tl_core._errors import (
         DriverLoadError as DriverLoadError,
-    )
-    from tl_core._errors import (
         DriverNotFoundError as DriverNotFoundError,
-    )
-    from tl_core._errors import (
         EngineVersionError as EngineVersionError,
-    )
-    from tl_core._errors import (
         HookNameError as HookNameError,
-    )
-    from tl_core._errors import (
         RemoteHookMutationError as RemoteHookMutationError,
-    )
-    from tl_core._errors import (
         SpecError as SpecError,
-    )
-    from tl_core._errors import (
         TLError as TLError,
-    )
-    from tl_core._errors import (
         UnsupportedFeatureError as UnsupportedFeatureError,
-    )
-    from tl_core._errors import (
         UserError as UserError,
     )
     from tl_core._hook_point import (
@@ -117,6 +69,10 @@ if TYPE_CHECKING:
     from tl_core._model_info import (
         ModelInfo as ModelInfo,
     )
+    from tl_core._plan import (
+        InterventionPlan as InterventionPlan,
+        build_plan as build_plan,
+    )
     from tl_core._readout import (
         ModelReadout as ModelReadout,
     )
@@ -125,35 +81,17 @@ if TYPE_CHECKING:
     )
     from tl_core._specs import (
         SPEC_JSON_SCHEMA as SPEC_JSON_SCHEMA,
-    )
-    from tl_core._specs import (
-        InterventionPlan as InterventionPlan,
-    )
-    from tl_core._specs import (
         InterventionSpec as InterventionSpec,
-    )
-    from tl_core._specs import (
-        build_plan as build_plan,
-    )
-    from tl_core._specs import (
         parse_spec as parse_spec,
     )
     from tl_core._tokenizer import (
         ByteTokenizer as ByteTokenizer,
-    )
-    from tl_core._tokenizer import (
         Tokenizer as Tokenizer,
     )
     from tl_core._vocabulary import (
         CANONICAL_TEMPLATES as CANONICAL_TEMPLATES,
-    )
-    from tl_core._vocabulary import (
         HookTemplate as HookTemplate,
-    )
-    from tl_core._vocabulary import (
         canonical_hook_names as canonical_hook_names,
-    )
-    from tl_core._vocabulary import (
         layout_of as layout_of,
     )
 
@@ -196,9 +134,9 @@ _EXPORTS: dict[str, str] = {
     "ModelReadout": "_readout",
     "RemoteBridge": "_remote_bridge",
     "SPEC_JSON_SCHEMA": "_specs",
-    "InterventionPlan": "_specs",
+    "InterventionPlan": "_plan",
     "InterventionSpec": "_specs",
-    "build_plan": "_specs",
+    "build_plan": "_plan",
     "parse_spec": "_specs",
     "ByteTokenizer": "_tokenizer",
     "Tokenizer": "_tokenizer",

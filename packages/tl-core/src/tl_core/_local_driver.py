@@ -22,10 +22,10 @@ from tl_core._driver import FEATURES, ForwardResult
 from tl_core._errors import HookNameError, UserError
 from tl_core._hook_point import HookHandle, HookPoint
 from tl_core._model_info import ModelInfo
+from tl_core._plan import InterventionPlan, build_plan
 from tl_core._readout import ModelReadout
 from tl_core._sampling import SamplingOptions, next_tokens
 from tl_core._shapes import feature_shape
-from tl_core._specs import InterventionPlan, build_plan
 from tl_core._tokenizer import Tokenizer
 from tl_core._vocabulary import layout_of
 

@@ -1,0 +1,298 @@
+"""``build_plan``: validate a whole ``intervene=`` argument against a driver and a batch.
+
+The result, an ``InterventionPlan``, holds per-prompt specs with positions resolved, ready
+for a driver to compile (``tl_core._affine``) and apply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
+
+from tl_core._specs import (
+    SPEC_OPS,
+    InterventionSpec,
+    _describe,
+    _error,
+    _parse,
+    _suggest,
+)
+
+__all__ = ["InterventionPlan", "build_plan"]
+
+_ShapeFn = Callable[[str], "tuple[int, ...] | None"]
+
+@dataclass(frozen=True)
+class InterventionPlan:
+    """A validated ``intervene=`` argument for one batch, ready for a driver to apply.
+
+    Attributes:
+        per_prompt: One mapping per prompt: canonical hook name -> specs, applied in order.
+            Positions are absolute (negative positions already resolved per prompt).
+        callables: Canonical hook name -> Python hook functions ``fn(tensor, hook=...)``
+            applied to every prompt (local drivers only). On a hook with both, drivers
+            apply the specs first.
+        lengths: The real (unpadded) length of each prompt, when known.
+    """
+
+    per_prompt: tuple[Mapping[str, tuple[InterventionSpec, ...]], ...]
+    callables: Mapping[str, tuple[Callable[..., Any], ...]] = field(default_factory=dict)
+    lengths: tuple[int, ...] | None = None
+
+    @property
+    def hooks(self) -> frozenset[str]:
+        """Every canonical hook touched by a spec or a callable."""
+        names = {name for mapping in self.per_prompt for name, specs in mapping.items() if specs}
+        names.update(name for name, fns in self.callables.items() if fns)
+        return frozenset(names)
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the plan changes nothing."""
+        return not self.hooks
+
+    def specs_for(self, hook: str) -> tuple[tuple[InterventionSpec, ...], ...]:
+        """The specs on one canonical hook, one tuple per prompt (empty where none).
+
+        Args:
+            hook: A canonical hook name.
+
+        Returns:
+            A tuple with one entry per prompt.
+        """
+        return tuple(mapping.get(hook, ()) for mapping in self.per_prompt)
+
+
+def build_plan(
+    intervene: object,
+    *,
+    lengths: Sequence[int],
+    resolve_name: Callable[[str], str],
+    fireable: Callable[[str], bool] | Collection[str],
+    feature_shape: Callable[[str], tuple[int, ...] | None],
+    allow_callables: bool,
+) -> InterventionPlan:
+    """Validate a whole ``intervene=`` argument against a driver and a batch.
+
+    Args:
+        intervene: ``None``; a mapping ``hook -> spec | [spec, ...] | callable`` applied to
+            every prompt; or a sequence with one such mapping (or ``None``) per prompt.
+            Two spellings of one hook (alias and canonical) merge in the order given.
+        lengths: The real (unpadded) length of each prompt; the batch size is its length.
+        resolve_name: Maps a user's hook name (aliases included) to its canonical name;
+            raises ``HookNameError`` for unknown names.
+        fireable: Whether the driver can apply an edit at a canonical hook: a predicate
+            or a collection of names. A collection (or a bound ``__contains__`` of one)
+            also lets errors suggest the nearest hook the driver can edit.
+        feature_shape: The trailing feature shape of a canonical hook, e.g. ``(d_model,)``
+            or ``(n_heads, d_head)``; ``None`` when the width is the prompt's length
+            (attention scores and patterns, whose feature axis is the key position).
+        allow_callables: Whether the driver accepts Python hook functions.
+
+    Returns:
+        The plan, with canonical names and absolute positions.
+
+    Raises:
+        SpecError: On any malformed spec, a spec on a hook the driver cannot edit, a wrong
+            width or position, a callable the driver cannot run, or a per-prompt list whose
+            length is not the batch size.
+        HookNameError: From ``resolve_name``, for unknown hook names.
+    """
+    lengths = tuple(lengths)
+    batch = len(lengths)
+    can_fire, known = _fireable_parts(fireable)
+    if intervene is None:
+        return InterventionPlan(tuple({} for _ in range(batch)), {}, lengths)
+    if isinstance(intervene, Mapping):
+        shared, callables = _read_mapping(
+            intervene, None, resolve_name, can_fire, known, allow_callables
+        )
+        per_prompt = tuple(
+            _resolve_for_prompt(shared, index, length, feature_shape)
+            for index, length in enumerate(lengths)
+        )
+        return InterventionPlan(per_prompt, callables, lengths)
+    if not isinstance(intervene, Sequence) or isinstance(intervene, str | bytes):
+        raise _error(
+            "intervene: expected None, a mapping of hook name to specs, or a list with one "
+            f"such mapping per prompt; found {_describe(intervene)}"
+        )
+    if len(intervene) != batch:
+        raise _error(
+            f"intervene: got a list of {len(intervene)} per-prompt mappings but the batch "
+            f"has {batch} prompt(s); pass one mapping (or None) per prompt, or a single "
+            "mapping for all prompts"
+        )
+    plans: list[dict[str, tuple[InterventionSpec, ...]]] = []
+    for index, (entry, length) in enumerate(zip(intervene, lengths, strict=True)):
+        if entry is None:
+            plans.append({})
+            continue
+        if not isinstance(entry, Mapping):
+            raise _error(
+                f"intervene[{index}]: expected a mapping of hook name to specs or None for "
+                f"prompt {index}, found {_describe(entry)}"
+            )
+        specs, fns = _read_mapping(entry, index, resolve_name, can_fire, known, allow_callables)
+        if fns:
+            name = next(iter(fns))
+            raise _error(
+                f"intervention on {name!r} for prompt {index}: Python hook functions apply "
+                "to the whole batch; pass them in a single mapping for all prompts, not in "
+                "the per-prompt list"
+            )
+        plans.append(_resolve_for_prompt(specs, index, length, feature_shape))
+    return InterventionPlan(tuple(plans), {}, lengths)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _fireable_parts(
+    fireable: Callable[[str], bool] | Collection[str],
+) -> tuple[Callable[[str], bool], Collection[str] | None]:
+    # Collections first: a ModuleDict of hook points is both a collection and callable.
+    if isinstance(fireable, Collection) and not isinstance(fireable, str):
+        names = fireable
+        return (lambda name: name in names), names
+    predicate = cast("Callable[[str], bool]", fireable)
+    owner = getattr(predicate, "__self__", None)
+    if isinstance(owner, Collection) and not isinstance(owner, str):
+        return predicate, owner
+    return predicate, None
+
+
+def _read_mapping(
+    mapping: Mapping[Any, Any],
+    prompt: int | None,
+    resolve_name: Callable[[str], str],
+    can_fire: Callable[[str], bool],
+    known: Collection[str] | None,
+    allow_callables: bool,
+) -> tuple[
+    dict[str, list[tuple[str, InterventionSpec]]], dict[str, tuple[Callable[..., Any], ...]]
+]:
+    """Canonical hook -> [(name as typed, spec)], and canonical hook -> callables."""
+    specs: dict[str, list[tuple[str, InterventionSpec]]] = {}
+    fns: dict[str, list[Callable[..., Any]]] = {}
+    for name, entry in mapping.items():
+        if not isinstance(name, str):
+            raise _error(f"intervene: hook names must be strings, found {_describe(name)}")
+        where = f"intervention on {name!r}" + ("" if prompt is None else f" for prompt {prompt}")
+        items = list(entry) if _is_list(entry) else [entry]
+        if not items:
+            continue
+        canonical = resolve_name(name)
+        if not can_fire(canonical):
+            raise _error(_unfireable_message(where, name, canonical, known))
+        callables = [item for item in items if _is_callable(item)]
+        if callables and not allow_callables:
+            raise _error(
+                f"{where}: this driver takes declarative specs only, found Python function "
+                f"{_callable_name(callables[0])!r}; use a spec instead: {{'op': 'suppress'}}, "
+                "{'op': 'scale', 'factor': f}, {'op': 'add', 'value': v} or "
+                f"{{'op': 'set', 'value': v}} (spec ops: {', '.join(SPEC_OPS)})"
+            )
+        if callables and len(callables) != len(items):
+            raise _error(
+                f"{where}: a hook's list holds either specs or Python hook functions, not "
+                "both (specs run before hook functions); give them in separate entries"
+            )
+        if callables:
+            fns.setdefault(canonical, []).extend(callables)
+        else:
+            specs.setdefault(canonical, []).extend((name, _parse(i, where)) for i in items)
+    return specs, {name: tuple(f) for name, f in fns.items()}
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)
+
+
+def _is_list(entry: object) -> bool:
+    return isinstance(entry, Sequence) and not isinstance(entry, str | bytes | Mapping)
+
+
+def _is_callable(entry: object) -> bool:
+    return callable(entry) and not isinstance(entry, InterventionSpec | Mapping | type)
+
+
+def _unfireable_message(
+    where: str, name: str, canonical: str, known: Collection[str] | None
+) -> str:
+    alias = "" if canonical == name else f" (canonical {canonical!r})"
+    message = f"{where}{alias}: the driver cannot intervene on this hook"
+    if known is None:
+        return message + "; see the driver's supported_hook_points for the hooks it can edit"
+    choices = sorted(known)
+    suggestion = _suggest(canonical, choices)
+    shown = ", ".join(choices[:12]) + (f" (+{len(choices) - 12} more)" if len(choices) > 12 else "")
+    return f"{message}; {suggestion}Hooks it can intervene on: {shown or 'none'}"
+
+
+def _resolve_for_prompt(
+    specs: Mapping[str, list[tuple[str, InterventionSpec]]],
+    index: int,
+    length: int,
+    feature_shape: _ShapeFn,
+) -> dict[str, tuple[InterventionSpec, ...]]:
+    out: dict[str, tuple[InterventionSpec, ...]] = {}
+    for canonical, entries in specs.items():
+        shape = feature_shape(canonical)
+        width = length if shape is None else math.prod(shape)
+        resolved = []
+        for name, spec in entries:
+            where = f"intervention on {name!r}"
+            _check_width(spec, width, shape, index, length, where)
+            resolved.append(_resolve_positions(spec, index, length, where))
+        out[canonical] = tuple(resolved)
+    return out
+
+
+def _check_width(
+    spec: InterventionSpec,
+    width: int,
+    shape: tuple[int, ...] | None,
+    index: int,
+    length: int,
+    where: str,
+) -> None:
+    value = spec.value
+    if not isinstance(value, tuple):
+        return
+    found = len(value[0]) if isinstance(value[0], tuple) else len(value)
+    if found == width:
+        return
+    if shape is None:
+        where = f"{where} for prompt {index}"
+        what = f"the prompt's length {length} (this hook's features are key positions)"
+    else:
+        what = f"{width} (the hook's feature shape is {shape})"
+    raise _error(
+        f"{where}: key 'value' has width {found}, expected {what}; pass a scalar, a "
+        f"{width}-long vector, or one {width}-long vector per listed position"
+    )
+
+
+def _resolve_positions(
+    spec: InterventionSpec, index: int, length: int, where: str
+) -> InterventionSpec:
+    if spec.pos is None:
+        return spec
+    absolute = []
+    for p in spec.pos:
+        if not -length <= p < length:
+            raise _error(
+                f"{where} for prompt {index}: key 'pos' lists position {p}, out of range for "
+                f"a prompt of length {length} (valid positions: {-length}..{length - 1})"
+            )
+        absolute.append(p + length if p < 0 else p)
+    if len(set(absolute)) != len(absolute):
+        raise _error(
+            f"{where} for prompt {index}: key 'pos' {list(spec.pos)} names one position twice "
+            f"in a prompt of length {length} (as {absolute}); expected distinct positions"
+        )
+    resolved = tuple(absolute)
+    return spec if resolved == spec.pos else replace(spec, pos=resolved)
