@@ -22,7 +22,13 @@ PACKAGES: dict[str, list[str]] = {
         str(FIXTURES / "tl-fake-broken"),
         "jsonschema",
     ],
+    # accelerate is the driver's optional extra; installing it runs the device_map tests.
+    "tl-driver-hf": ["accelerate>=1.1"],
 }
+
+
+#: Packages that install everywhere (no engine with its own pins).
+LOCAL_PACKAGES = ("tl-core", "tl-driver-hf")
 
 
 def _install(session: nox.Session, *args: str) -> None:
@@ -42,7 +48,7 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session(python=PYTHON, tags=["test"])
 def integration(session: nox.Session) -> None:
     """Cross-package tests (every locally runnable driver installed together)."""
-    _install(session, "pytest", str(ROOT / "packages" / "tl-core"))
+    _install(session, "pytest", *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
     session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs)
 
 
@@ -55,9 +61,10 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["check"])
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on tl-core."""
-    _install(session, "mypy", str(ROOT / "packages" / "tl-core"))
+    """mypy (strict on tl-core) over the locally installable packages."""
+    _install(session, "mypy", *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
     session.run("mypy", str(ROOT / "packages" / "tl-core" / "src" / "tl_core"))
+    session.run("mypy", str(ROOT / "packages" / "tl-driver-hf" / "src" / "tl_driver_hf"))
 
 
 @nox.session(python=PYTHON, tags=["check"])

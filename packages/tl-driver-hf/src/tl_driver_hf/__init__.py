@@ -1,0 +1,77 @@
+"""The ``hf`` driver of tl: HuggingFace transformers models with the full hook tree.
+
+Importing this package is cheap (no torch, no transformers): the ``tl_core.drivers`` entry
+point scan and ``tl_driver_hf.testing`` import it. The driver and helpers load on first
+use::
+
+    from tl_core import TransformerBridge
+
+    bridge = TransformerBridge.boot_transformers("path/to/folder")
+    logits, cache = bridge.run_with_cache("Hello")
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tl_core._discovery import DriverEntry, EngineRequirement
+from tl_core._driver import FEATURES
+from tl_driver_hf._version import __version__
+
+if TYPE_CHECKING:
+    from tl_driver_hf._driver import HFDriver
+    from tl_driver_hf._support import (
+        SupportReport,
+        build_bridge_config_from_hf,
+        build_bridge_from_module,
+        check_model_support,
+        list_supported_models,
+    )
+    from tl_driver_hf._tokenizer import HFTokenizer, detect_tokenizer_bos_eos
+    from tl_driver_hf.adapters import ArchitectureAdapter, register_adapter
+
+__all__ = [
+    "ENTRY",
+    "ArchitectureAdapter",
+    "HFDriver",
+    "HFTokenizer",
+    "SupportReport",
+    "__version__",
+    "build_bridge_config_from_hf",
+    "build_bridge_from_module",
+    "check_model_support",
+    "detect_tokenizer_bos_eos",
+    "list_supported_models",
+    "register_adapter",
+]
+
+ENTRY = DriverEntry(
+    name="hf",
+    distribution="tl-driver-hf",
+    loader="tl_driver_hf._driver:HFDriver",
+    # Keep in step with the transformers pin in pyproject.toml.
+    engine=EngineRequirement(("transformers",), ">=5.0,<6"),
+    features=FEATURES,
+    kind="local",
+    description="HuggingFace transformers models: full hook tree, gradients, weights",
+)
+
+_LAZY = {
+    "HFDriver": "tl_driver_hf._driver",
+    "HFTokenizer": "tl_driver_hf._tokenizer",
+    "detect_tokenizer_bos_eos": "tl_driver_hf._tokenizer",
+    "SupportReport": "tl_driver_hf._support",
+    "build_bridge_config_from_hf": "tl_driver_hf._support",
+    "build_bridge_from_module": "tl_driver_hf._support",
+    "check_model_support": "tl_driver_hf._support",
+    "list_supported_models": "tl_driver_hf._support",
+    "ArchitectureAdapter": "tl_driver_hf.adapters",
+    "register_adapter": "tl_driver_hf.adapters",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tl_driver_hf' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

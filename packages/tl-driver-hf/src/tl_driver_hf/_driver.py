@@ -1,0 +1,400 @@
+"""``HFDriver``: the ``LocalDriver`` over a HuggingFace transformers causal LM."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from tl_core import HookPoint, LocalDriver, ModelInfo, ModelReadout, Tokenizer, UserError
+from tl_core._absence import absent_hook_reasons
+from tl_core._vocabulary import canonical_hook_names
+from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
+from tl_driver_hf._loading import (
+    adapter_for_config,
+    apply_n_ctx,
+    load_config,
+    load_model,
+    load_tokenizer,
+)
+from tl_driver_hf._model import HFHookedModel
+from tl_driver_hf._modules import resolve_modules
+from tl_driver_hf._options import BootOptions
+from tl_driver_hf._wiring import RunState, Wiring, _input_of, _with_input
+from tl_driver_hf.adapters import ArchitectureAdapter
+
+__all__ = ["HFDriver"]
+
+_IMPL_ATTR = "_attn_implementation_internal"
+
+
+class _Stop(Exception):
+    """Ends a forward early, carrying the residual stream that reached the stop."""
+
+    def __init__(self, value: Any = None, args: Any = None, kwargs: Any = None) -> None:
+        super().__init__()
+        self.value, self.call_args, self.call_kwargs = value, args, kwargs
+
+
+class HFDriver(LocalDriver):
+    """Runs a transformers causal LM with the full canonical hook tree.
+
+    Build it with ``HFDriver.boot(...)`` (what ``TransformerBridge.boot_transformers``
+    calls). During each forward the driver points the model's attention implementation
+    at its hooked eager attention, attaches torch hooks only for HookPoints that have
+    something attached, and restores both afterwards.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        adapter: ArchitectureAdapter,
+        tokenizer: Tokenizer,
+        *,
+        use_attn_result: bool = False,
+        n_ctx: int | None = None,
+    ) -> None:
+        """Wrap a loaded model (see ``boot`` for the usual entry point).
+
+        Args:
+            hf_model: A transformers ``*ForCausalLM`` model of ``adapter``'s family.
+            adapter: The family's adapter.
+            tokenizer: The tokenizer (a tl ``Tokenizer``).
+            use_attn_result: Also serve ``attn.hook_result``.
+            n_ctx: The longest input to accept (default: the config's).
+
+        Raises:
+            ConfigError: The model lacks a module the adapter names.
+        """
+        config = hf_model.config
+        info = adapter.model_info(config)
+        if n_ctx is not None:
+            info = dataclasses.replace(info, n_ctx=n_ctx)
+        modules = resolve_modules(hf_model, adapter)
+        absent = {
+            t.format(i=i) if "{i}" in t else t: reason
+            for t, reason in adapter.absent_templates().items()
+            for i in range(info.n_layers)
+        }
+        names = [
+            n for n in canonical_hook_names(info, include_attn_result=use_attn_result) if n not in absent
+        ]
+        self._model = HFHookedModel(hf_model, adapter, info, modules, names)
+        reasons = absent_hook_reasons(info, self._model.hook_points)
+        self._absent = {n: absent.get(n, r) for n, r in reasons.items()}
+        self._tokenizer = tokenizer
+        self._adapter = adapter
+        self._wiring = Wiring(
+            modules,
+            self._model.hook_points,
+            adapter,
+            n_heads=info.n_heads,
+            n_kv_heads=info.kv_heads,
+            d_head=info.d_head,
+        )
+        self._sites = self._wiring.attention_sites()
+        self._configs = _configs_of(hf_model)
+        # Meta parameters without accelerate's offload hooks mean load_weights=False; with
+        # them (disk offload) the weights are brought in module by module as it runs.
+        self._meta = any(p.is_meta for p in hf_model.parameters()) and not any(
+            hasattr(m, "_hf_hook") for m in hf_model.modules()
+        )
+
+    @classmethod
+    def boot(cls, model_name: Any = None, **options: Any) -> HFDriver:
+        """Load a transformers model (or wrap one) for tl.
+
+        Args:
+            model_name: A hub id or a local folder (``None`` with ``hf_model``).
+            **options: ``hf_config_overrides`` (config fields to change),
+                ``device`` or ``device_map`` (``"auto"``, a dict, ...; mutually exclusive),
+                ``offload_folder`` and ``max_memory`` (with ``device_map``),
+                ``n_devices`` (split layers over the first n CUDA devices),
+                ``dtype`` (default float32), ``tokenizer`` (object, hub id or folder),
+                ``load_weights`` (``False``: build on the meta device, for inspection),
+                ``trust_remote_code`` (default False), ``model_class`` (class or its name
+                in transformers), ``hf_model`` (wrap a loaded model as is), ``n_ctx``,
+                ``revision``, ``checkpoint_index``/``checkpoint_value`` (Pythia and
+                stanford-crfm training checkpoints), ``use_attn_result``.
+
+        Returns:
+            The driver.
+
+        Raises:
+            UserError: Unknown or conflicting options, a model without checkpoints, an
+                unsupported architecture (``ConfigError``), all before any weight loads.
+        """
+        opts = BootOptions.parse(model_name, options)
+        if opts.hf_model is not None:
+            model = opts.hf_model
+            adapter = adapter_for_config(getattr(model, "config", None))
+            source = opts.tokenizer
+            if source is None:
+                source = getattr(model, "name_or_path", None) or None
+            tokenizer = load_tokenizer(
+                source, model.config, local_only=True, required=isinstance(opts.tokenizer, str)
+            )
+            return cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result)
+        config = load_config(opts)
+        adapter = adapter_for_config(config)
+        if opts.n_ctx is not None:
+            apply_n_ctx(config, adapter, opts.n_ctx)
+        model = load_model(opts, config, adapter)
+        tokenizer = load_tokenizer(
+            opts.tokenizer if opts.tokenizer is not None else opts.model_name,
+            config,
+            revision=opts.revision if opts.tokenizer is None else None,
+            trust_remote_code=opts.trust_remote_code,
+            required=opts.tokenizer is not None,
+        )
+        return cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result, n_ctx=opts.n_ctx)
+
+    # -- LocalDriver ------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The ``HFHookedModel`` (HookPoint tree, weights, and ``hf_model``)."""
+        return self._model
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The wrapped transformers model."""
+        return self._model.hf_model
+
+    @property
+    def adapter(self) -> ArchitectureAdapter:
+        """The family's adapter."""
+        return self._adapter
+
+    @property
+    def hook_points(self) -> Mapping[str, HookPoint]:
+        """Canonical name -> HookPoint of every site this model fires."""
+        return self._model.hook_points
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's sizes and structure."""
+        return self._model.info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The wrapped tokenizer."""
+        return self._tokenizer
+
+    @property
+    def non_fireable_reasons(self) -> Mapping[str, str]:
+        """Canonical hooks this family lacks, with the reason."""
+        return self._absent
+
+    @property
+    def device(self) -> torch.device:
+        """Where inputs go: the first parameter that is not offloaded."""
+        for param in self.hf_model.parameters():
+            if not param.is_meta:
+                return param.device
+        return torch.device("cpu")
+
+    def readout(self) -> ModelReadout:
+        """Final norm and unembedding."""
+        return self._model.readout()
+
+    def forward(self, input_ids: Any, **kwargs: Any) -> Any:
+        """As ``LocalDriver.forward``; refuses a model booted without weights first."""
+        self._check_runnable()
+        return super().forward(input_ids, **kwargs)
+
+    def run_model(
+        self,
+        input_ids: torch.Tensor | None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One forward of the transformers model with the attached hooks."""
+        self._check_runnable()
+        n_layers = self.info.n_layers
+        start = _layer_index(start_at_layer, "start_at_layer", n_layers)
+        stop = _layer_index(stop_at_layer, "stop_at_layer", n_layers)
+        if start is not None and stop is not None and start > stop:
+            raise UserError(
+                f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
+                f"stop_at_layer ({stop_at_layer}) at block {stop}; start must not exceed stop."
+            )
+        if start is None and residual is not None:
+            raise UserError("residual was given without start_at_layer; pass start_at_layer=k")
+        if start is not None and residual is None:
+            raise UserError("start_at_layer needs residual: the [batch, pos, d_model] input of that block")
+        if start is None:
+            ids = self._check_ids(input_ids)
+            batch, seq = ids.shape
+            device = ids.device
+        else:
+            assert residual is not None
+            batch, seq = residual.shape[:2]
+            device = residual.device
+        mask = attention_mask.to(device) if attention_mask is not None else None
+        if position_ids is None:
+            # Explicit [batch, pos] ids: left padding needs them from the mask, and learned
+            # position embeddings then fire with the batch axis like every other hook.
+            if mask is not None:
+                position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(seq, device=device).expand(batch, seq)
+        elif position_ids.ndim == 1:
+            position_ids = position_ids.to(device).expand(batch, seq)
+        if start is not None:
+            assert residual is not None
+            return self._run_from(residual, start, stop, mask, position_ids)
+        with self._session():
+            handle = None
+            if stop is not None:
+                target = self._model.parts.layers[stop].layer if stop < n_layers else self._model.parts.final_norm
+                handle = target.register_forward_pre_hook(_stopper, with_kwargs=True, prepend=True)
+            try:
+                out = self.hf_model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            except _Stop as stopped:
+                return stopped.value  # type: ignore[no-any-return]
+            finally:
+                if handle is not None:
+                    handle.remove()
+        return out.logits  # type: ignore[no-any-return]
+
+    # -- internals --------------------------------------------------------------------
+
+    def _check_runnable(self) -> None:
+        if self._meta:
+            raise UserError(
+                "this model was booted with load_weights=False: its parameters live on the "
+                "meta device and hold no values, so it cannot run. Use it to inspect the "
+                "config, hook names and shapes, or boot again with load_weights=True."
+            )
+
+    def _check_ids(self, input_ids: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            found = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise UserError(f"input_ids must be a 2-D tensor [batch, pos], got {found}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
+            raise UserError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
+        rows = int(cast(torch.Tensor, self._model.parts.embed.weight).shape[0])
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= rows):
+            raise UserError(
+                f"input_ids must lie in [0, {rows}) (the embedding's rows), got values from "
+                f"{int(input_ids.min())} to {int(input_ids.max())}"
+            )
+        if self._adapter.pos_embed is not None and input_ids.shape[1] > self.info.n_ctx:
+            raise UserError(
+                f"sequence length {input_ids.shape[1]} exceeds n_ctx={self.info.n_ctx}; this "
+                f"model has learned positions, so longer inputs cannot run"
+            )
+        return input_ids
+
+    @contextmanager
+    def _session(self, *, wire: bool = True) -> Iterator[RunState]:
+        """Hooked attention and the needed torch hooks for one forward; all undone after."""
+        saved = [(cfg, getattr(cfg, _IMPL_ATTR, None)) for cfg in self._configs]
+        state = RunState()
+        handles = []
+        try:
+            for cfg, _ in saved:
+                setattr(cfg, _IMPL_ATTR, ATTN_IMPLEMENTATION)
+            with attention_sites(self._sites):
+                if wire:
+                    handles = self._wiring.install(state)
+                yield state
+        finally:
+            for handle in handles:
+                handle.remove()
+            for cfg, value in saved:
+                setattr(cfg, _IMPL_ATTR, value)
+
+    def _run_from(
+        self,
+        residual: torch.Tensor,
+        start: int,
+        stop: int | None,
+        mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Run blocks ``start..stop`` on ``residual``, then the head unless stopping early.
+
+        A probe forward (no tl hooks) captures the exact arguments transformers passes to
+        block ``start`` (masks, rotary tables per layer type), which the blocks then get.
+        """
+        parts = self._model.parts
+        n_layers = len(parts.layers)
+        end = n_layers if stop is None else stop
+        args: tuple[Any, ...] = ()
+        kwargs: dict[str, Any] = {}
+        if start < end:
+            with self._session(wire=False):
+                handle = parts.layers[start].layer.register_forward_pre_hook(_prober, with_kwargs=True, prepend=True)
+                try:
+                    dtype = cast(torch.Tensor, parts.embed.weight).dtype
+                    embeds = residual.detach().to(dtype)
+                    self.hf_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
+                except _Stop as probe:
+                    args, kwargs = probe.call_args, probe.call_kwargs
+                finally:
+                    handle.remove()
+        x = residual
+        with self._session():
+            for layer in parts.layers[start:end]:
+                call_args, call_kwargs = _with_input(args, kwargs, x)
+                out = layer.layer(*call_args, **call_kwargs)
+                x = out[0] if isinstance(out, tuple) else out
+            if stop is not None:
+                return x
+            logits = parts.lm_head(parts.final_norm(x))
+        return self._softcap(logits)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        field = self._adapter.final_softcap
+        cap = getattr(self.hf_model.config, field, None) if field else None
+        if cap is None:
+            return logits
+        return torch.tanh(logits / float(cap)) * float(cap)
+
+
+def _stopper(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    raise _Stop(_input_of(args, kwargs))
+
+
+def _prober(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    raise _Stop(None, args, kwargs)
+
+
+def _layer_index(value: int | None, name: str, n_layers: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{name} must be an int, got {value!r}")
+    if not -n_layers <= value <= n_layers:
+        raise UserError(
+            f"{name}={value} is out of range for a model with {n_layers} blocks; use a value "
+            f"from {-n_layers} to {n_layers}"
+        )
+    return value + n_layers if value < 0 else value
+
+
+def _configs_of(model: nn.Module) -> list[PretrainedConfig]:
+    """Every distinct config object the model's modules read their attention choice from."""
+    found: dict[int, PretrainedConfig] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            found.setdefault(id(config), config)
+            for key in getattr(config, "sub_configs", {}) or {}:
+                sub = getattr(config, key, None)
+                if isinstance(sub, PretrainedConfig):
+                    found.setdefault(id(sub), sub)
+    return list(found.values())

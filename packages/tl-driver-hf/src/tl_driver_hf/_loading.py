@@ -1,0 +1,206 @@
+"""Load a config, a model and a tokenizer for the ``hf`` driver."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+from typing import Any, cast
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from tl_core import ConfigError, Tokenizer, UserError
+from tl_driver_hf._options import BootOptions
+from tl_driver_hf._tokenizer import HFTokenizer, MissingTokenizer
+from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
+
+__all__ = ["adapter_for_config", "load_config", "load_model", "load_tokenizer", "wrap_tokenizer"]
+
+
+def load_config(opts: BootOptions) -> PretrainedConfig:
+    """The model's config with ``hf_config_overrides`` and ``n_ctx`` applied."""
+    assert opts.model_name is not None
+    try:
+        config = AutoConfig.from_pretrained(
+            opts.model_name, revision=opts.revision, trust_remote_code=opts.trust_remote_code
+        )
+    except OSError as exc:
+        where = "folder" if os.path.isdir(opts.model_name) else "hub id"
+        raise UserError(f"cannot read the config of {where} {opts.model_name!r}: {exc}") from exc
+    for key, value in opts.hf_config_overrides.items():
+        setattr(config, key, value)
+    return cast(PretrainedConfig, config)
+
+
+def adapter_for_config(config: Any) -> ArchitectureAdapter:
+    """The adapter of ``config``'s family.
+
+    Raises:
+        ConfigError: The architecture is not supported (lists the supported families).
+    """
+    model_type = getattr(config, "model_type", None)
+    architectures = tuple(getattr(config, "architectures", None) or ())
+    adapter = find_adapter(model_type, architectures)
+    if adapter is None:
+        families = ", ".join(sorted({a.family for a in all_adapters()}))
+        raise ConfigError(
+            f"architecture {architectures[0] if architectures else model_type!r} "
+            f"(model_type {model_type!r}) is not supported by the hf driver; supported "
+            f"families: {families}. See tl_driver_hf.check_model_support and "
+            f"docs/adding-a-family.md to add one."
+        )
+    return adapter
+
+
+def apply_n_ctx(config: PretrainedConfig, adapter: ArchitectureAdapter, n_ctx: int) -> None:
+    """Write ``n_ctx`` to the field the family reads, warning past the trained length.
+
+    Models with learned positions keep their config (their position table has a fixed
+    size); the driver then refuses longer inputs itself.
+
+    Raises:
+        ConfigError: Larger than trained with learned positions (there are no weights for
+            the extra positions).
+    """
+    trained = adapter.model_info(config).n_ctx
+    if n_ctx > trained:
+        if adapter.pos_embed is not None:
+            raise ConfigError(
+                f"n_ctx={n_ctx} exceeds the {trained} learned positions of this "
+                f"{adapter.family!r} model; there are no position embeddings beyond that"
+            )
+        warnings.warn(
+            f"n_ctx={n_ctx} is larger than the {trained} positions this model was trained "
+            f"on; outputs past {trained} tokens may be poor",
+            UserWarning,
+            stacklevel=4,
+        )
+    if adapter.pos_embed is None:
+        # Learned position tables keep their trained size (the checkpoint's rows); the
+        # driver enforces the shorter limit itself.
+        config.max_position_embeddings = n_ctx
+
+
+def _model_class(opts: BootOptions) -> Any:
+    cls = opts.model_class
+    if cls is None:
+        return AutoModelForCausalLM
+    if isinstance(cls, str):
+        found = getattr(transformers, cls, None)
+        if found is None:
+            raise UserError(f"model_class={cls!r} is not a class in transformers")
+        return found
+    if not hasattr(cls, "from_pretrained"):
+        raise UserError(f"model_class must be a transformers model class, got {cls!r}")
+    return cls
+
+
+def _n_devices_map(adapter: ArchitectureAdapter, config: Any, n: int) -> dict[str, int]:
+    n_layers = adapter.model_info(config).n_layers
+    placement: dict[str, int] = {adapter.embed: 0}
+    if adapter.pos_embed:
+        placement[adapter.pos_embed] = 0
+    per = -(-n_layers // n)
+    for i in range(n_layers):
+        placement[f"{adapter.layers}.{i}"] = min(i // per, n - 1)
+    placement[adapter.final_norm] = n - 1
+    tied = getattr(config, "tie_word_embeddings", False)
+    placement[adapter.lm_head] = 0 if tied else n - 1
+    prefix = adapter.layers.rsplit(".", 1)[0] + "." if "." in adapter.layers else ""
+    # Anything else of the inner model (rotary tables) goes with the embedding.
+    if prefix:
+        placement.setdefault(prefix.rstrip("."), 0)
+    return placement
+
+
+def load_model(opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter) -> nn.Module:
+    """Load (or, with ``load_weights=False``, build on the meta device) the model."""
+    cls = _model_class(opts)
+    if not opts.load_weights:
+        with torch.device("meta"):
+            build = cls.from_config if cls is AutoModelForCausalLM else cls._from_config
+            return cast(nn.Module, build(config, dtype=opts.dtype, attn_implementation="eager"))
+    kwargs: dict[str, Any] = {
+        "config": config,
+        "dtype": opts.dtype,
+        "revision": opts.revision,
+        "trust_remote_code": opts.trust_remote_code,
+        "attn_implementation": "eager",
+    }
+    move_to = None
+    if opts.device is not None:
+        if importlib.util.find_spec("accelerate") is not None:
+            kwargs["device_map"] = opts.device
+        else:
+            move_to = opts.device  # without accelerate: load on the CPU, then move
+    elif opts.n_devices is not None:
+        kwargs["device_map"] = _n_devices_map(adapter, config, opts.n_devices)
+    elif opts.device_map is not None:
+        kwargs["device_map"] = opts.device_map
+    if opts.offload_folder is not None:
+        kwargs["offload_folder"] = opts.offload_folder
+    if opts.max_memory is not None:
+        kwargs["max_memory"] = dict(opts.max_memory)
+    model = cls.from_pretrained(opts.model_name, **kwargs)
+    if move_to is not None:
+        model.to(move_to)
+    model.eval()
+    return model  # type: ignore[no-any-return]
+
+
+def wrap_tokenizer(tokenizer: Any) -> Tokenizer:
+    """Wrap a transformers tokenizer (or pass through one that already is a tl Tokenizer)."""
+    if isinstance(tokenizer, (HFTokenizer, MissingTokenizer)):
+        return tokenizer
+    if hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode") and hasattr(tokenizer, "convert_ids_to_tokens"):
+        return HFTokenizer(tokenizer)
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    raise UserError(
+        f"tokenizer must be a transformers tokenizer, a tl Tokenizer or a name/folder to load "
+        f"one from, got {type(tokenizer).__name__}"
+    )
+
+
+def load_tokenizer(
+    source: Any,
+    config: Any,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    local_only: bool = False,
+    required: bool = False,
+) -> Tokenizer:
+    """The tokenizer from ``source`` (object, name or folder).
+
+    Args:
+        source: A tokenizer object, or a hub id / folder to load one from.
+        config: The model config (its special token ids serve the stand-in).
+        revision: Hub revision of the tokenizer files.
+        trust_remote_code: Passed to ``AutoTokenizer``.
+        local_only: Never reach the network.
+        required: Raise when loading fails (the user named this tokenizer); otherwise a
+            ``MissingTokenizer`` stands in, which still runs token ids.
+
+    Raises:
+        UserError: ``required`` and loading failed, or an object that is no tokenizer.
+    """
+    if source is not None and not isinstance(source, (str, os.PathLike)):
+        return wrap_tokenizer(source)
+    try:
+        loaded = AutoTokenizer.from_pretrained(
+            str(source),
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            local_files_only=local_only,
+        )
+    except Exception as exc:
+        if required:
+            raise UserError(
+                f"cannot load tokenizer {source!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return MissingTokenizer(config, f"loading one from {source!r} failed: {type(exc).__name__}")
+    return HFTokenizer(loaded)

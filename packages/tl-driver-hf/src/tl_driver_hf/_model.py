@@ -1,0 +1,244 @@
+"""``HFHookedModel``: a transformers model plus the canonical HookPoint tree and weights.
+
+The HookPoints live in small container modules named like the canonical hooks
+(``blocks[3].attn.hook_q``), next to the wrapped model (``hf_model``); the transformers
+model itself is never changed. Weight accessors read the live parameters and return them
+in HookedTransformer shapes, so ``bridge.W_Q`` works as TransformerLens users expect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tl_core import HookPoint, ModelInfo, ModelReadout, UnsupportedFeatureError
+from tl_driver_hf._modules import ModelModules
+from tl_driver_hf._norms import norm_eps
+from tl_driver_hf._weights import (
+    bias_of,
+    head_weights,
+    in_out,
+    layer_attention_weights,
+    layer_mlp_weights,
+)
+from tl_driver_hf.adapters import ArchitectureAdapter
+
+__all__ = ["HFHookedModel"]
+
+
+class _Node(nn.Module):
+    """A named container of HookPoints and child containers."""
+
+
+def _build_tree(root: nn.Module, names: Iterable[str], n_layers: int) -> dict[str, HookPoint]:
+    blocks = nn.ModuleList(_Node() for _ in range(n_layers))
+    root.blocks = blocks
+    points: dict[str, HookPoint] = {}
+    for name in names:
+        *path, leaf = name.split(".")
+        node: nn.Module = root
+        for part in path:
+            if part.isdigit():
+                node = blocks[int(part)]
+                continue
+            if part == "blocks":
+                continue
+            child = node._modules.get(part)
+            if child is None:
+                child = _Node()
+                node.add_module(part, child)
+            node = child
+        point = HookPoint(name)
+        node.add_module(leaf, point)
+        points[name] = point
+    return points
+
+
+class HFHookedModel(nn.Module):
+    """A transformers causal LM with canonical HookPoints and HookedTransformer weights.
+
+    Attributes:
+        hf_model: The wrapped transformers model (unchanged).
+        adapter: The family's ``ArchitectureAdapter``.
+        info: The model's ``ModelInfo``.
+        hook_points: Canonical name to HookPoint.
+    """
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        adapter: ArchitectureAdapter,
+        info: ModelInfo,
+        modules: ModelModules,
+        hook_names: Iterable[str],
+    ) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.adapter = adapter
+        self.info = info
+        self.parts = modules
+        self.hook_points = _build_tree(self, hook_names, info.n_layers)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped transformers model directly (no tl hooks fire)."""
+        return self.hf_model(*args, **kwargs)
+
+    # -- weights ----------------------------------------------------------------------
+
+    def _stack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        # Offloaded (meta) layers have shapes but no values: the stack is then meta too.
+        meta = any(t.is_meta for t in tensors)
+        device = torch.device("meta") if meta else tensors[0].device
+        return torch.stack([t.to(device) for t in tensors])
+
+    def _attn(self, key: str) -> torch.Tensor:
+        info = self.info
+        return self._stack(
+            [
+                layer_attention_weights(
+                    lay.q, lay.k, lay.v, lay.qkv, self.adapter.linear, info.n_heads, info.kv_heads, info.d_head
+                )[key]
+                for lay in self.parts.layers
+            ]
+        )
+
+    def _mlp(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if self.adapter.moe:
+            raise UnsupportedFeatureError(
+                f"{key} does not exist on {self.adapter.family!r}: its MLP is a mixture of "
+                f"experts; read the expert weights from bridge.hf_model directly"
+            )
+        values = [
+            layer_mlp_weights(lay.mlp_in, lay.gate, lay.up, lay.gate_up, lay.down, self.adapter.linear)[key]
+            for lay in self.parts.layers
+        ]
+        if values[0] is None:
+            if shape is None:
+                raise UnsupportedFeatureError(
+                    f"{key} exists only on gated MLPs; this {self.adapter.family!r} MLP is not gated"
+                )
+            ref = self.W_E
+            return torch.zeros((len(values), *shape), dtype=ref.dtype, device=ref.device)
+        return self._stack([v for v in values if v is not None])
+
+    @property
+    def W_E(self) -> torch.Tensor:
+        """Token embedding ``[d_vocab, d_model]`` (before any embedding scale)."""
+        return self.parts.embed.weight  # type: ignore[return-value]
+
+    @property
+    def W_pos(self) -> torch.Tensor:
+        """Learned position embedding ``[n_ctx, d_model]``."""
+        if self.parts.pos_embed is None:
+            raise UnsupportedFeatureError(
+                f"W_pos exists only with learned positions; {self.adapter.family!r} uses "
+                f"{self.info.positional_embedding_type!r} positions"
+            )
+        return self.parts.pos_embed.weight  # type: ignore[return-value]
+
+    @property
+    def W_Q(self) -> torch.Tensor:
+        """Query weights ``[n_layers, n_heads, d_model, d_head]``."""
+        return self._attn("W_Q")
+
+    @property
+    def W_K(self) -> torch.Tensor:
+        """Key weights ``[n_layers, n_key_value_heads, d_model, d_head]``."""
+        return self._attn("W_K")
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        """Value weights ``[n_layers, n_key_value_heads, d_model, d_head]``."""
+        return self._attn("W_V")
+
+    @property
+    def b_Q(self) -> torch.Tensor:
+        """Query biases ``[n_layers, n_heads, d_head]`` (zeros without biases)."""
+        return self._attn("b_Q")
+
+    @property
+    def b_K(self) -> torch.Tensor:
+        """Key biases ``[n_layers, n_key_value_heads, d_head]`` (zeros without biases)."""
+        return self._attn("b_K")
+
+    @property
+    def b_V(self) -> torch.Tensor:
+        """Value biases ``[n_layers, n_key_value_heads, d_head]`` (zeros without biases)."""
+        return self._attn("b_V")
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        """Output weights ``[n_layers, n_heads, d_head, d_model]``."""
+        info = self.info
+        return self._stack(
+            [head_weights(lay.o, self.adapter.linear, info.n_heads, info.d_head)[0] for lay in self.parts.layers]
+        )
+
+    @property
+    def b_O(self) -> torch.Tensor:
+        """Attention output biases ``[n_layers, d_model]`` (zeros without biases)."""
+        biases = [bias_of(lay.o) for lay in self.parts.layers]
+        if biases[0] is None:
+            ref = self.W_E
+            return torch.zeros(len(biases), self.info.d_model, dtype=ref.dtype, device=ref.device)
+        return self._stack([b for b in biases if b is not None])
+
+    @property
+    def W_in(self) -> torch.Tensor:
+        """MLP input (up) weights ``[n_layers, d_model, d_mlp]``."""
+        return self._mlp("W_in")
+
+    @property
+    def W_gate(self) -> torch.Tensor:
+        """MLP gate weights ``[n_layers, d_model, d_mlp]`` (gated MLPs only)."""
+        return self._mlp("W_gate")
+
+    @property
+    def W_out(self) -> torch.Tensor:
+        """MLP output weights ``[n_layers, d_mlp, d_model]``."""
+        return self._mlp("W_out")
+
+    @property
+    def b_in(self) -> torch.Tensor:
+        """MLP input biases ``[n_layers, d_mlp]`` (zeros without biases)."""
+        return self._mlp("b_in", (self.info.d_mlp,))
+
+    @property
+    def b_out(self) -> torch.Tensor:
+        """MLP output biases ``[n_layers, d_model]`` (zeros without biases)."""
+        return self._mlp("b_out", (self.info.d_model,))
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        """Unembedding ``[d_model, d_vocab]``."""
+        return in_out(self.parts.lm_head, "linear")
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        """Unembedding bias ``[d_vocab]`` (zeros without a bias)."""
+        bias = bias_of(self.parts.lm_head)
+        if bias is None:
+            return torch.zeros_like(self.W_U[0])
+        return bias
+
+    def readout(self) -> ModelReadout:
+        """The final norm and unembedding (the family's weight rule folded into the weight)."""
+        norm = self.parts.final_norm
+        weight = getattr(norm, "weight", None)
+        if weight is not None and self.adapter.norm == "rms_plus_one":
+            weight = 1.0 + weight.float()
+        softcap = None
+        if self.adapter.final_softcap:
+            softcap = getattr(self.hf_model.config, self.adapter.final_softcap, None)
+        return ModelReadout(
+            W_U=self.W_U,
+            b_U=bias_of(self.parts.lm_head),
+            ln_final_weight=weight,
+            ln_final_bias=bias_of(norm),
+            normalization_type=self.info.normalization_type,
+            eps=norm_eps(norm),
+            logit_softcap=float(softcap) if softcap is not None else None,
+        )

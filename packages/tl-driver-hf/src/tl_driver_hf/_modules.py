@@ -1,0 +1,110 @@
+"""Resolve an adapter's dotted paths to the modules of one loaded transformers model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tl_core import ConfigError
+from tl_driver_hf.adapters import ArchitectureAdapter
+
+__all__ = ["LayerModules", "ModelModules", "resolve_modules"]
+
+
+@dataclass(frozen=True)
+class LayerModules:
+    """The modules of one decoder layer (``None`` where the family has no such part)."""
+
+    layer: nn.Module
+    ln1: nn.Module | None
+    ln2: nn.Module | None
+    ln1_post: nn.Module | None
+    ln2_post: nn.Module | None
+    attn: nn.Module
+    q: nn.Module | None
+    k: nn.Module | None
+    v: nn.Module | None
+    qkv: nn.Module | None
+    o: nn.Module
+    mlp: nn.Module
+    mlp_in: nn.Module | None
+    gate: nn.Module | None
+    up: nn.Module | None
+    gate_up: nn.Module | None
+    down: nn.Module | None
+
+
+@dataclass(frozen=True)
+class ModelModules:
+    """The model-level modules and every layer's modules."""
+
+    embed: nn.Module
+    pos_embed: nn.Module | None
+    layers: tuple[LayerModules, ...]
+    final_norm: nn.Module
+    lm_head: nn.Module
+
+
+def _get(root: nn.Module, path: str | None, where: str, adapter: ArchitectureAdapter) -> nn.Module | None:
+    if path is None:
+        return None
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        raise ConfigError(
+            f"the {adapter.family!r} adapter expects a module at {where}{path!r} in "
+            f"{type(root).__name__}, which has none; this transformers version may have renamed "
+            f"it (tl-driver-hf is tested with transformers 5.x)"
+        ) from None
+
+
+def _need(root: nn.Module, path: str, where: str, adapter: ArchitectureAdapter) -> nn.Module:
+    module = _get(root, path, where, adapter)
+    assert module is not None
+    return module
+
+
+def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModules:
+    """Find every module ``adapter`` names inside ``model``.
+
+    Raises:
+        ConfigError: A path that does not exist (names the family and the path).
+    """
+    layers_module = _need(model, adapter.layers, "", adapter)
+    layers: list[LayerModules] = []
+    layer: nn.Module
+    for index, layer in enumerate(layers_module):  # type: ignore[arg-type]
+        where = f"{adapter.layers}.{index}."
+        attn = _need(layer, adapter.attn, where, adapter)
+        mlp = _need(layer, adapter.mlp, where, adapter)
+        attn_where = f"{where}{adapter.attn}."
+        mlp_where = f"{where}{adapter.mlp}."
+        layers.append(
+            LayerModules(
+                layer=layer,
+                ln1=_get(layer, adapter.ln1, where, adapter),
+                ln2=_get(layer, adapter.ln2, where, adapter),
+                ln1_post=_get(layer, adapter.ln1_post, where, adapter),
+                ln2_post=_get(layer, adapter.ln2_post, where, adapter),
+                attn=attn,
+                q=_get(attn, adapter.q, attn_where, adapter),
+                k=_get(attn, adapter.k, attn_where, adapter),
+                v=_get(attn, adapter.v, attn_where, adapter),
+                qkv=_get(attn, adapter.qkv, attn_where, adapter),
+                o=_need(attn, adapter.o, attn_where, adapter),
+                mlp=mlp,
+                mlp_in=_get(mlp, adapter.mlp_in, mlp_where, adapter),
+                gate=_get(mlp, adapter.gate, mlp_where, adapter),
+                up=_get(mlp, adapter.up, mlp_where, adapter),
+                gate_up=_get(mlp, adapter.gate_up, mlp_where, adapter),
+                down=_get(mlp, adapter.down, mlp_where, adapter),
+            )
+        )
+    return ModelModules(
+        embed=_need(model, adapter.embed, "", adapter),
+        pos_embed=_get(model, adapter.pos_embed, "", adapter),
+        layers=tuple(layers),
+        final_norm=_need(model, adapter.final_norm, "", adapter),
+        lm_head=_need(model, adapter.lm_head, "", adapter),
+    )

@@ -1,0 +1,314 @@
+"""Torch hooks that fire the canonical HookPoints on a transformers model.
+
+Only hooks whose HookPoint has something attached are wired, and only for one forward:
+``Wiring.install`` returns the torch handles and the driver removes them afterwards, so
+between runs the transformers model carries nothing of ours and an unhooked forward runs
+at the model's own speed. Every hook passes the value through its HookPoint and, when a
+hook returned a different tensor, hands that one downstream so edits propagate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from tl_core import HookPoint
+from tl_driver_hf._attention import AttentionSite
+from tl_driver_hf._modules import LayerModules, ModelModules
+from tl_driver_hf._norms import apply_weight, norm_eps, normalize
+from tl_driver_hf._weights import head_weights
+from tl_driver_hf.adapters import ArchitectureAdapter
+
+__all__ = ["RunState", "Wiring"]
+
+
+class RunState:
+    """Per-forward bookkeeping: residual edits made at ``resid_mid`` awaiting the block end."""
+
+    def __init__(self) -> None:
+        self.resid_mid_delta: dict[int, torch.Tensor] = {}
+
+
+def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]  # type: ignore[no-any-return]
+
+
+def _with_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], new: torch.Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if args:
+        return (new, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": new}
+
+
+def _input_hook(point: HookPoint) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = _input_of(args, kwargs)
+        out = point(x)
+        return None if out is x else _with_input(args, kwargs, out)
+
+    return hook
+
+
+def _output_hook(point: HookPoint) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        x = output[0] if isinstance(output, tuple) else output
+        out = point(x)
+        if out is x:
+            return None
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    return hook
+
+
+def _heads_hook(point: HookPoint, n_heads: int, d_head: int) -> Callable[..., Any]:
+    """Fire a ``b p h dh`` hook on a projection's ``b p (h dh)`` output."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+        seen = torch.unflatten(output, -1, (n_heads, d_head))
+        out = point(seen)
+        # Backward hooks sit on ``seen``, so it must stay in the graph when there are any.
+        return None if out is seen and not point._bwd else out.flatten(-2)
+
+    return hook
+
+
+def _split_hook(points: tuple[HookPoint | None, ...], sizes: tuple[int, ...], heads: tuple[int, ...] | None, d_head: int) -> Callable[..., Any]:
+    """Fire hooks on the parts of a fused projection (``[q | k | v]`` or ``[gate | up]``)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+        parts = list(torch.split(output, list(sizes), dim=-1))
+        changed = False
+        for index, point in enumerate(points):
+            if point is None or not point.has_hooks:
+                continue
+            part = parts[index]
+            seen = torch.unflatten(part, -1, (heads[index], d_head)) if heads else part
+            out = point(seen)
+            if out is not seen or point._bwd:
+                parts[index] = out.flatten(-2) if heads else out
+                changed = True
+        return torch.cat(parts, dim=-1) if changed else None
+
+    return hook
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    return cast(torch.Tensor, module.weight)
+
+
+def _has_bwd(*points: HookPoint | None) -> bool:
+    return any(p is not None and bool(p._bwd) for p in points)
+
+
+def _norm_hook(
+    kind: Any, scale: HookPoint | None, normed: HookPoint | None, out: HookPoint | None
+) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+        result = output
+        if (scale is not None and scale.has_hooks) or (normed is not None and normed.has_hooks):
+            x = args[0]
+            centred, s, n = normalize(x, kind, norm_eps(module))
+            new_s = scale(s) if scale is not None and scale.has_hooks else s
+            if new_s is not s or _has_bwd(scale):
+                n = centred / new_s
+            new_n = normed(n) if normed is not None and normed.has_hooks else n
+            if new_n is not n or new_s is not s or _has_bwd(scale, normed):
+                result = apply_weight(new_n, module, kind, x.dtype)
+        if out is not None and out.has_hooks:
+            result = out(result)
+        return None if result is output else result
+
+    return hook
+
+
+class Wiring:
+    """Installs, for one forward, the torch hooks that active HookPoints need."""
+
+    def __init__(
+        self,
+        modules: ModelModules,
+        points: Mapping[str, HookPoint],
+        adapter: ArchitectureAdapter,
+        *,
+        n_heads: int,
+        n_kv_heads: int,
+        d_head: int,
+    ) -> None:
+        self.modules = modules
+        self.points = points
+        self.adapter = adapter
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.d_head = d_head
+
+    def _point(self, name: str) -> HookPoint | None:
+        return self.points.get(name)
+
+    def _active(self, *names: str) -> bool:
+        for name in names:
+            point = self.points.get(name)
+            if point is not None and point.has_hooks:
+                return True
+        return False
+
+    def attention_sites(self) -> dict[nn.Module, AttentionSite]:
+        """Each attention module's site for ``hooked_attention``."""
+        sites: dict[nn.Module, AttentionSite] = {}
+        qk = ("hook_rot_q", "hook_rot_k") if self.adapter.rotary else ("hook_q", "hook_k")
+        for i, layer in enumerate(self.modules.layers):
+            p = f"blocks.{i}.attn."
+            sites[layer.attn] = AttentionSite(
+                q=self._point(p + qk[0]),
+                k=self._point(p + qk[1]),
+                v=self.points[p + "hook_v"],
+                scores=self.points[p + "hook_attn_scores"],
+                pattern=self.points[p + "hook_pattern"],
+                z=self.points[p + "hook_z"],
+                softmax_fp32=self.adapter.softmax_fp32,
+            )
+        return sites
+
+    def install(self, state: RunState) -> list[RemovableHandle]:
+        """Register the needed torch hooks, in forward order; returns their handles."""
+        handles: list[RemovableHandle] = []
+        m = self.modules
+        if self._active("embed.hook_out"):
+            handles.append(m.embed.register_forward_hook(self._embed_hook()))
+        if m.pos_embed is not None and self._active("pos_embed.hook_out"):
+            handles.append(m.pos_embed.register_forward_hook(_output_hook(self.points["pos_embed.hook_out"])))
+        for i, layer in enumerate(m.layers):
+            self._install_layer(i, layer, state, handles)
+        self._install_norm("ln_final", m.final_norm, handles)
+        if self._active("unembed.hook_out"):
+            handles.append(m.lm_head.register_forward_hook(_output_hook(self.points["unembed.hook_out"])))
+        return handles
+
+    def _install_norm(self, prefix: str, module: nn.Module | None, handles: list[RemovableHandle], *, with_input: bool = True) -> None:
+        if module is None:
+            return
+        if with_input and self._active(f"{prefix}.hook_in"):
+            handles.append(module.register_forward_pre_hook(_input_hook(self.points[f"{prefix}.hook_in"]), with_kwargs=True))
+        names = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out"]
+        if self._active(*names):
+            hook = _norm_hook(self.adapter.norm, *(self._point(n) for n in names))
+            handles.append(module.register_forward_hook(hook))
+
+    def _install_layer(self, i: int, layer: LayerModules, state: RunState, handles: list[RemovableHandle]) -> None:
+        b = f"blocks.{i}."
+        if self._active(b + "hook_in"):
+            handles.append(layer.layer.register_forward_pre_hook(_input_hook(self.points[b + "hook_in"]), with_kwargs=True))
+        self._install_norm(b + "ln1", layer.ln1, handles)
+        if self._active(b + "attn.hook_in"):
+            handles.append(layer.attn.register_forward_pre_hook(_input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True))
+        self._install_qk(b, layer, handles)
+        if self._active(b + "attn.hook_result"):
+            handles.append(layer.o.register_forward_hook(self._result_hook(layer, self.points[b + "attn.hook_result"])))
+        if self._active(b + "attn.hook_out"):
+            handles.append(layer.attn.register_forward_hook(_output_hook(self.points[b + "attn.hook_out"])))
+        self._install_norm(b + "ln1_post", layer.ln1_post, handles)
+        resid_mid = b + "ln2.hook_in"
+        if self._active(resid_mid):
+            target = layer.ln2 if layer.ln2 is not None else layer.mlp
+            handles.append(target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True))
+        self._install_norm(b + "ln2", layer.ln2, handles, with_input=False)
+        if self._active(b + "mlp.hook_in"):
+            handles.append(layer.mlp.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
+        self._install_mlp(b + "mlp.", layer, handles)
+        if self._active(b + "mlp.hook_out"):
+            handles.append(layer.mlp.register_forward_hook(_output_hook(self.points[b + "mlp.hook_out"])))
+        self._install_norm(b + "ln2_post", layer.ln2_post, handles)
+        if self._active(b + "hook_out", resid_mid):
+            handles.append(layer.layer.register_forward_hook(self._block_out_hook(i, state)))
+
+    def _install_qk(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
+        if not self.adapter.rotary:
+            return  # hook_q / hook_k fire inside attention
+        q, k = self._point(b + "attn.hook_q"), self._point(b + "attn.hook_k")
+        if layer.qkv is not None:
+            if self._active(b + "attn.hook_q", b + "attn.hook_k"):
+                h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
+                hook = _split_hook((q, k, None), (h * dh, kv * dh, kv * dh), (h, kv, kv), dh)
+                handles.append(layer.qkv.register_forward_hook(hook))
+            return
+        if q is not None and q.has_hooks and layer.q is not None:
+            handles.append(layer.q.register_forward_hook(_heads_hook(q, self.n_heads, self.d_head)))
+        if k is not None and k.has_hooks and layer.k is not None:
+            handles.append(layer.k.register_forward_hook(_heads_hook(k, self.n_kv_heads, self.d_head)))
+
+    def _install_mlp(self, p: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
+        pre, lin, post = (self._point(p + n) for n in ("hook_pre", "hook_pre_linear", "hook_post"))
+        if layer.gate_up is not None:
+            if self._active(p + "hook_pre", p + "hook_pre_linear"):
+                size = int(_weight(layer.gate_up).shape[0]) // 2
+                handles.append(layer.gate_up.register_forward_hook(_split_hook((pre, lin), (size, size), None, 0)))
+        else:
+            first = layer.gate if layer.gate is not None else layer.mlp_in
+            if first is not None and pre is not None and pre.has_hooks:
+                handles.append(first.register_forward_hook(_output_hook(pre)))
+            if layer.up is not None and lin is not None and lin.has_hooks:
+                handles.append(layer.up.register_forward_hook(_output_hook(lin)))
+        if layer.down is not None and post is not None and post.has_hooks:
+            handles.append(layer.down.register_forward_pre_hook(_input_hook(post), with_kwargs=True))
+
+    def _embed_hook(self) -> Callable[..., Any]:
+        point = self.points["embed.hook_out"]
+        if not self.adapter.embed_scaled:
+            return _output_hook(point)
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+            # The module returns lookup * embed_scale; the canonical value is the lookup.
+            raw = nn.Embedding.forward(module, args[0])  # type: ignore[arg-type]
+            seen = point(raw)
+            scale = cast(torch.Tensor, module.embed_scale)
+            return seen * scale.to(_weight(module).dtype)
+
+        return hook
+
+    def _result_hook(self, layer: LayerModules, point: HookPoint) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+            w_o, b_o = head_weights(module, self.adapter.linear, self.n_heads, self.d_head)
+            z = torch.unflatten(args[0], -1, (self.n_heads, self.d_head))
+            result = torch.einsum("bphe,hed->bphd", z, w_o.to(z.dtype))
+            seen = point(result)
+            if seen is result and not point._bwd:
+                return None  # read only: keep the projection's own (matmul) output
+            out = seen.sum(dim=2)
+            return out if b_o is None else out + b_o
+
+        return hook
+
+    def _resid_mid_hook(self, i: int, state: RunState) -> Callable[..., Any]:
+        point = self.points[f"blocks.{i}.ln2.hook_in"]
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            x = _input_of(args, kwargs)
+            out = point(x)
+            if out is x:
+                return None
+            # The layer already holds x as its residual; the block-end hook adds the edit.
+            state.resid_mid_delta[i] = out - x
+            return _with_input(args, kwargs, out)
+
+        return hook
+
+    def _block_out_hook(self, i: int, state: RunState) -> Callable[..., Any]:
+        point = self.points.get(f"blocks.{i}.hook_out")
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            x = output[0] if isinstance(output, tuple) else output
+            new = x
+            delta = state.resid_mid_delta.pop(i, None)
+            if delta is not None:
+                new = new + delta
+            if point is not None and point.has_hooks:
+                new = point(new)
+            if new is x:
+                return None
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        return hook

@@ -1,0 +1,209 @@
+"""``ArchitectureAdapter``: where one transformers family keeps each canonical site.
+
+An adapter is plain data: dotted module paths (relative to the ``*ForCausalLM`` module for
+model-level parts, to one decoder layer for block parts), a few structural flags and the
+family's deviations from the hook vocabulary. The driver turns it into torch hooks; no
+adapter holds code that runs in the forward pass. Importing this module is cheap (no torch,
+no transformers), so support checks and entry-point scans can read the table.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tl_core._model_info import ModelInfo
+
+__all__ = ["ArchitectureAdapter", "LinearKind", "NormKind"]
+
+#: How a norm applies its weight once ``normalized`` (pre-weight, in float32) is known:
+#: ``"layernorm"``: ``normalized * w + b`` (centred, biased variance);
+#: ``"rms"``: ``w * normalized.to(input_dtype)`` (Llama);
+#: ``"rms_weight_first"``: ``(w * normalized).to(input_dtype)`` (OLMo 2);
+#: ``"rms_plus_one"``: ``(normalized * (1 + w.float())).to(input_dtype)`` (Gemma).
+NormKind = Literal["layernorm", "rms", "rms_weight_first", "rms_plus_one"]
+
+#: ``"linear"``: ``nn.Linear`` (weight ``[out, in]``); ``"conv1d"``: GPT-2's ``Conv1D``
+#: (weight ``[in, out]``).
+LinearKind = Literal["linear", "conv1d"]
+
+_N_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_D_MODEL = ("hidden_size", "n_embd", "d_model")
+_N_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_N_CTX = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+_D_MLP = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+
+
+def _first(config: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ArchitectureAdapter:
+    """How one transformers family maps onto the canonical hook tree.
+
+    Attributes:
+        family: Short family name (``"llama"``); shown in listings and errors.
+        model_types: The ``config.model_type`` values this adapter serves.
+        architectures: ``*ForCausalLM`` class names it serves (``config.architectures``).
+        embed: Path of the token embedding module.
+        layers: Path of the ``ModuleList`` of decoder layers.
+        final_norm: Path of the final norm.
+        lm_head: Path of the unembedding ``Linear``.
+        pos_embed: Path of the learned position embedding, or ``None``.
+        ln1: Pre-attention norm inside a layer, or ``None`` (OLMo 2 has none).
+        ln2: Pre-MLP norm, or ``None``.
+        ln1_post: Norm applied to the attention output (sandwich norms), or ``None``.
+        ln2_post: Norm applied to the MLP output, or ``None``.
+        attn: Attention module inside a layer.
+        q: Query projection inside ``attn`` (``None`` when fused into ``qkv``).
+        k: Key projection inside ``attn``.
+        v: Value projection inside ``attn``.
+        qkv: Fused ``[q | k | v]`` projection inside ``attn``, or ``None``.
+        o: Output projection inside ``attn``.
+        mlp: MLP (or mixture-of-experts block) inside a layer.
+        mlp_in: Input projection of a non-gated MLP, inside ``mlp``.
+        gate: Gate projection of a gated MLP, inside ``mlp``.
+        up: Up (linear) projection of a gated MLP, inside ``mlp``.
+        gate_up: Fused ``[gate | up]`` projection, inside ``mlp``.
+        down: Output projection, inside ``mlp``.
+        linear: Weight layout of the projections.
+        norm: How every norm of the family applies its weight.
+        rotary: Whether q/k are rotated inside attention (then ``hook_q``/``hook_k`` come
+            from the projections and ``hook_rot_q``/``hook_rot_k`` from attention).
+        parallel: Whether attention and MLP read the same block input.
+        moe: Whether the MLP is a mixture of experts (per-neuron hooks are absent).
+        embed_scaled: Whether the embedding module multiplies its lookup by its own
+            ``embed_scale`` buffer (Gemma); ``embed.hook_out`` is the value before.
+        softmax_fp32: Whether eager attention takes the softmax in float32.
+        attn_softcap: Config field of the attention-logit soft-cap, if any.
+        final_softcap: Config field of the final-logit soft-cap, if any.
+        absent: Canonical templates (``"blocks.{i}.ln1.hook_scale"``) the family lacks
+            although its ``ModelInfo`` suggests them, with the reason.
+        hub_patterns: Regular expressions matching hub ids of this family, for offline
+            support checks.
+        known_models: Hub ids of well-known checkpoints of this family.
+        verified: Whether the driver's test suite checks this family hook by hook.
+    """
+
+    family: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    pos_embed: str | None = None
+    ln1: str | None = "input_layernorm"
+    ln2: str | None = "post_attention_layernorm"
+    ln1_post: str | None = None
+    ln2_post: str | None = None
+    attn: str = "self_attn"
+    q: str | None = "q_proj"
+    k: str | None = "k_proj"
+    v: str | None = "v_proj"
+    qkv: str | None = None
+    o: str = "o_proj"
+    mlp: str = "mlp"
+    mlp_in: str | None = None
+    gate: str | None = "gate_proj"
+    up: str | None = "up_proj"
+    gate_up: str | None = None
+    down: str | None = "down_proj"
+    linear: LinearKind = "linear"
+    norm: NormKind = "rms"
+    rotary: bool = True
+    parallel: bool = False
+    moe: bool = False
+    embed_scaled: bool = False
+    softmax_fp32: bool = True
+    attn_softcap: str | None = None
+    final_softcap: str | None = None
+    absent: Mapping[str, str] = field(default_factory=dict)
+    hub_patterns: tuple[str, ...] = ()
+    known_models: tuple[str, ...] = ()
+    verified: bool = True
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP has a gate (separate or fused)."""
+        return self.gate is not None or self.gate_up is not None
+
+    @property
+    def sandwich(self) -> bool:
+        """Whether sublayer outputs are normalised before joining the residual stream."""
+        return self.ln1_post is not None or self.ln2_post is not None
+
+    def matches_hub_id(self, name: str) -> bool:
+        """Whether ``name`` looks like a hub id of this family."""
+        return any(re.search(p, name, flags=re.IGNORECASE) for p in self.hub_patterns)
+
+    def model_info(self, config: Any) -> ModelInfo:
+        """The ``ModelInfo`` of a transformers config of this family.
+
+        Args:
+            config: A ``PretrainedConfig`` (or anything with its attributes).
+
+        Returns:
+            Sizes and structure as tl reports them.
+        """
+        n_layers = int(_first(config, _N_LAYERS))
+        d_model = int(_first(config, _D_MODEL))
+        n_heads = int(_first(config, _N_HEADS))
+        head_dim = getattr(config, "head_dim", None)
+        d_head = int(head_dim) if head_dim else d_model // n_heads
+        n_kv = getattr(config, "num_key_value_heads", None)
+        d_mlp = _first(config, _D_MLP)
+        n_ctx = _first(config, _N_CTX)
+        architectures = getattr(config, "architectures", None) or [self.architectures[0]]
+        return ModelInfo(
+            n_layers=n_layers,
+            d_model=d_model,
+            n_heads=n_heads,
+            d_head=d_head,
+            d_mlp=int(d_mlp) if d_mlp else 4 * d_model,
+            d_vocab=int(config.vocab_size),
+            n_ctx=int(n_ctx) if n_ctx else 2048,
+            n_key_value_heads=int(n_kv) if n_kv else None,
+            normalization_type="LN" if self.norm == "layernorm" else "RMS",
+            positional_embedding_type=(
+                "standard" if self.pos_embed else "rotary" if self.rotary else "none"
+            ),
+            gated_mlp=self.gated,
+            parallel_attn_mlp=self.parallel,
+            sandwich_norm=self.sandwich,
+            architecture=str(architectures[0]),
+        )
+
+    def absent_templates(self) -> dict[str, str]:
+        """Every template this family lacks despite its ``ModelInfo``, with the reason."""
+        reasons = dict(self.absent)
+        if self.ln1 is None:
+            for suffix in ("hook_in", "hook_scale", "hook_normalized", "hook_out"):
+                reasons.setdefault(
+                    f"blocks.{{i}}.ln1.{suffix}",
+                    f"{self.family} has no norm before attention (attention reads the "
+                    f"residual stream directly)",
+                )
+        if self.ln2 is None:
+            for suffix in ("hook_scale", "hook_normalized", "hook_out"):
+                reasons.setdefault(
+                    f"blocks.{{i}}.ln2.{suffix}",
+                    f"{self.family} has no norm before the MLP (the MLP reads the residual "
+                    f"stream directly)",
+                )
+        if self.moe:
+            for suffix in ("hook_pre", "hook_pre_linear", "hook_post"):
+                reasons.setdefault(
+                    f"blocks.{{i}}.mlp.{suffix}",
+                    f"{self.family} routes each token through a few of its experts, so "
+                    f"there is no single layer of MLP neurons; use mlp.hook_in / "
+                    f"mlp.hook_out",
+                )
+        return reasons

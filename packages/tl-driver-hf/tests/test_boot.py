@@ -1,0 +1,173 @@
+"""Boot options: clear early errors, meta weights, wrapping a loaded model, dtypes, n_ctx."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BertConfig
+
+from tl_core import ConfigError, TransformerBridge, UserError, boot
+from tl_driver_hf import HFDriver, build_bridge_from_module
+from tl_driver_hf._checkpoints import checkpoint_revision
+from tl_driver_hf.testing import write_tiny_checkpoint
+
+NOWHERE = "no-such-org/no-such-model"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"device": "cpu", "device_map": "auto"}, "mutually exclusive"),
+        ({"checkpoint_index": 3}, "no training checkpoints"),
+        ({"devce": "cpu"}, "did you mean 'device'"),
+        ({"offload_folder": "/tmp/x"}, "only applies with device_map"),
+        ({"n_devices": 64}, "needs 64 CUDA devices"),
+        ({"load_weights": False, "device_map": "auto"}, "meta device"),
+        ({"dtype": "int8"}, "not supported"),
+        ({"n_ctx": 0}, "n_ctx must be"),
+    ],
+)
+def test_bad_options_fail_before_anything_loads(options: dict[str, object], match: str) -> None:
+    # NOWHERE does not exist, locally or on the (disabled) hub: reaching the loader would
+    # raise a different error.
+    with pytest.raises(UserError, match=match):
+        HFDriver.boot(NOWHERE, **options)
+
+
+def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(checkpoint: Callable[[str], Path]) -> None:
+    assert checkpoint_revision("EleutherAI/pythia-70m", 0, None) == "step0"
+    assert checkpoint_revision("EleutherAI/pythia-70m", 4, None) == "step8"
+    assert checkpoint_revision("EleutherAI/pythia-70m", -1, None) == "step143000"
+    assert checkpoint_revision("EleutherAI/pythia-70m", None, 3000) == "step3000"
+    assert checkpoint_revision("stanford-crfm/alias-gpt2-small-x21", None, 400000) == "checkpoint-400000"
+    with pytest.raises(UserError, match="not a published Pythia checkpoint; the nearest"):
+        checkpoint_revision("EleutherAI/pythia-70m", None, 1500)
+    with pytest.raises(UserError, match="out of range"):
+        checkpoint_revision("EleutherAI/pythia-70m", 10_000, None)
+    with pytest.raises(UserError, match="exactly one"):
+        HFDriver.boot("EleutherAI/pythia-70m", checkpoint_index=1, checkpoint_value=2)
+    with pytest.raises(UserError, match="revision"):
+        HFDriver.boot("EleutherAI/pythia-70m", checkpoint_index=1, revision="main")
+    with pytest.raises(UserError, match="local folder"):
+        HFDriver.boot(str(checkpoint("llama")), checkpoint_index=1)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
+    BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"'BertForMaskedLM'|bert.*not supported.*supported families: .*llama"):
+        TransformerBridge.boot_transformers(str(tmp_path))
+
+
+def test_meta_weights_describe_the_model_but_refuse_to_run(checkpoint: Callable[[str], Path]) -> None:
+    bridge = TransformerBridge.boot_transformers(str(checkpoint("llama")), load_weights=False)
+    assert bridge.W_Q.shape == (2, 4, 128, 32) and bridge.W_Q.is_meta
+    assert "blocks.1.attn.hook_rot_q" in bridge.hook_dict
+    with pytest.raises(UserError, match="load_weights=False"):
+        bridge([[1, 2, 3]])
+    with pytest.raises(UserError, match="load_weights=False"):
+        bridge.run_with_cache("text")
+
+
+def test_wrapped_model_is_never_moved_cast_or_changed(checkpoint: Callable[[str], Path]) -> None:
+    model = AutoModelForCausalLM.from_pretrained(checkpoint("qwen3"), attn_implementation="sdpa").eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {n: p for n, p in model.named_parameters()}
+    bridge = build_bridge_from_module(model, tokenizer=str(checkpoint("qwen3")))
+    with pytest.raises(UserError, match="wrapped as it is"):
+        HFDriver.boot(hf_model=model, dtype="bfloat16")
+    with torch.no_grad():
+        plain = model(torch.tensor([[1, 40, 50, 60]])).logits
+        _, cache = bridge.run_with_cache("The keeper climbed", intervene={"blocks.0.hook_out": {"op": "scale", "factor": 2.0}})
+    bridge.loss("gradients too").backward()
+    assert cache["blocks.1.attn.hook_pattern"].shape[1] == bridge.cfg.n_heads
+    assert model.config._attn_implementation == "sdpa"
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+    for module in model.modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, module
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([[1, 40, 50, 60]])).logits, plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_bfloat16_equals_eager_transformers_with_or_without_hooks(family: str, checkpoint: Callable[[str], Path]) -> None:
+    # In half precision attention is always computed eagerly: SDPA would drift by ~0.1.
+    path = checkpoint(family)
+    bridge = TransformerBridge.boot_transformers(str(path), dtype="bfloat16")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
+    with torch.no_grad():
+        plain = bridge(ids)
+        logits, cache = bridge.run_with_cache(ids)
+        expected = reference(ids).logits
+    torch.testing.assert_close(plain, logits, atol=0.0, rtol=0.0)
+    assert logits.dtype == torch.bfloat16 and cache["blocks.0.hook_out"].dtype == torch.bfloat16
+    assert cache["blocks.0.ln1.hook_scale"].dtype == torch.float32  # the norm's compute dtype
+    torch.testing.assert_close(logits.float(), expected.float(), atol=0.0, rtol=0.0)
+
+
+def test_n_ctx_writes_the_config_and_guards_learned_positions(checkpoint: Callable[[str], Path]) -> None:
+    small = TransformerBridge.boot_transformers(str(checkpoint("llama")), n_ctx=64)
+    assert small.cfg.n_ctx == 64
+    assert small.driver.hf_model.config.max_position_embeddings == 64
+    with pytest.warns(UserWarning, match="larger than the 256 positions"):
+        big = TransformerBridge.boot_transformers(str(checkpoint("llama")), n_ctx=512)
+    assert big.cfg.n_ctx == 512
+    with pytest.raises(ConfigError, match="learned positions"):
+        TransformerBridge.boot_transformers(str(checkpoint("gpt2")), n_ctx=512)
+    gpt2 = TransformerBridge.boot_transformers(str(checkpoint("gpt2")), n_ctx=16)
+    with pytest.raises(UserError, match="exceeds n_ctx=16"):
+        gpt2([list(range(4, 24))])
+
+
+def test_model_class_and_tokenizer_options(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+    path = str(checkpoint("llama"))
+    bridge = TransformerBridge.boot_transformers(path, model_class="LlamaForCausalLM")
+    assert bridge.to_string(bridge.to_tokens("the keeper", prepend_bos=False)[0]) == "the keeper"
+    with pytest.raises(UserError, match="not a class in transformers"):
+        TransformerBridge.boot_transformers(path, model_class="NoSuchForCausalLM")
+    with pytest.raises(UserError, match="cannot load tokenizer"):
+        TransformerBridge.boot_transformers(path, tokenizer=str(tmp_path / "missing"))
+    # A folder with weights but no tokenizer still runs ids; text fails clearly.
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "bare")
+    bare = TransformerBridge.boot_transformers(str(tmp_path / "bare"))
+    assert bare([[1, 5, 6]]).shape == (1, 3, 512)
+    with pytest.raises(UserError, match="no tokenizer"):
+        bare("text")
+
+
+def test_boot_goes_through_discovery(checkpoint: Callable[[str], Path]) -> None:
+    bridge = boot(str(checkpoint("gpt2")), driver="hf")
+    assert isinstance(bridge, TransformerBridge) and bridge.driver.name == "hf"
+    assert bridge.cfg.architecture == "GPT2LMHeadModel"
+
+
+def test_importing_the_package_is_cheap() -> None:
+    code = "import sys, tl_driver_hf, tl_driver_hf.adapters; assert 'torch' not in sys.modules and 'transformers' not in sys.modules; print(tl_driver_hf.ENTRY.name)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "hf"
+
+
+def test_sliding_windows_match_eager(tmp_path: Path) -> None:
+    prompts = [[1, *range(10, 30)], [1, *range(40, 52)]]
+    for family in ("mistral", "gemma2"):
+        path = write_tiny_checkpoint(family, tmp_path / family, overrides={"sliding_window": 4})
+        bridge = TransformerBridge.boot_transformers(str(path))
+        reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        with torch.no_grad():
+            logits, cache = bridge.run_with_cache(prompts, names_filter=["blocks.0.attn.hook_pattern"])
+            for row, prompt in enumerate(prompts):
+                expected = reference(torch.tensor([prompt])).logits[0]
+                torch.testing.assert_close(logits[row, : len(prompt)], expected, atol=1e-5, rtol=1e-5)
+        pattern = cache["blocks.0.attn.hook_pattern"][0, :, -1]
+        assert pattern[:, :-4].abs().max() == 0 and pattern[:, -4:].sum(-1).allclose(torch.ones(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert bridge.generate([prompts[1]], max_new_tokens=2, stop_at_eos=False, return_type="tokens").shape == (1, 2)

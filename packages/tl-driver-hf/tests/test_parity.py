@@ -1,0 +1,209 @@
+"""Every served hook equals a value computed independently from the plain transformers model.
+
+The reference side never uses the driver: plain torch hooks on the eager model's modules
+(located by this file's own table of module paths), an attention function registered by
+this test that records q/k/v and delegates to the family's own eager code, and formulas
+written out here (norm scales, scores, per-head results).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from tl_core import TransformerBridge
+
+_RECORD: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def _record_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    out, weights = eager(module, query, key, value, *args, **kwargs)
+    _RECORD[id(module)] = {"q": query, "k": key, "v": value, "pattern": weights, "z": out}
+    return out, weights
+
+
+AttentionInterface.register("test_record", _record_attention)
+AttentionMaskInterface.register("test_record", eager_mask)
+
+
+def _scale_and_normalized(x: torch.Tensor, module: nn.Module, layernorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    eps = next(getattr(module, n) for n in ("variance_epsilon", "eps") if hasattr(module, n))
+    x = x.float()
+    if layernorm:
+        x = x - x.mean(-1, keepdim=True)
+    scale = torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return scale, x / scale
+
+
+def _heads(x: torch.Tensor, d_head: int) -> torch.Tensor:
+    return x.unflatten(-1, (-1, d_head))
+
+
+def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every canonical hook's value, computed from the plain model located by ``paths``."""
+    config = model.config
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    layernorm = paths["norm"] == "layernorm"
+    values: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            values[name] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+        return hook
+
+    def post(name: str, split: tuple[str, ...] = (), sizes: tuple[int, ...] = (), heads: bool = False) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            out = out[0] if isinstance(out, tuple) else out
+            parts = out.split(sizes, dim=-1) if split else (out,)
+            for part_name, part in zip(split or (name,), parts, strict=True):
+                if part_name:
+                    values[part_name] = (_heads(part, d_head) if heads else part).detach()
+
+        return hook
+
+    def norm(prefix: str, module: nn.Module) -> None:
+        def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            values[f"{prefix}.hook_in"] = args[0].detach()
+            scale, normalized = _scale_and_normalized(args[0], mod, layernorm)
+            values[f"{prefix}.hook_scale"] = scale
+            values[f"{prefix}.hook_normalized"] = normalized
+            values[f"{prefix}.hook_out"] = out.detach()
+
+        handles.append(module.register_forward_hook(hook))
+
+    get = model.get_submodule
+    values["embed.hook_out"] = F.embedding(ids, get(paths["embed"]).weight)
+    if "pos" in paths:
+        positions = torch.arange(ids.shape[1])
+        values["pos_embed.hook_out"] = get(paths["pos"]).weight[positions].expand(*ids.shape, -1)
+    layers = get(paths["layers"])
+    attn_modules = []
+    for i, layer in enumerate(layers):
+        b = f"blocks.{i}."
+        handles.append(layer.register_forward_pre_hook(pre(b + "hook_in"), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post(b + "hook_out")))
+        attn = layer.get_submodule(paths["attn"])
+        attn_modules.append(attn)
+        handles.append(attn.register_forward_pre_hook(pre(b + "attn.hook_in"), with_kwargs=True))
+        handles.append(attn.register_forward_hook(post(b + "attn.hook_out")))
+        handles.append(attn.get_submodule(paths["o"]).register_forward_pre_hook(pre(b + "o_in"), with_kwargs=True))
+        qk = ("hook_q", "hook_k") if paths["rotary"] else ("", "")
+        if "qkv" in paths:
+            names = (b + "attn." + qk[0] if qk[0] else "", b + "attn." + qk[1] if qk[1] else "", "")
+            sizes = (n_heads * d_head, n_kv * d_head, n_kv * d_head)
+            handles.append(attn.get_submodule(paths["qkv"]).register_forward_hook(post("", names, sizes, heads=True)))
+        else:
+            for role in ("q", "k"):
+                handles.append(attn.get_submodule(paths[role]).register_forward_hook(post(f"{b}attn.hook_{role}", heads=True)))
+        for role in ("ln1", "ln2", "ln1_post", "ln2_post"):
+            if role in paths:
+                norm(b + role, layer.get_submodule(paths[role]))
+        mlp = layer.get_submodule(paths["mlp"])
+        if "ln2" not in paths:
+            handles.append(mlp.register_forward_pre_hook(pre(b + "ln2.hook_in"), with_kwargs=True))
+        handles.append(mlp.register_forward_pre_hook(pre(b + "mlp.hook_in"), with_kwargs=True))
+        handles.append(mlp.register_forward_hook(post(b + "mlp.hook_out")))
+        if "gate_up" in paths:
+            size = config.intermediate_size
+            handles.append(mlp.get_submodule(paths["gate_up"]).register_forward_hook(post("", (b + "mlp.hook_pre", b + "mlp.hook_pre_linear"), (size, size))))
+        for role in ("pre", "pre_linear"):
+            if role in paths:
+                handles.append(mlp.get_submodule(paths[role]).register_forward_hook(post(f"{b}mlp.hook_{role}")))
+        if "down" in paths or "gate_up" in paths:
+            handles.append(mlp.get_submodule(paths.get("down", "down_proj")).register_forward_pre_hook(pre(b + "mlp.hook_post"), with_kwargs=True))
+    norm("ln_final", get(paths["final"]))
+    handles.append(get(paths["head"]).register_forward_hook(post("unembed.hook_out")))
+    saved = model.config._attn_implementation
+    model.set_attn_implementation("test_record")
+    try:
+        with torch.no_grad():
+            values["logits"] = model(ids).logits
+    finally:
+        model.set_attn_implementation(saved)
+        for handle in handles:
+            handle.remove()
+    for i, attn in enumerate(attn_modules):
+        b = f"blocks.{i}.attn."
+        rec = _RECORD.pop(id(attn))
+        rot = "rot_" if paths["rotary"] else ""
+        values[b + f"hook_{rot}q"] = rec["q"].transpose(1, 2)
+        values[b + f"hook_{rot}k"] = rec["k"].transpose(1, 2)
+        values[b + "hook_v"] = rec["v"].transpose(1, 2)
+        values[b + "hook_pattern"] = rec["pattern"]
+        values[b + "hook_z"] = rec["z"]
+        group = n_heads // n_kv
+        scores = rec["q"] @ rec["k"].repeat_interleave(group, dim=1).transpose(-1, -2) * attn.scaling
+        cap = getattr(config, "attn_logit_softcapping", None)
+        if cap:
+            scores = torch.tanh(scores / cap) * cap
+        seq = ids.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        values[b + "hook_attn_scores"] = scores.masked_fill(~causal, float("-inf"))
+        o = attn.get_submodule(paths["o"])
+        w_o = o.weight if paths.get("conv1d") else o.weight.T
+        z = values.pop(f"blocks.{i}.o_in").unflatten(-1, (n_heads, d_head))
+        values[b + "hook_result"] = torch.einsum("bphe,hed->bphd", z, w_o.unflatten(0, (n_heads, d_head)))
+    return values
+
+
+def test_logits_match_eager_transformers(family: str, bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor) -> None:
+    with torch.no_grad():
+        expected = reference(ids).logits
+        fast = bridge(ids)  # no attention hooks: the SDPA fast path
+        explicit = bridge.run_with_hooks(ids, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)])
+    torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(explicit, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_block_outputs_match_hidden_states(family: str, bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor) -> None:
+    with torch.no_grad():
+        hidden = reference(ids, output_hidden_states=True).hidden_states
+        _, cache = bridge.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_out") or n.endswith("hook_in"))
+    n_layers = bridge.cfg.n_layers
+    for i in range(n_layers):
+        torch.testing.assert_close(cache[f"blocks.{i}.hook_in"], hidden[i], atol=1e-5, rtol=1e-5)
+    for i in range(n_layers - 1):
+        torch.testing.assert_close(cache[f"blocks.{i}.hook_out"], hidden[i + 1], atol=1e-5, rtol=1e-5)
+    # transformers' last hidden state is after the final norm.
+    torch.testing.assert_close(cache["ln_final.hook_out"], hidden[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_every_served_hook_equals_an_independent_value(paths: dict[str, Any], bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor) -> None:
+    expected = reference_values(paths, reference, ids)
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(ids)
+    torch.testing.assert_close(logits, expected.pop("logits"), atol=1e-5, rtol=1e-5)
+    served = set(bridge.hook_dict)
+    assert served == set(expected), (sorted(served - set(expected)), sorted(set(expected) - served))
+    for name in sorted(served):
+        got, want = cache[name], expected[name]
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_non_fireable_hooks_say_why(family: str, bridge: TransformerBridge) -> None:
+    reasons = bridge.driver.non_fireable_reasons
+    assert not set(reasons) & set(bridge.hook_dict)
+    for name, reason in reasons.items():
+        assert reason and len(reason) > 20, name
+    if family == "mixtral":
+        assert "expert" in reasons["blocks.0.mlp.hook_post"]
+    if family == "olmo2":
+        assert "no norm before attention" in reasons["blocks.1.ln1.hook_scale"]
+    if family == "gpt2":
+        assert "rotary" in reasons["blocks.0.attn.hook_rot_q"]
+    with pytest.raises(Exception, match="cannot fire"):
+        bridge.run_with_cache("x", names_filter=[next(iter(reasons))])
