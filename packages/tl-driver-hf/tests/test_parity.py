@@ -8,8 +8,10 @@ written out here (norm scales, scores, per-head results).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,13 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from tl_core import TransformerBridge
+
+# Tests are imported in importlib mode, so the sibling helper is loaded by path.
+_spec = importlib.util.spec_from_file_location("_hf_inline_reference", Path(__file__).with_name("_inline_reference.py"))
+assert _spec is not None and _spec.loader is not None
+_inline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_inline)
+record_inline_attention = _inline.record_inline_attention
 
 _RECORD: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -53,7 +62,7 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
     config = model.config
     d_head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     n_heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    n_kv = paths.get("n_kv") or getattr(config, "num_key_value_heads", None) or n_heads
     layernorm = paths["norm"] == "layernorm"
     values: dict[str, torch.Tensor] = {}
     handles = []
@@ -70,7 +79,16 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
             parts = out.split(sizes, dim=-1) if split else (out,)
             for part_name, part in zip(split or (name,), parts, strict=True):
                 if part_name:
-                    values[part_name] = (_heads(part, d_head) if heads else part).detach()
+                    # A copy: Falcon adds into its MLP output in place afterwards.
+                    values[part_name] = (_heads(part, d_head) if heads else part).detach().clone()
+
+        return hook
+
+    def per_head(names: tuple[str, str]) -> Callable[..., None]:
+        # GPT-NeoX views its fused projection as [..., heads, 3 * d_head]: q, k, v per head.
+        def hook(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            q, k, _ = out.unflatten(-1, (n_heads, 3 * d_head)).chunk(3, dim=-1)
+            values[names[0]], values[names[1]] = q.detach(), k.detach()
 
         return hook
 
@@ -88,7 +106,7 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
     values["embed.hook_out"] = F.embedding(ids, get(paths["embed"]).weight)
     if "pos" in paths:
         positions = torch.arange(ids.shape[1])
-        values["pos_embed.hook_out"] = get(paths["pos"]).weight[positions].expand(*ids.shape, -1)
+        values["pos_embed.hook_out"] = get(paths["pos"]).weight[positions + paths.get("pos_offset", 0)].expand(*ids.shape, -1)
     layers = get(paths["layers"])
     attn_modules = []
     for i, layer in enumerate(layers):
@@ -98,24 +116,36 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         attn = layer.get_submodule(paths["attn"])
         attn_modules.append(attn)
         handles.append(attn.register_forward_pre_hook(pre(b + "attn.hook_in"), with_kwargs=True))
-        handles.append(attn.register_forward_hook(post(b + "attn.hook_out")))
+        # BLOOM's attention module returns output + residual: its contribution is "dense".
+        handles.append(attn.get_submodule(paths.get("attn_out", "")).register_forward_hook(post(b + "attn.hook_out")))
+        if "inline" in paths:
+            o_proj = attn.get_submodule(paths["o"])
+            handles.extend(record_inline_attention(paths["inline"], attn, o_proj, n_heads, d_head, _RECORD))
         handles.append(attn.get_submodule(paths["o"]).register_forward_pre_hook(pre(b + "o_in"), with_kwargs=True))
-        qk = ("hook_q", "hook_k") if paths["rotary"] else ("", "")
-        if "qkv" in paths:
+        # Rotary and pre-scaled (OPT) families: hook_q/hook_k are the projections' outputs.
+        at_projection = paths["rotary"] or paths.get("prescaled", False)
+        qk = ("hook_q", "hook_k") if at_projection else ("", "")
+        if "qkv" in paths and paths.get("qkv_per_head"):
+            names = (b + "attn.hook_q", b + "attn.hook_k")
+            handles.append(attn.get_submodule(paths["qkv"]).register_forward_hook(per_head(names)))
+        elif "qkv" in paths:
             names = (b + "attn." + qk[0] if qk[0] else "", b + "attn." + qk[1] if qk[1] else "", "")
             sizes = (n_heads * d_head, n_kv * d_head, n_kv * d_head)
             handles.append(attn.get_submodule(paths["qkv"]).register_forward_hook(post("", names, sizes, heads=True)))
         else:
-            for role in ("q", "k"):
+            for role in ("q", "k") if at_projection else ():
                 handles.append(attn.get_submodule(paths[role]).register_forward_hook(post(f"{b}attn.hook_{role}", heads=True)))
         for role in ("ln1", "ln2", "ln1_post", "ln2_post"):
             if role in paths:
                 norm(b + role, layer.get_submodule(paths[role]))
         mlp = layer.get_submodule(paths["mlp"])
-        if "ln2" not in paths:
+        # OPT's MLP projections sit in the layer itself (there is no MLP module).
+        mlp_first = mlp.get_submodule(paths["pre"]) if paths.get("mlp_inline") else mlp
+        mlp_last = mlp.get_submodule(paths["down"]) if paths.get("mlp_inline") else mlp
+        if "ln2" not in paths and not paths.get("parallel"):
             handles.append(mlp.register_forward_pre_hook(pre(b + "ln2.hook_in"), with_kwargs=True))
-        handles.append(mlp.register_forward_pre_hook(pre(b + "mlp.hook_in"), with_kwargs=True))
-        handles.append(mlp.register_forward_hook(post(b + "mlp.hook_out")))
+        handles.append(mlp_first.register_forward_pre_hook(pre(b + "mlp.hook_in"), with_kwargs=True))
+        handles.append(mlp_last.get_submodule(paths.get("mlp_out", "")).register_forward_hook(post(b + "mlp.hook_out")))
         if "gate_up" in paths:
             size = config.intermediate_size
             handles.append(mlp.get_submodule(paths["gate_up"]).register_forward_hook(post("", (b + "mlp.hook_pre", b + "mlp.hook_pre_linear"), (size, size))))
@@ -135,17 +165,26 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         model.set_attn_implementation(saved)
         for handle in handles:
             handle.remove()
+    if paths.get("flat_mlp"):
+        # OPT flattens batch and position before its MLP half.
+        for name, value in values.items():
+            if value.dim() == 2 and value.shape[0] == ids.numel():
+                values[name] = value.unflatten(0, tuple(ids.shape))
     for i, attn in enumerate(attn_modules):
+        if paths.get("parallel"):
+            # A parallel block has no residual stream between attention and MLP.
+            values.pop(f"blocks.{i}.ln2.hook_in", None)
         b = f"blocks.{i}.attn."
         rec = _RECORD.pop(id(attn))
         rot = "rot_" if paths["rotary"] else ""
-        values[b + f"hook_{rot}q"] = rec["q"].transpose(1, 2)
-        values[b + f"hook_{rot}k"] = rec["k"].transpose(1, 2)
+        if rot or not paths.get("prescaled"):  # OPT's attention receives q already scaled
+            values[b + f"hook_{rot}q"] = rec["q"].transpose(1, 2)
+            values[b + f"hook_{rot}k"] = rec["k"].transpose(1, 2)
         values[b + "hook_v"] = rec["v"].transpose(1, 2)
         values[b + "hook_pattern"] = rec["pattern"]
         values[b + "hook_z"] = rec["z"]
         group = n_heads // n_kv
-        scores = rec["q"] @ rec["k"].repeat_interleave(group, dim=1).transpose(-1, -2) * attn.scaling
+        scores = rec["scores"] if "scores" in rec else rec["q"] @ rec["k"].repeat_interleave(group, dim=1).transpose(-1, -2) * (1.0 if paths.get("prescaled") else attn.scaling)
         cap = getattr(config, "attn_logit_softcapping", None)
         if cap:
             scores = torch.tanh(scores / cap) * cap
@@ -205,5 +244,7 @@ def test_non_fireable_hooks_say_why(family: str, bridge: TransformerBridge) -> N
         assert "no norm before attention" in reasons["blocks.1.ln1.hook_scale"]
     if family == "gpt2":
         assert "rotary" in reasons["blocks.0.attn.hook_rot_q"]
+    if family == "gptj":
+        assert "one norm per block" in reasons["blocks.0.ln2.hook_out"]
     with pytest.raises(Exception, match="cannot fire"):
         bridge.run_with_cache("x", names_filter=[next(iter(reasons))])

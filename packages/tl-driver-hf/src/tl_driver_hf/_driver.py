@@ -15,6 +15,8 @@ from tl_core import HookPoint, LocalDriver, ModelInfo, ModelReadout, Tokenizer, 
 from tl_core._absence import absent_hook_reasons
 from tl_core._vocabulary import canonical_hook_names
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
+from tl_driver_hf._compat import CompatState, enable_compatibility
+from tl_driver_hf._inline_attention import inline_attention
 from tl_driver_hf._loading import (
     adapter_for_config,
     apply_n_ctx,
@@ -51,6 +53,10 @@ class HFDriver(LocalDriver):
     """
 
     name = "hf"
+    #: Whether the driver loaded the model itself (only then may compatibility mode
+    #: rewrite its weights; a user's ``hf_model`` is never mutated).
+    _owns_model: bool = False
+    _compat: CompatState | None = None
 
     def __init__(
         self,
@@ -154,7 +160,51 @@ class HFDriver(LocalDriver):
             trust_remote_code=opts.trust_remote_code,
             required=opts.tokenizer is not None,
         )
-        return cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result, n_ctx=opts.n_ctx)
+        driver = cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result, n_ctx=opts.n_ctx)
+        driver._owns_model = True
+        return driver
+
+    def enable_compatibility_mode(self, **options: Any) -> None:
+        """Rewrite the weights to HookedTransformer's processed-weights convention.
+
+        Folds norms into the layers reading them, centres the residual-stream writers
+        (LayerNorm models), centres the unembedding and folds value biases (see
+        ``docs/driver.md``). Logits change only by a per-position constant.
+
+        Args:
+            **options: ``fold_ln``, ``center_writing_weights``, ``center_unembed``,
+                ``fold_value_biases`` (bools, all ``True`` by default).
+
+        Raises:
+            UserError: The model was passed in as ``hf_model`` (it is never mutated),
+                compatibility mode is already on, or an option is unknown.
+            UnsupportedFeatureError: The family (named) or an offloaded model.
+        """
+        if not self._owns_model:
+            raise UserError(
+                "enable_compatibility_mode() rewrites the model's weights, and this model was "
+                "passed in by you (hf_model / build_bridge_from_module), which the driver never "
+                "mutates. Boot it with TransformerBridge.boot_transformers(<name or folder>) "
+                "to use compatibility mode."
+            )
+        if self._compat is not None:
+            raise UserError(f"compatibility mode is already enabled ({self._compat}); it can be applied once")
+        self._check_runnable()
+        info = self.info
+        self._compat = enable_compatibility(
+            self.hf_model,
+            self._model.parts,
+            self._adapter,
+            n_heads=info.n_heads,
+            n_kv_heads=info.kv_heads,
+            d_head=info.d_head,
+            **options,
+        )
+
+    @property
+    def compatibility_mode(self) -> CompatState | None:
+        """What ``enable_compatibility_mode`` applied, or ``None`` when it was not called."""
+        return self._compat
 
     # -- LocalDriver ------------------------------------------------------------------
 
@@ -307,7 +357,7 @@ class HFDriver(LocalDriver):
         try:
             for cfg, _ in saved:
                 setattr(cfg, _IMPL_ATTR, ATTN_IMPLEMENTATION)
-            with attention_sites(self._sites):
+            with attention_sites(self._sites), inline_attention(self._sites, self._adapter):
                 if wire:
                     handles = self._wiring.install(state)
                 yield state

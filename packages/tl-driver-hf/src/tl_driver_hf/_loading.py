@@ -52,6 +52,12 @@ def adapter_for_config(config: Any) -> ArchitectureAdapter:
             f"families: {families}. See tl_driver_hf.check_model_support and "
             f"docs/adding-a-family.md to add one."
         )
+    problems = adapter.config_problems(config)
+    if problems:
+        raise ConfigError(
+            f"this {adapter.family!r} checkpoint has a layout the hf driver does not serve: "
+            + "; ".join(problems)
+        )
     return adapter
 
 

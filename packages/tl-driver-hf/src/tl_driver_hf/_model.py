@@ -99,7 +99,8 @@ class HFHookedModel(nn.Module):
         return self._stack(
             [
                 layer_attention_weights(
-                    lay.q, lay.k, lay.v, lay.qkv, self.adapter.linear, info.n_heads, info.kv_heads, info.d_head
+                    lay.q, lay.k, lay.v, lay.qkv, self.adapter.linear, info.n_heads, info.kv_heads, info.d_head,
+                    self.adapter.qkv_layout,
                 )[key]
                 for lay in self.parts.layers
             ]
@@ -137,7 +138,9 @@ class HFHookedModel(nn.Module):
                 f"W_pos exists only with learned positions; {self.adapter.family!r} uses "
                 f"{self.info.positional_embedding_type!r} positions"
             )
-        return self.parts.pos_embed.weight  # type: ignore[return-value]
+        weight: torch.Tensor = self.parts.pos_embed.weight  # type: ignore[assignment]
+        # OPT keeps two rows before position 0.
+        return weight[self.adapter.pos_offset :] if self.adapter.pos_offset else weight
 
     @property
     def W_Q(self) -> torch.Tensor:

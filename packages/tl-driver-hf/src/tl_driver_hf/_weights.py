@@ -50,9 +50,23 @@ def layer_attention_weights(
     n_heads: int,
     n_kv: int,
     d_head: int,
+    qkv_layout: str = "blocks",
 ) -> dict[str, torch.Tensor]:
-    """``W_Q``/``W_K``/``W_V`` (``[heads, d_model, d_head]``) and their biases for one layer."""
-    if qkv is not None:
+    """``W_Q``/``W_K``/``W_V`` (``[heads, d_model, d_head]``) and their biases for one layer.
+
+    ``qkv_layout="heads"``: the fused projection is laid out per head ``[q_h | k_h | v_h]``.
+    """
+    if qkv is not None and qkv_layout == "heads":
+        w = torch.unflatten(in_out(qkv, kind), -1, (n_heads, 3, d_head))
+        wq, wk, wv = (w[:, :, j].flatten(-2) for j in range(3))
+        bias = bias_of(qkv)
+        bq: torch.Tensor | None = None
+        bk: torch.Tensor | None = None
+        bv: torch.Tensor | None = None
+        if bias is not None:
+            b3 = torch.unflatten(bias, -1, (n_heads, 3, d_head))
+            bq, bk, bv = (b3[:, j].flatten() for j in range(3))
+    elif qkv is not None:
         w = in_out(qkv, kind)
         sizes = [n_heads * d_head, n_kv * d_head, n_kv * d_head]
         wq, wk, wv = torch.split(w, sizes, dim=-1)

@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tl_core import HookPoint
 from tl_driver_hf._attention import AttentionSite
+from tl_driver_hf._flat import FLAT_SUFFIXES, flat_points
 from tl_driver_hf._modules import LayerModules, ModelModules
 from tl_driver_hf._norms import apply_weight, norm_eps, normalize
 from tl_driver_hf._weights import head_weights
@@ -31,6 +32,8 @@ class RunState:
 
     def __init__(self) -> None:
         self.resid_mid_delta: dict[int, torch.Tensor] = {}
+        # Batch and position shape of each layer's input (layers that flatten them, OPT).
+        self.shapes: dict[int, tuple[int, ...]] = {}
 
 
 def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -54,10 +57,13 @@ def _input_hook(point: HookPoint) -> Callable[..., Any]:
     return hook
 
 
-def _output_hook(point: HookPoint) -> Callable[..., Any]:
+def _output_hook(point: HookPoint, *, copy: bool = False) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         x = output[0] if isinstance(output, tuple) else output
         out = point(x)
+        if copy:
+            # The caller then writes into this tensor in place (Falcon's MLP output).
+            out = out.clone()
         if out is x:
             return None
         return (out, *output[1:]) if isinstance(output, tuple) else out
@@ -93,6 +99,34 @@ def _split_hook(points: tuple[HookPoint | None, ...], sizes: tuple[int, ...], he
                 parts[index] = out.flatten(-2) if heads else out
                 changed = True
         return torch.cat(parts, dim=-1) if changed else None
+
+    return hook
+
+
+def _per_head_split_hook(points: tuple[HookPoint | None, ...], n_heads: int, d_head: int) -> Callable[..., Any]:
+    """Fire ``b p h dh`` hooks on a fused projection laid out per head ``[q_h | k_h | v_h]``."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
+        fused = torch.unflatten(output, -1, (n_heads, len(points), d_head))
+        parts = list(fused.unbind(-2))
+        changed = False
+        for index, point in enumerate(points):
+            if point is None or not point.has_hooks:
+                continue
+            out = point(parts[index])
+            if out is not parts[index] or point._bwd:
+                parts[index] = out
+                changed = True
+        return torch.stack(parts, dim=-2).flatten(-3) if changed else None
+
+    return hook
+
+
+def _shape_hook(i: int, state: RunState) -> Callable[..., Any]:
+    """Record a layer's batch and position shape (for layers that flatten them)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        state.shapes[i] = tuple(_input_of(args, kwargs).shape[:-1])
 
     return hook
 
@@ -160,11 +194,13 @@ class Wiring:
         """Each attention module's site for ``hooked_attention``."""
         sites: dict[nn.Module, AttentionSite] = {}
         qk = ("hook_rot_q", "hook_rot_k") if self.adapter.rotary else ("hook_q", "hook_k")
+        # Pre-scaled queries (OPT) fire hook_q/hook_k at the projections instead.
+        at_attention = self.adapter.rotary or not self.adapter.query_prescaled
         for i, layer in enumerate(self.modules.layers):
             p = f"blocks.{i}.attn."
             sites[layer.attn] = AttentionSite(
-                q=self._point(p + qk[0]),
-                k=self._point(p + qk[1]),
+                q=self._point(p + qk[0]) if at_attention else None,
+                k=self._point(p + qk[1]) if at_attention else None,
                 v=self.points[p + "hook_v"],
                 scores=self.points[p + "hook_attn_scores"],
                 pattern=self.points[p + "hook_pattern"],
@@ -209,26 +245,44 @@ class Wiring:
         if self._active(b + "attn.hook_result"):
             handles.append(layer.o.register_forward_hook(self._result_hook(layer, self.points[b + "attn.hook_result"])))
         if self._active(b + "attn.hook_out"):
-            handles.append(layer.attn.register_forward_hook(_output_hook(self.points[b + "attn.hook_out"])))
+            # BLOOM's attention module returns output + residual: read its projection instead.
+            attn_out = layer.o if self.adapter.sublayers_add_residual else layer.attn
+            handles.append(attn_out.register_forward_hook(_output_hook(self.points[b + "attn.hook_out"])))
         self._install_norm(b + "ln1_post", layer.ln1_post, handles)
+        points = self.points
+        if self.adapter.flat_mlp and self._active(*(b + suffix for suffix in FLAT_SUFFIXES)):
+            # OPT flattens batch and position here; its hooks see them restored.
+            handles.append(layer.layer.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
+            self.points = flat_points(points, i, state.shapes)
         resid_mid = b + "ln2.hook_in"
         if self._active(resid_mid):
             target = layer.ln2 if layer.ln2 is not None else layer.mlp
             handles.append(target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True))
         self._install_norm(b + "ln2", layer.ln2, handles, with_input=False)
         if self._active(b + "mlp.hook_in"):
-            handles.append(layer.mlp.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
+            # An inline MLP (OPT) is no module: mlp.hook_in/hook_out sit on its projections.
+            mlp_in = layer.mlp_in if self.adapter.mlp_inline and layer.mlp_in is not None else layer.mlp
+            handles.append(mlp_in.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
         self._install_mlp(b + "mlp.", layer, handles)
         if self._active(b + "mlp.hook_out"):
-            handles.append(layer.mlp.register_forward_hook(_output_hook(self.points[b + "mlp.hook_out"])))
+            own_out = self.adapter.sublayers_add_residual or self.adapter.mlp_inline
+            mlp_out = layer.down if own_out and layer.down is not None else layer.mlp
+            point = self.points[b + "mlp.hook_out"]
+            handles.append(mlp_out.register_forward_hook(_output_hook(point, copy=self.adapter.mlp_out_inplace)))
         self._install_norm(b + "ln2_post", layer.ln2_post, handles)
+        self.points = points
         if self._active(b + "hook_out", resid_mid):
             handles.append(layer.layer.register_forward_hook(self._block_out_hook(i, state)))
 
     def _install_qk(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
-        if not self.adapter.rotary:
+        if not self.adapter.rotary and not self.adapter.query_prescaled:
             return  # hook_q / hook_k fire inside attention
         q, k = self._point(b + "attn.hook_q"), self._point(b + "attn.hook_k")
+        if layer.qkv is not None and self.adapter.qkv_layout == "heads":
+            if self._active(b + "attn.hook_q", b + "attn.hook_k"):
+                hook = _per_head_split_hook((q, k, None), self.n_heads, self.d_head)
+                handles.append(layer.qkv.register_forward_hook(hook))
+            return
         if layer.qkv is not None:
             if self._active(b + "attn.hook_q", b + "attn.hook_k"):
                 h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
@@ -304,7 +358,7 @@ class Wiring:
             new = x
             delta = state.resid_mid_delta.pop(i, None)
             if delta is not None:
-                new = new + delta
+                new = new + delta.reshape(new.shape)
             if point is not None and point.has_hooks:
                 new = point(new)
             if new is x:

@@ -90,6 +90,27 @@ class ArchitectureAdapter:
             support checks.
         known_models: Hub ids of well-known checkpoints of this family.
         verified: Whether the driver's test suite checks this family hook by hook.
+        qkv_layout: How ``qkv`` is laid out: ``"blocks"`` (``[q | k | v]``) or ``"heads"``
+            (per head ``[q_h | k_h | v_h]``, GPT-NeoX).
+        query_prescaled: Whether the attention module scales queries before calling
+            attention (OPT); ``hook_q``/``hook_k`` then fire at the projections (unscaled).
+        pos_offset: Rows of the position table before position 0 (OPT: 2).
+        mlp_inline: Whether the MLP projections sit directly in the layer (``mlp`` is
+            ``""``); ``mlp.hook_in``/``hook_out`` then fire at ``mlp_in``'s input and
+            ``down``'s output.
+        flat_mlp: Whether the layer flattens batch and position before its MLP half (OPT);
+            the hooks there see ``[batch, pos, ...]`` again.
+        parallel_field: Config field that decides ``parallel`` per checkpoint, if any.
+        config_requires: Config values the adapter assumes, with the reason when one differs.
+        inline_attention: The family computes attention inside its module instead of calling
+            ``AttentionInterface`` (GPT-Neo, BLOOM, Falcon): the name of the faithful
+            re-implementation in ``tl_driver_hf._inline_attention`` that replaces the
+            attention module's forward for the duration of each run.
+        sublayers_add_residual: Whether the attention and MLP modules return their output
+            plus the residual (BLOOM); ``attn.hook_out``/``mlp.hook_out`` then fire at the
+            outputs of ``o`` and ``down``.
+        mlp_out_inplace: Whether the layer adds into the MLP's output in place (Falcon);
+            ``mlp.hook_out`` then hands the layer a copy, so cached values stay intact.
     """
 
     family: str
@@ -129,6 +150,16 @@ class ArchitectureAdapter:
     hub_patterns: tuple[str, ...] = ()
     known_models: tuple[str, ...] = ()
     verified: bool = True
+    qkv_layout: Literal["blocks", "heads"] = "blocks"
+    query_prescaled: bool = False
+    pos_offset: int = 0
+    mlp_inline: bool = False
+    flat_mlp: bool = False
+    parallel_field: str | None = None
+    config_requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    inline_attention: str | None = None
+    sublayers_add_residual: bool = False
+    mlp_out_inplace: bool = False
 
     @property
     def gated(self) -> bool:
@@ -139,6 +170,20 @@ class ArchitectureAdapter:
     def sandwich(self) -> bool:
         """Whether sublayer outputs are normalised before joining the residual stream."""
         return self.ln1_post is not None or self.ln2_post is not None
+
+    def is_parallel(self, config: Any) -> bool:
+        """Whether attention and MLP read the same block input in this checkpoint."""
+        if self.parallel_field is not None:
+            return bool(getattr(config, self.parallel_field, self.parallel))
+        return self.parallel
+
+    def config_problems(self, config: Any) -> list[str]:
+        """Why this adapter cannot serve ``config`` (empty when it can)."""
+        return [
+            f"{name}={getattr(config, name, None)!r} (expected {want!r}): {why}"
+            for name, (want, why) in self.config_requires.items()
+            if getattr(config, name, want) != want
+        ]
 
     def matches_hub_id(self, name: str) -> bool:
         """Whether ``name`` looks like a hub id of this family."""
@@ -176,7 +221,7 @@ class ArchitectureAdapter:
                 "standard" if self.pos_embed else "rotary" if self.rotary else "none"
             ),
             gated_mlp=self.gated,
-            parallel_attn_mlp=self.parallel,
+            parallel_attn_mlp=self.is_parallel(config),
             sandwich_norm=self.sandwich,
             architecture=str(architectures[0]),
         )

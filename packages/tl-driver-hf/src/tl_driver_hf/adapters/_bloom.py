@@ -1,0 +1,65 @@
+"""BLOOM: ALiBi attention, fused per-head ``query_key_value``, an embedding LayerNorm.
+
+* **Embedding norm.** ``word_embeddings_layernorm`` normalises the token embedding before
+  block 0. The vocabulary has no name for it: ``embed.hook_out`` is the embedding module's
+  output (the raw lookup, ``W_E[ids]``) and ``blocks.0.hook_in`` is after the norm; an
+  edit at ``embed.hook_out`` goes through the norm.
+* **ALiBi.** There is no position embedding and no rotary; each head adds a linear bias
+  over key positions to its scores, so ``hook_attn_scores`` is
+  ``alibi + q k^T / sqrt(d_head)`` (masked), as in HookedTransformer.
+* **Residual inside the sublayers.** The attention and MLP modules return their output
+  plus the residual, so ``attn.hook_out`` / ``mlp.hook_out`` fire at the output
+  projections (``dense`` / ``dense_4h_to_h``): the sublayers' contributions.
+
+Attention is computed inside ``BloomAttention`` (not through ``AttentionInterface``), so the
+driver runs its hooked re-implementation there (``inline_attention="bloom"``).
+"""
+
+from __future__ import annotations
+
+from tl_driver_hf.adapters._base import ArchitectureAdapter
+
+ADAPTERS = (
+    ArchitectureAdapter(
+        family="bloom",
+        model_types=("bloom",),
+        architectures=("BloomForCausalLM",),
+        embed="transformer.word_embeddings",
+        layers="transformer.h",
+        final_norm="transformer.ln_f",
+        ln1="input_layernorm",
+        ln2="post_attention_layernorm",
+        attn="self_attention",
+        q=None,
+        k=None,
+        v=None,
+        qkv="query_key_value",
+        qkv_layout="heads",
+        o="dense",
+        mlp="mlp",
+        mlp_in="dense_h_to_4h",
+        gate=None,
+        up=None,
+        down="dense_4h_to_h",
+        norm="layernorm",
+        rotary=False,
+        inline_attention="bloom",
+        sublayers_add_residual=True,
+        config_requires={
+            "apply_residual_connection_post_layernorm": (
+                False,
+                "with it the residual stream is the normalised input, which the hook "
+                "vocabulary's residual hooks cannot express",
+            ),
+        },
+        hub_patterns=(r"^bigscience/bloom", r"^bigscience/bloomz"),
+        known_models=(
+            "bigscience/bloom-560m",
+            "bigscience/bloom-1b1",
+            "bigscience/bloom-1b7",
+            "bigscience/bloom-3b",
+            "bigscience/bloom-7b1",
+            "bigscience/bloomz-560m",
+        ),
+    ),
+)

@@ -1,0 +1,47 @@
+"""GPT-J: separate q/k/v, partial "rotate every two" rotary, parallel block with one norm.
+
+GPT-J's block normalises its input once (``ln_1``) and feeds that one tensor to both
+attention and the MLP. There is no second norm module, so the driver serves it as ``ln1.*``
+only and declares ``ln2.hook_scale``/``hook_normalized``/``hook_out`` non-fireable with the
+reason (serving the same tensor under two names would let an ``ln2`` edit change attention
+too). ``mlp.hook_in`` is the MLP's input, which equals ``ln1.hook_out``.
+"""
+
+from __future__ import annotations
+
+from tl_driver_hf.adapters._base import ArchitectureAdapter
+
+_SHARED_NORM = (
+    "gptj has one norm per block (ln_1) feeding both attention and the MLP; it is served "
+    "as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in)"
+)
+
+ADAPTERS = (
+    ArchitectureAdapter(
+        family="gptj",
+        model_types=("gptj",),
+        architectures=("GPTJForCausalLM",),
+        embed="transformer.wte",
+        layers="transformer.h",
+        final_norm="transformer.ln_f",
+        ln1="ln_1",
+        ln2=None,
+        attn="attn",
+        o="out_proj",
+        mlp="mlp",
+        mlp_in="fc_in",
+        gate=None,
+        up=None,
+        down="fc_out",
+        norm="layernorm",
+        # Eager GPT-J computes scores in float32 and the softmax in the scores' dtype.
+        softmax_fp32=True,
+        parallel=True,
+        absent={
+            f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
+            for suffix in ("hook_scale", "hook_normalized", "hook_out")
+        },
+        hub_patterns=(r"^EleutherAI/gpt-j-",),
+        known_models=("EleutherAI/gpt-j-6b",),
+    ),
+)
