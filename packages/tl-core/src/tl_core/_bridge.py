@@ -176,25 +176,6 @@ class TransformerBridge(nn.Module, BridgeCommon):
             input, "loss", intervene=intervene, prepend_bos=prepend_bos, loss_per_token=per_token
         )
 
-    def run_with_hooks(
-        self,
-        input: ModelInput,
-        *,
-        fwd_hooks: Sequence[HookSpec] = (),
-        bwd_hooks: Sequence[HookSpec] = (),
-        reset_hooks_end: bool = True,
-        return_type: ReturnType = "logits",
-        **forward_kwargs: Any,
-    ) -> Any:
-        """Run with temporary hooks: ``[(name or predicate, fn(tensor, hook=...)), ...]``.
-
-        Hooks are removed afterwards (unless ``reset_hooks_end=False``), also when the
-        forward raises. Backward hooks fire when you call ``.backward()`` on the result,
-        so pass ``reset_hooks_end=False`` for them or run the backward inside ``hooks()``.
-        """
-        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
-            return self.forward(input, return_type, **forward_kwargs)
-
     def run_with_cache(
         self,
         input: ModelInput,

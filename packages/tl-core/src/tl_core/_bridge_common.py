@@ -30,6 +30,8 @@ class BridgeCommon:
     """
 
     _permanent: list[HookHandle]
+    #: Runs the model; each bridge defines it.
+    forward: Callable[..., Any]
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -148,6 +150,27 @@ class BridgeCommon:
         """Remove every hook (permanent ones too when asked)."""
         for point in self.hook_dict.values():
             point.remove_hooks("both", including_permanent=including_permanent)
+
+    def run_with_hooks(
+        self,
+        input: ModelInput,
+        *,
+        fwd_hooks: Sequence[HookSpec] = (),
+        bwd_hooks: Sequence[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        return_type: Any = "logits",
+        **forward_kwargs: Any,
+    ) -> Any:
+        """Run with temporary hooks: ``[(name or predicate, fn(tensor, hook=...)), ...]``.
+
+        Hooks are removed afterwards (unless ``reset_hooks_end=False``), also when the
+        forward raises. On local drivers forward hooks may edit values, and backward hooks
+        fire when you call ``.backward()`` on the result, so pass ``reset_hooks_end=False``
+        for them or run the backward inside ``hooks()``. On remote drivers hooks read the
+        captured values after the engine ran and must not change them.
+        """
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
+            return self.forward(input, return_type, **forward_kwargs)
 
     @contextmanager
     def hooks(

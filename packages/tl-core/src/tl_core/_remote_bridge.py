@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from tl_core._aliases import canonical_name, suggest_names
-from tl_core._bridge_common import BridgeCommon, HookSpec, ModelInput, NamesFilter, next_token_loss
+from tl_core._bridge_common import BridgeCommon, ModelInput, NamesFilter, next_token_loss
 from tl_core._cache import ActivationCache
 from tl_core._driver import ForwardResult, validate_driver
 from tl_core._errors import (
@@ -195,20 +195,6 @@ class RemoteBridge(BridgeCommon):
     def loss(self, input: ModelInput, *, per_token: bool = False, intervene: Any = None) -> torch.Tensor:
         """Mean next-token loss (needs a driver with sequence logits)."""
         return self.forward(input, "loss", intervene=intervene, loss_per_token=per_token)  # type: ignore[no-any-return]
-
-    def run_with_hooks(
-        self,
-        input: ModelInput,
-        *,
-        fwd_hooks: Sequence[HookSpec] = (),
-        bwd_hooks: Sequence[HookSpec] = (),
-        reset_hooks_end: bool = True,
-        return_type: ReturnType = "logits",
-        **forward_kwargs: Any,
-    ) -> Any:
-        """Run, then replay the hooked captures through read-only hooks."""
-        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
-            return self.forward(input, return_type, **forward_kwargs)
 
     def run_with_cache(
         self,
