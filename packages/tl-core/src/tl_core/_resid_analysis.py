@@ -19,270 +19,30 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Literal, TypeAlias, overload
+from typing import Literal, overload
 
 import torch
 
 from tl_core._errors import UserError
 from tl_core._model_info import ModelInfo
 from tl_core._readout import ModelReadout
+from tl_core._resid_math import (
+    DEFAULT_EPS,
+    NormType,
+    Plan,
+    PosSlice,
+    accumulated_plan,
+    broadcasts_to,
+    decompose_plan,
+    logit_directions,
+    normalize_components,
+    normalize_layer,
+    readout_logits,
+    recompute_scale,
+    slice_positions,
+)
 
-__all__ = [
-    "PosSlice",
-    "ResidualAnalysisMixin",
-    "logit_directions",
-    "normalize_components",
-    "readout_logits",
-    "recompute_scale",
-    "slice_positions",
-]
-
-PosSlice: TypeAlias = int | slice | Sequence[int] | None
-"""Positions to keep: ``None`` (all), a ``slice``, a list of indices, or one ``int``
-(which drops the position dimension)."""
-
-NormType: TypeAlias = Literal["LN", "RMS"] | None
-Plan: TypeAlias = list[tuple[str, str]]
-"""``(label, canonical hook name)`` pairs, in stacking order."""
-
-_DEFAULT_EPS = 1e-5
-
-
-def _normalize_layer(layer: int | None, n_layers: int, *, method: str) -> int:
-    """Map a ``layer`` argument to ``0 .. n_layers`` (``n_layers`` = final residual)."""
-    if layer is None:
-        return n_layers
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise UserError(f"{method}: layer must be an int or None, got {layer!r}.")
-    resolved = layer + n_layers + 1 if layer < 0 else layer
-    if not 0 <= resolved <= n_layers:
-        raise UserError(
-            f"{method}: layer={layer!r} is out of range for a model with {n_layers} layers; "
-            f"expected 0..{n_layers} ({n_layers} or -1 = the final residual) or a negative "
-            f"index down to {-(n_layers + 1)}."
-        )
-    return resolved
-
-
-def slice_positions(tensor: torch.Tensor, pos_slice: PosSlice, dim: int) -> torch.Tensor:
-    """Select positions along ``dim``.
-
-    Args:
-        tensor: Any tensor with a position dimension.
-        pos_slice: ``None`` keeps all; a ``slice`` or a list of indices keeps the dimension;
-            an ``int`` selects one position and drops the dimension.
-        dim: The position dimension (non-negative).
-
-    Returns:
-        The selected positions (a view for ``int`` and ``slice``).
-
-    Raises:
-        UserError: An index is out of range or ``pos_slice`` has the wrong type.
-    """
-    if pos_slice is None:
-        return tensor
-    size = tensor.shape[dim]
-    if isinstance(pos_slice, slice):
-        return tensor[(slice(None),) * dim + (pos_slice,)]
-    if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):
-        _check_position(pos_slice, size)
-        return tensor.select(dim, pos_slice)
-    if isinstance(pos_slice, Sequence) and not isinstance(pos_slice, str):
-        indices = list(pos_slice)
-        for index in indices:
-            if isinstance(index, bool) or not isinstance(index, int):
-                raise UserError(f"pos_slice must hold ints, got {index!r} in {pos_slice!r}.")
-            _check_position(index, size)
-        wrapped = torch.tensor([i % size for i in indices], dtype=torch.long, device=tensor.device)
-        return tensor.index_select(dim, wrapped)
-    raise UserError(
-        f"pos_slice must be None, an int, a slice or a list of ints, got {pos_slice!r}."
-    )
-
-
-def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Whether ``shape`` broadcasts to exactly ``target``."""
-    if len(shape) > len(target):
-        return False
-    return all(s in (1, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
-
-
-def _check_position(index: int, size: int) -> None:
-    if not -size <= index < size:
-        raise UserError(
-            f"pos_slice index {index} is out of range for {size} positions "
-            f"(valid: {-size}..{size - 1})."
-        )
-
-
-def _accumulated_plan(
-    n_layers: int, layer: int, *, incl_mid: bool, mlp_input: bool, parallel: bool
-) -> Plan:
-    """``(label, hook)`` pairs of ``accumulated_resid``, in forward order."""
-    plan: Plan = []
-    for index in range(layer + 1):
-        if index == n_layers:
-            plan.append(("final_post", f"blocks.{n_layers - 1}.hook_out"))
-            break
-        plan.append((f"{index}_pre", f"blocks.{index}.hook_in"))
-        wants_mid = (incl_mid and index < layer) or (mlp_input and index == layer)
-        if wants_mid and not parallel:
-            plan.append((f"{index}_mid", f"blocks.{index}.ln2.hook_in"))
-    return plan
-
-
-def _decompose_plan(
-    layer: int,
-    *,
-    embeds: Plan,
-    mode: str,
-    mlp_input: bool,
-    sandwich: bool,
-    parallel: bool,
-) -> Plan:
-    """``(label, hook)`` pairs of ``decompose_resid``, in forward order."""
-    if mode not in ("all", "attn", "mlp"):
-        raise UserError(f"decompose_resid: mode must be 'all', 'attn' or 'mlp', got {mode!r}.")
-    attn_suffix = "ln1_post.hook_out" if sandwich else "attn.hook_out"
-    mlp_suffix = "ln2_post.hook_out" if sandwich else "mlp.hook_out"
-    plan = list(embeds)
-    for index in range(layer):
-        if mode != "mlp":
-            plan.append((f"{index}_attn_out", f"blocks.{index}.{attn_suffix}"))
-        if mode != "attn":
-            plan.append((f"{index}_mlp_out", f"blocks.{index}.{mlp_suffix}"))
-    if mlp_input and mode != "mlp" and not parallel:
-        plan.append((f"{layer}_attn_out", f"blocks.{layer}.{attn_suffix}"))
-    return plan
-
-
-def normalize_components(
-    stack: torch.Tensor, scale: torch.Tensor, normalization_type: NormType
-) -> torch.Tensor:
-    """Apply a norm with a fixed ``scale`` to each component of a stack.
-
-    With the scale held fixed, LayerNorm and RMSNorm are linear, so the normalised
-    components sum to the normalised total.
-
-    Args:
-        stack: ``[..., d_model]`` components.
-        scale: The norm's scale (``sqrt(var + eps)`` or ``sqrt(mean(x^2) + eps)``),
-            broadcastable to ``stack`` with a trailing size-1 dimension.
-        normalization_type: ``"LN"`` centres each component first; ``"RMS"`` only divides;
-            ``None`` returns the stack unchanged.
-
-    Returns:
-        The normalised (pre-weight) components.
-    """
-    if normalization_type is None:
-        return stack
-    if normalization_type == "LN":
-        stack = stack - stack.mean(dim=-1, keepdim=True)
-    return stack / scale
-
-
-def recompute_scale(total: torch.Tensor, normalization_type: NormType, eps: float) -> torch.Tensor:
-    """The scale a LayerNorm (``"LN"``) or RMSNorm (``"RMS"``) would compute for ``total``.
-
-    Args:
-        total: ``[..., d_model]`` residual vectors.
-        normalization_type: The norm family; ``None`` gives a scale of one.
-        eps: The norm's epsilon.
-
-    Returns:
-        ``[..., 1]`` scales.
-    """
-    if normalization_type is None:
-        return torch.ones_like(total[..., :1])
-    if normalization_type == "LN":
-        total = total - total.mean(dim=-1, keepdim=True)
-    return (total.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
-
-
-def readout_logits(residual: torch.Tensor, readout: ModelReadout) -> torch.Tensor:
-    """Logits for residual vectors: final norm (own statistics), weight, bias, ``W_U``, ``b_U``.
-
-    Args:
-        residual: ``[..., d_model]``; each vector is normalised with its own statistics.
-        readout: The final norm and unembedding.
-
-    Returns:
-        ``[..., d_vocab]`` logits, soft-capped when the readout says so.
-    """
-    norm = readout.normalization_type
-    x = normalize_components(residual, recompute_scale(residual, norm, readout.eps), norm)
-    if readout.ln_final_weight is not None:
-        x = x * readout.ln_final_weight.to(residual)
-    if readout.ln_final_bias is not None:
-        x = x + readout.ln_final_bias.to(residual)
-    logits = x @ readout.W_U.to(residual)
-    if readout.b_U is not None:
-        logits = logits + readout.b_U.to(residual)
-    if readout.logit_softcap is not None:
-        logits = readout.logit_softcap * torch.tanh(logits / readout.logit_softcap)
-    return logits
-
-
-def _token_index(
-    tokens: int | torch.Tensor | Sequence[int], d_vocab: int, what: str
-) -> torch.Tensor:
-    if isinstance(tokens, bool):
-        raise UserError(f"logit_attrs: {what} must be token ids, got {tokens!r}.")
-    index = torch.as_tensor(tokens)
-    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
-        raise UserError(f"logit_attrs: {what} must be integer token ids, got dtype {index.dtype}.")
-    index = index.long()
-    bad = (index < 0) | (index >= d_vocab)
-    if bool(bad.any()):
-        raise UserError(
-            f"logit_attrs: {what} holds id {int(index[bad].flatten()[0])}, outside the "
-            f"vocabulary 0..{d_vocab - 1}."
-        )
-    return index
-
-
-def logit_directions(
-    readout: ModelReadout,
-    tokens: int | torch.Tensor | Sequence[int],
-    incorrect_tokens: int | torch.Tensor | Sequence[int] | None,
-    *,
-    like: torch.Tensor,
-) -> torch.Tensor:
-    """Residual-space directions whose dot product with a normalised residual gives a logit.
-
-    The direction of token ``t`` is ``ln_final_weight * W_U[:, t]``; with
-    ``incorrect_tokens`` it is the difference of the two directions.
-
-    Args:
-        readout: The final norm and unembedding.
-        tokens: One id or a tensor of ids.
-        incorrect_tokens: Ids to subtract (same or broadcastable shape), or ``None``.
-        like: Tensor whose device and dtype the result takes.
-
-    Returns:
-        ``[*token_shape, d_model]`` directions.
-
-    Raises:
-        UserError: Ids that are not integers or lie outside the vocabulary.
-    """
-    w_u = readout.W_U
-    directions = w_u[:, _token_index(tokens, w_u.shape[1], "tokens").to(w_u.device)]
-    directions = directions.movedim(0, -1)
-    if incorrect_tokens is not None:
-        index = _token_index(incorrect_tokens, w_u.shape[1], "incorrect_tokens")
-        other = w_u[:, index.to(w_u.device)].movedim(0, -1)
-        try:
-            directions = directions - other
-        except RuntimeError:
-            raise UserError(
-                f"logit_attrs: tokens (shape {tuple(directions.shape[:-1])}) and "
-                f"incorrect_tokens (shape {tuple(other.shape[:-1])}) must have the same or "
-                "broadcastable shapes."
-            ) from None
-    directions = directions.to(device=like.device, dtype=like.dtype)
-    if readout.ln_final_weight is not None:
-        directions = directions * readout.ln_final_weight.to(device=like.device, dtype=like.dtype)
-    return directions
+__all__ = ["PosSlice", "ResidualAnalysisMixin"]
 
 
 class ResidualAnalysisMixin(ABC):
@@ -438,10 +198,10 @@ class ResidualAnalysisMixin(ABC):
             UserError: A bad argument, or a needed hook is not cached (``HookNameError``).
         """
         n_layers = self.n_layers
-        index = _normalize_layer(layer, n_layers, method="accumulated_resid")
+        index = normalize_layer(layer, n_layers, method="accumulated_resid")
         if mlp_input and index == n_layers:
             raise UserError("accumulated_resid: mlp_input=True needs a block index below n_layers.")
-        plan = _accumulated_plan(
+        plan = accumulated_plan(
             n_layers, index, incl_mid=incl_mid, mlp_input=mlp_input, parallel=self._is_parallel()
         )
         stack = self._stack_plan(plan, pos_slice, "accumulated_resid")
@@ -515,11 +275,11 @@ class ResidualAnalysisMixin(ABC):
             UserError: A bad argument, no component selected, or a needed hook is not cached.
         """
         n_layers = self.n_layers
-        index = _normalize_layer(layer, n_layers, method="decompose_resid")
+        index = normalize_layer(layer, n_layers, method="decompose_resid")
         if mlp_input and index == n_layers:
             raise UserError("decompose_resid: mlp_input=True needs a block index below n_layers.")
         sandwich = self.info is not None and self.info.sandwich_norm
-        plan = _decompose_plan(
+        plan = decompose_plan(
             index,
             embeds=self._embed_plan() if incl_embeds else [],
             mode=mode,
@@ -575,7 +335,7 @@ class ResidualAnalysisMixin(ABC):
             UserError: ``blocks.{i}.attn.hook_result`` is not cached (it is opt-in), or
                 ``layer`` is 0.
         """
-        index = _normalize_layer(layer, self.n_layers, method="stack_head_results")
+        index = normalize_layer(layer, self.n_layers, method="stack_head_results")
         if index == 0:
             raise UserError("stack_head_results: layer=0 selects no blocks; use layer >= 1.")
         pieces: list[torch.Tensor] = []
@@ -638,7 +398,7 @@ class ResidualAnalysisMixin(ABC):
                 message names the hook to capture), or its shape does not fit the stack.
         """
         purpose = "apply_ln_to_stack"
-        index = _normalize_layer(layer, self.n_layers, method=purpose)
+        index = normalize_layer(layer, self.n_layers, method=purpose)
         final = index == self.n_layers
         if mlp_input and final:
             raise UserError(f"{purpose}: mlp_input=True needs a block index below n_layers.")
@@ -646,7 +406,7 @@ class ResidualAnalysisMixin(ABC):
         if norm is None:
             return residual_stack
         if recompute_ln:
-            eps = self.readout.eps if self.readout is not None else _DEFAULT_EPS
+            eps = self.readout.eps if self.readout is not None else DEFAULT_EPS
             scale = recompute_scale(residual_stack.sum(dim=0), norm, eps)
             return normalize_components(residual_stack, scale, norm)
         name = self._scale_name(index, mlp_input)
@@ -660,7 +420,7 @@ class ResidualAnalysisMixin(ABC):
                 )
             scale = scale[0]
         scale = scale.to(device=residual_stack.device, dtype=residual_stack.dtype)
-        if not _broadcasts_to(tuple(scale.shape), tuple(residual_stack.shape[1:])):
+        if not broadcasts_to(tuple(scale.shape), tuple(residual_stack.shape[1:])):
             raise UserError(
                 f"{purpose}: the cached scale {name!r} has shape {tuple(scale.shape)} after "
                 f"pos_slice={pos_slice!r}, which does not fit a stack of shape "
@@ -713,7 +473,7 @@ class ResidualAnalysisMixin(ABC):
         token_shape = tuple(directions.shape[:-1])
         target = tuple(residual_stack.shape[1:-1])
         if token_shape and (
-            len(token_shape) != len(target) or not _broadcasts_to(token_shape, target)
+            len(token_shape) != len(target) or not broadcasts_to(token_shape, target)
         ):
             raise UserError(
                 f"logit_attrs: tokens of shape {token_shape} do not fit the stack's "
