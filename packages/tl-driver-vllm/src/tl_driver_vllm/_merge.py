@@ -1,0 +1,135 @@
+"""Driver side: compile specs to edit tables, and merge the workers' results per prompt.
+
+Edit tables: one prompt's specs on one hook become rows of ``x * scale + bias``: one row
+per prompt position when any spec lists positions (else one row for every prompt
+position), then one row for generated tokens, where only specs without ``pos`` apply.
+
+Merging: replicated sites (every residual-stream and module-output site the driver serves,
+after tensor-parallel all-reduce) come from tensor-parallel rank 0 of whichever pipeline
+stage holds them; vocabulary shards of the logits are concatenated in rank order. When
+asked, the other ranks' copies are compared with rank 0's and a mismatch fails loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tl_core import InterventionSpec, TLError, compile_specs
+from tl_driver_vllm._wire import pack, unpack
+
+__all__ = ["edit_table", "merge_results", "pad_rows"]
+
+_SHARDED = ("logits", "unembed.hook_out")
+
+
+def edit_table(specs: Sequence[InterventionSpec], *, length: int, width: int) -> dict[str, Any]:
+    """One prompt's specs on one ``[pos, width]`` hook as packed table rows.
+
+    Args:
+        specs: The prompt's specs on the hook, positions already absolute.
+        length: The prompt's length.
+        width: The hook's feature width.
+
+    Returns:
+        ``{"scale", "bias"}`` (packed float32 ``[rows, width]``) and ``"positional"``.
+    """
+    positional = any(spec.pos is not None for spec in specs)
+    prompt = compile_specs(specs, feature_shape=(width,), seq_len=length, dtype=torch.float32, device="cpu")
+    generated = compile_specs(
+        [s for s in specs if s.pos is None], feature_shape=(width,), seq_len=1,
+        dtype=torch.float32, device="cpu",
+    )
+    rows = length if positional else 1
+    scale = torch.cat([prompt.scale.expand(rows, width), generated.scale.expand(1, width)])
+    bias = torch.cat([prompt.bias.expand(rows, width), generated.bias.expand(1, width)])
+    return {"scale": pack(scale), "bias": pack(bias), "positional": positional}
+
+
+def merge_results(
+    results: Sequence[dict[str, Any]], *, vocab: int, check_ranks: bool
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per request tag, per name: one tensor, merged across workers.
+
+    Args:
+        results: What ``tl_collect`` returned on every worker.
+        vocab: Vocabulary size (padding of sharded vocabularies is cut off).
+        check_ranks: Compare replicated captures across tensor-parallel ranks.
+
+    Returns:
+        ``{tag: {hook or "logits": tensor}}``.
+
+    Raises:
+        TLError: Ranks disagree on a replicated capture.
+    """
+    merged: dict[str, dict[str, torch.Tensor]] = {}
+    shards: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+    others: list[tuple[int, int, str, str, torch.Tensor]] = []
+    for result in results:
+        tp_rank, pp_rank = int(result["tp_rank"]), int(result["pp_rank"])
+        for tag, items in result["requests"].items():
+            for name, packed in items.items():
+                tensor = unpack(packed)
+                if name in _SHARDED:
+                    shards.setdefault((tag, name), []).append((tp_rank, tensor))
+                elif tp_rank == 0:
+                    merged.setdefault(tag, {})[name] = tensor
+                else:
+                    others.append((tp_rank, pp_rank, tag, name, tensor))
+    for (tag, name), parts in shards.items():
+        parts.sort(key=lambda item: item[0])
+        full = torch.cat([t for _, t in parts], dim=-1) if len(parts) > 1 else parts[0][1]
+        merged.setdefault(tag, {})[name] = full[..., :vocab]
+    if check_ranks:
+        for tp_rank, pp_rank, tag, name, tensor in others:
+            _check_rank(merged.get(tag, {}).get(name), tensor, tp_rank, pp_rank, name)
+    return merged
+
+
+def _check_rank(
+    reference: torch.Tensor | None, tensor: torch.Tensor, rank: int, stage: int, name: str
+) -> None:
+    if reference is not None and reference.shape == tensor.shape:
+        ref, other = reference.float(), tensor.float()
+        tol = 1e-5 * max(1.0, float(ref.abs().max()))
+        if torch.equal(ref, other) or float((ref - other).abs().max()) <= tol:
+            return
+        detail = f"max abs difference {float((ref - other).abs().max()):.3g} (allowed {tol:.3g})"
+    else:
+        shape = None if reference is None else tuple(reference.shape)
+        detail = f"rank 0 has shape {shape}, rank {rank} has {tuple(tensor.shape)}"
+    raise TLError(
+        f"tensor-parallel ranks disagree on replicated hook {name!r} (pipeline stage {stage}, "
+        f"tensor-parallel rank {rank} vs 0): {detail}. This hook should be identical on every "
+        "rank after the all-reduce; the vllm driver's site table does not fit this model or "
+        "vLLM version. Please report it with the model and the vLLM version."
+    )
+
+
+def pad_rows(rows: Sequence[torch.Tensor | None], lengths: Sequence[int]) -> torch.Tensor:
+    """Right-pad per-prompt ``[length, ...]`` tensors into ``[batch, max_length, ...]``.
+
+    Raises:
+        TLError: A prompt's tensor is missing or has the wrong length.
+    """
+    first = next((r for r in rows if r is not None), None)
+    if first is None or any(r is None for r in rows):
+        raise TLError("the engine returned no values for some prompts; see the worker logs")
+    for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        assert row is not None
+        if row.shape[0] != length:
+            raise TLError(
+                f"prompt {b}: the engine returned {row.shape[0]} positions, expected {length}; "
+                "some positions were not recomputed (prefix caching?)"
+            )
+    full = [r for r in rows if r is not None]
+    width = max(lengths)
+    if all(n == width for n in lengths):
+        return torch.stack(full)
+    out = first.new_empty((len(rows), width, *first.shape[1:]))
+    for b, (row, length) in enumerate(zip(full, lengths, strict=True)):
+        out[b, :length] = row
+        out[b, length:] = 0
+    return out

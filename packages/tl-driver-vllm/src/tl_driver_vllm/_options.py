@@ -1,0 +1,125 @@
+"""Boot options to ``vllm.LLM`` arguments, and forward options to ``SamplingParams``.
+
+Everything here is checked before an engine starts, so a bad option costs no boot.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tl_core import ConfigError, UserError
+
+__all__ = ["WORKER_EXTENSION", "engine_kwargs", "sampling_kwargs"]
+
+WORKER_EXTENSION = "tl_driver_vllm._worker.TLWorkerExtension"
+
+# Options the driver must own: hooks need eager mode (see README, "Compilation"),
+# captures need every prompt position computed, and the worker extension is ours.
+_FIXED: dict[str, tuple[bool, str]] = {
+    "enable_prefix_caching": (False, "cached prefix positions are never recomputed, so they "
+                              "would have no activations"),
+    "enforce_eager": (True, "tl hooks are Python code that runs at every step; torch.compile "
+                      "bakes hooks in at the first trace and CUDA graphs replay without them"),
+}
+_REFUSED = {
+    "worker_extension_cls": "the vllm driver installs its own worker extension",
+    "speculative_config": "speculative decoding runs draft tokens through the model that "
+    "captures and edits cannot tell apart from accepted ones",
+}
+
+
+def engine_kwargs(
+    model: str,
+    *,
+    tokenizer: str | None,
+    dtype: Any,
+    gpu_memory_utilization: float | None,
+    max_model_len: int | None,
+    max_num_batched_tokens: int | None,
+    enable_batching: bool,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    vllm_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Arguments for ``vllm.LLM`` with the driver's required settings.
+
+    Raises:
+        ConfigError: A setting the driver cannot work with, or an invalid size.
+    """
+    for key, (fixed, why) in _FIXED.items():
+        if key in vllm_kwargs and vllm_kwargs[key] != fixed:
+            raise ConfigError(
+                f"boot_vllm({key}={vllm_kwargs[key]!r}) is not supported: the vllm driver "
+                f"sets {key}={fixed!r} because {why}. Remove the option."
+            )
+    for key, why in _REFUSED.items():
+        if vllm_kwargs.get(key) is not None:
+            raise ConfigError(f"boot_vllm({key}=...) is not supported: {why}.")
+    for key, size in (
+        ("tensor_parallel_size", tensor_parallel_size),
+        ("pipeline_parallel_size", pipeline_parallel_size),
+    ):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"{key} must be an int >= 1, got {size!r}")
+    if not enable_batching:
+        if vllm_kwargs.get("max_num_seqs", 1) != 1:
+            raise ConfigError(
+                f"enable_batching=False runs one request at a time (max_num_seqs=1), which "
+                f"contradicts max_num_seqs={vllm_kwargs['max_num_seqs']!r}; drop one of them"
+            )
+        vllm_kwargs = {**vllm_kwargs, "max_num_seqs": 1}
+    out: dict[str, Any] = {
+        "model": model,
+        "tokenizer": tokenizer,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        **vllm_kwargs,
+        "enable_prefix_caching": False,
+        "enforce_eager": True,
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+    sizes: tuple[tuple[str, float | None], ...] = (
+        ("gpu_memory_utilization", gpu_memory_utilization),
+        ("max_model_len", max_model_len),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+    )
+    for key, value in sizes:
+        if value is not None:
+            out[key] = value
+    return out
+
+
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+
+
+def sampling_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pop tl's sampling options from ``kwargs`` and map them to ``SamplingParams`` fields.
+
+    Greedy decoding unless ``do_sample=True`` (as on every tl driver).
+
+    Raises:
+        UserError: An option out of range.
+    """
+    options = {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs}
+    if not options.pop("do_sample", False):
+        return {"temperature": 0.0}
+    temperature = float(options.get("temperature", 1.0))
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise UserError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy")
+    out: dict[str, Any] = {"temperature": temperature}
+    top_k = options.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise UserError(f"top_k must be an int >= 1, got {top_k!r}")
+        out["top_k"] = top_k
+    top_p = options.get("top_p")
+    if top_p is not None:
+        if not 0 < float(top_p) <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
+        out["top_p"] = float(top_p)
+    if options.get("seed") is not None:
+        out["seed"] = int(options["seed"])
+    return out

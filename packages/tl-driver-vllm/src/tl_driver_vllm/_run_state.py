@@ -1,0 +1,235 @@
+"""Worker side: one run's requests, their edit tables and captures, and each step's layout.
+
+vLLM hands every forward step a flat ``[tokens, d]`` batch whose rows belong to whichever
+requests the scheduler picked, in its own order, possibly as a chunk of a longer prompt.
+``Step`` maps rows to (request, prompt position) from the model runner's own bookkeeping
+(request ids, query start offsets, computed-token counts) — never from list positions — so
+captures and edits land on the right request whatever the scheduler does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tl_driver_vllm._wire import unpack
+
+__all__ = ["NORMED", "RequestPlan", "RunState", "Step"]
+
+#: Internal capture of the final norm's output, from which logits are computed.
+NORMED = "__normed__"
+#: The SamplingParams.extra_args key that tags a request with its run-local id.
+TAG_KEY = "tl_request"
+
+
+@dataclass
+class RequestPlan:
+    """What one request asks for: captures, logits and per-hook edit table offsets."""
+
+    tag: str
+    length: int
+    capture: frozenset[str]
+    logits: bool
+    #: hook -> (first row in that hook's stacked table, whether rows follow positions)
+    edits: dict[str, tuple[int, bool]] = field(default_factory=dict)
+
+
+@dataclass
+class EditTable:
+    """All requests' edit rows for one hook, stacked: ``x * scale[i] + bias[i]``."""
+
+    scale: torch.Tensor
+    bias: torch.Tensor
+    zero: torch.Tensor | None
+
+
+class RunState:
+    """Everything a run needs inside one worker.
+
+    Args:
+        config: The plain-data run description sent by the driver (see ``_driver``).
+        device: The worker's device.
+        dtype: The model's dtype (edit tables are cast to it).
+    """
+
+    def __init__(self, config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+        self.raw = bool(config.get("raw", False))
+        self.all_ranks = bool(config.get("all_ranks", False))
+        self.plans: dict[str, RequestPlan] = {}
+        tables: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        rows: dict[str, int] = {}
+        for tag, request in config["requests"].items():
+            plan = RequestPlan(
+                tag, int(request["length"]), frozenset(request["capture"]), bool(request["logits"])
+            )
+            if plan.logits or "unembed.hook_out" in plan.capture:
+                plan.capture = plan.capture | {NORMED}
+            for hook, edit in request.get("edits", {}).items():
+                scale, bias = unpack(edit["scale"]), unpack(edit["bias"])
+                plan.edits[hook] = (rows.get(hook, 0), bool(edit["positional"]))
+                rows[hook] = rows.get(hook, 0) + scale.shape[0]
+                tables.setdefault(hook, []).append((scale, bias))
+            self.plans[tag] = plan
+        self.tables: dict[str, EditTable] = {}
+        for hook, parts in tables.items():
+            scale = torch.cat([s for s, _ in parts]).to(device=device, dtype=dtype)
+            bias = torch.cat([b for _, b in parts]).to(device=device, dtype=dtype)
+            zero = scale == 0
+            self.tables[hook] = EditTable(scale, bias, zero if bool(zero.any()) else None)
+        self.captured = {name for plan in self.plans.values() for name in plan.capture}
+        #: hook -> list of (gathered rows, [(tag, first position, count), ...])
+        self.store: dict[str, list[tuple[torch.Tensor, list[tuple[str, int, int]]]]] = {}
+        self.step: Step | None = None
+        self.tag_of: dict[str, str | None] = {}
+
+    def needed(self) -> set[str]:
+        """Every hook name some request captures or edits."""
+        return self.captured | set(self.tables)
+
+    # -- per-site work -----------------------------------------------------------------
+
+    def visit(self, names: tuple[str, ...], x: torch.Tensor) -> torch.Tensor:
+        """Apply edits then captures of ``names`` in order; returns ``x`` or an edited copy."""
+        step = self.step
+        if step is None or not step.entries:
+            return x
+        for name in names:
+            if name in self.tables:
+                x = self._edit(name, x, step)
+            if name in self.captured:
+                self.capture(name, x)
+        return x
+
+    def capture(
+        self,
+        name: str,
+        x: torch.Tensor,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Store the prompt rows of ``x`` for every request that captures ``name``."""
+        step = self.step
+        if step is None:
+            return
+        rows, segments = step.capture_rows(name, self.plans)
+        if not segments:
+            return
+        taken = x[rows].clone() if isinstance(rows, slice) else x.index_select(0, rows)
+        if transform is not None:
+            taken = transform(taken)
+        self.store.setdefault(name, []).append((taken, segments))
+
+    def _edit(self, name: str, x: torch.Tensor, step: Step) -> torch.Tensor:
+        rows, index = step.edit_rows(name, self.plans, x.device)
+        if rows is None:
+            return x
+        table = self.tables[name]
+        scale, bias = table.scale.index_select(0, index), table.bias.index_select(0, index)
+        sub = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+        new = torch.addcmul(bias, sub, scale)
+        if table.zero is not None:
+            new = torch.where(table.zero.index_select(0, index), bias, new)
+        if isinstance(rows, slice) and rows.start == 0 and rows.stop == x.shape[0]:
+            return new
+        out = x.clone()
+        if isinstance(rows, slice):
+            out[rows] = new
+        else:
+            out.index_copy_(0, rows, new)
+        return out
+
+    # -- collection --------------------------------------------------------------------
+
+    def gathered(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per request tag, per hook: the prompt's captured rows in position order."""
+        pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+        for name, chunks in self.store.items():
+            for taken, segments in chunks:
+                offset = 0
+                for tag, first, count in segments:
+                    part = taken[offset : offset + count]
+                    pieces.setdefault(tag, {}).setdefault(name, []).append((first, part))
+                    offset += count
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for tag, by_name in pieces.items():
+            out[tag] = {}
+            for name, parts in by_name.items():
+                parts.sort(key=lambda item: item[0])
+                out[tag][name] = torch.cat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
+        return out
+
+
+class Step:
+    """Which rows of one forward step belong to which tracked request, at which position.
+
+    Args:
+        entries: ``(plan, first row, row count, position of the first row)`` per tracked
+            request scheduled in this step.
+        device: Where index tensors go.
+    """
+
+    def __init__(self, entries: list[tuple[RequestPlan, int, int, int]], device: torch.device) -> None:
+        self.entries = entries
+        self.device = device
+        self._capture: dict[str, tuple[Any, list[tuple[str, int, int]]]] = {}
+        self._edit: dict[str, tuple[Any, torch.Tensor | None]] = {}
+
+    def capture_rows(
+        self, name: str, plans: dict[str, RequestPlan]
+    ) -> tuple[Any, list[tuple[str, int, int]]]:
+        """Rows to keep for ``name`` (a slice or index tensor) and their segments."""
+        if name in self._capture:
+            return self._capture[name]
+        segments: list[tuple[str, int, int]] = []
+        starts: list[int] = []
+        for plan, row, count, first in self.entries:
+            keep = min(count, plan.length - first)
+            if name in plan.capture and keep > 0:
+                segments.append((plan.tag, first, keep))
+                starts.append(row)
+        rows = self._rows(starts, [n for _, _, n in segments])
+        self._capture[name] = (rows, segments)
+        return rows, segments
+
+    def edit_rows(
+        self, name: str, plans: dict[str, RequestPlan], device: torch.device
+    ) -> tuple[Any, torch.Tensor]:
+        """Rows an edit of ``name`` touches and, per row, its row in the edit table."""
+        if name in self._edit:
+            return self._edit[name]  # type: ignore[return-value]
+        starts: list[int] = []
+        counts: list[int] = []
+        index: list[np.ndarray[Any, Any]] = []
+        for plan, row, count, first in self.entries:
+            edit = plan.edits.get(name)
+            if edit is None:
+                continue
+            base, positional = edit
+            positions = np.arange(first, first + count)
+            in_prompt = positions < plan.length
+            if positional:
+                local = np.where(in_prompt, positions, plan.length)
+            else:
+                local = np.where(in_prompt, 0, 1)
+            starts.append(row)
+            counts.append(count)
+            index.append(base + local)
+        if not starts:
+            result: tuple[Any, Any] = (None, None)
+        else:
+            rows = self._rows(starts, counts)
+            result = (rows, torch.from_numpy(np.concatenate(index)).to(device))
+        self._edit[name] = result
+        return result
+
+    def _rows(self, starts: list[int], counts: list[int]) -> Any:
+        if not starts:
+            return slice(0, 0)
+        contiguous = all(starts[i] + counts[i] == starts[i + 1] for i in range(len(starts) - 1))
+        if contiguous:
+            return slice(starts[0], starts[-1] + counts[-1])
+        rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        return torch.from_numpy(rows).to(self.device)

@@ -1,0 +1,183 @@
+"""The worker extension vLLM mixes into every worker (``worker_extension_cls``).
+
+The driver reaches it only through ``LLM.collective_rpc``: ``tl_install`` once after boot,
+then ``tl_begin`` / ``tl_collect`` around each run (``tl_abort`` on errors). Every method
+name starts with ``tl_`` and every attribute with ``_tl_`` so nothing collides with the
+worker's own. This module is imported in every worker process and is safe to import twice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from tl_driver_vllm._families import Layout, layout_for
+from tl_driver_vllm._run_state import NORMED, TAG_KEY, RunState, Step
+from tl_driver_vllm._sites import install_sites
+from tl_driver_vllm._wire import pack
+
+__all__ = ["TLWorkerExtension"]
+
+
+def _ranks() -> tuple[int, int, int, int]:
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+
+
+class TLWorkerExtension:
+    """RPC surface of the vllm driver inside each vLLM worker."""
+
+    _tl_layout: Layout
+    _tl_n_layers: int
+    _tl_state: RunState | None
+    _tl_handles: list[RemovableHandle]
+
+    def tl_install(self, architecture: str, n_layers: int) -> dict[str, Any]:
+        """Remember the family layout; report this worker's process and parallel ranks."""
+        self._tl_layout = layout_for(architecture)
+        self._tl_n_layers = n_layers
+        self._tl_state = None
+        self._tl_handles = []
+        tp_rank, tp_size, pp_rank, pp_size = _ranks()
+        model = self._tl_model()
+        return {
+            "pid": os.getpid(),
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "pp_rank": pp_rank,
+            "pp_size": pp_size,
+            "model_class": type(model).__name__,
+            "dtype": str(next(model.parameters()).dtype),
+        }
+
+    def tl_begin(self, config: dict[str, Any]) -> None:
+        """Set up one run: build its edit tables and hook the sites it needs."""
+        self.tl_abort()
+        model = self._tl_model()
+        param = next(model.parameters())
+        state = RunState(config, param.device, param.dtype)
+        self._tl_state = state
+        handles = install_sites(model, self._tl_layout, self._tl_n_layers, state)
+        if handles:
+            handles.append(model.register_forward_pre_hook(self._tl_step, with_kwargs=True))
+        self._tl_handles = handles
+
+    def tl_collect(self) -> dict[str, Any]:
+        """End the run: unhook, and return captures (and logits shards) as plain data."""
+        state = self._tl_state
+        self.tl_abort()
+        tp_rank, tp_size, pp_rank, _ = _ranks()
+        result: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank}
+        if state is None:
+            result["requests"] = {}
+            return result
+        keep_replicated = tp_rank == 0 or state.all_ranks
+        requests: dict[str, dict[str, Any]] = {}
+        with torch.no_grad():
+            for tag, captured in state.gathered().items():
+                plan = state.plans[tag]
+                out: dict[str, Any] = {}
+                normed = captured.pop(NORMED, None)
+                if normed is not None:
+                    out.update(self._tl_logits(normed, plan.logits, "unembed.hook_out" in plan.capture, state.raw))
+                if keep_replicated:
+                    out.update({k: pack(v, raw=state.raw) for k, v in captured.items()})
+                requests[tag] = out
+        result["requests"] = requests
+        return result
+
+    def tl_abort(self) -> None:
+        """Remove this run's hooks and forget its state (safe to call at any time)."""
+        for handle in getattr(self, "_tl_handles", []):
+            handle.remove()
+        self._tl_handles = []
+        self._tl_state = None
+
+    def tl_readout(self) -> dict[str, Any]:
+        """Final norm and unembedding weights (this rank's vocabulary shard), as plain data."""
+        model = self._tl_model()
+        inner = getattr(model, self._tl_layout.inner)
+        norm = getattr(inner, self._tl_layout.final_norm, None)
+        if norm is None or type(norm).__name__ == "PPMissingLayer":
+            return {}
+        weight = norm.weight.detach().float()
+        if self._tl_layout.norm == "gemma_rms":
+            weight = weight + 1.0
+        head = self._tl_head()
+        bias = getattr(norm, "bias", None)
+        head_bias = getattr(head, "bias", None)
+        processor = getattr(model, "logits_processor", None)
+        return {
+            "W_U": pack(head.weight.detach().float().T),
+            "b_U": None if head_bias is None else pack(head_bias.detach().float()),
+            "ln_weight": pack(weight),
+            "ln_bias": None if bias is None else pack(bias.detach().float()),
+            "eps": float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-5))),
+            "softcap": getattr(processor, "soft_cap", None),
+        }
+
+    # -- inside the forward pass ------------------------------------------------------
+
+    def _tl_model(self) -> torch.nn.Module:
+        return self.model_runner.model  # type: ignore[attr-defined,no-any-return]
+
+    def _tl_head(self) -> Any:
+        model = self._tl_model()
+        if self._tl_layout.lm_head == "lm_head":
+            return model.lm_head
+        return getattr(getattr(model, self._tl_layout.inner), self._tl_layout.embed)
+
+    def _tl_step(self, module: Any, args: Any, kwargs: Any) -> None:
+        """Top-level pre-hook: map this step's rows to (request, position)."""
+        state = self._tl_state
+        if state is None:
+            return
+        runner = self.model_runner  # type: ignore[attr-defined]
+        batch = runner.input_batch
+        n = batch.num_reqs
+        starts = runner.query_start_loc.np[: n + 1]
+        computed = batch.num_computed_tokens_cpu[:n]
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        rows = positions.shape[-1] if isinstance(positions, torch.Tensor) else 0
+        if n == 0 or rows < int(starts[n]):
+            # Not a scheduled step (vLLM's dummy and profiling runs): nothing to map.
+            state.step = Step([], torch.device("cpu"))
+            return
+        entries = []
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            if req_id not in state.tag_of:
+                request = runner.requests.get(req_id)
+                extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+                state.tag_of[req_id] = extra.get(TAG_KEY)
+            tag = state.tag_of[req_id]
+            plan = state.plans.get(tag) if tag is not None else None
+            if plan is not None:
+                count = int(starts[i + 1] - starts[i])
+                entries.append((plan, int(starts[i]), count, int(computed[i])))
+        state.step = Step(entries, positions.device)
+
+    def _tl_logits(self, normed: torch.Tensor, logits: bool, unembed: bool, raw: bool) -> dict[str, Any]:
+        """Sequence logits of one prompt on this rank's vocabulary shard."""
+        model = self._tl_model()
+        head = self._tl_head()
+        bias = getattr(head, "bias", None)
+        raw_logits = torch.nn.functional.linear(normed, head.weight, bias)
+        out: dict[str, Any] = {}
+        if unembed:
+            out["unembed.hook_out"] = pack(raw_logits, raw=raw)
+        if logits:
+            processor = getattr(model, "logits_processor", None)
+            cap = getattr(processor, "soft_cap", None)
+            value = raw_logits
+            if cap is not None:
+                value = torch.tanh(value / cap) * cap
+            scale = getattr(processor, "scale", 1.0)
+            if scale != 1.0:
+                value = value * scale
+            out["logits"] = pack(value, raw=raw)
+        return out

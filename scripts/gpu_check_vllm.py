@@ -1,0 +1,145 @@
+"""GPU check of the vllm driver: the CPU suite's parity, on the CUDA build of vLLM.
+
+Each stage runs in its own subprocess (a fresh CUDA context and vLLM environment) and
+prints one JSON line; the parent prints a report and exits 1 on any failure. Stages: one
+per family (every served hook and the logits of a single prompt and of a ragged batch with
+chunked prefill, every spec op per prompt, steered greedy generation), then tensor
+parallelism 2 and pipeline parallelism 2 when the machine has two GPUs. Float32 against
+the transformers reference on the CPU, tolerance 1e-4. Budget: under 8 minutes on one GPU.
+
+Usage (a GPU machine with tl-core, tl-driver-hf and tl-driver-vllm[cuda] installed)::
+
+    python scripts/gpu_check_vllm.py [--families llama,qwen3,gemma2,gpt2] [--allow-cpu]
+
+``--allow-cpu`` runs the same stages on the CPU build, to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "packages" / "tl-driver-vllm" / "tests"
+FAMILIES = ("llama", "qwen3", "gemma2", "gpt2")
+TOL = 1e-4
+
+
+def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
+    """Run one stage in this process and return its report."""
+    sys.path.insert(0, str(TESTS))
+    import torch
+    from _tlv_reference import Reference  # the test suite's transformers reference
+    from _tlv_support import diff
+    from test_parity import _per_prompt_specs, _prompts
+
+    from tl_core import RemoteBridge
+    from tl_driver_hf.testing import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(family, tmp / f"{family}-{name}")
+    options: dict[str, Any] = {
+        "dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8,
+        "max_model_len": 256, "kv_cache_memory_bytes": 256 * 2**20,
+    }
+    if torch.cuda.is_available():
+        options["gpu_memory_utilization"] = 0.3
+    if name == "tp2":
+        options["tensor_parallel_size"] = 2
+    if name == "pp2":
+        options["pipeline_parallel_size"] = 2
+    start = time.perf_counter()
+    bridge = RemoteBridge.boot_vllm(folder, **options)
+    boot = time.perf_counter() - start
+    report: dict[str, float] = {}
+    try:
+        driver, ref = bridge.driver, Reference(folder)
+        prompts = _prompts(driver.info.d_vocab)
+        served = sorted(driver.supported_hook_points)
+        specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
+        for label, intervene in (("plain", None), ("specs", specs)):
+            result = driver.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
+            for b, ids in enumerate(prompts):
+                want, logits = ref.run(ids, served, None if intervene is None else intervene[b])
+                n = len(ids)
+                for hook in served:
+                    key = f"{label}:{hook}"
+                    report[key] = max(report.get(key, 0.0), diff(result.captured[hook][b, :n].cpu(), want[hook]))
+                key = f"{label}:logits"
+                report[key] = max(report.get(key, 0.0), diff(result.logits[b, :n].cpu(), logits))
+        steer = [{"blocks.0.hook_out": {"op": "add", "value": 2.0}}, None]
+        chosen = prompts[:2]
+        out = driver.forward(chosen, intervene=steer, max_new_tokens=6, stop_at_eos=False)
+        assert out.new_tokens is not None
+        same = all(out.new_tokens[b].tolist() == ref.generate(ids, 6, steer[b]) for b, ids in enumerate(chosen))
+        report["generate: greedy tokens differ"] = 0.0 if same else float("inf")
+    finally:
+        bridge.close()
+    worst = max(report, key=lambda k: report[k])
+    return {
+        "stage": f"{family}/{name}", "boot_s": round(boot, 1), "checks": len(report),
+        "worst": worst, "worst_diff": report[worst], "ok": report[worst] <= TOL,
+    }
+
+
+def _run_stage(name: str, family: str, allow_cpu: bool) -> dict[str, Any]:
+    env = dict(os.environ)
+    if name in ("tp2", "pp2"):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    else:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    cmd = [sys.executable, __file__, "--stage", name, "--family", family]
+    if allow_cpu:
+        cmd.append("--allow-cpu")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)  # type: ignore[no-any-return]
+    tail = (proc.stderr or proc.stdout)[-1500:]
+    return {"stage": f"{family}/{name}", "ok": False, "error": tail}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every stage (or one, with ``--stage``); print the report; return the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--allow-cpu", action="store_true")
+    parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--family", default="llama", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0 and not args.allow_cpu:
+        print("no CUDA device: run on a GPU machine, or pass --allow-cpu to check the script")
+        return 2
+    if args.stage is not None:
+        with tempfile.TemporaryDirectory(prefix="tl-gpu-check-") as tmp:
+            os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "cache"))
+            os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
+            print(json.dumps(_stage(args.stage, args.family, Path(tmp))))
+        return 0
+    started = time.perf_counter()
+    stages = [("tp1", family) for family in args.families.split(",")]
+    if gpus >= 2:
+        stages += [("tp2", "llama"), ("pp2", "llama")]
+    results = [_run_stage(name, family, args.allow_cpu) for name, family in stages]
+    print(f"\nvllm driver GPU check on {gpus} GPU(s) ({torch.cuda.get_device_name(0) if gpus else 'CPU'})")
+    if gpus < 2:
+        print("tensor/pipeline parallelism 2: skipped (needs two GPUs)")
+    for r in results:
+        status = "PASS" if r["ok"] else "FAIL"
+        detail = r.get("error") or f"{r['checks']} checks, worst {r['worst']} = {r['worst_diff']:.2e}, boot {r['boot_s']}s"
+        print(f"{status}  {r['stage']:14s} {detail}")
+    print(f"total {time.perf_counter() - started:.0f}s")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
