@@ -11,8 +11,10 @@ Structural decisions (the ``requires`` column):
   sequential model still has that residual, and this is its only canonical name. A parallel
   block (GPT-J, NeoX) has no such residual, so the name is absent there.
 * The rest of ``ln2`` (``hook_scale``, ``hook_normalized``, ``hook_out``) is the MLP's input
-  norm and needs only a norm: parallel blocks keep it (GPT-J ties it to ``ln1``, in which
-  case a driver serves ``ln1``'s values under both names). ``ln1``'s four sites, every
+  norm and needs only a norm: parallel blocks with two norms (NeoX) keep it. Where one
+  norm feeds both sublayers (GPT-J, Falcon-7B) it fires as ``ln1`` only and drivers declare
+  these ``ln2`` sites non-fireable: an edit there would also change what attention reads,
+  which the name does not promise. ``ln1``'s four sites, every
   ``ln_final`` site and ``ln1.hook_in`` need a norm; ``ln1.hook_in`` always equals
   ``blocks.{i}.hook_in`` and is kept for symmetry with the other norms.
 * ``attn.hook_result`` is opt-in (it costs ``n_heads`` copies of the residual width), so
