@@ -32,6 +32,11 @@ class TokenBatch:
         """Whether any prompt is shorter than the padded width."""
         return any(n != self.ids.shape[1] for n in self.lengths)
 
+    def rows(self) -> list[list[int]]:
+        """Each prompt's real ids, padding removed."""
+        ids = self.ids.tolist()
+        return [row[o : o + n] for row, o, n in zip(ids, self.offsets, self.lengths, strict=True)]
+
     def attention_mask(self) -> torch.Tensor:
         """``[batch, pos]`` with 1 at real tokens and 0 at padding."""
         cols = torch.arange(self.ids.shape[1], device=self.ids.device)

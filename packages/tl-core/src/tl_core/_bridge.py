@@ -146,7 +146,7 @@ class TransformerBridge(nn.Module, BridgeCommon):
         else:
             batch = self._token_batch(source, prepend_bos=prepend_bos)
         result = self.driver.forward(
-            batch.ids if not batch.is_ragged else _ragged_rows(batch),
+            batch.ids if not batch.is_ragged else batch.rows(),
             intervene=intervene,
             max_new_tokens=0,
             start_at_layer=start_at_layer,
@@ -210,7 +210,7 @@ class TransformerBridge(nn.Module, BridgeCommon):
         """
         names = self.select_hooks(names_filter)
         batch = self._token_batch(input, prepend_bos=prepend_bos)
-        ids: Any = batch.ids if not batch.is_ragged else _ragged_rows(batch)
+        ids: Any = batch.ids if not batch.is_ragged else batch.rows()
         grads: dict[str, torch.Tensor] = {}
         bwd: list[HookSpec] = []
         if incl_bwd:
@@ -271,7 +271,7 @@ class TransformerBridge(nn.Module, BridgeCommon):
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         result = self.driver.forward(
-            _ragged_rows(batch),
+            batch.rows(),
             intervene=intervene,
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -324,11 +324,6 @@ class _GradCapture:
     def __call__(self, grad: torch.Tensor, *, hook: HookPoint) -> None:
         grad = grad.detach()
         self._store[self._name] = grad.to(self._device) if self._device is not None else grad
-
-
-def _ragged_rows(batch: Any) -> list[list[int]]:
-    ids = batch.ids.tolist()
-    return [row[o : o + n] for row, o, n in zip(ids, batch.offsets, batch.lengths, strict=True)]
 
 
 def _is_texts(value: Any) -> bool:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tl_core._batching import TokenBatch, pad_batch
 from tl_core._errors import UserError
 from tl_core._hook_point import HookHandle, HookPoint
-from tl_core._tokenizer import Tokenizer
+from tl_core._tokenizer import Tokenizer, padding_id
 
 __all__ = ["BridgeCommon", "HookSpec", "ModelInput", "NamesFilter", "next_token_loss"]
 
@@ -107,10 +107,7 @@ class BridgeCommon:
             rows = inputs
         if isinstance(rows, list) and any(len(r) == 0 for r in rows):
             raise UserError("an input text is empty and prepend_bos=False: nothing to run")
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = self.tokenizer.eos_token_id or 0
-        return pad_batch(rows, pad_id=pad, padding_side=padding_side)
+        return pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
 
     # -- hooks ------------------------------------------------------------------------
 

@@ -22,11 +22,12 @@ from tl_core._driver import FEATURES, ForwardResult
 from tl_core._errors import HookNameError, UserError
 from tl_core._hook_point import HookHandle, HookPoint
 from tl_core._model_info import ModelInfo
+from tl_core._order import forward_order
 from tl_core._plan import InterventionPlan, build_plan
 from tl_core._readout import ModelReadout
 from tl_core._sampling import SamplingOptions, next_tokens
 from tl_core._shapes import feature_shape
-from tl_core._tokenizer import Tokenizer
+from tl_core._tokenizer import Tokenizer, padding_id
 from tl_core._vocabulary import layout_of
 
 __all__ = ["LocalDriver"]
@@ -165,10 +166,7 @@ class LocalDriver(ABC):
 
     def batch(self, input_ids: Any, *, padding_side: str = "right") -> TokenBatch:
         """Pad ``input_ids`` with this tokenizer's pad id, on the model's device."""
-        pad = self.tokenizer.pad_token_id
-        if pad is None:
-            pad = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
-        return pad_batch(input_ids, pad_id=pad, padding_side=padding_side, device=self.device)  # type: ignore[arg-type]
+        return pad_batch(input_ids, pad_id=padding_id(self.tokenizer), padding_side=padding_side, device=self.device)  # type: ignore[arg-type]
 
     def forward(
         self,
@@ -245,7 +243,7 @@ class LocalDriver(ABC):
         """Attach the plan's edits, then capture hooks; remove them all on exit."""
         handles: list[HookHandle] = []
         try:
-            for hook in sorted(plan.hooks, key=_forward_order_key):
+            for hook in forward_order(plan.hooks):
                 point = self.hook_points[hook]
                 if any(plan.specs_for(hook)):
                     handles.append(point.add_hook(_SpecEdit(plan, hook, self.feature_shape(hook), batch)))
@@ -274,7 +272,7 @@ class LocalDriver(ABC):
         Prompts are left-padded so every row's next token is the last column; positions
         come from the attention mask, and spec positions are shifted by each row's padding.
         """
-        left = self.batch(_rows(batch), padding_side="left")
+        left = self.batch(batch.rows(), padding_side="left")
         ids, mask = left.ids, left.attention_mask()
         eos = self.tokenizer.eos_token_id if stop_at_eos else None
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -307,12 +305,6 @@ class LocalDriver(ABC):
             raw_output=None,
             lengths=left.lengths,
         )
-
-
-def _forward_order_key(hook: str) -> tuple[int, str]:
-    parts = hook.split(".")
-    layer = int(parts[1]) if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit() else -1
-    return (layer, hook)
 
 
 class _SpecEdit:
@@ -361,11 +353,6 @@ def _move(store: Mapping[str, torch.Tensor], device: torch.device | str | None) 
     if device is None:
         return dict(store)
     return {k: v.to(device) for k, v in store.items()}
-
-
-def _rows(batch: TokenBatch) -> list[list[int]]:
-    ids = batch.ids.tolist()
-    return [row[o : o + n] for row, o, n in zip(ids, batch.offsets, batch.lengths, strict=True)]
 
 
 def _left_to_right(x: torch.Tensor, left: TokenBatch, layout: str) -> torch.Tensor:

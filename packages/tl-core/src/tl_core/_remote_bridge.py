@@ -136,9 +136,8 @@ class RemoteBridge(BridgeCommon):
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         hooked = [n for n, p in self._points.items() if p.has_hooks]
         names = list(dict.fromkeys([*capture, *hooked]))
-        rows = [r[o : o + n] for r, o, n in zip(batch.ids.tolist(), batch.offsets, batch.lengths, strict=True)]
         result = self.driver.forward(
-            rows,
+            batch.rows(),
             capture=names,
             intervene=intervene,
             max_new_tokens=max_new_tokens,

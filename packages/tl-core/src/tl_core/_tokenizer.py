@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ByteTokenizer", "Tokenizer"]
+__all__ = ["ByteTokenizer", "Tokenizer", "padding_id"]
 
 
 @runtime_checkable
@@ -27,6 +27,14 @@ class Tokenizer(Protocol):
     def token_to_str(self, token_id: int) -> str:
         """A readable form of one token (for ``to_str_tokens``)."""
         ...
+
+
+def padding_id(tokenizer: Tokenizer) -> int:
+    """The id to pad with: the pad token, else EOS, else 0 (padding is never attended to)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return candidate
+    return 0
 
 
 class ByteTokenizer:
