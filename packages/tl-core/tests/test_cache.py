@@ -615,3 +615,17 @@ def test_parallel_blocks_have_no_mid_residual() -> None:
     normalized = cache.apply_ln_to_stack(stack, 1, mlp_input=True)
     manual = (stack - stack.mean(-1, keepdim=True)) / cache["blocks.1.ln1.hook_scale"]
     assert torch.allclose(normalized, manual, atol=1e-6)
+
+
+def test_a_readout_function_is_called_only_when_analysis_needs_it() -> None:
+    calls: list[int] = []
+    readout = ModelReadout(W_U=torch.randn(4, 7), b_U=None, ln_final_weight=None, ln_final_bias=None, normalization_type=None)
+
+    def fetch() -> ModelReadout:
+        calls.append(1)
+        return readout
+
+    cache = ActivationCache({"blocks.0.hook_out": torch.zeros(1, 2, 4)}, readout=fetch)
+    assert calls == []
+    assert cache.readout is readout and cache.readout is readout
+    assert calls == [1]

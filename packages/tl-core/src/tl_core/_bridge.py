@@ -237,7 +237,7 @@ class TransformerBridge(nn.Module, BridgeCommon):
             elif return_type is None:
                 out = None
         cache = ActivationCache(
-            result.captured, info=self.cfg, readout=self.driver.readout(), lengths=batch.lengths
+            result.captured, info=self.cfg, readout=self.driver.readout, lengths=batch.lengths
         )
         if incl_bwd:
             cache.grads = ActivationCache(grads, info=self.cfg, lengths=batch.lengths)

@@ -136,7 +136,9 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
         cache_dict: Hook name (canonical or alias) to tensor. Names are resolved once; a
             name the resolver does not know is kept as given.
         info: Model sizes and structure (layer count, norm type, positional embedding...).
-        readout: Final norm and unembedding, needed by ``logit_attrs`` and ``logit_lens``.
+        readout: Final norm and unembedding, needed by ``logit_attrs`` and ``logit_lens``;
+            or a zero-argument function returning it, called on first use (a serving
+            engine's unembedding is large and need not move for a plain capture).
         lengths: Real length of each prompt in the batch (right padding assumed).
         has_batch_dim: Whether tensors have a leading batch dimension.
         resolve: Maps a name to its canonical form, raising ``HookNameError`` for unknown
@@ -152,7 +154,7 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
         cache_dict: Mapping[str, torch.Tensor],
         *,
         info: ModelInfo | None = None,
-        readout: ModelReadout | None = None,
+        readout: ModelReadout | Callable[[], ModelReadout | None] | None = None,
         lengths: Sequence[int] | None = None,
         has_batch_dim: bool = True,
         resolve: Callable[[str], str] | None = None,
@@ -228,6 +230,8 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
     @property
     def readout(self) -> ModelReadout | None:
         """Final norm and unembedding, or ``None``."""
+        if callable(self._readout):
+            self._readout = self._readout()
         return self._readout
 
     @property

@@ -218,7 +218,8 @@ class RemoteBridge(BridgeCommon):
         captured = {n: result.captured[n] for n in names}
         if device is not None:
             captured = {n: t.to(device) for n, t in captured.items()}
-        readout = self.driver.readout() if hasattr(self.driver, "readout") else None
+        # Fetched from the engine only when an analysis method needs it.
+        readout = getattr(self.driver, "readout", None)
         cache = ActivationCache(captured, info=self.cfg, readout=readout, lengths=batch.lengths)
         out = self._output(result, batch, return_type)
         return out, (cache.remove_batch_dim() if remove_batch_dim else cache)
