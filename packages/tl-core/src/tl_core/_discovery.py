@@ -211,8 +211,7 @@ def get_driver_entry(name: str) -> DriverEntry:
             hint = f"Install it with: pip install {dist}"
         else:
             close = difflib.get_close_matches(name, sorted(set(drivers) | set(KNOWN_DISTRIBUTIONS)))
-            hint = f"Did you mean {close[0]!r}?" if close else "Check the spelling."
-            hint = hint[0].lower() + hint[1:] if close else hint
+            hint = f"did you mean {close[0]!r}?" if close else "Check the spelling."
         raise DriverNotFoundError(
             f"no tl driver named {name!r} is installed (installed drivers: {installed}). {hint}"
         )
