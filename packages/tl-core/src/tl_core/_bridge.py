@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -282,12 +281,7 @@ class TransformerBridge(nn.Module, BridgeCommon):
             stop_at_eos=stop_at_eos,
         )
         assert result.new_tokens is not None
-        new = result.new_tokens
-        kind = return_type or ("str" if isinstance(input, str) or _is_texts(input) else "tokens")
-        if kind == "tokens":
-            return new
-        texts = [self.tokenizer.decode(_strip_after_eos(row, self.tokenizer.eos_token_id)) for row in new.tolist()]
-        return texts[0] if isinstance(input, str) else texts
+        return self._generated(input, result.new_tokens, return_type)
 
     # -- weights ----------------------------------------------------------------------
 
@@ -326,10 +320,4 @@ class _GradCapture:
         self._store[self._name] = grad.to(self._device) if self._device is not None else grad
 
 
-def _is_texts(value: Any) -> bool:
-    return isinstance(value, Sequence) and bool(value) and all(isinstance(v, str) for v in value)
-
-
-def _strip_after_eos(row: list[int], eos: int | None) -> list[int]:
-    return row[: row.index(eos)] if eos is not None and eos in row else row
 

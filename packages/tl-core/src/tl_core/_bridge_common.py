@@ -109,6 +109,20 @@ class BridgeCommon:
             raise UserError("an input text is empty and prepend_bos=False: nothing to run")
         return pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
 
+    def _generated(
+        self, inputs: ModelInput, new_tokens: torch.Tensor, return_type: str | None
+    ) -> str | list[str] | torch.Tensor:
+        """What ``generate`` returns: text for text input (cut at EOS), else the new ids."""
+        texts_in = isinstance(inputs, str) or (
+            isinstance(inputs, Sequence) and bool(inputs) and all(isinstance(t, str) for t in inputs)
+        )
+        if (return_type or ("str" if texts_in else "tokens")) == "tokens":
+            return new_tokens
+        eos = self.tokenizer.eos_token_id
+        rows = [row[: row.index(eos)] if eos in row else row for row in new_tokens.tolist()]
+        texts = [self.tokenizer.decode(row) for row in rows]
+        return texts[0] if isinstance(inputs, str) else texts
+
     # -- hooks ------------------------------------------------------------------------
 
     def get_hook_point(self, name: str) -> HookPoint:

@@ -247,13 +247,7 @@ class RemoteBridge(BridgeCommon):
             **sampling,
         )
         assert result.new_tokens is not None
-        texts_in = isinstance(input, str) or (
-            isinstance(input, Sequence) and bool(input) and all(isinstance(t, str) for t in input)
-        )
-        if (return_type or ("str" if texts_in else "tokens")) == "tokens":
-            return result.new_tokens
-        texts = [self.tokenizer.decode(row) for row in result.new_tokens.tolist()]
-        return texts[0] if isinstance(input, str) else texts
+        return self._generated(input, result.new_tokens, return_type)
 
     def close(self) -> None:
         """Shut the engine down."""
