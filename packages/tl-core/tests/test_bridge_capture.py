@@ -14,7 +14,7 @@ def _expected_shape(layout: str, bridge: TransformerBridge, name: str, b: int, p
     cfg = bridge.cfg
     heads = cfg.kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) else cfg.n_heads
     sizes = {"b": b, "p": p, "q": p, "k": p, "d": cfg.d_model, "1": 1, "h": heads,
-             "dh": cfg.d_head, "dm": cfg.d_mlp, "vocab": cfg.d_vocab}
+             "dh": cfg.d_head, "dm": cfg.d_mlp, "vocab": cfg.d_vocab, "r": cfg.rotary_width}
     if layout == "b h q k":
         sizes["h"] = cfg.n_heads
     return tuple(sizes[a] for a in layout.split())
@@ -68,9 +68,9 @@ def test_unknown_and_absent_hooks_are_clear_errors() -> None:
     llama = TransformerBridge.boot_native("llama", n_layers=2)
     with pytest.raises(HookNameError, match=r"blocks\.1\.hook_resid_post|blocks\.1\.hook_out"):
         llama.run_with_cache("x", names_filter=["blocks.1.hook_resid_psot"])
-    with pytest.raises(HookNameError, match=r"pos_embed.hook_out.*position embedding"):
+    with pytest.raises(HookNameError, match=r"pos_embed.hook_out.*not learned embeddings"):
         llama.run_with_cache("x", names_filter=["hook_pos_embed"])
-    with pytest.raises(HookNameError, match=r"blocks.7.hook_out.*2 layers"):
+    with pytest.raises(HookNameError, match=r"blocks.7.hook_out.*2 blocks"):
         llama.run_with_cache("x", names_filter=["blocks.7.hook_out"])
     with pytest.raises(HookNameError, match="use_attn_result=True"):
         llama.run_with_cache("x", names_filter=["blocks.0.attn.hook_result"])

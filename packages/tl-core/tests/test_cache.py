@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tl_core._cache import ActivationCache, tl_style_name
 from tl_core._errors import HookNameError, UserError
-from tl_core._model_info import ModelInfo
-from tl_core._readout import ModelReadout
+from tl_core.cache._cache import ActivationCache, tl_style_name
+from tl_core.cache._readout import ModelReadout
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._namespace import HookNamespace
 
 EPS = 1e-5
 N_LAYERS = 3
@@ -27,20 +28,6 @@ N_HEADS = 2
 D_VOCAB = 11
 
 Norm = Literal["LN", "RMS"] | None
-
-
-def alias_resolver(name: str) -> str:
-    """A tiny stand-in for ``tl_core._aliases.canonical_name``."""
-    aliases = {"hook_embed": "embed.hook_out", "hook_pos_embed": "pos_embed.hook_out"}
-    for i in range(N_LAYERS):
-        aliases[f"blocks.{i}.hook_resid_pre"] = f"blocks.{i}.hook_in"
-        aliases[f"blocks.{i}.hook_resid_mid"] = f"blocks.{i}.ln2.hook_in"
-        aliases[f"blocks.{i}.hook_resid_post"] = f"blocks.{i}.hook_out"
-        aliases[f"blocks.{i}.hook_attn_out"] = f"blocks.{i}.attn.hook_out"
-        aliases[f"blocks.{i}.hook_mlp_out"] = f"blocks.{i}.mlp.hook_out"
-    if name.startswith("bogus"):
-        raise HookNameError(f"no hook is called {name!r}")
-    return aliases.get(name, name)
 
 
 def norm_scale(x: torch.Tensor, norm: Norm) -> torch.Tensor:
@@ -133,7 +120,6 @@ def make_cache(
         info=make_info(norm, learned_pos=learned_pos) if with_info else None,
         readout=make_readout(norm) if with_readout else None,
         lengths=lengths,
-        resolve=alias_resolver,
     )
 
 
@@ -192,7 +178,7 @@ def test_keys_are_stored_canonical() -> None:
     tensors = make_tensors()
     legacy = {("hook_embed" if k == "embed.hook_out" else k): v for k, v in tensors.items()}
     legacy["blocks.2.hook_resid_post"] = legacy.pop("blocks.2.hook_out")
-    cache = ActivationCache(legacy, info=make_info(), resolve=alias_resolver)
+    cache = ActivationCache(legacy, info=make_info())
     assert set(cache) == set(tensors)
     assert len(cache) == len(tensors)
     assert list(cache.keys()) == list(cache)
@@ -204,14 +190,14 @@ def test_two_keys_for_one_hook_are_refused() -> None:
     tensors = make_tensors()
     tensors["blocks.0.hook_resid_pre"] = tensors["blocks.0.hook_in"]
     with pytest.raises(UserError, match=re.escape("blocks.0.hook_resid_pre")) as info:
-        ActivationCache(tensors, resolve=alias_resolver)
+        ActivationCache(tensors)
     assert "'blocks.0.hook_in'" in str(info.value)
 
 
 def test_missing_hook_lists_cached_names_nearest_first() -> None:
     tensors = make_tensors()
     del tensors["blocks.1.mlp.hook_out"]
-    cache = ActivationCache(tensors, info=make_info(), resolve=alias_resolver)
+    cache = ActivationCache(tensors, info=make_info())
     with pytest.raises(HookNameError) as info:
         cache["blocks.1.hook_mlp_out"]
     message = str(info.value)
@@ -235,7 +221,7 @@ def test_missing_hook_lists_cached_names_nearest_first() -> None:
 
 def test_unknown_name_reports_resolver_message() -> None:
     cache = make_cache()
-    with pytest.raises(HookNameError, match=re.escape("no hook is called 'bogus.hook'")) as info:
+    with pytest.raises(HookNameError, match=re.escape("unknown hook name 'bogus.hook'")) as info:
         cache["bogus.hook"]
     assert "The cache holds" in str(info.value)
     assert "bogus.hook" not in cache
@@ -416,7 +402,7 @@ def test_decompose_resid_without_learned_positions_uses_scaled_embedding() -> No
 def test_decompose_resid_missing_hook_names_it() -> None:
     tensors = make_tensors()
     del tensors["blocks.1.attn.hook_out"]
-    cache = ActivationCache(tensors, info=make_info(), resolve=alias_resolver)
+    cache = ActivationCache(tensors, info=make_info())
     with pytest.raises(
         HookNameError, match=re.escape("decompose_resid needs 'blocks.1.attn.hook_out'")
     ):
@@ -567,6 +553,24 @@ def test_stack_activation() -> None:
     assert scales.shape == (N_LAYERS, 2, 5, 1)
     with pytest.raises(UserError, match="layer"):
         cache.stack_activation("hook_out", 0)
+
+
+def test_names_resolve_against_the_model_the_cache_came_from() -> None:
+    tensors = make_tensors()
+    g = torch.Generator().manual_seed(7)
+    post = {f"blocks.{i}.ln1_post.hook_out": torch.randn(2, 5, D_MODEL, generator=g) for i in range(N_LAYERS)}
+    sandwich = dataclasses.replace(make_info(), sandwich_norm=True, architecture="gemma2-style")
+    cache = ActivationCache({**tensors, **post}, info=sandwich)
+    # On a sandwich-norm model TransformerLens's hook_attn_out is the post-norm output ...
+    assert cache["blocks.0.hook_attn_out"] is post["blocks.0.ln1_post.hook_out"]
+    # ... and on a plain one the attention output itself.
+    plain = ActivationCache(tensors, info=make_info())
+    assert plain["blocks.0.hook_attn_out"] is tensors["blocks.0.attn.hook_out"]
+    # A namespace decides the same way, and its info becomes the cache's.
+    namespace = HookNamespace.build(sandwich, {**tensors, **post}, driver="test")
+    through = ActivationCache({**tensors, **post}, namespace=namespace)
+    assert through.info == sandwich and through.namespace is namespace
+    assert through["blocks.1.hook_attn_out"] is post["blocks.1.ln1_post.hook_out"]
 
 
 def test_default_resolver_accepts_canonical_names() -> None:

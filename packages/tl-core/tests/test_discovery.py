@@ -15,10 +15,9 @@ from tl_core import (
     TransformerBridge,
     available_drivers,
     boot,
-    clear_driver_cache,
-    validate_driver,
 )
-from tl_core._versions import version_in_range
+from tl_core.driver_api import HookNamespace, clear_driver_cache, validate_driver
+from tl_core.driver_api._versions import version_in_range
 from tl_core.native import NativeDriver
 
 
@@ -60,25 +59,36 @@ def test_misspelt_driver_gets_did_you_mean() -> None:
 
 
 def test_validate_driver_names_the_broken_attribute() -> None:
-    class NoClose:
-        supported_hook_points = frozenset({"blocks.0.hook_out"})
-        non_fireable_hook_points: frozenset[str] = frozenset()
+    native = NativeDriver.boot("gpt2", n_layers=1)
+
+    class Partial:
         provides_sequence_logits = True
+        tokenizer = native.tokenizer
 
         def forward(self) -> None: ...
 
         def supports(self, feature: str) -> bool:
             return False
 
+    bad = Partial()
     with pytest.raises(DriverContractError, match="'close'"):
-        validate_driver(NoClose())
-    bad = NoClose()
-    bad.close = lambda: None  # type: ignore[attr-defined]
-    bad.supported_hook_points = frozenset({"blocks.0.hook_resid_post"})
-    with pytest.raises(DriverContractError, match="not a canonical hook name"):
         validate_driver(bad)
-    bad.supported_hook_points = ["blocks.0.hook_out"]  # type: ignore[assignment]
-    with pytest.raises(DriverContractError, match="frozenset"):
+    bad.close = lambda: None  # type: ignore[attr-defined]
+    with pytest.raises(DriverContractError, match=r"'namespace' must be a tl_core\.driver_api\.HookNamespace"):
+        validate_driver(bad)
+    with pytest.raises(DriverContractError, match="not a canonical hook name"):
+        HookNamespace.build(native.info, {"blocks.0.hook_resid_post"}, driver="bad")
+    bad.namespace = native.namespace  # type: ignore[attr-defined]
+    with pytest.raises(DriverContractError, match="'info' must be the ModelInfo of its namespace"):
+        validate_driver(bad)
+    bad.info = native.info  # type: ignore[attr-defined]
+    with pytest.raises(DriverContractError, match="'supported_hook_points' must equal"):
+        validate_driver(bad)
+    bad.supported_hook_points = native.supported_hook_points  # type: ignore[attr-defined]
+    bad.non_fireable_hook_points = native.non_fireable_hook_points  # type: ignore[attr-defined]
+    validate_driver(bad)
+    bad.tokenizer = object()  # type: ignore[assignment]
+    with pytest.raises(DriverContractError, match="Tokenizer protocol"):
         validate_driver(bad)
 
 

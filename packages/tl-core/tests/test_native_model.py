@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tl_core._errors import ConfigError, UnsupportedFeatureError, UserError
-from tl_core._hook_point import HookPoint
+from tl_core.hooks._hook_point import HookPoint
 from tl_core.native._config import NativeConfig
 from tl_core.native._model import NativeTransformer, TransformerBlock
 
@@ -86,10 +86,15 @@ def _reference_norm(
     return out
 
 
-def _reference_rotary(x: torch.Tensor, pos: torch.Tensor, cfg: NativeConfig) -> torch.Tensor:
+def _reference_angles(pos: torch.Tensor, cfg: NativeConfig) -> torch.Tensor:
     half = cfg.d_head // 2
     freqs = cfg.rotary_base ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.d_head)
-    angle = (pos.to(torch.float64)[:, :, None] * freqs)[:, :, None, :]  # b p 1 half
+    return pos.to(torch.float64)[:, :, None] * freqs  # b p half
+
+
+def _reference_rotary(x: torch.Tensor, pos: torch.Tensor, cfg: NativeConfig) -> torch.Tensor:
+    half = cfg.d_head // 2
+    angle = _reference_angles(pos, cfg)[:, :, None, :]  # b p 1 half
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     first, second = x[..., :half], x[..., half:]
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
@@ -121,8 +126,10 @@ def reference_forward(
     group_of_head = torch.arange(cfg.n_heads) // (cfg.n_heads // cfg.kv_heads)
 
     x = model.W_E[ids]
+    acts["embed.hook_in"] = ids
     acts["embed.hook_out"] = x
     if cfg.positional_embedding_type == "standard":
+        acts["pos_embed.hook_in"] = pos
         acts["pos_embed.hook_out"] = model.W_pos[pos]
         x = x + model.W_pos[pos]
     W_Q, W_K, W_V, W_O = model.W_Q, model.W_K, model.W_V, model.W_O
@@ -138,6 +145,9 @@ def reference_forward(
         acts[f"{pre}.attn.hook_q"], acts[f"{pre}.attn.hook_k"] = q, k
         acts[f"{pre}.attn.hook_v"] = v
         if cfg.positional_embedding_type == "rotary":
+            # The table repeats each frequency for both halves of a head (rotate-half).
+            angles = _reference_angles(pos, cfg).repeat(1, 1, 2).float()
+            acts[f"{pre}.attn.hook_cos"], acts[f"{pre}.attn.hook_sin"] = angles.cos(), angles.sin()
             q, k = _reference_rotary(q, pos, cfg), _reference_rotary(k, pos, cfg)
             acts[f"{pre}.attn.hook_rot_q"], acts[f"{pre}.attn.hook_rot_k"] = q, k
         k_full, v_full = k[:, :, group_of_head], v[:, :, group_of_head]
@@ -172,8 +182,9 @@ def reference_forward(
 
 def expected_shapes(cfg: NativeConfig, batch: int, seq: int) -> dict[str, tuple[int, ...]]:
     b, p, d, h, hkv = batch, seq, cfg.d_model, cfg.n_heads, cfg.kv_heads
-    shapes: dict[str, tuple[int, ...]] = {"embed.hook_out": (b, p, d)}
+    shapes: dict[str, tuple[int, ...]] = {"embed.hook_in": (b, p), "embed.hook_out": (b, p, d)}
     if cfg.positional_embedding_type == "standard":
+        shapes["pos_embed.hook_in"] = (b, p)
         shapes["pos_embed.hook_out"] = (b, p, d)
 
     def norm(prefix: str) -> None:
@@ -190,6 +201,7 @@ def expected_shapes(cfg: NativeConfig, batch: int, seq: int) -> dict[str, tuple[
         shapes[f"{pre}.attn.hook_q"] = (b, p, h, cfg.d_head)
         shapes[f"{pre}.attn.hook_k"] = shapes[f"{pre}.attn.hook_v"] = (b, p, hkv, cfg.d_head)
         if cfg.positional_embedding_type == "rotary":
+            shapes[f"{pre}.attn.hook_cos"] = shapes[f"{pre}.attn.hook_sin"] = (b, p, cfg.d_head)
             shapes[f"{pre}.attn.hook_rot_q"] = (b, p, h, cfg.d_head)
             shapes[f"{pre}.attn.hook_rot_k"] = (b, p, hkv, cfg.d_head)
         shapes[f"{pre}.attn.hook_attn_scores"] = shapes[f"{pre}.attn.hook_pattern"] = (b, h, p, p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from tl_core._affine import AffineEdit, compile_plan, compile_specs
 from tl_core._errors import HookNameError, SpecError, TLError
-from tl_core._plan import InterventionPlan, build_plan
-from tl_core._specs import (
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._namespace import HookNamespace
+from tl_core.specs._affine import AffineEdit, compile_plan, compile_specs
+from tl_core.specs._plan import InterventionPlan, build_plan
+from tl_core.specs._specs import (
     SPEC_JSON_SCHEMA,
     SPEC_OPS,
     InterventionSpec,
@@ -27,39 +29,31 @@ HOOK = "blocks.0.hook_out"
 Z = "blocks.0.attn.hook_z"
 SCALE_HOOK = "blocks.0.ln1.hook_scale"
 PATTERN = "blocks.0.attn.hook_pattern"
-SHAPES: dict[str, tuple[int, ...] | None] = {
-    HOOK: (4,),
-    "blocks.1.hook_out": (4,),
-    Z: (2, 3),
-    SCALE_HOOK: (1,),
-    PATTERN: None,
-}
-ALIASES = {"blocks.0.hook_resid_post": HOOK, "blocks.0.hook_resid_pre": "blocks.0.hook_in"}
-KNOWN = {*SHAPES, "blocks.0.hook_in"}  # hook_in exists but the fake driver cannot edit it
-FIREABLE = frozenset(SHAPES)
-
-
-def resolve(name: str) -> str:
-    canonical = ALIASES.get(name, name)
-    if canonical not in KNOWN:
-        raise HookNameError(f"unknown hook {name!r}")
-    return canonical
+# d_model 4, two heads of 3: hook_out is (4,), hook_z (2, 3), hook_scale (1,).
+INFO = ModelInfo(
+    n_layers=2, d_model=4, n_heads=2, d_head=3, d_mlp=8, d_vocab=10, n_ctx=16, architecture="tiny"
+)
+EDITABLE = frozenset({HOOK, "blocks.1.hook_out", Z, SCALE_HOOK, PATTERN})
+READ_ONLY_REASON = "the engine reads it after a fused kernel"
+# blocks.0.hook_in is served for capture only; blocks.0.mlp.hook_out is not served at all.
+NAMESPACE = HookNamespace.build(
+    INFO,
+    EDITABLE | {"blocks.0.hook_in"},
+    editable=EDITABLE,
+    reasons={"blocks.0.hook_in": READ_ONLY_REASON, "blocks.0.mlp.hook_out": "fused MLP kernel"},
+    driver="fake",
+)
 
 
 def plan_for(
     intervene: object,
     lengths: Sequence[int] = (5,),
     *,
-    fireable: Callable[[str], bool] | frozenset[str] = FIREABLE,
+    namespace: HookNamespace = NAMESPACE,
     allow_callables: bool = True,
 ) -> InterventionPlan:
     return build_plan(
-        intervene,
-        lengths=lengths,
-        resolve_name=resolve,
-        fireable=fireable,
-        feature_shape=SHAPES.__getitem__,
-        allow_callables=allow_callables,
+        intervene, lengths=lengths, namespace=namespace, allow_callables=allow_callables
     )
 
 
@@ -403,28 +397,30 @@ def test_spec_errors_in_plans_name_hook_and_prompt() -> None:
 
 
 def test_unknown_hook_name_raises_hook_name_error() -> None:
-    with pytest.raises(HookNameError, match=r"unknown hook 'blocks\.9\.nope'"):
-        plan_for({"blocks.9.nope": {"op": "suppress"}})
+    with pytest.raises(HookNameError, match=r"unknown hook name 'blocks\.1\.nope'"):
+        plan_for({"blocks.1.nope": {"op": "suppress"}})
+    with pytest.raises(HookNameError, match=r"names block 9, but this tiny has 2 blocks"):
+        plan_for({"blocks.9.hook_out": {"op": "suppress"}})
 
 
-def test_unfireable_hook_lists_and_suggests_editable_hooks() -> None:
+def test_read_only_hook_names_the_reason_and_suggests_editable_hooks() -> None:
     message = plan_error({"blocks.0.hook_resid_pre": {"op": "suppress"}})
     assert message.startswith(
-        "intervention on 'blocks.0.hook_resid_pre' (canonical 'blocks.0.hook_in'): "
-        "the driver cannot intervene on this hook"
+        "intervention on 'blocks.0.hook_resid_pre' ('blocks.0.hook_in'): driver 'fake' "
+        f"cannot edit it: {READ_ONLY_REASON}."
     )
-    assert "Hooks it can intervene on: " in message
-    for hook in FIREABLE:
-        assert hook in message
-    nearly = plan_error({"blocks.0.hook_in": {"op": "suppress"}}, fireable={"blocks.0.hook_ins"})
-    assert "did you mean 'blocks.0.hook_ins'?" in nearly
-    # A bound __contains__ of a collection still lets the error list the hooks.
-    bound = plan_error({"blocks.0.hook_in": {"op": "suppress"}}, fireable=FIREABLE.__contains__)
-    assert "Hooks it can intervene on: " in bound and Z in bound
-    bare = plan_error({"blocks.0.hook_in": {"op": "suppress"}}, fireable=lambda h: h in FIREABLE)
-    assert "the driver cannot intervene on this hook; see the driver's supported_hook_points" in (
-        bare
+    assert "Did you mean 'blocks.0.hook_out'" in message
+
+
+def test_unserved_hook_is_a_hook_name_error_with_the_drivers_reason() -> None:
+    with pytest.raises(HookNameError) as info:
+        plan_for({"blocks.0.hook_mlp_out": {"op": "suppress"}})
+    assert str(info.value) == (
+        "driver 'fake' cannot fire 'blocks.0.hook_mlp_out' ('blocks.0.mlp.hook_out'): "
+        "fused MLP kernel"
     )
+    with pytest.raises(HookNameError, match="driver 'fake' does not serve it"):
+        plan_for({"blocks.1.attn.hook_q": {"op": "suppress"}})
 
 
 def test_callables_are_kept_when_allowed() -> None:
@@ -780,7 +776,3 @@ def test_specs_and_plans_pickle_for_worker_processes() -> None:
     assert again.specs_for(HOOK)[0][0].pos == (2,)
 
 
-def test_fireable_may_be_a_callable_collection() -> None:
-    points = torch.nn.ModuleDict({"blocks_0": torch.nn.Identity()})
-    message = plan_error({HOOK: {"op": "suppress"}}, fireable=points)  # type: ignore[arg-type]
-    assert "Hooks it can intervene on: blocks_0" in message

@@ -7,24 +7,24 @@ import re
 
 import pytest
 
-from tl_core._aliases import (
+from tl_core._errors import ConfigError, HookNameError, UserError
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._resolution import (
     HookResolution,
+    block_index,
     canonical_name,
     known_alias_templates,
+    layout_of,
     resolve_hook_name,
     suggest_names,
+    template_of,
 )
-from tl_core._errors import ConfigError, HookNameError, UserError
-from tl_core._model_info import ModelInfo
-from tl_core._vocabulary import (
+from tl_core.hooks._vocabulary import (
     CANONICAL_TEMPLATES,
     LAYOUTS,
     HookTemplate,
-    block_index,
     canonical_hook_names,
     is_canonical,
-    layout_of,
-    template_of,
 )
 
 GPT2 = ModelInfo(
@@ -52,16 +52,19 @@ LLAMA = ModelInfo(
     architecture="llama-style",
 )
 GEMMA2 = dataclasses.replace(LLAMA, sandwich_norm=True, architecture="gemma2-style")
+QWEN3 = dataclasses.replace(LLAMA, qk_norm=True, architecture="qwen3-style")
 NEOX = dataclasses.replace(GPT2, parallel_attn_mlp=True, positional_embedding_type="rotary")
 NO_NORM = dataclasses.replace(GPT2, normalization_type=None)
+PARALLEL_NO_NORM = dataclasses.replace(NEOX, normalization_type=None)
 
 REQUIREMENTS = {
     None,
     "standard_pos",
     "rotary",
     "gated_mlp",
-    "sequential",
+    "mlp_norm_input",
     "sandwich_norm",
+    "qk_norm",
     "attn_result",
     "norm",
 }
@@ -83,8 +86,12 @@ def test_templates_are_unique_with_known_layouts_and_requirements() -> None:
 def test_design_table_and_lead_additions_are_all_canonical() -> None:
     names = {t.template for t in CANONICAL_TEMPLATES}
     expected = {
+        "embed.hook_in",
         "embed.hook_out",
+        "pos_embed.hook_in",
         "pos_embed.hook_out",
+        "blocks.{i}.attn.hook_cos",
+        "blocks.{i}.attn.hook_sin",
         "blocks.{i}.hook_in",
         "blocks.{i}.attn.hook_in",
         "blocks.{i}.attn.hook_q",
@@ -109,6 +116,12 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     for norm in ("blocks.{i}.ln1", "blocks.{i}.ln1_post", "blocks.{i}.ln2_post", "ln_final"):
         expected |= {f"{norm}.hook_{s}" for s in ("in", "scale", "normalized", "out")}
     expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
+    # QK-norm sites, as TransformerLens 4.x names them.
+    expected |= {
+        f"blocks.{{i}}.attn.{x}_norm.hook_{s}"
+        for x in "qk"
+        for s in ("in", "scale", "normalized", "out")
+    }
     assert names == expected
 
 
@@ -119,6 +132,10 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
         ("blocks.{i}.attn.hook_pattern", "b h q k"),
         ("blocks.{i}.attn.hook_result", "b p h d"),
         ("blocks.{i}.ln1.hook_scale", "b p 1"),
+        ("blocks.{i}.attn.q_norm.hook_scale", "b p h 1"),
+        ("blocks.{i}.attn.k_norm.hook_normalized", "b p h dh"),
+        ("blocks.{i}.attn.hook_cos", "b p r"),
+        ("embed.hook_in", "b p"),
         ("ln_final.hook_scale", "b p 1"),
         ("blocks.{i}.mlp.hook_post", "b p dm"),
         ("unembed.hook_out", "b p vocab"),
@@ -275,12 +292,13 @@ def test_every_alias_target_is_a_canonical_template() -> None:
     for key, (family, status, target) in known_alias_templates().items():
         assert family in families, key
         seen.add(family)
+        # A target is a template, or one concrete canonical site (rotary_emb -> block 0).
         if status in ("canonical", "alias"):
-            assert target in templates, key
+            assert target in templates or is_canonical(target), key
         elif status == "structurally_absent":
             assert target is None, key
         elif target is not None:
-            assert target in templates, key
+            assert target in templates or is_canonical(target), key
         if "{i}" in key:
             assert target is None or "{i}" in target or "{last}" in target, key
     assert seen == families
@@ -297,9 +315,8 @@ def test_every_alias_target_is_a_canonical_template() -> None:
         ("blocks.3.hook_v_input", "legacy", "blocks.3.hook_in"),
         ("blocks.3.hook_attn_in", "legacy", "blocks.3.hook_in"),
         ("blocks.3.attn.hook_q_input", "tl_bridge", "blocks.3.hook_in"),
-        ("hook_tokens", "legacy", None),
-        ("embed.hook_in", "tl_bridge", None),
         ("blocks.3.attn.qkv.hook_out", "tl_bridge", None),
+        ("rotary_emb.hook_out", "tl_bridge", "blocks.0.attn.hook_cos"),
         ("next_token_probs", "nnterp", "unembed.hook_out"),
         ("mlps_activation[3]", "nnterp", "blocks.3.mlp.hook_pre"),
     ],
@@ -327,9 +344,6 @@ def test_per_head_input_note_names_both_sides_of_the_norm() -> None:
 @pytest.mark.parametrize(
     ("name", "source"),
     [
-        ("q_norm_out.4", "blocks.4.attn.hook_q"),
-        ("k_norm_out.4", "blocks.4.attn.hook_k"),
-        ("blocks.4.attn.hook_q_normed", "blocks.4.attn.hook_q"),
         ("router_logits.4", "blocks.4.mlp.hook_in"),
         ("attn_gate.4", "blocks.4.attn.hook_in"),
         ("blocks.4.mlp.hook_expert_weights", "blocks.4.mlp.hook_in"),
@@ -376,8 +390,18 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (LLAMA, "hook_pos_embed", "structurally_absent", "pos_embed.hook_out"),
         (GPT2, "blocks.1.attn.hook_rot_q", "structurally_absent", "blocks.1.attn.hook_rot_q"),
         (GPT2, "mlp_pre_linear.1", "structurally_absent", "blocks.1.mlp.hook_pre_linear"),
-        (NEOX, "blocks.1.hook_resid_mid", "structurally_absent", "blocks.1.ln2.hook_in"),
-        (NEOX, "blocks.1.hook_mlp_in", "alias", "blocks.1.hook_in"),
+        (NEOX, "blocks.1.hook_resid_mid", "structurally_absent", None),
+        (NEOX, "layers_mid[1]", "structurally_absent", None),
+        (NEOX, "blocks.1.hook_mlp_in", "alias", "blocks.1.ln2.hook_in"),
+        (NEOX, "blocks.1.ln2.hook_in", "canonical", "blocks.1.ln2.hook_in"),
+        (PARALLEL_NO_NORM, "blocks.1.ln2.hook_in", "structurally_absent", "blocks.1.ln2.hook_in"),
+        (QWEN3, "blocks.1.attn.hook_q_normed", "alias", "blocks.1.attn.q_norm.hook_out"),
+        (QWEN3, "k_norm_in.1", "alias", "blocks.1.attn.k_norm.hook_in"),
+        (LLAMA, "blocks.1.attn.q_norm.hook_out", "structurally_absent", "blocks.1.attn.q_norm.hook_out"),
+        (LLAMA, "rotary_emb.hook_sin", "alias", "blocks.0.attn.hook_sin"),
+        (GPT2, "rotary_emb.hook_cos", "structurally_absent", "blocks.0.attn.hook_cos"),
+        (LLAMA, "pos_embed.hook_in", "structurally_absent", "pos_embed.hook_in"),
+        (GPT2, "hook_tokens", "alias", "embed.hook_in"),
         (NEOX, "blocks.1.ln2.hook_normalized", "canonical", "blocks.1.ln2.hook_normalized"),
         (NO_NORM, "blocks.1.ln1.hook_scale", "structurally_absent", "blocks.1.ln1.hook_scale"),
         (NO_NORM, "blocks.1.hook_resid_mid", "alias", "blocks.1.ln2.hook_in"),
@@ -441,59 +465,33 @@ def _block(layer: int, *suffixes: str) -> list[str]:
     return [f"blocks.{layer}.{s}" for s in suffixes]
 
 
-def test_gpt2_style_listing() -> None:
-    names = canonical_hook_names(GPT2)
-    per_block = [
-        "hook_in",
-        "ln1.hook_in",
-        "ln1.hook_scale",
-        "ln1.hook_normalized",
-        "ln1.hook_out",
-        "attn.hook_in",
-        "attn.hook_q",
-        "attn.hook_k",
-        "attn.hook_v",
-        "attn.hook_attn_scores",
-        "attn.hook_pattern",
-        "attn.hook_z",
-        "attn.hook_out",
-        "ln2.hook_in",
-        "ln2.hook_scale",
-        "ln2.hook_normalized",
-        "ln2.hook_out",
-        "mlp.hook_in",
-        "mlp.hook_pre",
-        "mlp.hook_post",
-        "mlp.hook_out",
-        "hook_out",
-    ]
-    expected = ["embed.hook_out", "pos_embed.hook_out"]
-    for layer in range(GPT2.n_layers):
-        expected += _block(layer, *per_block)
-    expected += [
-        "ln_final.hook_in",
-        "ln_final.hook_scale",
-        "ln_final.hook_normalized",
-        "ln_final.hook_out",
-        "unembed.hook_out",
-    ]
-    assert names == expected
-    assert len(names) == 7 + 22 * GPT2.n_layers
-    assert not any("rot_" in n or "pre_linear" in n or "hook_result" in n for n in names)
-
-
-def test_llama_style_listing() -> None:
-    names = canonical_hook_names(LLAMA)
-    assert "pos_embed.hook_out" not in names
-    assert names[:2] == ["embed.hook_out", "blocks.0.hook_in"]
-    assert len(names) == 6 + 25 * LLAMA.n_layers
+def test_listing_follows_the_structure_of_each_kind_of_model() -> None:
+    gpt2 = canonical_hook_names(GPT2)
+    # Inputs first: token ids, embeddings, then the learned positions a GPT-2 has.
+    assert gpt2[:4] == ["embed.hook_in", "embed.hook_out", "pos_embed.hook_in", "pos_embed.hook_out"]
+    assert gpt2[-1] == "unembed.hook_out"
+    assert not any(
+        n.endswith(("rot_q", "rot_k", "hook_cos", "hook_sin", "pre_linear", "hook_result"))
+        or "_norm." in n
+        for n in gpt2
+    )
+    llama = canonical_hook_names(LLAMA)
+    assert llama[:3] == ["embed.hook_in", "embed.hook_out", "blocks.0.hook_in"]
+    # Every block lists the same sites, and nothing in a block belongs to another block.
+    for names in (gpt2, llama):
+        blocks = [
+            [n.split(".", 2)[2] for n in names if n.startswith(f"blocks.{i}.")]
+            for i in range(2)
+        ]
+        assert blocks[0] == blocks[1]
     for layer in range(LLAMA.n_layers):
-        for hook in ("attn.hook_rot_q", "attn.hook_rot_k", "mlp.hook_pre_linear"):
-            assert f"blocks.{layer}.{hook}" in names
-        # rotary after the projections, gate/linear before the neurons
-        block = [n for n in names if n.startswith(f"blocks.{layer}.")]
+        block = [n for n in llama if n.startswith(f"blocks.{layer}.")]
+        for hook in ("attn.hook_rot_q", "attn.hook_cos", "mlp.hook_pre_linear"):
+            assert f"blocks.{layer}.{hook}" in block
+        # the rotary table before the rotation, rotation after the projections
         assert (
             block.index(f"blocks.{layer}.attn.hook_k")
+            < block.index(f"blocks.{layer}.attn.hook_cos")
             < block.index(f"blocks.{layer}.attn.hook_rot_q")
             < block.index(f"blocks.{layer}.attn.hook_attn_scores")
         )
@@ -502,7 +500,21 @@ def test_llama_style_listing() -> None:
             < block.index(f"blocks.{layer}.mlp.hook_pre_linear")
             < block.index(f"blocks.{layer}.mlp.hook_post")
         )
-    assert names[-1] == "unembed.hook_out"
+    qwen3 = canonical_hook_names(QWEN3)
+    block = [n for n in qwen3 if n.startswith("blocks.0.")]
+    # QK-norm sits between the projections and the rotation.
+    assert (
+        block.index("blocks.0.attn.hook_k")
+        < block.index("blocks.0.attn.q_norm.hook_in")
+        < block.index("blocks.0.attn.k_norm.hook_out")
+        < block.index("blocks.0.attn.hook_rot_q")
+    )
+    assert set(qwen3) - set(llama) == {
+        f"blocks.{i}.attn.{x}_norm.hook_{s}"
+        for i in range(2)
+        for x in "qk"
+        for s in ("in", "scale", "normalized", "out")
+    }
 
 
 def test_listing_is_in_forward_order() -> None:
@@ -535,8 +547,9 @@ def test_listing_honours_structure() -> None:
     assert set(with_result) - gpt2 == {f"blocks.{i}.attn.hook_result" for i in range(3)}
 
     neox = set(canonical_hook_names(NEOX))
-    assert not any(n.endswith("ln2.hook_in") for n in neox)
-    assert {f"blocks.{i}.ln2.hook_out" for i in range(3)} <= neox
+    # A parallel block keeps its MLP norm's input (the block input as that norm reads it).
+    assert {f"blocks.{i}.ln2.hook_{s}" for i in range(3) for s in ("in", "out")} <= neox
+    assert not any(n.startswith("blocks.0.ln2") for n in canonical_hook_names(PARALLEL_NO_NORM))
 
     no_norm = set(canonical_hook_names(NO_NORM))
     assert not any(".ln1." in n or "ln_final" in n or "ln2.hook_scale" in n for n in no_norm)
@@ -555,8 +568,10 @@ def test_listing_returns_a_fresh_list_and_rejects_bad_info() -> None:
     first = canonical_hook_names(GPT2)
     first.clear()
     assert canonical_hook_names(GPT2)
-    assert canonical_hook_names(dataclasses.replace(GPT2, n_layers=0))[:2] == [
+    assert canonical_hook_names(dataclasses.replace(GPT2, n_layers=0))[:4] == [
+        "embed.hook_in",
         "embed.hook_out",
+        "pos_embed.hook_in",
         "pos_embed.hook_out",
     ]
     with pytest.raises(ConfigError):

@@ -6,6 +6,7 @@ Checkpoints are written once per session into a temporary folder with
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,200 +20,13 @@ from transformers.utils import logging as hf_logging
 from tl_core import TransformerBridge
 from tl_driver_hf.testing import write_tiny_checkpoint
 
-# Where each family keeps its parts, written out independently of the driver's adapters:
-# the parity tests locate reference values with these paths. Adding a family to the
-# driver's tests is one entry here (keyed by its tiny-checkpoint name).
-# Roles: embed, pos (learned positions), layers, final (norm), head; per layer ln1, ln2,
-# ln1_post, ln2_post, attn, q/k/v or qkv (fused, [q|k|v]), o, mlp, pre (gate or input
-# projection), pre_linear (up), gate_up (fused [gate|up]), down; flags: rotary, conv1d
-# (weights stored [in, out]), norm ("layernorm", "rms" or "rms_plus_one").
-_LLAMA = {
-    "embed": "model.embed_tokens",
-    "layers": "model.layers",
-    "final": "model.norm",
-    "head": "lm_head",
-    "ln1": "input_layernorm",
-    "ln2": "post_attention_layernorm",
-    "attn": "self_attn",
-    "q": "q_proj",
-    "k": "k_proj",
-    "v": "v_proj",
-    "o": "o_proj",
-    "mlp": "mlp",
-    "pre": "gate_proj",
-    "pre_linear": "up_proj",
-    "down": "down_proj",
-    "rotary": True,
-    "norm": "rms",
-}
-_SANDWICH = {
-    **_LLAMA,
-    "ln1_post": "post_attention_layernorm",
-    "ln2": "pre_feedforward_layernorm",
-    "ln2_post": "post_feedforward_layernorm",
-}
-PATHS: dict[str, dict[str, Any]] = {
-    "gpt2": {
-        "embed": "transformer.wte",
-        "pos": "transformer.wpe",
-        "layers": "transformer.h",
-        "final": "transformer.ln_f",
-        "head": "lm_head",
-        "ln1": "ln_1",
-        "ln2": "ln_2",
-        "attn": "attn",
-        "qkv": "c_attn",
-        "o": "c_proj",
-        "mlp": "mlp",
-        "pre": "c_fc",
-        "down": "c_proj",
-        "conv1d": True,
-        "rotary": False,
-        "norm": "layernorm",
-    },
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,
-    "qwen3": _LLAMA,
-    "mixtral": {k: v for k, v in _LLAMA.items() if k not in ("pre", "pre_linear", "down")},
-    "phi3": {
-        **{k: v for k, v in _LLAMA.items() if k not in ("q", "k", "v", "pre", "pre_linear")},
-        "qkv": "qkv_proj",
-        "gate_up": "gate_up_proj",
-    },
-    "gemma": {**_LLAMA, "norm": "rms_plus_one"},
-    "gemma2": {**_SANDWICH, "norm": "rms_plus_one"},
-    "gemma3": {**_SANDWICH, "norm": "rms_plus_one"},
-    "stablelm": {**_LLAMA, "norm": "layernorm"},
-    "olmo2": {
-        **{k: v for k, v in _LLAMA.items() if k not in ("ln1", "ln2")},
-        "ln1_post": "post_attention_layernorm",
-        "ln2_post": "post_feedforward_layernorm",
-    },
-    "gpt_neox": {
-        "embed": "gpt_neox.embed_in",
-        "layers": "gpt_neox.layers",
-        "final": "gpt_neox.final_layer_norm",
-        "head": "lm_head",
-        "ln1": "input_layernorm",
-        "ln2": "post_attention_layernorm",
-        "attn": "attention",
-        "qkv": "query_key_value",
-        "qkv_per_head": True,
-        "o": "dense",
-        "mlp": "mlp",
-        "pre": "dense_h_to_4h",
-        "down": "dense_4h_to_h",
-        "rotary": True,
-        "parallel": True,
-        "norm": "layernorm",
-    },
-    "gptj": {
-        "embed": "transformer.wte",
-        "layers": "transformer.h",
-        "final": "transformer.ln_f",
-        "head": "lm_head",
-        "ln1": "ln_1",
-        "attn": "attn",
-        "q": "q_proj",
-        "k": "k_proj",
-        "v": "v_proj",
-        "o": "out_proj",
-        "mlp": "mlp",
-        "pre": "fc_in",
-        "down": "fc_out",
-        "rotary": True,
-        "parallel": True,
-        "norm": "layernorm",
-    },
-    "opt": {
-        "embed": "model.decoder.embed_tokens",
-        "pos": "model.decoder.embed_positions",
-        "pos_offset": 2,
-        "layers": "model.decoder.layers",
-        "final": "model.decoder.final_layer_norm",
-        "head": "lm_head",
-        "ln1": "self_attn_layer_norm",
-        "ln2": "final_layer_norm",
-        "attn": "self_attn",
-        "q": "q_proj",
-        "k": "k_proj",
-        "v": "v_proj",
-        "o": "out_proj",
-        "mlp": "",
-        "mlp_inline": True,
-        "flat_mlp": True,
-        "pre": "fc1",
-        "down": "fc2",
-        "prescaled": True,
-        "rotary": False,
-        "norm": "layernorm",
-    },
-    # Families computing attention inside their modules; "inline" names how
-    # tests/_inline_reference.py recomputes their attention internals.
-    "gpt_neo": {
-        "embed": "transformer.wte",
-        "pos": "transformer.wpe",
-        "layers": "transformer.h",
-        "final": "transformer.ln_f",
-        "head": "lm_head",
-        "ln1": "ln_1",
-        "ln2": "ln_2",
-        "attn": "attn.attention",
-        "q": "q_proj",
-        "k": "k_proj",
-        "v": "v_proj",
-        "o": "out_proj",
-        "mlp": "mlp",
-        "pre": "c_fc",
-        "down": "c_proj",
-        "rotary": False,
-        "norm": "layernorm",
-        "inline": "gpt_neo",
-    },
-    "bloom": {
-        "embed": "transformer.word_embeddings",
-        "layers": "transformer.h",
-        "final": "transformer.ln_f",
-        "head": "lm_head",
-        "ln1": "input_layernorm",
-        "ln2": "post_attention_layernorm",
-        "attn": "self_attention",
-        "qkv": "query_key_value",
-        "o": "dense",
-        # The attention and MLP modules add the residual themselves.
-        "attn_out": "dense",
-        "mlp": "mlp",
-        "mlp_out": "dense_4h_to_h",
-        "pre": "dense_h_to_4h",
-        "down": "dense_4h_to_h",
-        "rotary": False,
-        "norm": "layernorm",
-        "inline": "bloom",
-    },
-    "falcon": {
-        "embed": "transformer.word_embeddings",
-        "layers": "transformer.h",
-        "final": "transformer.ln_f",
-        "head": "lm_head",
-        "ln1": "input_layernorm",
-        "attn": "self_attention",
-        "qkv": "query_key_value",
-        "n_kv": 1,
-        "o": "dense",
-        "mlp": "mlp",
-        "pre": "dense_h_to_4h",
-        "down": "dense_4h_to_h",
-        "rotary": True,
-        "parallel": True,
-        "norm": "layernorm",
-        "inline": "falcon",
-    },
-}
-
-
-#: Every family this package's adapters serve, by tiny-checkpoint family name.
-FAMILIES = tuple(PATHS)
+# Tests are imported in importlib mode, so the sibling table is loaded by path.
+_spec = importlib.util.spec_from_file_location("_hf_paths", Path(__file__).with_name("_paths.py"))
+assert _spec is not None and _spec.loader is not None
+_paths = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_paths)
+PATHS: dict[str, dict[str, Any]] = _paths.PATHS
+FAMILIES: tuple[str, ...] = _paths.FAMILIES
 
 
 @pytest.fixture(autouse=True, scope="session")

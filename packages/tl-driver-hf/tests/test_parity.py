@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -92,20 +91,37 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
 
         return hook
 
-    def norm(prefix: str, module: nn.Module) -> None:
+    def norm(prefix: str, module: nn.Module, heads: int | None = None) -> None:
+        # heads: the norm sees all heads of a position flat (OLMo 2's QK-norm); tl serves
+        # its sites per head, the scale repeated for every head.
         def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
-            values[f"{prefix}.hook_in"] = args[0].detach()
             scale, normalized = _scale_and_normalized(args[0], mod, layernorm)
+            x, out = args[0].detach(), out.detach()
+            if heads is not None:
+                x, out, normalized = (_heads(v, d_head) for v in (x, out, normalized))
+                scale = scale[..., None, :].expand(*scale.shape[:-1], heads, 1)
+            values[f"{prefix}.hook_in"] = x
             values[f"{prefix}.hook_scale"] = scale
             values[f"{prefix}.hook_normalized"] = normalized
-            values[f"{prefix}.hook_out"] = out.detach()
+            values[f"{prefix}.hook_out"] = out
 
         handles.append(module.register_forward_hook(hook))
 
+    def table(prefix: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # Without explicit position ids the model builds one row for the whole batch.
+            cos, sin = (v.detach().expand(ids.shape[0], -1, -1) for v in kwargs["position_embeddings"])
+            values[prefix + "hook_cos"], values[prefix + "hook_sin"] = cos, sin
+
+        return hook
+
     get = model.get_submodule
-    values["embed.hook_out"] = F.embedding(ids, get(paths["embed"]).weight)
+    values["embed.hook_in"] = ids
+    # The embedding module's own output: Gemma's scales its lookup by sqrt(d_model).
+    handles.append(get(paths["embed"]).register_forward_hook(post("embed.hook_out")))
     if "pos" in paths:
         positions = torch.arange(ids.shape[1])
+        values["pos_embed.hook_in"] = positions.expand(*ids.shape)
         values["pos_embed.hook_out"] = get(paths["pos"]).weight[positions + paths.get("pos_offset", 0)].expand(*ids.shape, -1)
     layers = get(paths["layers"])
     attn_modules = []
@@ -138,6 +154,12 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         for role in ("ln1", "ln2", "ln1_post", "ln2_post"):
             if role in paths:
                 norm(b + role, layer.get_submodule(paths[role]))
+        for role, heads in (("q_norm", n_heads), ("k_norm", n_kv)):
+            if role in paths:
+                flat = heads if paths.get("qk_norm_flat") else None
+                norm(f"{b}attn.{role}", attn.get_submodule(paths[role]), flat)
+        if paths.get("rotary_table"):
+            handles.append(attn.register_forward_pre_hook(table(b + "attn."), with_kwargs=True))
         mlp = layer.get_submodule(paths["mlp"])
         # OPT's MLP projections sit in the layer itself (there is no MLP module).
         mlp_first = mlp.get_submodule(paths["pre"]) if paths.get("mlp_inline") else mlp
@@ -171,9 +193,6 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
             if value.dim() == 2 and value.shape[0] == ids.numel():
                 values[name] = value.unflatten(0, tuple(ids.shape))
     for i, attn in enumerate(attn_modules):
-        if paths.get("parallel"):
-            # A parallel block has no residual stream between attention and MLP.
-            values.pop(f"blocks.{i}.ln2.hook_in", None)
         b = f"blocks.{i}.attn."
         rec = _RECORD.pop(id(attn))
         rot = "rot_" if paths["rotary"] else ""
@@ -246,5 +265,10 @@ def test_non_fireable_hooks_say_why(family: str, bridge: TransformerBridge) -> N
         assert "rotary" in reasons["blocks.0.attn.hook_rot_q"]
     if family == "gptj":
         assert "one norm per block" in reasons["blocks.0.ln2.hook_out"]
-    with pytest.raises(Exception, match="cannot fire"):
-        bridge.run_with_cache("x", names_filter=[next(iter(reasons))])
+    # A site the model's structure lacks is refused as absent; a site the family lacks
+    # despite its structure (a quirk the adapter declares) with the adapter's reason.
+    for name, reason in reasons.items():
+        absent = bridge.namespace.resolve(name).status == "structurally_absent"
+        with pytest.raises(Exception, match="structurally absent" if absent else "cannot fire") as info:
+            bridge.run_with_cache("x", names_filter=[name])
+        assert absent or reason in str(info.value)

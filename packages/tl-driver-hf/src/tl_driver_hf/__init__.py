@@ -15,8 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tl_core._discovery import DriverEntry, EngineRequirement
-from tl_core._driver import FEATURES
+from tl_core.driver_api import FEATURES, DriverEntry, EngineRequirement
 from tl_driver_hf._version import __version__
 
 if TYPE_CHECKING:
@@ -28,14 +27,13 @@ if TYPE_CHECKING:
         check_model_support,
         list_supported_models,
     )
-    from tl_driver_hf._tokenizer import HFTokenizer, detect_tokenizer_bos_eos
+    from tl_driver_hf._tokenizer import detect_tokenizer_bos_eos
     from tl_driver_hf.adapters import ArchitectureAdapter, register_adapter
 
 __all__ = [
     "ENTRY",
     "ArchitectureAdapter",
     "HFDriver",
-    "HFTokenizer",
     "SupportReport",
     "__version__",
     "build_bridge_config_from_hf",
@@ -59,7 +57,6 @@ ENTRY = DriverEntry(
 
 _LAZY = {
     "HFDriver": "tl_driver_hf._driver",
-    "HFTokenizer": "tl_driver_hf._tokenizer",
     "detect_tokenizer_bos_eos": "tl_driver_hf._tokenizer",
     "SupportReport": "tl_driver_hf._support",
     "build_bridge_config_from_hf": "tl_driver_hf._support",

@@ -89,7 +89,7 @@ def _fire_bhpd(point: HookPoint | None, x: torch.Tensor) -> torch.Tensor:
     seen = x.transpose(1, 2)
     out = point(seen)
     # Backward hooks sit on ``seen``, so it must stay in the graph when there are any.
-    return x if out is seen and not point._bwd else out.transpose(1, 2)
+    return x if out is seen and not point.has_backward_hooks else out.transpose(1, 2)
 
 
 def _allowed(

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tl_core import HookPoint, LocalDriver, ModelInfo, ModelReadout, Tokenizer, UserError
-from tl_core._absence import absent_hook_reasons
-from tl_core._vocabulary import canonical_hook_names
+from tl_core import HookPoint, ModelInfo, UserError
+from tl_core.driver_api import LocalDriver, ModelReadout, Tokenizer, canonical_hook_names
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
 from tl_driver_hf._compat import CompatState, enable_compatibility
 from tl_driver_hf._inline_attention import inline_attention
@@ -84,17 +83,17 @@ class HFDriver(LocalDriver):
         if n_ctx is not None:
             info = dataclasses.replace(info, n_ctx=n_ctx)
         modules = resolve_modules(hf_model, adapter)
-        absent = {
+        self._absent = {
             t.format(i=i) if "{i}" in t else t: reason
             for t, reason in adapter.absent_templates().items()
             for i in range(info.n_layers)
         }
         names = [
-            n for n in canonical_hook_names(info, include_attn_result=use_attn_result) if n not in absent
+            n
+            for n in canonical_hook_names(info, include_attn_result=use_attn_result)
+            if n not in self._absent
         ]
         self._model = HFHookedModel(hf_model, adapter, info, modules, names)
-        reasons = absent_hook_reasons(info, self._model.hook_points)
-        self._absent = {n: absent.get(n, r) for n, r in reasons.items()}
         self._tokenizer = tokenizer
         self._adapter = adapter
         self._wiring = Wiring(
@@ -104,6 +103,7 @@ class HFDriver(LocalDriver):
             n_heads=info.n_heads,
             n_kv_heads=info.kv_heads,
             d_head=info.d_head,
+            parallel=info.parallel_attn_mlp,
         )
         self._sites = self._wiring.attention_sites()
         self._configs = _configs_of(hf_model)
@@ -239,8 +239,8 @@ class HFDriver(LocalDriver):
         return self._tokenizer
 
     @property
-    def non_fireable_reasons(self) -> Mapping[str, str]:
-        """Canonical hooks this family lacks, with the reason."""
+    def absent_reasons(self) -> Mapping[str, str]:
+        """Canonical hooks this family lacks despite its ``ModelInfo``, with the reason."""
         return self._absent
 
     @property

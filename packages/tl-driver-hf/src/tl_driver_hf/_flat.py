@@ -50,7 +50,7 @@ class FlatPoint(HookPoint):
             return self.inner(x)  # type: ignore[no-any-return]
         seen = torch.unflatten(x, 0, shape)
         out: torch.Tensor = self.inner(seen)
-        if out is seen and not self.inner._bwd:
+        if out is seen and not self.inner.has_backward_hooks:
             return x
         return out.flatten(0, len(shape) - 1)
 

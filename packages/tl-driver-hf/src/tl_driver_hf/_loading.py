@@ -12,9 +12,10 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from tl_core import ConfigError, Tokenizer, UserError
+from tl_core import ConfigError, UserError
+from tl_core.driver_api import HFTokenizer, Tokenizer
 from tl_driver_hf._options import BootOptions
-from tl_driver_hf._tokenizer import HFTokenizer, MissingTokenizer
+from tl_driver_hf._tokenizer import MissingTokenizer
 from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
 
 __all__ = ["adapter_for_config", "load_config", "load_model", "load_tokenizer", "wrap_tokenizer"]

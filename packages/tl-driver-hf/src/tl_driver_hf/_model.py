@@ -9,12 +9,13 @@ in HookedTransformer shapes, so ``bridge.W_Q`` works as TransformerLens users ex
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from tl_core import HookPoint, ModelInfo, ModelReadout, UnsupportedFeatureError
+from tl_core import HookPoint, ModelInfo, UnsupportedFeatureError
+from tl_core.driver_api import ModelReadout
 from tl_driver_hf._modules import ModelModules
 from tl_driver_hf._norms import norm_eps
 from tl_driver_hf._weights import (
@@ -127,8 +128,17 @@ class HFHookedModel(nn.Module):
 
     @property
     def W_E(self) -> torch.Tensor:
-        """Token embedding ``[d_vocab, d_model]`` (before any embedding scale)."""
-        return self.parts.embed.weight  # type: ignore[return-value]
+        """Token embedding ``[d_vocab, d_model]``, as it enters the residual stream.
+
+        Gemma's embedding module multiplies its lookup by ``sqrt(d_model)``; ``W_E``
+        includes that scale, so ``embed.hook_out == W_E[tokens]`` on every family (as
+        TransformerLens serves it).
+        """
+        weight: torch.Tensor = self.parts.embed.weight  # type: ignore[assignment]
+        if not self.adapter.embed_scaled:
+            return weight
+        scale = cast(torch.Tensor, self.parts.embed.embed_scale)
+        return weight * scale.to(weight.dtype)
 
     @property
     def W_pos(self) -> torch.Tensor:

@@ -26,6 +26,8 @@ class LayerModules:
     k: nn.Module | None
     v: nn.Module | None
     qkv: nn.Module | None
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
     o: nn.Module
     mlp: nn.Module
     mlp_in: nn.Module | None
@@ -92,6 +94,8 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
                 k=_get(attn, adapter.k, attn_where, adapter),
                 v=_get(attn, adapter.v, attn_where, adapter),
                 qkv=_get(attn, adapter.qkv, attn_where, adapter),
+                q_norm=_get(attn, adapter.q_norm, attn_where, adapter),
+                k_norm=_get(attn, adapter.k_norm, attn_where, adapter),
                 o=_need(attn, adapter.o, attn_where, adapter),
                 mlp=mlp,
                 mlp_in=_get(mlp, adapter.mlp_in, mlp_where, adapter),

@@ -78,7 +78,7 @@ def _heads_hook(point: HookPoint, n_heads: int, d_head: int) -> Callable[..., An
         seen = torch.unflatten(output, -1, (n_heads, d_head))
         out = point(seen)
         # Backward hooks sit on ``seen``, so it must stay in the graph when there are any.
-        return None if out is seen and not point._bwd else out.flatten(-2)
+        return None if out is seen and not point.has_backward_hooks else out.flatten(-2)
 
     return hook
 
@@ -95,7 +95,7 @@ def _split_hook(points: tuple[HookPoint | None, ...], sizes: tuple[int, ...], he
             part = parts[index]
             seen = torch.unflatten(part, -1, (heads[index], d_head)) if heads else part
             out = point(seen)
-            if out is not seen or point._bwd:
+            if out is not seen or point.has_backward_hooks:
                 parts[index] = out.flatten(-2) if heads else out
                 changed = True
         return torch.cat(parts, dim=-1) if changed else None
@@ -114,7 +114,7 @@ def _per_head_split_hook(points: tuple[HookPoint | None, ...], n_heads: int, d_h
             if point is None or not point.has_hooks:
                 continue
             out = point(parts[index])
-            if out is not parts[index] or point._bwd:
+            if out is not parts[index] or point.has_backward_hooks:
                 parts[index] = out
                 changed = True
         return torch.stack(parts, dim=-2).flatten(-3) if changed else None
@@ -136,25 +136,97 @@ def _weight(module: nn.Module) -> torch.Tensor:
 
 
 def _has_bwd(*points: HookPoint | None) -> bool:
-    return any(p is not None and bool(p._bwd) for p in points)
+    return any(p is not None and p.has_backward_hooks for p in points)
+
+
+def _ids_hook(point: HookPoint, kwarg: str) -> Callable[..., Any]:
+    """Fire a hook on the integer ids a module takes (as ``kwarg`` or first argument)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs.get(kwarg) is not None:
+            ids = kwargs[kwarg]
+            out = point(ids)
+            return None if out is ids else (args, {**kwargs, kwarg: out})
+        ids = args[0]
+        out = point(ids)
+        return None if out is ids else ((out, *args[1:]), kwargs)
+
+    return hook
+
+
+def _rotary_hook(cos: HookPoint | None, sin: HookPoint | None) -> Callable[..., Any]:
+    """Fire ``attn.hook_cos``/``hook_sin`` on the table attention receives, ``[b, p, r]``."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        table = kwargs.get("position_embeddings")
+        if table is None:
+            return None
+        old = tuple(table)
+        new = tuple(
+            point(value) if point is not None and point.has_hooks else value
+            for point, value in zip((cos, sin), old, strict=True)
+        )
+        if all(a is b for a, b in zip(new, old, strict=True)):
+            return None
+        return args, {**kwargs, "position_embeddings": new}
+
+    return hook
+
+
+def _as_heads(x: torch.Tensor, heads: int | None) -> torch.Tensor:
+    return x if heads is None else torch.unflatten(x, -1, (heads, x.shape[-1] // heads))
+
+
+def _as_flat(x: torch.Tensor, heads: int | None) -> torch.Tensor:
+    return x if heads is None else x.flatten(-2)
+
+
+def _flat_input_hook(point: HookPoint, heads: int) -> Callable[..., Any]:
+    """Fire a ``b p h dh`` hook on a module input laid out flat, ``b p (h dh)``."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = _input_of(args, kwargs)
+        seen = _as_heads(x, heads)
+        out = point(seen)
+        if out is seen and not point.has_backward_hooks:
+            return None
+        return _with_input(args, kwargs, out.flatten(-2))
+
+    return hook
 
 
 def _norm_hook(
-    kind: Any, scale: HookPoint | None, normed: HookPoint | None, out: HookPoint | None
+    kind: Any,
+    scale: HookPoint | None,
+    normed: HookPoint | None,
+    out: HookPoint | None,
+    heads: int | None = None,
 ) -> Callable[..., Any]:
+    """Fire a norm's scale, normalized and output hooks; rebuild the output after edits.
+
+    With ``heads``, the norm sees a flat ``b p (h dh)`` input over all heads (OLMo 2's
+    QK-norm) and the hooks fire per head: the scale of a position repeated for each head.
+    """
+
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
         result = output
         if (scale is not None and scale.has_hooks) or (normed is not None and normed.has_hooks):
             x = args[0]
             centred, s, n = normalize(x, kind, norm_eps(module))
+            centred, n = _as_heads(centred, heads), _as_heads(n, heads)
+            if heads is not None:
+                s = s.unsqueeze(-2).expand(*s.shape[:-1], heads, 1).contiguous()
             new_s = scale(s) if scale is not None and scale.has_hooks else s
             if new_s is not s or _has_bwd(scale):
                 n = centred / new_s
             new_n = normed(n) if normed is not None and normed.has_hooks else n
             if new_n is not n or new_s is not s or _has_bwd(scale, normed):
-                result = apply_weight(new_n, module, kind, x.dtype)
+                result = apply_weight(_as_flat(new_n, heads), module, kind, x.dtype)
         if out is not None and out.has_hooks:
-            result = out(result)
+            seen = _as_heads(result, heads)
+            edited = out(seen)
+            if edited is not seen or (heads is not None and out.has_backward_hooks):
+                result = _as_flat(edited, heads)
         return None if result is output else result
 
     return hook
@@ -172,6 +244,7 @@ class Wiring:
         n_heads: int,
         n_kv_heads: int,
         d_head: int,
+        parallel: bool,
     ) -> None:
         self.modules = modules
         self.points = points
@@ -179,6 +252,7 @@ class Wiring:
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.d_head = d_head
+        self.parallel = parallel
 
     def _point(self, name: str) -> HookPoint | None:
         return self.points.get(name)
@@ -213,8 +287,16 @@ class Wiring:
         """Register the needed torch hooks, in forward order; returns their handles."""
         handles: list[RemovableHandle] = []
         m = self.modules
+        if self._active("embed.hook_in"):
+            hook = _ids_hook(self.points["embed.hook_in"], "input_ids")
+            handles.append(m.embed.register_forward_pre_hook(hook, with_kwargs=True))
         if self._active("embed.hook_out"):
-            handles.append(m.embed.register_forward_hook(self._embed_hook()))
+            # The module's own output: Gemma's scaled lookup, as it enters the residual.
+            handles.append(m.embed.register_forward_hook(_output_hook(self.points["embed.hook_out"])))
+        if m.pos_embed is not None and self._active("pos_embed.hook_in"):
+            # OPT passes position_ids by keyword (and adds its offset inside the module).
+            hook = _ids_hook(self.points["pos_embed.hook_in"], "position_ids")
+            handles.append(m.pos_embed.register_forward_pre_hook(hook, with_kwargs=True))
         if m.pos_embed is not None and self._active("pos_embed.hook_out"):
             handles.append(m.pos_embed.register_forward_hook(_output_hook(self.points["pos_embed.hook_out"])))
         for i, layer in enumerate(m.layers):
@@ -224,14 +306,24 @@ class Wiring:
             handles.append(m.lm_head.register_forward_hook(_output_hook(self.points["unembed.hook_out"])))
         return handles
 
-    def _install_norm(self, prefix: str, module: nn.Module | None, handles: list[RemovableHandle], *, with_input: bool = True) -> None:
+    def _install_norm(
+        self,
+        prefix: str,
+        module: nn.Module | None,
+        handles: list[RemovableHandle],
+        *,
+        with_input: bool = True,
+        heads: int | None = None,
+    ) -> None:
         if module is None:
             return
         if with_input and self._active(f"{prefix}.hook_in"):
-            handles.append(module.register_forward_pre_hook(_input_hook(self.points[f"{prefix}.hook_in"]), with_kwargs=True))
+            point = self.points[f"{prefix}.hook_in"]
+            pre = _input_hook(point) if heads is None else _flat_input_hook(point, heads)
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         names = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out"]
         if self._active(*names):
-            hook = _norm_hook(self.adapter.norm, *(self._point(n) for n in names))
+            hook = _norm_hook(self.adapter.norm, *(self._point(n) for n in names), heads=heads)
             handles.append(module.register_forward_hook(hook))
 
     def _install_layer(self, i: int, layer: LayerModules, state: RunState, handles: list[RemovableHandle]) -> None:
@@ -242,6 +334,10 @@ class Wiring:
         if self._active(b + "attn.hook_in"):
             handles.append(layer.attn.register_forward_pre_hook(_input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True))
         self._install_qk(b, layer, handles)
+        self._install_qk_norms(b, layer, handles)
+        if self.adapter.rotary and self._active(b + "attn.hook_cos", b + "attn.hook_sin"):
+            hook = _rotary_hook(self._point(b + "attn.hook_cos"), self._point(b + "attn.hook_sin"))
+            handles.append(layer.attn.register_forward_pre_hook(hook, with_kwargs=True))
         if self._active(b + "attn.hook_result"):
             handles.append(layer.o.register_forward_hook(self._result_hook(layer, self.points[b + "attn.hook_result"])))
         if self._active(b + "attn.hook_out"):
@@ -255,7 +351,11 @@ class Wiring:
             handles.append(layer.layer.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
             self.points = flat_points(points, i, state.shapes)
         resid_mid = b + "ln2.hook_in"
-        if self._active(resid_mid):
+        if self._active(resid_mid) and self.parallel:
+            # A parallel block's MLP norm reads the block input: an edit reaches the MLP only.
+            assert layer.ln2 is not None
+            handles.append(layer.ln2.register_forward_pre_hook(_input_hook(self.points[resid_mid]), with_kwargs=True))
+        elif self._active(resid_mid):
             target = layer.ln2 if layer.ln2 is not None else layer.mlp
             handles.append(target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True))
         self._install_norm(b + "ln2", layer.ln2, handles, with_input=False)
@@ -271,7 +371,7 @@ class Wiring:
             handles.append(mlp_out.register_forward_hook(_output_hook(point, copy=self.adapter.mlp_out_inplace)))
         self._install_norm(b + "ln2_post", layer.ln2_post, handles)
         self.points = points
-        if self._active(b + "hook_out", resid_mid):
+        if self._active(b + "hook_out") or (self._active(resid_mid) and not self.parallel):
             handles.append(layer.layer.register_forward_hook(self._block_out_hook(i, state)))
 
     def _install_qk(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
@@ -294,6 +394,14 @@ class Wiring:
         if k is not None and k.has_hooks and layer.k is not None:
             handles.append(layer.k.register_forward_hook(_heads_hook(k, self.n_kv_heads, self.d_head)))
 
+    def _install_qk_norms(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
+        for name, module, heads in (
+            ("q_norm", layer.q_norm, self.n_heads),
+            ("k_norm", layer.k_norm, self.n_kv_heads),
+        ):
+            flat = None if self.adapter.qk_norm_per_head else heads
+            self._install_norm(f"{b}attn.{name}", module, handles, heads=flat)
+
     def _install_mlp(self, p: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
         pre, lin, post = (self._point(p + n) for n in ("hook_pre", "hook_pre_linear", "hook_post"))
         if layer.gate_up is not None:
@@ -309,27 +417,13 @@ class Wiring:
         if layer.down is not None and post is not None and post.has_hooks:
             handles.append(layer.down.register_forward_pre_hook(_input_hook(post), with_kwargs=True))
 
-    def _embed_hook(self) -> Callable[..., Any]:
-        point = self.points["embed.hook_out"]
-        if not self.adapter.embed_scaled:
-            return _output_hook(point)
-
-        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
-            # The module returns lookup * embed_scale; the canonical value is the lookup.
-            raw = nn.Embedding.forward(module, args[0])  # type: ignore[arg-type]
-            seen = point(raw)
-            scale = cast(torch.Tensor, module.embed_scale)
-            return seen * scale.to(_weight(module).dtype)
-
-        return hook
-
     def _result_hook(self, layer: LayerModules, point: HookPoint) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
             w_o, b_o = head_weights(module, self.adapter.linear, self.n_heads, self.d_head)
             z = torch.unflatten(args[0], -1, (self.n_heads, self.d_head))
             result = torch.einsum("bphe,hed->bphd", z, w_o.to(z.dtype))
             seen = point(result)
-            if seen is result and not point._bwd:
+            if seen is result and not point.has_backward_hooks:
                 return None  # read only: keep the projection's own (matmul) output
             out = seen.sum(dim=2)
             return out if b_o is None else out + b_o

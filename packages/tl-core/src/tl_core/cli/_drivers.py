@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from tl_core._discovery import available_drivers
+from tl_core.driver_api._discovery import available_drivers
 
 __all__ = ["register"]
 

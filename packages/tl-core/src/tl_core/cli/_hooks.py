@@ -20,8 +20,8 @@ def register(sub: Any) -> None:
 
 def run_hooks(args: argparse.Namespace) -> int:
     """Print every hook of a tiny native model and its layout."""
-    from tl_core._bridge import TransformerBridge
-    from tl_core._vocabulary import layout_of
+    from tl_core.bridges._transformer import TransformerBridge
+    from tl_core.hooks._vocabulary import layout_of
 
     bridge = TransformerBridge.boot_native(args.preset)
     _, cache = bridge.run_with_cache("hi")
@@ -32,7 +32,7 @@ def run_hooks(args: argparse.Namespace) -> int:
 
 def run_resolve(args: argparse.Namespace) -> int:
     """Print the resolution of each name."""
-    from tl_core._aliases import resolve_hook_name
+    from tl_core.hooks._resolution import resolve_hook_name
 
     for name in args.names:
         r = resolve_hook_name(name)

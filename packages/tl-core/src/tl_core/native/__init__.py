@@ -6,18 +6,16 @@ model and driver load only when the driver is booted.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from tl_core._discovery import DriverEntry
-from tl_core._driver import FEATURES
+from tl_core._lazy import attach
+from tl_core.driver_api._discovery import DriverEntry
+from tl_core.driver_api._protocol import FEATURES
 
 if TYPE_CHECKING:
-    from tl_core.native._config import NativeConfig
-    from tl_core.native._driver import NativeDriver
-    from tl_core.native._model import NativeTransformer
-
-__all__ = ["ENTRY", "NativeConfig", "NativeDriver", "NativeTransformer"]
+    from tl_core.native._config import NativeConfig as NativeConfig
+    from tl_core.native._driver import NativeDriver as NativeDriver
+    from tl_core.native._model import NativeTransformer as NativeTransformer
 
 ENTRY = DriverEntry(
     name="native",
@@ -28,14 +26,8 @@ ENTRY = DriverEntry(
     description="small random GPT-2- or Llama-style transformer in plain torch",
 )
 
-_LAZY = {
-    "NativeConfig": "tl_core.native._config",
-    "NativeDriver": "tl_core.native._driver",
-    "NativeTransformer": "tl_core.native._model",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'tl_core.native' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__, __dir__, _names = attach(
+    __name__,
+    {"NativeConfig": "_config", "NativeDriver": "_driver", "NativeTransformer": "_model"},
+)
+__all__ = ["ENTRY", *_names]

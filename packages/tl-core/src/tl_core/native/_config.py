@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tl_core._errors import ConfigError
-from tl_core._model_info import ModelInfo
+from tl_core.hooks._model_info import ModelInfo
 
 __all__ = ["MIN_VOCAB", "NativeConfig"]
 

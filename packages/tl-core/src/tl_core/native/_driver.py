@@ -8,13 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from tl_core._absence import absent_hook_reasons
 from tl_core._errors import ConfigError
-from tl_core._hook_point import HookPoint
-from tl_core._local_driver import LocalDriver
-from tl_core._model_info import ModelInfo
-from tl_core._readout import ModelReadout
-from tl_core._tokenizer import ByteTokenizer, Tokenizer
+from tl_core.cache._readout import ModelReadout
+from tl_core.driver_api._local import LocalDriver
+from tl_core.driver_api._tokenizers import ByteTokenizer, Tokenizer
+from tl_core.hooks._hook_point import HookPoint
+from tl_core.hooks._model_info import ModelInfo
 from tl_core.native._config import NativeConfig
 from tl_core.native._model import NativeTransformer
 
@@ -31,7 +30,6 @@ class NativeDriver(LocalDriver):
     def __init__(self, model: NativeTransformer, tokenizer: Tokenizer | None = None) -> None:
         self._model = model
         self._tokenizer = tokenizer or ByteTokenizer()
-        self._absent = absent_hook_reasons(model.info, model.hook_points)
 
     @classmethod
     def boot(
@@ -79,11 +77,6 @@ class NativeDriver(LocalDriver):
     def tokenizer(self) -> Tokenizer:
         """The byte-level tokenizer."""
         return self._tokenizer
-
-    @property
-    def non_fireable_reasons(self) -> Mapping[str, str]:
-        """Canonical hooks this configuration lacks, with the reason."""
-        return self._absent
 
     def readout(self) -> ModelReadout:
         """Final norm and unembedding weights."""

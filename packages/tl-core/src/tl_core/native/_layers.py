@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tl_core._hook_point import HookPoint
+from tl_core.hooks._hook_point import HookPoint
 from tl_core.native._config import NativeConfig
 
 __all__ = [
@@ -129,6 +129,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+def _per_position(point: HookPoint, table: torch.Tensor) -> torch.Tensor:
+    """Fire a ``b p r`` hook on a rotary table kept as ``[b, p, 1, r]`` (head-broadcast)."""
+    if not point.has_hooks:
+        return table
+    return point(table[:, :, 0])[:, :, None]
+
+
 @dataclass(frozen=True)
 class AttentionContext:
     """Per-forward attention inputs shared by every block.
@@ -206,6 +213,8 @@ class Attention(nn.Module):
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
         if self.rotary:
+            self.hook_cos = HookPoint()
+            self.hook_sin = HookPoint()
             self.hook_rot_q = HookPoint()
             self.hook_rot_k = HookPoint()
         self.hook_attn_scores = HookPoint()
@@ -235,8 +244,10 @@ class Attention(nn.Module):
         v = self.hook_v(self._project(x, self.W_V, self.b_V))
         if self.rotary:
             assert ctx.cos is not None and ctx.sin is not None
-            q = self.hook_rot_q(apply_rotary(q, ctx.cos, ctx.sin))
-            k = self.hook_rot_k(apply_rotary(k, ctx.cos, ctx.sin))
+            cos = _per_position(self.hook_cos, ctx.cos)
+            sin = _per_position(self.hook_sin, ctx.sin)
+            q = self.hook_rot_q(apply_rotary(q, cos, sin))
+            k = self.hook_rot_k(apply_rotary(k, cos, sin))
         if self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
             z = self._explicit(q, k, v, ctx)
         else:

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from tl_core._errors import ConfigError, UnsupportedFeatureError, UserError
-from tl_core._hook_point import HookPoint
-from tl_core._model_info import ModelInfo
-from tl_core._readout import ModelReadout
+from tl_core.cache._readout import ModelReadout
+from tl_core.hooks._hook_point import HookPoint
+from tl_core.hooks._model_info import ModelInfo
 from tl_core.native._config import NativeConfig
 from tl_core.native._layers import (
     MLP,
@@ -29,11 +29,12 @@ class Embed(nn.Module):
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        self.hook_in = HookPoint()
         self.hook_out = HookPoint()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Look up the embeddings of ``input_ids`` (``[b, p]``)."""
-        out: torch.Tensor = self.hook_out(self.W_E[input_ids])
+        out: torch.Tensor = self.hook_out(self.W_E[self.hook_in(input_ids)])
         return out
 
 
@@ -43,11 +44,12 @@ class PosEmbed(nn.Module):
     def __init__(self, cfg: NativeConfig) -> None:
         super().__init__()
         self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
+        self.hook_in = HookPoint()
         self.hook_out = HookPoint()
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Look up the embeddings of ``position_ids`` (``[b, p]``)."""
-        out: torch.Tensor = self.hook_out(self.W_pos[position_ids])
+        out: torch.Tensor = self.hook_out(self.W_pos[self.hook_in(position_ids)])
         return out
 
 

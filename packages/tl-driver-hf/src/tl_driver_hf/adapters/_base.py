@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tl_core._model_info import ModelInfo
+from tl_core import ModelInfo
+from tl_core.driver_api import model_info_from_config
 
 __all__ = ["ArchitectureAdapter", "LinearKind", "NormKind"]
 
@@ -28,21 +29,6 @@ NormKind = Literal["layernorm", "rms", "rms_weight_first", "rms_plus_one"]
 #: ``"linear"``: ``nn.Linear`` (weight ``[out, in]``); ``"conv1d"``: GPT-2's ``Conv1D``
 #: (weight ``[in, out]``).
 LinearKind = Literal["linear", "conv1d"]
-
-_N_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
-_D_MODEL = ("hidden_size", "n_embd", "d_model")
-_N_HEADS = ("num_attention_heads", "n_head", "num_heads")
-_N_CTX = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-_D_MLP = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-
-
-def _first(config: Any, names: tuple[str, ...]) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
-
 
 @dataclass(frozen=True)
 class ArchitectureAdapter:
@@ -67,6 +53,11 @@ class ArchitectureAdapter:
         v: Value projection inside ``attn``.
         qkv: Fused ``[q | k | v]`` projection inside ``attn``, or ``None``.
         o: Output projection inside ``attn``.
+        q_norm: Query norm inside ``attn`` (QK-norm families), or ``None``.
+        k_norm: Key norm inside ``attn``, or ``None``.
+        qk_norm_per_head: Whether the QK-norms normalise each head (Qwen3, Gemma 3) rather
+            than all heads of a position together (OLMo 2, whose norms see the flat
+            projection); tl serves both per head.
         mlp: MLP (or mixture-of-experts block) inside a layer.
         mlp_in: Input projection of a non-gated MLP, inside ``mlp``.
         gate: Gate projection of a gated MLP, inside ``mlp``.
@@ -80,7 +71,8 @@ class ArchitectureAdapter:
         parallel: Whether attention and MLP read the same block input.
         moe: Whether the MLP is a mixture of experts (per-neuron hooks are absent).
         embed_scaled: Whether the embedding module multiplies its lookup by its own
-            ``embed_scale`` buffer (Gemma); ``embed.hook_out`` is the value before.
+            ``embed_scale`` buffer (Gemma); ``embed.hook_out`` is the module's (scaled)
+            output, and ``W_E`` is scaled alike.
         softmax_fp32: Whether eager attention takes the softmax in float32.
         attn_softcap: Config field of the attention-logit soft-cap, if any.
         final_softcap: Config field of the final-logit soft-cap, if any.
@@ -102,6 +94,9 @@ class ArchitectureAdapter:
             the hooks there see ``[batch, pos, ...]`` again.
         parallel_field: Config field that decides ``parallel`` per checkpoint, if any.
         config_requires: Config values the adapter assumes, with the reason when one differs.
+        rotary_in_attention: Whether attention receives its rotary table as the
+            ``position_embeddings`` argument (then ``attn.hook_cos``/``hook_sin`` fire
+            there); ``False`` where the module builds it itself (GPT-J).
         inline_attention: The family computes attention inside its module instead of calling
             ``AttentionInterface`` (GPT-Neo, BLOOM, Falcon): the name of the faithful
             re-implementation in ``tl_driver_hf._inline_attention`` that replaces the
@@ -131,6 +126,9 @@ class ArchitectureAdapter:
     v: str | None = "v_proj"
     qkv: str | None = None
     o: str = "o_proj"
+    q_norm: str | None = None
+    k_norm: str | None = None
+    qk_norm_per_head: bool = True
     mlp: str = "mlp"
     mlp_in: str | None = None
     gate: str | None = "gate_proj"
@@ -157,6 +155,7 @@ class ArchitectureAdapter:
     flat_mlp: bool = False
     parallel_field: str | None = None
     config_requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    rotary_in_attention: bool = True
     inline_attention: str | None = None
     sublayers_add_residual: bool = False
     mlp_out_inplace: bool = False
@@ -196,26 +195,11 @@ class ArchitectureAdapter:
             config: A ``PretrainedConfig`` (or anything with its attributes).
 
         Returns:
-            Sizes and structure as tl reports them.
+            Sizes from the config (tl-core's one reader), structure from this adapter.
         """
-        n_layers = int(_first(config, _N_LAYERS))
-        d_model = int(_first(config, _D_MODEL))
-        n_heads = int(_first(config, _N_HEADS))
-        head_dim = getattr(config, "head_dim", None)
-        d_head = int(head_dim) if head_dim else d_model // n_heads
-        n_kv = getattr(config, "num_key_value_heads", None)
-        d_mlp = _first(config, _D_MLP)
-        n_ctx = _first(config, _N_CTX)
         architectures = getattr(config, "architectures", None) or [self.architectures[0]]
-        return ModelInfo(
-            n_layers=n_layers,
-            d_model=d_model,
-            n_heads=n_heads,
-            d_head=d_head,
-            d_mlp=int(d_mlp) if d_mlp else 4 * d_model,
-            d_vocab=int(config.vocab_size),
-            n_ctx=int(n_ctx) if n_ctx else 2048,
-            n_key_value_heads=int(n_kv) if n_kv else None,
+        return model_info_from_config(
+            config,
             normalization_type="LN" if self.norm == "layernorm" else "RMS",
             positional_embedding_type=(
                 "standard" if self.pos_embed else "rotary" if self.rotary else "none"
@@ -223,6 +207,7 @@ class ArchitectureAdapter:
             gated_mlp=self.gated,
             parallel_attn_mlp=self.is_parallel(config),
             sandwich_norm=self.sandwich,
+            qk_norm=self.q_norm is not None,
             architecture=str(architectures[0]),
         )
 
@@ -237,11 +222,21 @@ class ArchitectureAdapter:
                     f"residual stream directly)",
                 )
         if self.ln2 is None:
-            for suffix in ("hook_scale", "hook_normalized", "hook_out"):
+            suffixes = ("hook_scale", "hook_normalized", "hook_out")
+            # A parallel block without a second norm has no input of a norm before the MLP.
+            suffixes = ("hook_in", *suffixes) if self.parallel else suffixes
+            for suffix in suffixes:
                 reasons.setdefault(
                     f"blocks.{{i}}.ln2.{suffix}",
                     f"{self.family} has no norm before the MLP (the MLP reads the residual "
                     f"stream directly)",
+                )
+        if self.rotary and not self.rotary_in_attention:
+            for suffix in ("hook_cos", "hook_sin"):
+                reasons.setdefault(
+                    f"blocks.{{i}}.attn.{suffix}",
+                    f"{self.family} rotates q/k inside attention with a table it builds there; "
+                    f"tl has no hook on that table (hook_rot_q/hook_rot_k hold the result)",
                 )
         if self.moe:
             for suffix in ("hook_pre", "hook_pre_linear", "hook_post"):

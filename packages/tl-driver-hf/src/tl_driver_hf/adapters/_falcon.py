@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tl_core._model_info import ModelInfo
+from tl_core import ModelInfo
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 _SHARED_NORM = (
     "falcon (7B layout) has one norm per block (input_layernorm) feeding both attention "
-    "and the MLP; it is served as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in)"
+    "and the MLP; it is served as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in; an MLP-only edit of the norm's input does not exist)"
 )
 
 
@@ -64,7 +64,7 @@ ADAPTERS = (
         mlp_out_inplace=True,
         absent={
             f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
-            for suffix in ("hook_scale", "hook_normalized", "hook_out")
+            for suffix in ("hook_in", "hook_scale", "hook_normalized", "hook_out")
         },
         config_requires={
             "new_decoder_architecture": (

@@ -39,6 +39,8 @@ ADAPTERS = (
         embed_scaled=True,
         attn_softcap="attn_logit_softcapping",
         final_softcap="final_logit_softcapping",
+        q_norm="q_norm",
+        k_norm="k_norm",
         hub_patterns=(r"^google/gemma-3-(270m|1b)",),
         known_models=("google/gemma-3-270m", "google/gemma-3-1b-pt", "google/gemma-3-1b-it"),
     ),

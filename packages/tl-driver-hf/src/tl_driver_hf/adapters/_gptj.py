@@ -13,7 +13,7 @@ from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 _SHARED_NORM = (
     "gptj has one norm per block (ln_1) feeding both attention and the MLP; it is served "
-    "as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in)"
+    "as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in; an MLP-only edit of the norm's input does not exist)"
 )
 
 ADAPTERS = (
@@ -37,9 +37,11 @@ ADAPTERS = (
         # Eager GPT-J computes scores in float32 and the softmax in the scores' dtype.
         softmax_fp32=True,
         parallel=True,
+        # GPT-J rotates inside attention with its own sin/cos table.
+        rotary_in_attention=False,
         absent={
             f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
-            for suffix in ("hook_scale", "hook_normalized", "hook_out")
+            for suffix in ("hook_in", "hook_scale", "hook_normalized", "hook_out")
         },
         hub_patterns=(r"^EleutherAI/gpt-j-",),
         known_models=("EleutherAI/gpt-j-6b",),

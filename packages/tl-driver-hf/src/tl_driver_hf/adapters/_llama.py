@@ -37,6 +37,8 @@ ADAPTERS = (
         model_types=("qwen3",),
         architectures=("Qwen3ForCausalLM",),
         # q_norm/k_norm sit between hook_q/hook_k (projection outputs) and hook_rot_q/k.
+        q_norm="q_norm",
+        k_norm="k_norm",
         hub_patterns=(r"^Qwen/Qwen3-",),
         known_models=("Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "Qwen/Qwen3-8B"),
     ),

@@ -14,6 +14,10 @@ ADAPTERS = (
         ln1_post="post_attention_layernorm",
         ln2_post="post_feedforward_layernorm",
         norm="rms_weight_first",
+        # OLMo 2 normalises the flat projections (all heads of a position together).
+        q_norm="q_norm",
+        k_norm="k_norm",
+        qk_norm_per_head=False,
         hub_patterns=(r"^allenai/OLMo-2-",),
         known_models=("allenai/OLMo-2-0425-1B", "allenai/OLMo-2-1124-7B"),
     ),

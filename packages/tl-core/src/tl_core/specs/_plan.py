@@ -1,28 +1,28 @@
 """``build_plan``: validate a whole ``intervene=`` argument against a driver and a batch.
 
 The result, an ``InterventionPlan``, holds per-prompt specs with positions resolved, ready
-for a driver to compile (``tl_core._affine``) and apply.
+for a driver to compile (``tl_core.specs._affine``) and apply.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
-from tl_core._specs import (
+from tl_core.specs._specs import (
     SPEC_OPS,
     InterventionSpec,
     _describe,
     _error,
     _parse,
-    _suggest,
 )
 
-__all__ = ["InterventionPlan", "build_plan"]
+if TYPE_CHECKING:
+    from tl_core.hooks._namespace import HookNamespace
 
-_ShapeFn = Callable[[str], "tuple[int, ...] | None"]
+__all__ = ["InterventionPlan", "build_plan"]
 
 @dataclass(frozen=True)
 class InterventionPlan:
@@ -69,9 +69,7 @@ def build_plan(
     intervene: object,
     *,
     lengths: Sequence[int],
-    resolve_name: Callable[[str], str],
-    fireable: Callable[[str], bool] | Collection[str],
-    feature_shape: Callable[[str], tuple[int, ...] | None],
+    namespace: HookNamespace,
     allow_callables: bool,
 ) -> InterventionPlan:
     """Validate a whole ``intervene=`` argument against a driver and a batch.
@@ -81,14 +79,10 @@ def build_plan(
             every prompt; or a sequence with one such mapping (or ``None``) per prompt.
             Two spellings of one hook (alias and canonical) merge in the order given.
         lengths: The real (unpadded) length of each prompt; the batch size is its length.
-        resolve_name: Maps a user's hook name (aliases included) to its canonical name;
-            raises ``HookNameError`` for unknown names.
-        fireable: Whether the driver can apply an edit at a canonical hook: a predicate
-            or a collection of names. A collection (or a bound ``__contains__`` of one)
-            also lets errors suggest the nearest hook the driver can edit.
-        feature_shape: The trailing feature shape of a canonical hook, e.g. ``(d_model,)``
-            or ``(n_heads, d_head)``; ``None`` when the width is the prompt's length
-            (attention scores and patterns, whose feature axis is the key position).
+        namespace: The model's hook namespace: it resolves names (aliases per model),
+            says which hooks specs may edit (callables need only a served hook), and
+            gives each hook's feature shape (``None`` for attention scores and patterns,
+            whose width is the prompt's length).
         allow_callables: Whether the driver accepts Python hook functions.
 
     Returns:
@@ -98,19 +92,16 @@ def build_plan(
         SpecError: On any malformed spec, a spec on a hook the driver cannot edit, a wrong
             width or position, a callable the driver cannot run, or a per-prompt list whose
             length is not the batch size.
-        HookNameError: From ``resolve_name``, for unknown hook names.
+        HookNameError: Unknown hook names, or hooks the driver does not serve.
     """
     lengths = tuple(lengths)
     batch = len(lengths)
-    can_fire, known = _fireable_parts(fireable)
     if intervene is None:
         return InterventionPlan(tuple({} for _ in range(batch)), {}, lengths)
     if isinstance(intervene, Mapping):
-        shared, callables = _read_mapping(
-            intervene, None, resolve_name, can_fire, known, allow_callables
-        )
+        shared, callables = _read_mapping(intervene, None, namespace, allow_callables)
         per_prompt = tuple(
-            _resolve_for_prompt(shared, index, length, feature_shape)
+            _resolve_for_prompt(shared, index, length, namespace)
             for index, length in enumerate(lengths)
         )
         return InterventionPlan(per_prompt, callables, lengths)
@@ -135,7 +126,7 @@ def build_plan(
                 f"intervene[{index}]: expected a mapping of hook name to specs or None for "
                 f"prompt {index}, found {_describe(entry)}"
             )
-        specs, fns = _read_mapping(entry, index, resolve_name, can_fire, known, allow_callables)
+        specs, fns = _read_mapping(entry, index, namespace, allow_callables)
         if fns:
             name = next(iter(fns))
             raise _error(
@@ -143,33 +134,17 @@ def build_plan(
                 "to the whole batch; pass them in a single mapping for all prompts, not in "
                 "the per-prompt list"
             )
-        plans.append(_resolve_for_prompt(specs, index, length, feature_shape))
+        plans.append(_resolve_for_prompt(specs, index, length, namespace))
     return InterventionPlan(tuple(plans), {}, lengths)
 
 
 # --------------------------------------------------------------------------- parsing
 
 
-def _fireable_parts(
-    fireable: Callable[[str], bool] | Collection[str],
-) -> tuple[Callable[[str], bool], Collection[str] | None]:
-    # Collections first: a ModuleDict of hook points is both a collection and callable.
-    if isinstance(fireable, Collection) and not isinstance(fireable, str):
-        names = fireable
-        return (lambda name: name in names), names
-    predicate = cast("Callable[[str], bool]", fireable)
-    owner = getattr(predicate, "__self__", None)
-    if isinstance(owner, Collection) and not isinstance(owner, str):
-        return predicate, owner
-    return predicate, None
-
-
 def _read_mapping(
     mapping: Mapping[Any, Any],
     prompt: int | None,
-    resolve_name: Callable[[str], str],
-    can_fire: Callable[[str], bool],
-    known: Collection[str] | None,
+    namespace: HookNamespace,
     allow_callables: bool,
 ) -> tuple[
     dict[str, list[tuple[str, InterventionSpec]]], dict[str, tuple[Callable[..., Any], ...]]
@@ -184,9 +159,7 @@ def _read_mapping(
         items = list(entry) if _is_list(entry) else [entry]
         if not items:
             continue
-        canonical = resolve_name(name)
-        if not can_fire(canonical):
-            raise _error(_unfireable_message(where, name, canonical, known))
+        canonical = namespace.lookup(name)
         callables = [item for item in items if _is_callable(item)]
         if callables and not allow_callables:
             raise _error(
@@ -203,6 +176,7 @@ def _read_mapping(
         if callables:
             fns.setdefault(canonical, []).extend(callables)
         else:
+            namespace.lookup(name, edit=True)
             specs.setdefault(canonical, []).extend((name, _parse(i, where)) for i in items)
     return specs, {name: tuple(f) for name, f in fns.items()}
 
@@ -219,28 +193,15 @@ def _is_callable(entry: object) -> bool:
     return callable(entry) and not isinstance(entry, InterventionSpec | Mapping | type)
 
 
-def _unfireable_message(
-    where: str, name: str, canonical: str, known: Collection[str] | None
-) -> str:
-    alias = "" if canonical == name else f" (canonical {canonical!r})"
-    message = f"{where}{alias}: the driver cannot intervene on this hook"
-    if known is None:
-        return message + "; see the driver's supported_hook_points for the hooks it can edit"
-    choices = sorted(known)
-    suggestion = _suggest(canonical, choices)
-    shown = ", ".join(choices[:12]) + (f" (+{len(choices) - 12} more)" if len(choices) > 12 else "")
-    return f"{message}; {suggestion}Hooks it can intervene on: {shown or 'none'}"
-
-
 def _resolve_for_prompt(
     specs: Mapping[str, list[tuple[str, InterventionSpec]]],
     index: int,
     length: int,
-    feature_shape: _ShapeFn,
+    namespace: HookNamespace,
 ) -> dict[str, tuple[InterventionSpec, ...]]:
     out: dict[str, tuple[InterventionSpec, ...]] = {}
     for canonical, entries in specs.items():
-        shape = feature_shape(canonical)
+        shape = namespace.feature_shape(canonical)
         width = length if shape is None else math.prod(shape)
         resolved = []
         for name, spec in entries:

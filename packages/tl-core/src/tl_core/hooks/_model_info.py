@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = ["ModelInfo"]
@@ -27,7 +27,14 @@ class ModelInfo:
         parallel_attn_mlp: Whether attention and MLP read the same block input (GPT-J,
             NeoX): then ``ln2.hook_in`` / ``hook_resid_mid`` does not exist.
         sandwich_norm: Whether each sublayer is followed by its own norm (Gemma 2/3, OLMo 2).
+        qk_norm: Whether queries and keys are normalised before the rotary embedding
+            (Qwen3, Gemma 3, OLMo 2): then ``attn.q_norm.*`` and ``attn.k_norm.*`` exist.
+        rotary_dim: Width of the rotated part of each head (``None``: the whole head);
+            smaller where only part of a head is rotated (GPT-NeoX's ``rotary_pct``).
         architecture: A free-form family name (``"native-llama"``, ``"LlamaForCausalLM"``).
+        device: Where the bridge takes token ids and returns tensors (``"cpu"`` for engines
+            in another process). It describes a placement, not the model's structure, so it
+            takes no part in equality or hashing.
     """
 
     n_layers: int
@@ -43,9 +50,17 @@ class ModelInfo:
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
     sandwich_norm: bool = False
+    qk_norm: bool = False
+    rotary_dim: int | None = None
     architecture: str = ""
+    device: str = field(default="cpu", compare=False)
 
     @property
     def kv_heads(self) -> int:
         """Key/value heads, resolving the ``None`` default to ``n_heads``."""
         return self.n_key_value_heads or self.n_heads
+
+    @property
+    def rotary_width(self) -> int:
+        """Width of the rotary table per position (``rotary_dim``, else ``d_head``)."""
+        return self.rotary_dim or self.d_head

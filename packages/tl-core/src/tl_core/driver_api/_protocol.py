@@ -11,10 +11,15 @@ from tl_core._errors import DriverContractError
 if TYPE_CHECKING:
     import torch
 
+    from tl_core.driver_api._tokenizers import Tokenizer
+    from tl_core.hooks._model_info import ModelInfo
+    from tl_core.hooks._namespace import HookNamespace
+
 __all__ = [
     "FEATURES",
     "Driver",
     "ForwardResult",
+    "NamespaceFacts",
     "validate_driver",
 ]
 
@@ -62,12 +67,23 @@ class Driver(Protocol):
     """An execution engine seen through tl's hook vocabulary.
 
     Implementations live in driver distributions (and ``tl_core.native``) and are found
-    through the ``tl_core.drivers`` entry-point group.
+    through the ``tl_core.drivers`` entry-point group. ``packages/_template`` is a working
+    driver to start from; ``tl_core.driver_api.check_driver`` runs the contract checks on
+    a booted driver.
     """
 
-    #: Canonical hook names this driver can fire (capture, and intervene where allowed).
+    #: The name users type to get this driver (its entry-point name).
+    name: str
+    #: The model's hook names as this driver serves them: every name a user passes is
+    #: resolved here, for capture, specs and cache lookup alike.
+    namespace: HookNamespace
+    #: The model's sizes and structure (``namespace.info``).
+    info: ModelInfo
+    #: The tokenizer for text input (see ``tl_core.driver_api.HFTokenizer``).
+    tokenizer: Tokenizer
+    #: Canonical hook names this driver can fire (``namespace.served``).
     supported_hook_points: frozenset[str]
-    #: Canonical hook names the engine structurally cannot serve (fused kernels, ...).
+    #: Canonical hook names it cannot serve (``namespace.non_fireable``).
     non_fireable_hook_points: frozenset[str]
     #: Whether ``forward`` can return logits at every position (needed for ``loss``).
     provides_sequence_logits: bool
@@ -84,6 +100,10 @@ class Driver(Protocol):
     ) -> ForwardResult:
         """Run prompts, capturing ``capture`` hooks and applying ``intervene`` specs.
 
+        Names in ``capture`` and ``intervene`` resolve through ``namespace``; validate the
+        specs with ``tl_core.driver_api.build_plan(..., namespace=self.namespace)`` before
+        any engine work.
+
         Args:
             input_ids: ``[batch, pos]`` ids or a list of (ragged) id lists.
             capture: Hook names (canonical or aliases) to return in ``captured``.
@@ -92,7 +112,9 @@ class Driver(Protocol):
                 ``intervention_callbacks`` also accept Python callables as values.
             max_new_tokens: Tokens to generate after the prompt (0 = prefill only).
             return_logits: Whether to return sequence logits.
-            **kwargs: Driver-specific options; unknown ones must raise.
+            **kwargs: Sampling options (``do_sample``, ``temperature``, ``top_k``,
+                ``top_p``, ``seed``, ``stop_at_eos``) and driver-specific options;
+                unknown ones must raise.
 
         Returns:
             A ``ForwardResult``.
@@ -108,8 +130,34 @@ class Driver(Protocol):
         ...
 
 
+class NamespaceFacts:
+    """The Driver protocol's derived attributes, read from the driver's ``namespace``.
+
+    Mix it into a driver class that has a ``namespace``; the hook sets then never
+    disagree with the names the driver resolves.
+    """
+
+    namespace: HookNamespace
+
+    @property
+    def supported_hook_points(self) -> frozenset[str]:
+        """Every canonical hook the driver fires."""
+        return self.namespace.served
+
+    @property
+    def non_fireable_hook_points(self) -> frozenset[str]:
+        """Canonical hooks the driver cannot serve."""
+        return self.namespace.non_fireable
+
+    @property
+    def non_fireable_reasons(self) -> Mapping[str, str]:
+        """Why the driver cannot fire each hook it does not serve."""
+        return self.namespace.non_fireable_reasons
+
+
 _REQUIRED_METHODS = ("forward", "close", "supports")
 _REQUIRED_SETS = ("supported_hook_points", "non_fireable_hook_points")
+_TOKENIZER_MEMBERS = ("encode", "decode", "token_to_str", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def validate_driver(driver: object, *, name: str | None = None) -> None:
@@ -122,51 +170,47 @@ def validate_driver(driver: object, *, name: str | None = None) -> None:
     Raises:
         DriverContractError: Naming the first missing or malformed attribute.
     """
+    from tl_core.hooks._model_info import ModelInfo
+    from tl_core.hooks._namespace import HookNamespace
+
     label = f"driver {name!r} ({type(driver).__qualname__})" if name else type(driver).__qualname__
+
+    def broken(what: str) -> DriverContractError:
+        return DriverContractError(f"{label} does not keep the Driver contract: {what}")
+
     for attr in _REQUIRED_METHODS:
         if not callable(getattr(driver, attr, None)):
-            raise DriverContractError(
-                f"{label} does not keep the Driver contract: method {attr!r} is missing "
-                f"or not callable. Implement forward(), close() and supports()."
+            raise broken(
+                f"method {attr!r} is missing or not callable. Implement forward(), close() "
+                f"and supports()."
             )
-    for attr in _REQUIRED_SETS:
+    namespace = getattr(driver, "namespace", None)
+    if not isinstance(namespace, HookNamespace):
+        raise broken(
+            f"attribute 'namespace' must be a tl_core.driver_api.HookNamespace, found "
+            f"{type(namespace).__name__}; build one with HookNamespace.build(info, served=...)."
+        )
+    info = getattr(driver, "info", None)
+    if not isinstance(info, ModelInfo) or info != namespace.info:
+        raise broken("attribute 'info' must be the ModelInfo of its namespace (namespace.info).")
+    tokenizer = getattr(driver, "tokenizer", None)
+    missing = [m for m in _TOKENIZER_MEMBERS if not hasattr(tokenizer, m)]
+    if missing:
+        raise broken(
+            f"attribute 'tokenizer' lacks {missing} of the Tokenizer protocol; wrap a "
+            f"transformers tokenizer in tl_core.driver_api.HFTokenizer."
+        )
+    for attr, expected in zip(
+        _REQUIRED_SETS, (namespace.served, namespace.non_fireable), strict=True
+    ):
         value = getattr(driver, attr, None)
-        if not isinstance(value, frozenset) or not all(isinstance(v, str) for v in value):
-            raise DriverContractError(
-                f"{label} does not keep the Driver contract: attribute {attr!r} must be a "
-                f"frozenset of canonical hook names, found {type(value).__name__}."
+        if value != expected:
+            raise broken(
+                f"attribute {attr!r} must equal its namespace's set (found "
+                f"{type(value).__name__}); mix in tl_core.driver_api.NamespaceFacts."
             )
-    overlap = driver.supported_hook_points & driver.non_fireable_hook_points  # type: ignore[attr-defined]
-    if overlap:
-        raise DriverContractError(
-            f"{label} declares hooks both supported and non-fireable: {sorted(overlap)[:5]}."
-        )
     if not isinstance(getattr(driver, "provides_sequence_logits", None), bool):
-        raise DriverContractError(
-            f"{label} does not keep the Driver contract: attribute 'provides_sequence_logits' "
-            f"must be a bool."
-        )
-    unknown = [f for f in FEATURES if not isinstance(driver.supports(f), bool)]  # type: ignore[attr-defined]
+        raise broken("attribute 'provides_sequence_logits' must be a bool.")
+    unknown = [f for f in sorted(FEATURES) if not isinstance(driver.supports(f), bool)]  # type: ignore[attr-defined]
     if unknown:
-        raise DriverContractError(
-            f"{label}.supports({unknown[0]!r}) must return a bool."
-        )
-    _check_hook_names(label, driver.supported_hook_points)  # type: ignore[attr-defined]
-
-
-def _check_hook_names(label: str, names: frozenset[str]) -> None:
-    from tl_core._aliases import resolve_hook_name
-    from tl_core._errors import HookNameError
-
-    for hook in sorted(names):
-        try:
-            resolution = resolve_hook_name(hook)
-        except HookNameError as exc:
-            raise DriverContractError(
-                f"{label} lists {hook!r} in supported_hook_points, which is not a hook name: {exc}"
-            ) from None
-        if resolution.status != "canonical":
-            raise DriverContractError(
-                f"{label} lists {hook!r} in supported_hook_points, which is not a canonical "
-                f"hook name (it resolves to {resolution.canonical!r}). List canonical names."
-            )
+        raise DriverContractError(f"{label}.supports({unknown[0]!r}) must return a bool.")

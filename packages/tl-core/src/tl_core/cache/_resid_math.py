@@ -1,6 +1,6 @@
 """Tensor helpers of the residual-stream analysis: position slicing, normalisation, readout.
 
-Conventions are those of ``tl_core._resid_analysis``.
+Conventions are those of ``tl_core.cache._resid_analysis``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Literal, TypeAlias
 import torch
 
 from tl_core._errors import UserError
-from tl_core._readout import ModelReadout
+from tl_core.cache._readout import ModelReadout
 
 __all__ = [
     "DEFAULT_EPS",

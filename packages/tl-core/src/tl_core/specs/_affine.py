@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from tl_core._errors import SpecError, TLError
-from tl_core._plan import InterventionPlan
-from tl_core._specs import InterventionSpec
+from tl_core.specs._plan import InterventionPlan
+from tl_core.specs._specs import InterventionSpec
 
 __all__ = ["AffineEdit", "compile_plan", "compile_specs"]
 

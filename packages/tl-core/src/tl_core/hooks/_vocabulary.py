@@ -1,22 +1,29 @@
 """The canonical hook vocabulary: one row per named site of a decoder-only LM's forward pass.
 
-Every name a user can type resolves (see ``tl_core._aliases``) to one of the concrete names
+Every name a user can type resolves (see ``tl_core.hooks._resolution``) to one of the concrete names
 built from ``CANONICAL_TEMPLATES``. A template carries the tensor layout, what the site
 holds, its HookedTransformer name and the structural condition under which a model has it.
 
 Structural decisions (the ``requires`` column):
 
-* ``blocks.{i}.ln2.hook_in`` is the residual stream between attention and MLP
-  (``hook_resid_mid``). It needs only a *sequential* block, not a norm: a norm-less
-  sequential model still has that residual, and this is its only canonical name. A parallel
-  block (GPT-J, NeoX) has no such residual, so the name is absent there.
+* ``blocks.{i}.ln2.hook_in`` is the input of the pre-MLP norm. On sequential blocks that is
+  the residual stream between attention and MLP (``hook_resid_mid``), which a norm-less
+  sequential model also has, so the site needs only a sequential block or a norm. On
+  parallel blocks (GPT-NeoX) it is the block input as the MLP's own norm reads it: an edit
+  there reaches the MLP only. ``hook_resid_mid`` does not exist on parallel blocks.
 * The rest of ``ln2`` (``hook_scale``, ``hook_normalized``, ``hook_out``) is the MLP's input
   norm and needs only a norm: parallel blocks with two norms (NeoX) keep it. Where one
   norm feeds both sublayers (GPT-J, Falcon-7B) it fires as ``ln1`` only and drivers declare
-  these ``ln2`` sites non-fireable: an edit there would also change what attention reads,
+  every ``ln2`` site non-fireable: an edit there would also change what attention reads,
   which the name does not promise. ``ln1``'s four sites, every
   ``ln_final`` site and ``ln1.hook_in`` need a norm; ``ln1.hook_in`` always equals
   ``blocks.{i}.hook_in`` and is kept for symmetry with the other norms.
+* ``attn.q_norm.*`` and ``attn.k_norm.*`` are the QK-norm of Qwen3, Gemma 3 and OLMo 2,
+  always served per head (``b p h dh``; the scale ``b p h 1``). OLMo 2 normalises all heads
+  of a position together, so its scale is the same for every head of a position.
+* ``embed.hook_in`` and ``pos_embed.hook_in`` are the token and position ids (integers), and
+  ``attn.hook_cos``/``attn.hook_sin`` the rotary table a block rotates q/k with: inputs of a
+  computation rather than activations, served because TransformerLens 4.x serves them.
 * ``attn.hook_result`` is opt-in (it costs ``n_heads`` copies of the residual width), so
   ``canonical_hook_names`` lists it only when asked.
 """
@@ -29,30 +36,48 @@ from functools import lru_cache
 from typing import Literal
 
 from tl_core._errors import ConfigError, HookNameError
-from tl_core._model_info import ModelInfo
+from tl_core.hooks._model_info import ModelInfo
 
 __all__ = [
     "CANONICAL_TEMPLATES",
     "LAYOUTS",
+    "MISSING_BECAUSE",
     "HookRequirement",
     "HookTemplate",
-    "block_index",
     "canonical_hook_names",
     "is_canonical",
-    "layout_of",
     "requirement_met",
-    "template_of",
+    "split_canonical",
 ]
 
 HookRequirement = Literal[
-    "standard_pos", "rotary", "gated_mlp", "sequential", "sandwich_norm", "attn_result", "norm"
+    "standard_pos",
+    "rotary",
+    "gated_mlp",
+    "mlp_norm_input",
+    "sandwich_norm",
+    "qk_norm",
+    "attn_result",
+    "norm",
 ]
 
 #: Every layout a canonical hook can have. ``b`` batch, ``p`` position, ``d`` d_model,
 #: ``h`` heads (key/value heads for ``hook_k``/``hook_v``/``hook_rot_k``), ``dh`` d_head,
-#: ``q``/``k`` query/key positions, ``dm`` d_mlp, ``vocab`` d_vocab, ``1`` a kept axis.
+#: ``q``/``k`` query/key positions, ``dm`` d_mlp, ``vocab`` d_vocab, ``r`` the rotary
+#: width (``rotary_dim``), ``1`` a kept axis; ``b p`` alone holds integer ids.
 LAYOUTS: frozenset[str] = frozenset(
-    {"b p d", "b p 1", "b p h dh", "b h q k", "b p dm", "b p vocab", "b p h d"}
+    {
+        "b p",
+        "b p d",
+        "b p 1",
+        "b p h dh",
+        "b p h 1",
+        "b p r",
+        "b h q k",
+        "b p dm",
+        "b p vocab",
+        "b p h d",
+    }
 )
 
 _BLOCK_PREFIX = "blocks.{i}."
@@ -71,8 +96,9 @@ class HookTemplate:
             agree), or ``None`` where HookedTransformer has no hook holding it.
         requires: The structural condition under which a model has the site, or ``None``
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
-            embedding), ``"rotary"``, ``"gated_mlp"``, ``"sequential"`` (attention and MLP
-            not parallel), ``"sandwich_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
+            embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
+            MLP in sequence, or a norm before the MLP),
+            ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
     """
 
     template: str
@@ -114,28 +140,34 @@ class HookTemplate:
 
 
 def _norm_family(
-    prefix: str, what: str, requires: HookRequirement, in_note: str
+    prefix: str,
+    what: str,
+    requires: HookRequirement,
+    in_note: str,
+    *,
+    layout: str = "b p d",
+    scale_layout: str = "b p 1",
 ) -> tuple[HookTemplate, ...]:
     """The four sites of one norm: input, scale, normalized (pre-weight), output."""
     return (
-        HookTemplate(f"{prefix}.hook_in", "b p d", f"Input of {what} ({in_note}).", None, requires),
+        HookTemplate(f"{prefix}.hook_in", layout, f"Input of {what} ({in_note}).", None, requires),
         HookTemplate(
             f"{prefix}.hook_scale",
-            "b p 1",
+            scale_layout,
             f"Divisor of {what}: sqrt(var + eps) for LayerNorm, sqrt(mean(x^2) + eps) for RMSNorm.",
             f"{prefix}.hook_scale",
             requires,
         ),
         HookTemplate(
             f"{prefix}.hook_normalized",
-            "b p d",
+            layout,
             f"Normalized value of {what}, after centring/scaling and before its weight and bias.",
             f"{prefix}.hook_normalized",
             requires,
         ),
         HookTemplate(
             f"{prefix}.hook_out",
-            "b p d",
+            layout,
             f"Output of {what}, weight and bias applied.",
             None,
             requires,
@@ -150,8 +182,24 @@ _LN1_POST = _norm_family(
     "sandwich_norm",
     "= attn.hook_out",
 )
-# ln2.hook_in is resid_mid and has its own row (it needs a sequential block, not a norm).
+# ln2.hook_in has its own row: it is resid_mid on sequential blocks, which need no norm.
 _LN2_REST = _norm_family("blocks.{i}.ln2", "the pre-MLP norm", "norm", "")[1:]
+_Q_NORM = _norm_family(
+    "blocks.{i}.attn.q_norm",
+    "the query norm (QK-norm models)",
+    "qk_norm",
+    "= attn.hook_q",
+    layout="b p h dh",
+    scale_layout="b p h 1",
+)
+_K_NORM = _norm_family(
+    "blocks.{i}.attn.k_norm",
+    "the key norm (QK-norm models; h = n_key_value_heads)",
+    "qk_norm",
+    "= attn.hook_k",
+    layout="b p h dh",
+    scale_layout="b p h 1",
+)
 _LN2_POST = _norm_family(
     "blocks.{i}.ln2_post",
     "the post-MLP norm (sandwich-norm models)",
@@ -164,11 +212,25 @@ _LN_FINAL = _norm_family("ln_final", "the final norm", "norm", "= the last block
 #: global hooks after the blocks.
 CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
     HookTemplate(
+        "embed.hook_in",
+        "b p",
+        "Token ids entering the embedding (integers; read-only).",
+        "hook_tokens",
+    ),
+    HookTemplate(
         "embed.hook_out",
         "b p d",
-        "Token embedding module output, before positional embeddings and before any scaling "
-        "the model applies (Gemma's sqrt(d_model)).",
+        "Token embedding as it enters the residual stream, before positional embeddings; "
+        "includes the scale the model applies to it (Gemma's sqrt(d_model)), so it equals "
+        "W_E[tokens] with W_E scaled alike.",
         "hook_embed",
+    ),
+    HookTemplate(
+        "pos_embed.hook_in",
+        "b p",
+        "Position ids entering the learned positional embedding (integers; read-only).",
+        None,
+        "standard_pos",
     ),
     HookTemplate(
         "pos_embed.hook_out",
@@ -206,6 +268,22 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "b p h dh",
         "Values per key/value head (h = n_key_value_heads).",
         "blocks.{i}.attn.hook_v",
+    ),
+    *_Q_NORM,
+    *_K_NORM,
+    HookTemplate(
+        "blocks.{i}.attn.hook_cos",
+        "b p r",
+        "Cosines of the rotary table this block rotates queries and keys with, per position.",
+        None,
+        "rotary",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_sin",
+        "b p r",
+        "Sines of the rotary table this block rotates queries and keys with, per position.",
+        None,
+        "rotary",
     ),
     HookTemplate(
         "blocks.{i}.attn.hook_rot_q",
@@ -256,10 +334,10 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
     HookTemplate(
         "blocks.{i}.ln2.hook_in",
         "b p d",
-        "Residual stream between attention and MLP (input of the pre-MLP norm); sequential "
-        "blocks only.",
+        "Input of the pre-MLP norm: the residual stream between attention and MLP on "
+        "sequential blocks; on parallel blocks the block input as the MLP's norm reads it.",
         "blocks.{i}.hook_resid_mid",
-        "sequential",
+        "mlp_norm_input",
     ),
     *_LN2_REST,
     HookTemplate(
@@ -320,8 +398,12 @@ _GLOBAL_NAMES: dict[str, HookTemplate] = {
 _BLOCK_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
 
 
-def _split_canonical(name: str) -> tuple[HookTemplate, int | None] | None:
-    """``(template, layer)`` for a concrete canonical name, ``None`` for anything else."""
+def split_canonical(name: str) -> tuple[HookTemplate, int | None] | None:
+    """``(template, layer)`` of a concrete canonical name; ``None`` for anything else.
+
+    Args:
+        name: A canonical name (``"blocks.3.attn.hook_q"`` -> (its row, 3)).
+    """
     template = _GLOBAL_NAMES.get(name)
     if template is not None:
         return template, None
@@ -339,76 +421,22 @@ def is_canonical(name: object) -> bool:
 
     Anything else, aliases and non-strings included, is ``False``.
     """
-    return isinstance(name, str) and _split_canonical(name) is not None
+    return isinstance(name, str) and split_canonical(name) is not None
 
 
-def template_of(name: str) -> HookTemplate:
-    """The vocabulary row of a canonical or alias name.
-
-    Args:
-        name: A concrete hook name in any family (``"blocks.3.hook_resid_pre"``).
-
-    Returns:
-        The template of the canonical name it resolves to.
-
-    Raises:
-        HookNameError: Unknown name, or one with no canonical site (derived,
-            reconstructed or structurally absent; the message says which and why).
-    """
-    split = _split_canonical(name) if isinstance(name, str) else None
-    if split is not None:
-        return split[0]
-    split = _split_canonical(_resolve_canonical(name))
-    assert split is not None  # canonical_name only returns canonical names
-    return split[0]
-
-
-def layout_of(name: str) -> str:
-    """The tensor layout of a canonical or alias name.
-
-    Args:
-        name: A concrete hook name in any family.
-
-    Returns:
-        One of ``LAYOUTS``, e.g. ``"b p h dh"``.
-
-    Raises:
-        HookNameError: As ``template_of``.
-    """
-    return template_of(name).layout
-
-
-def block_index(name: str) -> int | None:
-    """The block index a hook name points into.
-
-    Args:
-        name: A concrete hook name in any family.
-
-    Returns:
-        ``"blocks.3.attn.hook_q"`` -> 3, ``"resid_post.5"`` -> 5; ``None`` for global hooks
-        (``"hook_embed"``).
-
-    Raises:
-        HookNameError: A name no vocabulary family knows.
-    """
-    split = _split_canonical(name) if isinstance(name, str) else None
-    if split is not None:
-        return split[1]
-    from tl_core._aliases import resolve_hook_name  # _aliases imports this module
-
-    resolution = resolve_hook_name(name)
-    if resolution.canonical is not None:
-        split = _split_canonical(resolution.canonical)
-        if split is not None:
-            return split[1]
-    digits = re.search(r"(?:^blocks\.|\[|\.)([0-9]+)(?:\.|\]|$)", name)
-    return int(digits.group(1)) if digits else None
-
-
-def _resolve_canonical(name: str) -> str:
-    from tl_core._aliases import canonical_name  # _aliases imports this module
-
-    return canonical_name(name)
+#: Why a model lacks the sites of each requirement: "this model has no X: <reason>".
+MISSING_BECAUSE: dict[HookRequirement, str] = {
+    "standard_pos": "its positions are not learned embeddings (they enter through rotary "
+    "q/k or not at all)",
+    "rotary": "it has no rotary embedding, so q/k are never rotated",
+    "gated_mlp": "its MLP is not gated, so there is no separate linear branch",
+    "mlp_norm_input": "its blocks run attention and MLP in parallel without norms, so "
+    "nothing lies between the block input and the MLP",
+    "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
+    "qk_norm": "it does not normalise queries and keys before attention",
+    "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
+    "norm": "it has no normalisation layers",
+}
 
 
 def requirement_met(
@@ -432,10 +460,12 @@ def requirement_met(
         return info.positional_embedding_type == "rotary"
     if requires == "gated_mlp":
         return info.gated_mlp
-    if requires == "sequential":
-        return not info.parallel_attn_mlp
+    if requires == "mlp_norm_input":
+        return not info.parallel_attn_mlp or info.normalization_type is not None
     if requires == "sandwich_norm":
         return info.sandwich_norm
+    if requires == "qk_norm":
+        return info.qk_norm
     if requires == "attn_result":
         return include_attn_result
     return info.normalization_type is not None

@@ -24,9 +24,8 @@ from typing import Literal, overload
 import torch
 
 from tl_core._errors import UserError
-from tl_core._model_info import ModelInfo
-from tl_core._readout import ModelReadout
-from tl_core._resid_math import (
+from tl_core.cache._readout import ModelReadout
+from tl_core.cache._resid_math import (
     DEFAULT_EPS,
     NormType,
     Plan,
@@ -41,6 +40,7 @@ from tl_core._resid_math import (
     recompute_scale,
     slice_positions,
 )
+from tl_core.hooks._model_info import ModelInfo
 
 __all__ = ["PosSlice", "ResidualAnalysisMixin"]
 

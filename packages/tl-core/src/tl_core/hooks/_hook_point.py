@@ -56,6 +56,20 @@ class HookPoint(nn.Module):
         """Whether any forward or backward hook is attached."""
         return bool(self._fwd or self._bwd)
 
+    @property
+    def has_forward_hooks(self) -> bool:
+        """Whether a forward hook is attached (one that may replace the value)."""
+        return bool(self._fwd)
+
+    @property
+    def has_backward_hooks(self) -> bool:
+        """Whether a backward hook is attached.
+
+        Drivers that fire a hook on a view they build (a reshape, a transpose) must then
+        hand that view on to the model, so the gradient reaches the hook.
+        """
+        return bool(self._bwd)
+
     def add_hook(
         self,
         fn: Callable[..., Any],

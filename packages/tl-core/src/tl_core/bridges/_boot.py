@@ -1,14 +1,12 @@
-"""``boot``: one call from a driver name to a ready bridge."""
+"""``boot``: one call from a driver name to the matching ready bridge."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tl_core._discovery import get_driver_entry
-
-if TYPE_CHECKING:
-    from tl_core._bridge import TransformerBridge
-    from tl_core._remote_bridge import RemoteBridge
+from tl_core.bridges._remote import RemoteBridge
+from tl_core.bridges._transformer import TransformerBridge
+from tl_core.driver_api._discovery import get_driver_entry
 
 __all__ = ["boot"]
 
@@ -29,13 +27,6 @@ def boot(model: Any = None, *, driver: str = "hf", **options: Any) -> Transforme
         DriverNotFoundError: The driver is not installed (the message says what to install).
         EngineVersionError: Its engine is missing or outside the supported range.
     """
-    entry = get_driver_entry(driver)
-    driver_cls = entry.load()
-    instance = driver_cls.boot(model, **options)
-    if entry.kind == "remote":
-        from tl_core._remote_bridge import RemoteBridge
-
-        return RemoteBridge(instance)
-    from tl_core._bridge import TransformerBridge
-
-    return TransformerBridge(instance)
+    kind = get_driver_entry(driver).kind
+    bridge = TransformerBridge if kind == "local" else RemoteBridge
+    return bridge.boot(model, driver=driver, **options)

@@ -33,7 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tl_core._alias_tables import (
+from tl_core._errors import ConfigError, HookNameError
+from tl_core.hooks._alias_tables import (
     FAMILY_TABLES,
     MULTI_STREAM,
     HookFamily,
@@ -41,18 +42,26 @@ from tl_core._alias_tables import (
     Rule,
     Target,
 )
-from tl_core._errors import ConfigError, HookNameError
-from tl_core._model_info import ModelInfo
-from tl_core._vocabulary import CANONICAL_TEMPLATES, HookRequirement, requirement_met, template_of
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._vocabulary import (
+    CANONICAL_TEMPLATES,
+    MISSING_BECAUSE,
+    HookTemplate,
+    requirement_met,
+    split_canonical,
+)
 
 __all__ = [
     "HookFamily",
     "HookResolution",
     "HookStatus",
+    "block_index",
     "canonical_name",
     "known_alias_templates",
+    "layout_of",
     "resolve_hook_name",
     "suggest_names",
+    "template_of",
 ]
 
 
@@ -88,6 +97,10 @@ def _build_table() -> dict[str, Rule]:
         if clash:  # a name must mean one thing
             raise RuntimeError(f"hook alias tables define {sorted(clash)} twice")
         table.update(family)
+    # A template's HookedTransformer name that no table lists is a plain alias of it.
+    for t in CANONICAL_TEMPLATES:
+        if t.legacy is not None and t.legacy not in table:
+            table[t.legacy] = Rule("legacy", Target(t.template, "alias"))
     return table
 
 
@@ -165,17 +178,6 @@ def _fill(text: str, layer: int | None, info: ModelInfo | None) -> str:
     return text
 
 
-_MISSING: dict[HookRequirement, str] = {
-    "standard_pos": "its positions are not learned embeddings",
-    "rotary": "it has no rotary embedding",
-    "gated_mlp": "its MLP is not gated",
-    "sequential": "its blocks run attention and MLP in parallel, so no residual lies between",
-    "sandwich_norm": "it has no post-sublayer norms",
-    "attn_result": "hook_result is opt-in",
-    "norm": "it has no normalization layers",
-}
-
-
 @lru_cache(maxsize=8192)
 def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
     key, layer = _parse(name)
@@ -198,7 +200,7 @@ def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
             assert requires is not None
             status = "structurally_absent"
             model = info.architecture or "model"
-            note = f"This {model} has no {canonical!r}: {_MISSING[requires]}."
+            note = f"This {model} has no {canonical!r}: {MISSING_BECAUSE[requires]}."
     return HookResolution(name, canonical, status, rule.family, note)
 
 
@@ -313,6 +315,67 @@ def canonical_name(name: str, *, info: ModelInfo | None = None) -> str:
         f"hook {name!r} ({resolution.family} name) {_REFUSAL[resolution.status]}{source}. "
         f"{resolution.note}"
     )
+
+
+def template_of(name: str) -> HookTemplate:
+    """The vocabulary row of a canonical or alias name.
+
+    Args:
+        name: A concrete hook name in any family (``"blocks.3.hook_resid_pre"``).
+
+    Returns:
+        The template of the canonical name it resolves to.
+
+    Raises:
+        HookNameError: Unknown name, or one with no canonical site (derived,
+            reconstructed or structurally absent; the message says which and why).
+    """
+    split = split_canonical(name) if isinstance(name, str) else None
+    if split is not None:
+        return split[0]
+    split = split_canonical(canonical_name(name))
+    assert split is not None  # canonical_name only returns canonical names
+    return split[0]
+
+
+def layout_of(name: str) -> str:
+    """The tensor layout of a canonical or alias name.
+
+    Args:
+        name: A concrete hook name in any family.
+
+    Returns:
+        One of ``LAYOUTS``, e.g. ``"b p h dh"``.
+
+    Raises:
+        HookNameError: As ``template_of``.
+    """
+    return template_of(name).layout
+
+
+def block_index(name: str) -> int | None:
+    """The block index a hook name points into.
+
+    Args:
+        name: A concrete hook name in any family.
+
+    Returns:
+        ``"blocks.3.attn.hook_q"`` -> 3, ``"resid_post.5"`` -> 5; ``None`` for global hooks
+        (``"hook_embed"``).
+
+    Raises:
+        HookNameError: A name no vocabulary family knows.
+    """
+    split = split_canonical(name) if isinstance(name, str) else None
+    if split is not None:
+        return split[1]
+    resolution = resolve_hook_name(name)
+    if resolution.canonical is not None:
+        split = split_canonical(resolution.canonical)
+        if split is not None:
+            return split[1]
+    digits = re.search(r"(?:^blocks\.|\[|\.)([0-9]+)(?:\.|\]|$)", name)
+    return int(digits.group(1)) if digits else None
 
 
 def suggest_names(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import difflib
-import functools
-import importlib
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
 from tl_core._errors import HookNameError, UserError
-from tl_core._model_info import ModelInfo
-from tl_core._readout import ModelReadout
-from tl_core._resid_analysis import ResidualAnalysisMixin
+from tl_core.cache._readout import ModelReadout
+from tl_core.cache._resid_analysis import ResidualAnalysisMixin
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._resolution import canonical_name
+
+if TYPE_CHECKING:
+    from tl_core.hooks._namespace import HookNamespace
 
 __all__ = ["ActivationCache", "tl_style_name"]
 
@@ -102,23 +104,6 @@ def _hook_suffix(name: str) -> str:
     return name if "." in name or name.startswith("hook_") else f"hook_{name}"
 
 
-@functools.cache
-def _load_canonical_name() -> Callable[[str], str] | None:
-    try:
-        module = importlib.import_module("tl_core._aliases")
-    except ModuleNotFoundError as error:
-        if error.name != "tl_core._aliases":
-            raise
-        return None
-    resolver: Callable[[str], str] = module.canonical_name
-    return resolver
-
-
-def _default_resolve(name: str) -> str:
-    resolver = _load_canonical_name()
-    return name if resolver is None else resolver(name)
-
-
 class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
     """Captured activations of one forward pass, keyed by canonical hook name.
 
@@ -132,17 +117,21 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
     ``stack_head_results``, ``logit_attrs``, ``logit_lens``) come from
     ``ResidualAnalysisMixin``.
 
+    Names resolve through the model's ``namespace`` when the cache has one (every cache a
+    bridge builds does), so an alias means the same tensor here as in ``capture`` and
+    ``intervene`` on that model; otherwise against ``info``, if given.
+
     Args:
         cache_dict: Hook name (canonical or alias) to tensor. Names are resolved once; a
-            name the resolver does not know is kept as given.
-        info: Model sizes and structure (layer count, norm type, positional embedding...).
+            name that resolves to no site is kept as given.
+        info: Model sizes and structure (layer count, norm type, positional embedding...);
+            default: the namespace's.
+        namespace: The hook namespace of the model the tensors come from.
         readout: Final norm and unembedding, needed by ``logit_attrs`` and ``logit_lens``;
             or a zero-argument function returning it, called on first use (a serving
             engine's unembedding is large and need not move for a plain capture).
         lengths: Real length of each prompt in the batch (right padding assumed).
         has_batch_dim: Whether tensors have a leading batch dimension.
-        resolve: Maps a name to its canonical form, raising ``HookNameError`` for unknown
-            names; default ``tl_core._aliases.canonical_name`` (identity if unavailable).
 
     Raises:
         UserError: A key that is not a string, a value that is not a tensor, two keys naming
@@ -154,12 +143,15 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
         cache_dict: Mapping[str, torch.Tensor],
         *,
         info: ModelInfo | None = None,
+        namespace: HookNamespace | None = None,
         readout: ModelReadout | Callable[[], ModelReadout | None] | None = None,
         lengths: Sequence[int] | None = None,
         has_batch_dim: bool = True,
-        resolve: Callable[[str], str] | None = None,
     ) -> None:
-        self._resolve = resolve if resolve is not None else _default_resolve
+        if info is None and namespace is not None:
+            info = namespace.info
+        self._namespace = namespace
+        self._info = info
         data: dict[str, torch.Tensor] = {}
         given: dict[str, str] = {}
         for name, tensor in cache_dict.items():
@@ -182,7 +174,6 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
             data[canonical] = tensor
             given[canonical] = name
         self._data = data
-        self._info = info
         self._readout = readout
         self._has_batch_dim = has_batch_dim
         self._lengths = self._check_lengths(lengths)
@@ -196,7 +187,7 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
     ) -> ActivationCache:
         # Keys are already canonical: skip resolution and validation of names.
         cache = cls.__new__(cls)
-        cache._resolve = template._resolve
+        cache._namespace = template._namespace
         cache._data = data
         cache._info = template._info
         cache._readout = template._readout
@@ -221,6 +212,16 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
         return values
 
     # -- attributes ----------------------------------------------------------------------
+
+    def _resolve(self, name: str) -> str:
+        if self._namespace is not None:
+            return self._namespace.canonical(name)
+        return canonical_name(name, info=self._info)
+
+    @property
+    def namespace(self) -> HookNamespace | None:
+        """The hook namespace names resolve through, or ``None``."""
+        return self._namespace
 
     @property
     def info(self) -> ModelInfo | None:

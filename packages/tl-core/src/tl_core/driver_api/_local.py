@@ -10,34 +10,34 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from tl_core._affine import AffineEdit, compile_plan
-from tl_core._aliases import canonical_name, suggest_names
-from tl_core._batching import TokenBatch, pad_batch
-from tl_core._driver import FEATURES, ForwardResult
-from tl_core._errors import HookNameError, UserError
-from tl_core._hook_point import HookHandle, HookPoint
-from tl_core._model_info import ModelInfo
-from tl_core._order import forward_order
-from tl_core._plan import InterventionPlan, build_plan
-from tl_core._readout import ModelReadout
-from tl_core._sampling import SamplingOptions, next_tokens
-from tl_core._shapes import feature_shape
-from tl_core._tokenizer import Tokenizer, padding_id
-from tl_core._vocabulary import layout_of
+from tl_core._errors import UserError
+from tl_core.cache._readout import ModelReadout
+from tl_core.driver_api._batching import TokenBatch, pad_batch
+from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
+from tl_core.driver_api._sampling import SamplingOptions, next_tokens
+from tl_core.driver_api._tokenizers import Tokenizer, padding_id
+from tl_core.hooks._hook_point import HookHandle, HookPoint
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._namespace import HookNamespace
+from tl_core.hooks._order import forward_order
+from tl_core.specs._affine import AffineEdit, compile_plan
+from tl_core.specs._plan import InterventionPlan, build_plan
 
 __all__ = ["LocalDriver"]
 
 
-class LocalDriver(ABC):
+class LocalDriver(NamespaceFacts, ABC):
     """Base class for in-process drivers (``native``, ``hf``).
 
     Subclasses implement the abstract members; everything in the Driver protocol is
-    provided here on top of them.
+    provided here on top of them, the ``namespace`` included (built once from
+    ``hook_points``, ``info`` and ``absent_reasons``).
     """
 
     #: The name users type to get this driver.
@@ -96,27 +96,28 @@ class LocalDriver(ABC):
         return None
 
     @property
-    def non_fireable_reasons(self) -> Mapping[str, str]:
-        """Canonical hooks the model structurally lacks -> why (for error messages)."""
+    def absent_reasons(self) -> Mapping[str, str]:
+        """Why this model lacks canonical hooks its ``ModelInfo`` suggests (family quirks).
+
+        Hooks the model structurally lacks get their reason from the vocabulary; override
+        this for anything more specific.
+        """
         return {}
 
     # -- Driver protocol --------------------------------------------------------------
 
-    @property
-    def supported_hook_points(self) -> frozenset[str]:
-        """Every canonical hook this driver fires."""
-        return frozenset(self.hook_points)
-
-    @property
-    def non_fireable_hook_points(self) -> frozenset[str]:
-        """Canonical hooks the model structurally lacks."""
-        return frozenset(self.non_fireable_reasons)
+    @cached_property
+    def namespace(self) -> HookNamespace:
+        """The model's hook names: every served hook is editable except token/position ids."""
+        return HookNamespace.build(
+            self.info, self.hook_points, reasons=self.absent_reasons, driver=self.name
+        )
 
     def supports(self, feature: str) -> bool:
         """Whether this driver has ``feature``."""
         return feature in self.features
 
-    def close(self) -> None:  # noqa: B027 - optional override, not abstract
+    def close(self) -> None:
         """Nothing to release for an in-process model; kept for the protocol."""
 
     @property
@@ -126,41 +127,12 @@ class LocalDriver(ABC):
             return param.device
         return torch.device("cpu")
 
-    def resolve_hook(self, name: str) -> str:
-        """The canonical name of ``name`` if this driver fires it.
-
-        Raises:
-            HookNameError: Unknown name, or a hook this model does not have (with the reason
-                or the nearest names it does have).
-        """
-        if not isinstance(name, str):
-            raise HookNameError(f"hook names are strings, got {type(name).__name__}: {name!r}")
-        canonical = canonical_name(name)
-        if canonical in self.hook_points:
-            return canonical
-        reason = self.non_fireable_reasons.get(canonical)
-        if reason is not None:
-            shown = repr(name) if name == canonical else f"{name!r} ({canonical!r})"
-            raise HookNameError(f"driver {self.name!r} cannot fire {shown}: {reason}")
-        close = suggest_names(canonical, self.hook_points)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise HookNameError(
-            f"hook {name!r} (canonical {canonical!r}) does not exist on this "
-            f"{self.info.architecture or 'model'} with {self.info.n_layers} layers.{hint}"
-        )
-
-    def feature_shape(self, hook: str) -> tuple[int, ...] | None:
-        """Per-position shape of ``hook`` (``None`` for attention patterns)."""
-        return feature_shape(hook, layout_of(hook), self.info)
-
     def plan(self, intervene: Any, lengths: Sequence[int]) -> InterventionPlan:
         """Validate ``intervene`` against this driver before any model work."""
         return build_plan(
             intervene,
             lengths=lengths,
-            resolve_name=self.resolve_hook,
-            fireable=self.hook_points,
-            feature_shape=self.feature_shape,
+            namespace=self.namespace,
             allow_callables=self.supports("intervention_callbacks"),
         )
 
@@ -203,7 +175,7 @@ class LocalDriver(ABC):
         if max_new_tokens < 0:
             raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         batch = self.batch(input_ids)
-        names = [self.resolve_hook(n) for n in capture]
+        names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
         plan = self.plan(intervene, batch.lengths)
         if max_new_tokens > 1 or (max_new_tokens == 1 and sampling.do_sample):
             if start_at_layer is not None or stop_at_layer is not None:
@@ -246,7 +218,8 @@ class LocalDriver(ABC):
             for hook in forward_order(plan.hooks):
                 point = self.hook_points[hook]
                 if any(plan.specs_for(hook)):
-                    handles.append(point.add_hook(_SpecEdit(plan, hook, self.feature_shape(hook), batch)))
+                    edit = _SpecEdit(plan, hook, self.namespace, batch)
+                    handles.append(point.add_hook(edit))
                 for fn in plan.callables.get(hook, ()):
                     handles.append(point.add_hook(fn))
             if store is not None:
@@ -298,7 +271,7 @@ class LocalDriver(ABC):
         return ForwardResult(
             logits=_left_to_right(first_logits, left, "b p vocab"),
             captured={
-                k: _left_to_right(v, left, layout_of(k))
+                k: _left_to_right(v, left, self.namespace.layout(k))
                 for k, v in _move(store, capture_device).items()
             },
             new_tokens=torch.stack(generated, dim=1),
@@ -311,12 +284,12 @@ class _SpecEdit:
     """A forward hook applying one hook's compiled specs; compiled once per shape."""
 
     def __init__(
-        self, plan: InterventionPlan, hook: str, shape: tuple[int, ...] | None, batch: TokenBatch
+        self, plan: InterventionPlan, hook: str, namespace: HookNamespace, batch: TokenBatch
     ) -> None:
         self._plan = plan
         self._hook = hook
-        self._layout = layout_of(hook)
-        self._shape = shape
+        self._layout = namespace.layout(hook)
+        self._shape = namespace.feature_shape(hook)
         self._offsets = batch.offsets
         self._compiled: dict[tuple[Any, ...], AffineEdit | None] = {}
 

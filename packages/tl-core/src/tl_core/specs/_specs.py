@@ -1,7 +1,7 @@
 """Intervention specs: the one schema, validator and parser every driver uses.
 
 A spec is plain data (``{"op": "scale", "factor": 0.5, "pos": [3]}``) that compiles to an
-affine edit ``x * scale + bias`` (see ``tl_core._affine``). ``parse_spec`` checks one spec's
+affine edit ``x * scale + bias`` (see ``tl_core.specs._affine``). ``parse_spec`` checks one spec's
 structure; ``build_plan`` checks a whole ``intervene=`` argument against a driver and a
 batch (hook names, fireability, widths, positions) before any model work starts.
 """

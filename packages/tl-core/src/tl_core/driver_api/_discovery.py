@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from tl_core._errors import DriverLoadError, DriverNotFoundError, EngineVersionError
-from tl_core._versions import version_in_range
+from tl_core.driver_api._versions import version_in_range
 
 __all__ = [
     "ENTRY_POINT_GROUP",

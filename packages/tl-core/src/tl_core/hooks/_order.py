@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tl_core._vocabulary import CANONICAL_TEMPLATES, block_index, template_of
+from tl_core.hooks._vocabulary import CANONICAL_TEMPLATES, split_canonical
 
 __all__ = ["forward_order"]
 
@@ -12,8 +12,11 @@ _RANK = {t.template: i for i, t in enumerate(CANONICAL_TEMPLATES)}
 
 
 def _key(name: str) -> tuple[int, int, int]:
-    layer = block_index(name)
-    rank = _RANK.get(template_of(name).template, 0)
+    split = split_canonical(name)
+    if split is None:
+        raise ValueError(f"forward_order takes canonical hook names, got {name!r}")
+    template, layer = split
+    rank = _RANK[template.template]
     if layer is not None:
         return (1, layer, rank)
     # Global hooks: embeddings before the blocks, final norm and unembed after them.

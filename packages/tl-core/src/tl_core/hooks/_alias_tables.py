@@ -3,7 +3,7 @@
 Read from the tools themselves: TransformerLens's ``HookedTransformer`` components and 4.x
 ``TransformerBridge`` generalized components (``hook_aliases``), nnterp's
 ``StandardizedTransformer`` accessors, and interp-engine's published point list and hook
-mapping table. ``tl_core._aliases`` does the resolving; see its docstring for the statuses.
+mapping table. ``tl_core.hooks._resolution`` does the resolving; see its docstring for the statuses.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tl_core._model_info import ModelInfo
+from tl_core.hooks._model_info import ModelInfo
 
 __all__ = ["FAMILY_TABLES", "MULTI_STREAM", "HookFamily", "HookStatus", "Rule", "Target"]
 
@@ -81,7 +81,6 @@ def _no_norm(info: ModelInfo) -> bool:
     return info.normalization_type is None and info.n_layers > 0
 
 
-_TOKENS = "The input token ids (integers), not an activation: use the input_ids you passed."
 _FLAT = "The other tool may flatten the head axes; tl serves the per-head layout."
 _PRE_LN1_COPY = (
     "TransformerLens fires this on the block input repeated over heads "
@@ -109,6 +108,24 @@ def _legacy(canonical: str, note: str = "") -> Rule:
     return Rule("legacy", _alias(canonical, note))
 
 
+def _resid_mid(family: HookFamily) -> Rule:
+    """The residual between attention and MLP, which parallel blocks do not have."""
+    return Rule(
+        family,
+        _alias("blocks.{i}.ln2.hook_in", "Absent in parallel attention/MLP blocks."),
+        (
+            (
+                _parallel,
+                _absent(
+                    "Attention and MLP read the same block input in this model (parallel "
+                    "block), so no residual lies between them; the MLP norm's input is "
+                    "blocks.{i}.ln2.hook_in."
+                ),
+            ),
+        ),
+    )
+
+
 _LEGACY: dict[str, Rule] = {
     "hook_embed": _legacy("embed.hook_out"),
     "hook_pos_embed": _legacy(
@@ -116,12 +133,9 @@ _LEGACY: dict[str, Rule] = {
         "Learned positions only; on rotary models TransformerBridge serves the rotary "
         "cos/sin table under this name, which is not an activation.",
     ),
-    "hook_tokens": Rule("legacy", _derived(None, _TOKENS)),
     "hook_unembed": _legacy("unembed.hook_out"),
     "blocks.{i}.hook_resid_pre": _legacy("blocks.{i}.hook_in"),
-    "blocks.{i}.hook_resid_mid": _legacy(
-        "blocks.{i}.ln2.hook_in", "Absent in parallel attention/MLP blocks."
-    ),
+    "blocks.{i}.hook_resid_mid": _resid_mid("legacy"),
     "blocks.{i}.hook_resid_post": _legacy("blocks.{i}.hook_out"),
     "blocks.{i}.hook_attn_out": _contribution(
         "attn", "ln1_post", "legacy", "What attention adds to the residual stream."
@@ -129,20 +143,11 @@ _LEGACY: dict[str, Rule] = {
     "blocks.{i}.hook_mlp_out": _contribution(
         "mlp", "ln2_post", "legacy", "What the MLP adds to the residual stream."
     ),
-    "blocks.{i}.hook_mlp_in": Rule(
-        "legacy",
-        _alias(
-            "blocks.{i}.ln2.hook_in",
-            "TransformerLens fires hook_mlp_in on the input of ln2 (the residual after "
-            "attention), not on the MLP module's input after ln2, which is "
-            "blocks.{i}.mlp.hook_in.",
-        ),
-        (
-            (
-                _parallel,
-                _alias("blocks.{i}.hook_in", "In a parallel block ln2 reads the block input."),
-            ),
-        ),
+    "blocks.{i}.hook_mlp_in": _legacy(
+        "blocks.{i}.ln2.hook_in",
+        "TransformerLens fires hook_mlp_in on the input of ln2 (the residual after attention; "
+        "the block input in a parallel block), not on the MLP module's input after ln2, "
+        "which is blocks.{i}.mlp.hook_in.",
     ),
     "blocks.{i}.hook_attn_in": Rule("legacy", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)),
     **{
@@ -166,22 +171,38 @@ _LEGACY: dict[str, Rule] = {
 }
 
 _TL_BRIDGE: dict[str, Rule] = {
-    "embed.hook_in": Rule("tl_bridge", _derived(None, _TOKENS)),
-    "pos_embed.hook_in": Rule(
-        "tl_bridge", _derived(None, "The position ids (integers), not an activation.")
+    "rotary_emb.hook_in": Rule(
+        "tl_bridge",
+        _alias(
+            "embed.hook_out",
+            "The rotary module is called on the embeddings only to learn their dtype and "
+            "device; its table depends on the positions alone.",
+        ),
     ),
     **{
-        f"rotary_emb.{h}": Rule(
+        f"rotary_emb.hook_{x}": Rule(
             "tl_bridge",
-            _derived(
-                None,
-                "The rotary cos/sin table, a function of the positions and the config, not an "
-                "activation; the rotated queries and keys are blocks.<i>.attn.hook_rot_q and "
-                "hook_rot_k.",
+            _alias(
+                f"blocks.0.attn.hook_{x}",
+                "The model's rotary table, as block 0 uses it; models whose layers rotate "
+                "with different tables (Gemma 3's local and global layers) serve each "
+                f"block's as blocks.<i>.attn.hook_{x}.",
             ),
         )
-        for h in ("hook_out", "hook_cos", "hook_sin")
+        for x in ("cos", "sin")
     },
+    "rotary_emb.hook_out": Rule(
+        "tl_bridge",
+        _derived(
+            "blocks.0.attn.hook_cos",
+            "The (cos, sin) pair of the rotary table; capture blocks.<i>.attn.hook_cos and "
+            "hook_sin.",
+        ),
+    ),
+    "blocks.{i}.attn.hook_hidden_states": Rule(
+        "tl_bridge",
+        _alias("blocks.{i}.attn.hook_out", "The attention module's output."),
+    ),
     "unembed.hook_in": Rule(
         "tl_bridge",
         _alias("ln_final.hook_out"),
@@ -215,12 +236,7 @@ _TL_BRIDGE: dict[str, Rule] = {
     },
     **{
         f"blocks.{{i}}.attn.hook_{x}_normed": Rule(
-            "tl_bridge",
-            _rebuilt(
-                f"blocks.{{i}}.attn.hook_{x}",
-                f"QK-norm output; tl has no hook between the norm and the rotary embedding. "
-                f"Rebuild it from blocks.{{i}}.attn.hook_{x} and the model's {x}_norm weight.",
-            ),
+            "tl_bridge", _alias(f"blocks.{{i}}.attn.{x}_norm.hook_out", "QK-norm models only.")
         )
         for x in "qk"
     },
@@ -255,7 +271,7 @@ def _nn(canonical: str, note: str = "") -> Rule:
 
 _NNTERP: dict[str, Rule] = {
     "layers_input[{i}]": _nn("blocks.{i}.hook_in"),
-    "layers_mid[{i}]": _nn("blocks.{i}.ln2.hook_in", "Absent in parallel blocks."),
+    "layers_mid[{i}]": _resid_mid("nnterp"),
     "layers_output[{i}]": _nn("blocks.{i}.hook_out"),
     "attentions_input[{i}]": _nn("blocks.{i}.attn.hook_in"),
     "attentions_norm_output[{i}]": _nn("blocks.{i}.ln1.hook_out"),
@@ -295,8 +311,8 @@ _NNTERP: dict[str, Rule] = {
     "mlps_output[{i}]": _contribution(
         "mlp", "ln2_post", "nnterp", "What the MLP adds to the residual stream."
     ),
-    "embeddings_input": Rule("nnterp", _derived(None, _TOKENS)),
-    "embed_tokens.input": Rule("nnterp", _derived(None, _TOKENS)),
+    "embeddings_input": _nn("embed.hook_in"),
+    "embed_tokens.input": _nn("embed.hook_in"),
     "embeddings_output": _nn("embed.hook_out"),
     "token_embeddings": _nn("embed.hook_out"),
     "embed_tokens": _nn("embed.hook_out", "nnterp's embed_tokens is the module; its output."),
@@ -340,22 +356,11 @@ _INTERP_ENGINE: dict[str, Rule] = {
     "resid_pre.{i}": _ie("blocks.{i}.hook_in"),
     "attn_in.{i}": _ie("blocks.{i}.attn.hook_in"),
     **{
-        f"{x}_norm_in.{{i}}": _ie(
-            f"blocks.{{i}}.attn.hook_{x}",
-            "Models with QK-norm only (its input is the projection output). " + _FLAT,
+        f"{x}_norm_{end}.{{i}}": _ie(
+            f"blocks.{{i}}.attn.{x}_norm.hook_{end}", "QK-norm models only. " + _FLAT
         )
         for x in "qk"
-    },
-    **{
-        f"{x}_norm_out.{{i}}": Rule(
-            "interp_engine",
-            _rebuilt(
-                f"blocks.{{i}}.attn.hook_{x}",
-                f"QK-norm output; tl has no hook between the norm and the rotary embedding. "
-                f"Rebuild it from blocks.{{i}}.attn.hook_{x} and the model's {x}_norm weight.",
-            ),
-        )
-        for x in "qk"
+        for end in ("in", "out")
     },
     "value.{i}": _ie("blocks.{i}.attn.hook_v", _FLAT),
     "attn_scores.{i}": _ie("blocks.{i}.attn.hook_attn_scores"),
@@ -373,7 +378,7 @@ _INTERP_ENGINE: dict[str, Rule] = {
     "attn_out_post.{i}": _contribution(
         "attn", "ln1_post", "interp_engine", "What attention adds to the residual stream."
     ),
-    "resid_mid.{i}": _ie("blocks.{i}.ln2.hook_in", "Absent in parallel blocks."),
+    "resid_mid.{i}": _resid_mid("interp_engine"),
     "mlp_in.{i}": _ie("blocks.{i}.mlp.hook_in"),
     "mlp_pre.{i}": _ie("blocks.{i}.mlp.hook_pre"),
     "mlp_pre_linear.{i}": _ie("blocks.{i}.mlp.hook_pre_linear", "Gated MLPs only."),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from tl_core._model_info import ModelInfo
+from tl_core.hooks._model_info import ModelInfo
 
 __all__ = ["feature_shape", "position_axis"]
 
 _KV_HOOKS = ("attn.hook_k", "attn.hook_v", "attn.hook_rot_k")
+_KV_NORM = ".attn.k_norm."
 
 
 def feature_shape(name: str, layout: str, info: ModelInfo) -> tuple[int, ...] | None:
@@ -16,11 +17,15 @@ def feature_shape(name: str, layout: str, info: ModelInfo) -> tuple[int, ...] | 
     """
     if layout == "b h q k":
         return None
-    heads = info.kv_heads if name.endswith(_KV_HOOKS) else info.n_heads
+    kv = name.endswith(_KV_HOOKS) or _KV_NORM in name
+    heads = info.kv_heads if kv else info.n_heads
     shapes: dict[str, tuple[int, ...]] = {
+        "b p": (),
         "b p d": (info.d_model,),
         "b p 1": (1,),
         "b p h dh": (heads, info.d_head),
+        "b p h 1": (heads, 1),
+        "b p r": (info.rotary_width,),
         "b p dm": (info.d_mlp,),
         "b p vocab": (info.d_vocab,),
         "b p h d": (info.n_heads, info.d_model),

@@ -1,0 +1,630 @@
+"""``Bridge``: the one researcher-facing surface both bridges share.
+
+``forward``, ``loss``, ``run_with_cache``, ``generate``, the token helpers and the hook
+bookkeeping are written once, here, with one signature each. A bridge subclass supplies
+how one engine call runs (``_execute``): in process with live hooks (``TransformerBridge``)
+or in an engine whose captures replay through local hook points (``RemoteBridge``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, ClassVar, Literal, TypeVar, Union
+
+import torch
+
+from tl_core._errors import UnsupportedFeatureError, UserError
+from tl_core.bridges._loss import next_token_loss
+from tl_core.cache._cache import ActivationCache
+from tl_core.driver_api._batching import TokenBatch, pad_batch
+from tl_core.driver_api._discovery import get_driver_entry
+from tl_core.driver_api._protocol import ForwardResult, validate_driver
+from tl_core.driver_api._tokenizers import Tokenizer, padding_id
+from tl_core.hooks._hook_point import HookHandle, HookPoint
+from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._namespace import HookNamespace
+from tl_core.hooks._vocabulary import split_canonical
+
+__all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
+
+#: Text, texts, or token ids (1-D/2-D tensor, list, or ragged list of lists).
+ModelInput = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence[int]]]
+#: ``(hook name or predicate on canonical names, hook function)``.
+HookSpec = tuple[Union[str, Callable[[str], bool]], Callable[..., Any]]
+NamesFilter = Union[None, str, Iterable[str], Callable[[str], bool]]
+ReturnType = Literal["logits", "loss", "both"] | None
+
+_B = TypeVar("_B", bound="Bridge")
+_RETURN_TYPES = ("logits", "loss", "both", None)
+
+
+class Bridge:
+    """The bridge API over any driver: hooks, caches, specs, loss and generation.
+
+    Every hook name argument accepts canonical names and aliases; names resolve through
+    the booted model's ``namespace``, the same way for capture, specs and cache lookup.
+    """
+
+    #: The driver kind this bridge wraps (``DriverEntry.kind``).
+    kind: ClassVar[str]
+    driver: Any
+    _permanent: list[HookHandle]
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def boot(cls: type[_B], model: Any = None, *, driver: str, **options: Any) -> _B:
+        """Boot a driver found through the ``tl_core.drivers`` entry points.
+
+        The driver's kind is checked before anything loads, so asking the wrong bridge
+        for a driver starts no engine.
+
+        Args:
+            model: What the driver loads (a folder, a hub id, a config, ...).
+            driver: A driver name from ``tl drivers``.
+            **options: The driver's boot options.
+
+        Raises:
+            DriverNotFoundError: The driver is not installed.
+            UserError: The driver is of the other kind (the message names the bridge).
+        """
+        entry = get_driver_entry(driver)
+        if entry.kind != cls.kind:
+            other = "TransformerBridge" if entry.kind == "local" else "RemoteBridge"
+            raise UserError(
+                f"driver {driver!r} is a {entry.kind} driver, so {cls.__name__} cannot wrap "
+                f"it; boot it with {other}.boot(model, driver={driver!r}) or "
+                f"tl_core.boot(model, driver={driver!r}). Nothing was started."
+            )
+        instance = entry.load().boot(model, **options)
+        try:
+            return cls(instance)  # type: ignore[call-arg]
+        except BaseException:
+            close = getattr(instance, "close", None)
+            if callable(close):  # a driver that breaks the contract may have no close()
+                close()
+            raise
+
+    def _adopt(self, driver: Any) -> None:
+        validate_driver(driver, name=getattr(driver, "name", None))
+        self.driver = driver
+        self._permanent = []
+
+    # -- facts ------------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> HookNamespace:
+        """The model's hook names as this driver serves them."""
+        return self.driver.namespace  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the bridge takes token ids and returns tensors."""
+        return torch.device("cpu")
+
+    @property
+    def cfg(self) -> ModelInfo:
+        """Sizes and structure of the model; ``cfg.device`` is ``device``."""
+        info: ModelInfo = self.driver.info
+        device = self.device
+        return info if info.device == device else replace(info, device=device)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The driver's tokenizer."""
+        return self.driver.tokenizer  # type: ignore[no-any-return]
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """Canonical hook name -> HookPoint for every hook this bridge can fire."""
+        raise NotImplementedError
+
+    def _execute(
+        self,
+        batch: TokenBatch,
+        *,
+        capture: Sequence[str],
+        intervene: Any,
+        max_new_tokens: int,
+        need_logits: bool,
+        capture_device: torch.device | str | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> ForwardResult:
+        """Run the engine once; ``logits`` holds the residual stream when stopping early."""
+        raise NotImplementedError
+
+    # -- tokens -----------------------------------------------------------------------
+
+    def to_tokens(
+        self,
+        text: str | Sequence[str],
+        *,
+        prepend_bos: bool = True,
+        padding_side: Literal["right", "left"] = "right",
+        move_to_device: bool = True,
+        truncate: bool = True,
+    ) -> torch.Tensor:
+        """Token ids ``[batch, pos]`` of one text or a list of texts (padded with the pad id).
+
+        Args:
+            text: A text or texts.
+            prepend_bos: Put the BOS token first.
+            padding_side: Where shorter texts are padded.
+            move_to_device: Put the ids on ``device`` (else on the CPU).
+            truncate: Cut texts to the model's context length ``cfg.n_ctx``.
+        """
+        batch = self._token_batch(text, prepend_bos=prepend_bos, padding_side=padding_side)
+        ids = batch.ids
+        if truncate and ids.shape[1] > self.cfg.n_ctx > 0:
+            ids = ids[:, : self.cfg.n_ctx]
+        return ids.to(self.device) if move_to_device else ids
+
+    def to_string(
+        self, tokens: torch.Tensor | Sequence[int] | Sequence[Sequence[int]]
+    ) -> str | list[str]:
+        """Decode ``[pos]`` ids to a string, or ``[batch, pos]`` ids to a list of strings."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.tolist()
+        items = list(tokens)
+        if items and isinstance(items[0], (list, tuple)):
+            return [self.tokenizer.decode(row) for row in items]
+        return self.tokenizer.decode(items)
+
+    def to_str_tokens(
+        self, text: str | torch.Tensor | Sequence[int], *, prepend_bos: bool = True
+    ) -> list[str]:
+        """One readable string per token of ``text`` (or of the given ids)."""
+        if isinstance(text, str):
+            ids = self._encode(text, prepend_bos)
+        else:
+            ids = text.flatten().tolist() if isinstance(text, torch.Tensor) else list(text)
+        return [self.tokenizer.token_to_str(int(i)) for i in ids]
+
+    def to_single_token(self, text: str) -> int:
+        """The id of ``text`` if it is exactly one token.
+
+        Raises:
+            UserError: If it encodes to zero or several tokens.
+        """
+        ids = self.tokenizer.encode(text)
+        if len(ids) != 1:
+            raise UserError(f"{text!r} is {len(ids)} tokens ({ids}), not a single token")
+        return ids[0]
+
+    def _encode(self, text: str, prepend_bos: bool) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        bos = self.tokenizer.bos_token_id
+        return [bos, *ids] if prepend_bos and bos is not None else ids
+
+    def _token_batch(
+        self,
+        inputs: ModelInput,
+        *,
+        prepend_bos: bool = True,
+        padding_side: Literal["right", "left"] = "right",
+    ) -> TokenBatch:
+        """Tokenize text (or take ids as they are) into a right- or left-padded batch."""
+        if isinstance(inputs, str):
+            rows: Any = [self._encode(inputs, prepend_bos)]
+        elif _is_texts(inputs):
+            rows = [self._encode(t, prepend_bos) for t in inputs]  # type: ignore[arg-type]
+        else:
+            rows = inputs
+        if isinstance(rows, list) and any(len(r) == 0 for r in rows):
+            raise UserError("an input text is empty and prepend_bos=False: nothing to run")
+        return pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
+
+    def _generated(
+        self, inputs: ModelInput, new_tokens: torch.Tensor, return_type: str | None
+    ) -> str | list[str] | torch.Tensor:
+        """What ``generate`` returns: text for text input (cut at EOS), else the new ids."""
+        texts_in = isinstance(inputs, str) or _is_texts(inputs)
+        if (return_type or ("str" if texts_in else "tokens")) == "tokens":
+            return new_tokens
+        eos = self.tokenizer.eos_token_id
+        rows = [row[: row.index(eos)] if eos in row else row for row in new_tokens.tolist()]
+        texts = [self.tokenizer.decode(row) for row in rows]
+        return texts[0] if isinstance(inputs, str) else texts
+
+    # -- hooks ------------------------------------------------------------------------
+
+    def get_hook_point(self, name: str) -> HookPoint:
+        """The HookPoint for ``name`` (canonical or any alias)."""
+        return self.hook_dict[self.namespace.lookup(name)]
+
+    def select_hooks(self, names_filter: NamesFilter) -> list[str]:
+        """Canonical names chosen by a filter: ``None`` (all), a name, names, or a predicate.
+
+        A predicate sees canonical names; names may be aliases.
+        """
+        if names_filter is None:
+            return list(self.hook_dict)
+        if isinstance(names_filter, str):
+            return [self.namespace.lookup(names_filter)]
+        if callable(names_filter):
+            return [n for n in self.hook_dict if names_filter(n)]
+        return list(dict.fromkeys(self.namespace.lookup(n) for n in names_filter))
+
+    def add_hook(
+        self,
+        name: str | Callable[[str], bool],
+        hook: Callable[..., Any],
+        dir: Literal["fwd", "bwd"] = "fwd",
+        *,
+        is_permanent: bool = False,
+    ) -> list[HookHandle]:
+        """Attach ``hook`` to one named hook, or to every hook a predicate selects.
+
+        Raises:
+            UnsupportedFeatureError: A backward hook on a driver without gradients.
+        """
+        if dir == "bwd":
+            self._require("gradients", "backward hooks need gradients")
+        if callable(name):
+            names = [n for n in self.hook_dict if name(n)]
+        else:
+            names = [self.namespace.lookup(name)]
+        handles = [self.hook_dict[n].add_hook(hook, dir, is_permanent=is_permanent) for n in names]
+        if is_permanent:
+            self._permanent.extend(handles)
+        return handles
+
+    def reset_hooks(self, *, including_permanent: bool = False) -> None:
+        """Remove every hook (permanent ones too when asked)."""
+        for point in self.hook_dict.values():
+            point.remove_hooks("both", including_permanent=including_permanent)
+
+    def run_with_hooks(
+        self,
+        input: ModelInput,
+        *,
+        fwd_hooks: Sequence[HookSpec] = (),
+        bwd_hooks: Sequence[HookSpec] = (),
+        reset_hooks_end: bool = True,
+        return_type: ReturnType = "logits",
+        **forward_kwargs: Any,
+    ) -> Any:
+        """Run with temporary hooks: ``[(name or predicate, fn(tensor, hook=...)), ...]``.
+
+        Hooks are removed afterwards (unless ``reset_hooks_end=False``), also when the
+        forward raises. On local drivers forward hooks may edit values, and backward hooks
+        fire when you call ``.backward()`` on the result, so pass ``reset_hooks_end=False``
+        for them or run the backward inside ``hooks()``. On remote drivers hooks read the
+        captured values after the engine ran and must not change them.
+        """
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
+            return self.forward(input, return_type, **forward_kwargs)
+
+    @contextmanager
+    def hooks(
+        self,
+        fwd_hooks: Sequence[HookSpec] = (),
+        bwd_hooks: Sequence[HookSpec] = (),
+        *,
+        reset_hooks_end: bool = True,
+    ) -> Iterator[Any]:
+        """Attach hooks for the duration of a ``with`` block; they are removed on exit,
+        also when the block raises (unless ``reset_hooks_end=False``)."""
+        handles: list[HookHandle] = []
+        try:
+            for direction, specs in (("fwd", fwd_hooks), ("bwd", bwd_hooks)):
+                for name, fn in specs:
+                    handles.extend(self.add_hook(name, fn, direction))  # type: ignore[arg-type]
+            yield self
+        finally:
+            if reset_hooks_end:
+                for handle in handles:
+                    handle.remove()
+
+    # -- running ----------------------------------------------------------------------
+
+    def forward(
+        self,
+        input: ModelInput | None = None,
+        return_type: ReturnType = "logits",
+        *,
+        intervene: Any = None,
+        prepend_bos: bool = True,
+        loss_per_token: bool = False,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> Any:
+        """Run the model.
+
+        Args:
+            input: Text, texts or token ids. Ragged batches are right-padded; padding never
+                reaches the loss.
+            return_type: ``"logits"``, ``"loss"``, ``"both"`` (a ``(logits, loss)`` pair)
+                or ``None``.
+            intervene: Specs (and, on local drivers, callables) per hook; see
+                ``tl_core.InterventionSpec``.
+            prepend_bos: Put the BOS token before text input.
+            loss_per_token: Return per-position losses.
+            start_at_layer: Start at this block; pass its input as ``residual`` (``input``
+                still supplies the token ids for the loss). Local drivers only.
+            stop_at_layer: Stop before this block and return the residual stream entering
+                it (``n_layers``: the final norm's input).
+            residual: The residual stream entering ``start_at_layer``.
+            tokens: Token ids for the loss when ``input`` is ``None`` (with ``residual``).
+
+        Returns:
+            Logits ``[batch, pos, d_vocab]``, the loss, both, the residual stream when
+            ``stop_at_layer`` is set, or ``None``.
+
+        Raises:
+            UserError: Bad arguments, names or specs, before the engine runs.
+            UnsupportedFeatureError: What the driver cannot do (a remote engine starting
+                from a residual, a loss without sequence logits).
+        """
+        _check_return_type(return_type)
+        if input is None and tokens is None and residual is None:
+            raise UserError("forward needs input (text or ids), or residual with start_at_layer")
+        if residual is not None and start_at_layer is None:
+            raise UserError("residual is the input of a block: also pass start_at_layer")
+        source = input if input is not None else tokens
+        if source is None:
+            assert residual is not None
+            batch = pad_batch(torch.zeros(residual.shape[:2], dtype=torch.long), pad_id=0)
+        else:
+            batch = self._token_batch(source, prepend_bos=prepend_bos)
+        wants_loss = stop_at_layer is None and return_type in ("loss", "both")
+        if wants_loss and source is None:
+            raise UserError("a loss needs the token ids: pass input or tokens")
+        result = self._execute(
+            batch,
+            capture=(),
+            intervene=intervene,
+            max_new_tokens=0,
+            need_logits=return_type is not None,
+            start_at_layer=start_at_layer,
+            stop_at_layer=stop_at_layer,
+            residual=residual,
+        )
+        return self._output(result, batch, return_type, loss_per_token, stop_at_layer)
+
+    def loss(
+        self,
+        input: ModelInput,
+        *,
+        per_token: bool = False,
+        intervene: Any = None,
+        prepend_bos: bool = True,
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy over real positions (or per position).
+
+        Raises:
+            UnsupportedFeatureError: The driver returns no sequence logits (before running).
+        """
+        return self.forward(  # type: ignore[no-any-return]
+            input, "loss", intervene=intervene, prepend_bos=prepend_bos, loss_per_token=per_token
+        )
+
+    def run_with_cache(
+        self,
+        input: ModelInput,
+        *,
+        names_filter: NamesFilter = None,
+        device: torch.device | str | None = None,
+        remove_batch_dim: bool = False,
+        intervene: Any = None,
+        return_type: ReturnType = "logits",
+        prepend_bos: bool = True,
+        stop_at_layer: int | None = None,
+        incl_bwd: bool = False,
+    ) -> tuple[Any, ActivationCache]:
+        """Run and cache activations.
+
+        Args:
+            input: Text, texts or ids; ragged batches are right-padded and the cache keeps
+                each prompt's length (``cache.lengths``; ``cache.prompt(i)`` trims).
+            names_filter: ``None`` for every hook, a name, a list of names (aliases ok), or
+                a predicate over canonical names.
+            device: Where cached tensors go (default: where they were computed).
+            remove_batch_dim: Drop the batch axis (batch of one only).
+            intervene: Specs applied during the run; the cache holds edited values.
+            return_type: As in ``forward``.
+            prepend_bos: Put BOS before text input.
+            stop_at_layer: Stop before this block: the first output is the residual stream
+                entering it, and only hooks before it are cached. A remote engine still
+                runs the whole model, but returns no logits.
+            incl_bwd: Also cache gradients (drivers with gradients): computes the loss,
+                calls ``backward()`` and stores each selected hook's gradient in
+                ``cache.grads``.
+
+        Returns:
+            ``(output, cache)``.
+
+        Raises:
+            UserError: Bad arguments, names or specs, before the engine runs.
+            UnsupportedFeatureError: ``incl_bwd`` on a driver without gradients.
+        """
+        _check_return_type(return_type)
+        names = self.select_hooks(names_filter)
+        if stop_at_layer is not None:
+            stop = _layer_index(stop_at_layer, self.cfg.n_layers)
+            names = [n for n in names if _reached(n, stop)]
+        batch = self._token_batch(input, prepend_bos=prepend_bos)
+        grads: dict[str, torch.Tensor] = {}
+        bwd: list[HookSpec] = []
+        if incl_bwd:
+            self._require("gradients", "incl_bwd=True caches gradients")
+            if stop_at_layer is not None:
+                raise UserError("incl_bwd needs the loss, which stop_at_layer skips")
+            bwd = [(n, _GradCapture(grads, n, device)) for n in names]
+        with self.hooks((), bwd):
+            result = self._execute(
+                batch,
+                capture=names,
+                intervene=intervene,
+                max_new_tokens=0,
+                need_logits=return_type is not None or incl_bwd,
+                capture_device=device,
+                stop_at_layer=stop_at_layer,
+            )
+            if incl_bwd:
+                assert result.logits is not None
+                loss = next_token_loss(result.logits, batch.ids, batch.lengths)
+                loss.backward()  # type: ignore[no-untyped-call]
+                both = (result.logits, loss)
+                out: Any = {"logits": result.logits, "loss": loss, "both": both}[
+                    return_type or "loss"
+                ]
+            else:
+                out = self._output(result, batch, return_type, False, stop_at_layer)
+        captured = {n: result.captured[n] for n in names if n in result.captured}
+        cache = ActivationCache(
+            captured,
+            namespace=self.namespace,
+            readout=getattr(self.driver, "readout", None),
+            lengths=batch.lengths,
+        )
+        if incl_bwd:
+            cache.grads = ActivationCache(grads, namespace=self.namespace, lengths=batch.lengths)
+        return out, (cache.remove_batch_dim() if remove_batch_dim else cache)
+
+    def generate(
+        self,
+        input: ModelInput,
+        max_new_tokens: int = 10,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        intervene: Any = None,
+        prepend_bos: bool = True,
+        return_type: Literal["str", "tokens"] | None = None,
+    ) -> str | list[str] | torch.Tensor:
+        """Continue the prompt(s) with hooks (``hooks()``) and specs active at every step.
+
+        Returns:
+            Text for text input, else ``[batch, n]`` new token ids (``return_type``
+            overrides). Sequences that hit EOS are padded with EOS afterwards.
+
+        Raises:
+            UserError: ``max_new_tokens < 1``, bad sampling options, names or specs.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        batch = self._token_batch(input, prepend_bos=prepend_bos)
+        sampling = {
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+            "stop_at_eos": stop_at_eos,
+        }
+        with torch.no_grad():
+            result = self._execute(
+                batch,
+                capture=(),
+                intervene=intervene,
+                max_new_tokens=max_new_tokens,
+                need_logits=False,
+                sampling=sampling,
+            )
+        assert result.new_tokens is not None
+        return self._generated(input, result.new_tokens, return_type)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _output(
+        self,
+        result: ForwardResult,
+        batch: TokenBatch,
+        return_type: ReturnType,
+        per_token: bool,
+        stop_at_layer: int | None,
+    ) -> Any:
+        if stop_at_layer is not None or return_type == "logits":
+            return result.logits
+        if return_type is None:
+            return None
+        assert result.logits is not None
+        loss = next_token_loss(result.logits, batch.ids, batch.lengths, per_token=per_token)
+        return loss if return_type == "loss" else (result.logits, loss)
+
+    def _require(self, feature: str, what: str) -> None:
+        if not self.driver.supports(feature):
+            raise UnsupportedFeatureError(
+                f"driver {self._name!r} has no {feature}, and {what}; use a local driver "
+                f"(native, hf) for gradient work"
+            )
+
+    @property
+    def _name(self) -> str:
+        return str(getattr(self.driver, "name", type(self.driver).__name__))
+
+    def close(self) -> None:
+        """Release the driver (engine processes, memory); safe to call twice."""
+        self.driver.close()
+
+    def __enter__(self: _B) -> _B:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        info = self.driver.info
+        return (
+            f"{type(self).__name__}(driver={self._name!r}, arch={info.architecture!r}, "
+            f"n_layers={info.n_layers}, d_model={info.d_model}, hooks={len(self.hook_dict)})"
+        )
+
+
+def _is_texts(inputs: object) -> bool:
+    return (
+        isinstance(inputs, Sequence)
+        and not isinstance(inputs, str)
+        and bool(inputs)
+        and all(isinstance(t, str) for t in inputs)
+    )
+
+
+def _check_return_type(return_type: object) -> None:
+    if return_type not in _RETURN_TYPES:
+        raise UserError(
+            f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
+        )
+
+
+def _layer_index(value: int, n_layers: int) -> int:
+    """``stop_at_layer`` as a block index in ``0..n_layers`` (negatives count back)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -n_layers <= value <= n_layers:
+        raise UserError(
+            f"stop_at_layer={value!r} is out of range for a model with {n_layers} blocks; "
+            f"use an int from {-n_layers} to {n_layers}"
+        )
+    return value + n_layers if value < 0 else value
+
+
+def _reached(name: str, stop: int) -> bool:
+    """Whether a forward stopped before block ``stop`` reaches canonical hook ``name``."""
+    split = split_canonical(name)
+    layer = None if split is None else split[1]
+    if layer is not None:
+        return layer < stop
+    return name.startswith(("embed.", "pos_embed."))
+
+
+class _GradCapture:
+    """A backward hook storing the gradient at one hook under its canonical name."""
+
+    def __init__(self, store: dict[str, torch.Tensor], name: str, device: Any) -> None:
+        self._store, self._name, self._device = store, name, device
+
+    def __call__(self, grad: torch.Tensor, *, hook: HookPoint) -> None:
+        grad = grad.detach()
+        self._store[self._name] = grad.to(self._device) if self._device is not None else grad
+

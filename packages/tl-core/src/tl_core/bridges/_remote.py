@@ -1,0 +1,131 @@
+"""``RemoteBridge``: the bridge API over engines that run elsewhere and return captures.
+
+Captured tensors replay through local ``HookPoint``s after the engine returns, so code
+that reads activations through hooks or a cache works unchanged. Values cannot be changed
+after the fact: a hook that tries is an error that points to ``intervene=``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tl_core._errors import RemoteHookMutationError, UnsupportedFeatureError
+from tl_core.bridges._base import Bridge, _layer_index, _reached
+from tl_core.driver_api._batching import TokenBatch
+from tl_core.driver_api._protocol import ForwardResult
+from tl_core.hooks._hook_point import HookPoint
+
+__all__ = ["RemoteBridge"]
+
+
+class RemoteBridge(Bridge):
+    """The bridge API for serving engines (``vllm``, ``inspect``).
+
+    The same ``forward``, ``loss``, ``run_with_cache`` and ``generate`` as
+    ``TransformerBridge``; what an engine cannot do (start from a residual stream,
+    gradients) is refused before it runs. ``stop_at_layer`` returns the residual stream
+    entering that block, as on local drivers, though the engine runs the whole model.
+    """
+
+    kind = "remote"
+
+    def __init__(self, driver: Any) -> None:
+        self._adopt(driver)
+        self._points = {n: HookPoint(n) for n in self.namespace.ordered}
+
+    @classmethod
+    def boot_vllm(cls, model: Any, **options: Any) -> RemoteBridge:
+        """A vLLM engine (needs ``pip install tl-driver-vllm``)."""
+        return cls.boot(model, driver="vllm", **options)
+
+    @classmethod
+    def boot_inspect(cls, model: Any, **options: Any) -> RemoteBridge:
+        """An inspect_ai model provider (needs ``pip install tl-driver-inspect``)."""
+        return cls.boot(model, driver="inspect", **options)
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """Canonical hook name -> replay HookPoint, for every hook the engine serves."""
+        return dict(self._points)
+
+    def _execute(
+        self,
+        batch: TokenBatch,
+        *,
+        capture: Sequence[str],
+        intervene: Any,
+        max_new_tokens: int,
+        need_logits: bool,
+        capture_device: torch.device | str | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> ForwardResult:
+        if start_at_layer is not None or residual is not None:
+            raise UnsupportedFeatureError(
+                f"driver {self._name!r} runs the model inside an engine, which starts from "
+                f"token ids, not from a residual stream (start_at_layer/residual); use a "
+                f"local driver (native, hf) to run part of a model"
+            )
+        stop_hook = None if stop_at_layer is None else self._stop_hook(stop_at_layer)
+        logits_wanted = need_logits and stop_hook is None
+        if logits_wanted and not self.driver.provides_sequence_logits:
+            raise UnsupportedFeatureError(
+                f"driver {self._name!r} does not return logits at every position, so it "
+                f"cannot compute a loss or return sequence logits"
+            )
+        # Points are in forward order, so the replay fires hooks in that order too.
+        hooked = [n for n, p in self._points.items() if p.has_hooks]
+        if stop_at_layer is not None:
+            stop = _layer_index(stop_at_layer, self.driver.info.n_layers)
+            hooked = [n for n in hooked if _reached(n, stop)]
+        names = list(dict.fromkeys([*capture, *hooked, *([stop_hook] if stop_hook else [])]))
+        result = self.driver.forward(
+            batch.rows(),
+            capture=names,
+            intervene=intervene,
+            max_new_tokens=max_new_tokens,
+            return_logits=logits_wanted,
+            **(sampling or {}),
+        )
+        self._replay(result.captured, hooked)
+        captured = {n: result.captured[n] for n in capture}
+        if capture_device is not None:
+            captured = {n: t.to(capture_device) for n, t in captured.items()}
+        logits = result.captured[stop_hook] if stop_hook is not None else result.logits
+        return ForwardResult(logits, captured, result.new_tokens, result.raw_output, result.lengths)
+
+    def _stop_hook(self, stop_at_layer: int) -> str:
+        """The hook holding the residual stream that enters block ``stop_at_layer``."""
+        info = self.driver.info
+        stop = _layer_index(stop_at_layer, info.n_layers)
+        if stop < info.n_layers:
+            name = f"blocks.{stop}.hook_in"
+        elif info.normalization_type is not None:
+            name = "ln_final.hook_in"
+        else:
+            name = f"blocks.{info.n_layers - 1}.hook_out"
+        return self.namespace.lookup(name)
+
+    def _replay(self, captured: Mapping[str, torch.Tensor], hooked: Sequence[str]) -> None:
+        for name in hooked:
+            value = captured[name]
+            before = value.clone()
+            out = self._points[name](value)
+            returned_new = out is not value and not torch.equal(out, before)
+            if returned_new or not torch.equal(before, value):
+                raise RemoteHookMutationError(
+                    f"a hook on {name!r} changed the value, but driver {self._name!r} already "
+                    f"computed this forward pass in its engine, so the change would be lost. "
+                    f"Hooks on remote drivers are read-only; to edit activations pass "
+                    f"intervene={{{name!r}: {{'op': 'set', 'value': ...}}}} (ops: suppress, "
+                    f"scale, add, set)."
+                )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Same as ``forward`` (a RemoteBridge is not an ``nn.Module``)."""
+        return self.forward(*args, **kwargs)

@@ -1,0 +1,124 @@
+"""``TransformerBridge``: the researcher-facing ``nn.Module`` over a local driver."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tl_core._errors import UnsupportedFeatureError
+from tl_core.bridges._base import Bridge
+from tl_core.driver_api._batching import TokenBatch
+from tl_core.driver_api._local import LocalDriver
+from tl_core.driver_api._protocol import ForwardResult
+from tl_core.hooks._hook_point import HookPoint
+
+__all__ = ["TransformerBridge"]
+
+
+class TransformerBridge(Bridge, nn.Module):
+    """A model with named hook points, gradients and the TransformerLens-style API.
+
+    Build one with ``TransformerBridge.boot_native(config)``,
+    ``TransformerBridge.boot_transformers(model_name, ...)`` or ``tl_core.boot(...)``.
+    Every hook name argument accepts canonical names and aliases. Forward hooks run live
+    and may edit values; backward hooks see gradients.
+    """
+
+    kind = "local"
+
+    def __init__(self, driver: LocalDriver) -> None:
+        nn.Module.__init__(self)
+        self._adopt(driver)
+        self.model = driver.module
+
+    # -- construction -----------------------------------------------------------------
+
+    @classmethod
+    def boot_native(cls, config: Any = None, **overrides: Any) -> TransformerBridge:
+        """A small random transformer in plain torch (see ``tl_core.native.NativeConfig``).
+
+        Args:
+            config: A ``NativeConfig``, a dict of TransformerLens-style keys, a preset name
+                (``"gpt2"`` or ``"llama"``), or ``None`` for the GPT-2-style default.
+            **overrides: Config fields to change.
+        """
+        return cls.boot(config, driver="native", **overrides)
+
+    @classmethod
+    def boot_transformers(cls, model_name: Any = None, **options: Any) -> TransformerBridge:
+        """A HuggingFace transformers model (needs ``pip install tl-driver-hf``)."""
+        return cls.boot(model_name, driver="hf", **options)
+
+    # -- facts ------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model takes its inputs (its embedding's device)."""
+        return self.driver.device  # type: ignore[no-any-return]
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """Canonical hook name -> HookPoint."""
+        return dict(self.driver.hook_points)
+
+    def __getattr__(self, name: str) -> Any:
+        # Weight accessors (W_Q, W_U, ...) and sub-modules (blocks, embed) live on the
+        # driver's module; reach them through the bridge as TransformerLens users expect.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self._modules.get("model")
+            if model is not None and not name.startswith("_"):
+                return getattr(model, name)
+            raise
+
+    # -- running ----------------------------------------------------------------------
+
+    def _execute(
+        self,
+        batch: TokenBatch,
+        *,
+        capture: Sequence[str],
+        intervene: Any,
+        max_new_tokens: int,
+        need_logits: bool,
+        capture_device: torch.device | str | None = None,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> ForwardResult:
+        ids: Any = batch.rows() if batch.is_ragged or max_new_tokens > 0 else batch.ids
+        if start_at_layer is not None and residual is not None:
+            ids = batch.ids  # only the shape and the loss's targets matter
+        return self.driver.forward(  # type: ignore[no-any-return]
+            ids,
+            capture=capture,
+            intervene=intervene,
+            max_new_tokens=max_new_tokens,
+            return_logits=need_logits or stop_at_layer is not None,
+            capture_device=capture_device,
+            start_at_layer=start_at_layer,
+            stop_at_layer=stop_at_layer,
+            residual=residual,
+            **(sampling or {}),
+        )
+
+    # -- weights ----------------------------------------------------------------------
+
+    def enable_compatibility_mode(self, **options: Any) -> TransformerBridge:
+        """Fold norms and centre weights so activations match HookedTransformer's.
+
+        Raises:
+            UnsupportedFeatureError: If the driver cannot rewrite its weights.
+        """
+        enable = getattr(self.driver, "enable_compatibility_mode", None)
+        if enable is None:
+            raise UnsupportedFeatureError(
+                f"driver {self._name!r} does not support enable_compatibility_mode()"
+            )
+        enable(**options)
+        return self

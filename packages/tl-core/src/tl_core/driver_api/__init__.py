@@ -1,0 +1,88 @@
+"""The driver-author API: everything a package needs to add an engine to tl.
+
+Researchers use ``tl_core`` (bridges, caches, specs, hook names); a driver distribution
+implements the ``Driver`` protocol with the pieces here and registers a ``DriverEntry``
+under the ``tl_core.drivers`` entry-point group. Importing this package is cheap (no
+torch), so a driver's entry-point module can import ``DriverEntry`` from it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tl_core._lazy import attach
+
+if TYPE_CHECKING:
+    from tl_core.cache._readout import ModelReadout as ModelReadout
+    from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
+    from tl_core.driver_api._discovery import (
+        DriverEntry as DriverEntry,
+        EngineRequirement as EngineRequirement,
+        InstalledDriver as InstalledDriver,
+        available_drivers as available_drivers,
+        clear_driver_cache as clear_driver_cache,
+        get_driver_entry as get_driver_entry,
+        load_driver_class as load_driver_class,
+    )
+    from tl_core.driver_api._hf_config import model_info_from_config as model_info_from_config
+    from tl_core.driver_api._local import LocalDriver as LocalDriver
+    from tl_core.driver_api._protocol import (
+        FEATURES as FEATURES,
+        Driver as Driver,
+        ForwardResult as ForwardResult,
+        NamespaceFacts as NamespaceFacts,
+        validate_driver as validate_driver,
+    )
+    from tl_core.driver_api._sampling import SamplingOptions as SamplingOptions
+    from tl_core.driver_api._tokenizers import (
+        ByteTokenizer as ByteTokenizer,
+        HFTokenizer as HFTokenizer,
+        Tokenizer as Tokenizer,
+        detect_bos_eos as detect_bos_eos,
+        padding_id as padding_id,
+    )
+    from tl_core.hooks._hook_point import HookPoint as HookPoint
+    from tl_core.hooks._model_info import ModelInfo as ModelInfo
+    from tl_core.hooks._namespace import HookNamespace as HookNamespace
+    from tl_core.hooks._order import forward_order as forward_order
+    from tl_core.hooks._vocabulary import canonical_hook_names as canonical_hook_names
+    from tl_core.specs._affine import AffineEdit as AffineEdit, compile_plan as compile_plan
+    from tl_core.specs._plan import InterventionPlan as InterventionPlan, build_plan as build_plan
+
+__getattr__, __dir__, __all__ = attach(
+    __name__,
+    {
+        "ModelReadout": "tl_core.cache._readout",
+        "TokenBatch": "tl_core.driver_api._batching",
+        "pad_batch": "tl_core.driver_api._batching",
+        "DriverEntry": "tl_core.driver_api._discovery",
+        "EngineRequirement": "tl_core.driver_api._discovery",
+        "InstalledDriver": "tl_core.driver_api._discovery",
+        "available_drivers": "tl_core.driver_api._discovery",
+        "clear_driver_cache": "tl_core.driver_api._discovery",
+        "get_driver_entry": "tl_core.driver_api._discovery",
+        "load_driver_class": "tl_core.driver_api._discovery",
+        "model_info_from_config": "tl_core.driver_api._hf_config",
+        "LocalDriver": "tl_core.driver_api._local",
+        "FEATURES": "tl_core.driver_api._protocol",
+        "Driver": "tl_core.driver_api._protocol",
+        "ForwardResult": "tl_core.driver_api._protocol",
+        "NamespaceFacts": "tl_core.driver_api._protocol",
+        "validate_driver": "tl_core.driver_api._protocol",
+        "SamplingOptions": "tl_core.driver_api._sampling",
+        "ByteTokenizer": "tl_core.driver_api._tokenizers",
+        "HFTokenizer": "tl_core.driver_api._tokenizers",
+        "Tokenizer": "tl_core.driver_api._tokenizers",
+        "detect_bos_eos": "tl_core.driver_api._tokenizers",
+        "padding_id": "tl_core.driver_api._tokenizers",
+        "HookPoint": "tl_core.hooks._hook_point",
+        "ModelInfo": "tl_core.hooks._model_info",
+        "HookNamespace": "tl_core.hooks._namespace",
+        "forward_order": "tl_core.hooks._order",
+        "canonical_hook_names": "tl_core.hooks._vocabulary",
+        "AffineEdit": "tl_core.specs._affine",
+        "compile_plan": "tl_core.specs._affine",
+        "InterventionPlan": "tl_core.specs._plan",
+        "build_plan": "tl_core.specs._plan",
+    },
+)

@@ -1,0 +1,111 @@
+"""``model_info_from_config``: the one reader of a transformers config's sizes.
+
+Every driver that loads HuggingFace checkpoints (hf, vllm, ...) reads the sizes here, so the
+same checkpoint reports the same ``ModelInfo`` on every driver; the driver supplies the
+structure it knows from its family table. Duck-typed: tl-core does not import transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from tl_core._errors import ConfigError
+from tl_core.hooks._model_info import ModelInfo
+
+__all__ = ["model_info_from_config"]
+
+# Config field names of each size, in the order families use them.
+_N_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_D_MODEL = ("hidden_size", "n_embd", "d_model")
+_N_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_N_CTX = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+_D_MLP = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+_ROTARY_FRACTION = ("partial_rotary_factor", "rotary_pct")
+
+
+def _first(config: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def model_info_from_config(
+    config: Any,
+    *,
+    normalization_type: Literal["LN", "RMS"] | None,
+    positional_embedding_type: Literal["standard", "rotary", "none"],
+    gated_mlp: bool,
+    parallel_attn_mlp: bool = False,
+    sandwich_norm: bool = False,
+    qk_norm: bool = False,
+    architecture: str | None = None,
+    n_ctx: int | None = None,
+    device: str = "cpu",
+) -> ModelInfo:
+    """The ``ModelInfo`` of a transformers config (text config for multimodal wrappers).
+
+    Args:
+        config: A ``PretrainedConfig`` or anything with its attributes.
+        normalization_type: The family's norm (``"LN"``, ``"RMS"`` or ``None``).
+        positional_embedding_type: ``"standard"`` (learned), ``"rotary"`` or ``"none"``.
+        gated_mlp: Whether the MLP has a gate projection.
+        parallel_attn_mlp: Whether attention and MLP read the same block input.
+        sandwich_norm: Whether each sublayer output is normalised.
+        qk_norm: Whether queries and keys are normalised.
+        architecture: The class name to report (default: ``config.architectures[0]``).
+        n_ctx: The longest input (default: the config's position limit, else 2048).
+        device: Where the bridge takes token ids (see ``ModelInfo.device``).
+
+    Returns:
+        Sizes from the config, structure as given.
+
+    Raises:
+        ConfigError: The config lacks the layer count, width or head count.
+    """
+    n_layers = _first(config, _N_LAYERS)
+    d_model = _first(config, _D_MODEL)
+    n_heads = _first(config, _N_HEADS)
+    name = architecture or str((getattr(config, "architectures", None) or ["<unknown>"])[0])
+    if n_layers is None or d_model is None or n_heads is None:
+        raise ConfigError(
+            f"the config of {name!r} lacks the layer count, width or head count (one of "
+            f"{_N_LAYERS}, {_D_MODEL}, {_N_HEADS}); is this a complete config.json of a "
+            f"causal language model?"
+        )
+    head_dim = getattr(config, "head_dim", None)
+    d_head = int(head_dim) if head_dim else int(d_model) // int(n_heads)
+    n_kv = getattr(config, "num_key_value_heads", None)
+    d_mlp = _first(config, _D_MLP)
+    limit = n_ctx if n_ctx is not None else _first(config, _N_CTX)
+    rotary_dim = None
+    # transformers 5 keeps rotary settings in ``rope_parameters``; older configs at the top.
+    rope = getattr(config, "rope_parameters", None)
+    rope = rope if isinstance(rope, dict) else {}
+    fraction = next((rope[k] for k in _ROTARY_FRACTION if rope.get(k) is not None), None)
+    fraction = fraction if fraction is not None else _first(config, _ROTARY_FRACTION)
+    if positional_embedding_type == "rotary" and fraction is not None and float(fraction) < 1.0:
+        rotary_dim = int(d_head * float(fraction))
+    explicit = getattr(config, "rotary_dim", None)
+    if positional_embedding_type == "rotary" and isinstance(explicit, int) and explicit < d_head:
+        rotary_dim = explicit
+    return ModelInfo(
+        n_layers=int(n_layers),
+        d_model=int(d_model),
+        n_heads=int(n_heads),
+        d_head=d_head,
+        d_mlp=int(d_mlp) if d_mlp else 4 * int(d_model),
+        d_vocab=int(config.vocab_size),
+        n_ctx=int(limit) if limit else 2048,
+        n_key_value_heads=int(n_kv) if n_kv else None,
+        normalization_type=normalization_type,
+        positional_embedding_type=positional_embedding_type,
+        gated_mlp=gated_mlp,
+        parallel_attn_mlp=parallel_attn_mlp,
+        sandwich_norm=sandwich_norm,
+        qk_norm=qk_norm,
+        rotary_dim=rotary_dim,
+        architecture=name,
+        device=device,
+    )
