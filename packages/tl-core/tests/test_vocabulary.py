@@ -56,6 +56,7 @@ QWEN3 = dataclasses.replace(LLAMA, qk_norm=True, architecture="qwen3-style")
 NEOX = dataclasses.replace(GPT2, parallel_attn_mlp=True, positional_embedding_type="rotary")
 NO_NORM = dataclasses.replace(GPT2, normalization_type=None)
 PARALLEL_NO_NORM = dataclasses.replace(NEOX, normalization_type=None)
+BLOOM = dataclasses.replace(GPT2, positional_embedding_type="none", embed_norm=True)
 
 REQUIREMENTS = {
     None,
@@ -63,6 +64,7 @@ REQUIREMENTS = {
     "rotary",
     "gated_mlp",
     "mlp_norm_input",
+    "embed_norm",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -113,7 +115,7 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
         "blocks.{i}.hook_out",
         "unembed.hook_out",
     }
-    for norm in ("blocks.{i}.ln1", "blocks.{i}.ln1_post", "blocks.{i}.ln2_post", "ln_final"):
+    for norm in ("blocks.{i}.ln1", "blocks.{i}.ln1_post", "blocks.{i}.ln2_post", "ln_final", "embed_ln"):
         expected |= {f"{norm}.hook_{s}" for s in ("in", "scale", "normalized", "out")}
     expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
     # QK-norm sites, as TransformerLens 4.x names them.
@@ -402,6 +404,9 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (GPT2, "rotary_emb.hook_cos", "structurally_absent", "blocks.0.attn.hook_cos"),
         (LLAMA, "pos_embed.hook_in", "structurally_absent", "pos_embed.hook_in"),
         (GPT2, "hook_tokens", "alias", "embed.hook_in"),
+        (GPT2, "hook_embed", "alias", "embed.hook_out"),
+        (BLOOM, "hook_embed", "alias", "embed_ln.hook_out"),
+        (GPT2, "embed_ln.hook_out", "structurally_absent", "embed_ln.hook_out"),
         (NEOX, "blocks.1.ln2.hook_normalized", "canonical", "blocks.1.ln2.hook_normalized"),
         (NO_NORM, "blocks.1.ln1.hook_scale", "structurally_absent", "blocks.1.ln1.hook_scale"),
         (NO_NORM, "blocks.1.hook_resid_mid", "alias", "blocks.1.ln2.hook_in"),

@@ -16,7 +16,8 @@ from typing import Any
 # projection), pre_linear (up), gate_up (fused [gate|up]), down, q_norm/k_norm (inside
 # attn); flags: rotary, rotary_table (attention receives its cos/sin table as the
 # position_embeddings argument), conv1d (weights stored [in, out]), norm ("layernorm",
-# "rms" or "rms_plus_one"), qk_norm_flat (the QK-norms see all heads of a position).
+# "rms" or "rms_plus_one"), qk_norm_flat (the QK-norms see all heads of a position),
+# qk_norm_heads_first (the QK-norms see [b, h, p, dh]).
 _LLAMA = {
     "embed": "model.embed_tokens",
     "layers": "model.layers",
@@ -75,7 +76,7 @@ PATHS: dict[str, dict[str, Any]] = {
     },
     "gemma": {**_LLAMA, "norm": "rms_plus_one"},
     "gemma2": {**_SANDWICH, "norm": "rms_plus_one"},
-    "gemma3": {**_SANDWICH, **_QK_NORM, "norm": "rms_plus_one"},
+    "gemma3": {**_SANDWICH, **_QK_NORM, "qk_norm_heads_first": True, "norm": "rms_plus_one"},
     "stablelm": {**_LLAMA, "norm": "layernorm"},
     "olmo2": {
         **{k: v for k, v in _LLAMA.items() if k not in ("ln1", "ln2")},
@@ -168,6 +169,7 @@ PATHS: dict[str, dict[str, Any]] = {
     },
     "bloom": {
         "embed": "transformer.word_embeddings",
+        "embed_norm": "transformer.word_embeddings_layernorm",
         "layers": "transformer.h",
         "final": "transformer.ln_f",
         "head": "lm_head",

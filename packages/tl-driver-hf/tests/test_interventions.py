@@ -198,3 +198,27 @@ def test_residual_gradients_match_transformers_autograd(
     bridge.zero_grad()
     assert expected is not None
     torch.testing.assert_close(grads["g"], expected, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2"])
+def test_tl_names_resolve_against_the_model_for_capture_specs_and_cache(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
+    # TransformerLens's hook_attn_out is what attention adds to the residual stream: on a
+    # sandwich-norm model the post-attention norm's output, not the attention module's.
+    post, module = "blocks.0.ln1_post.hook_out", "blocks.0.attn.hook_out"
+    assert bridge.namespace.lookup("blocks.0.hook_attn_out") == post
+    with torch.no_grad():
+        _, clean = bridge.run_with_cache(ids, names_filter=[post, module])
+        by_alias, edited = bridge.run_with_cache(
+            ids, names_filter=["blocks.0.hook_attn_out", module],
+            intervene={"blocks.0.hook_attn_out": {"op": "scale", "factor": 0.25}},
+        )
+        by_name = bridge(ids, intervene={post: {"op": "scale", "factor": 0.25}})
+    torch.testing.assert_close(edited[post], clean[post] * 0.25)
+    torch.testing.assert_close(edited[module], clean[module])
+    assert edited["blocks.0.hook_attn_out"] is edited[post]
+    torch.testing.assert_close(by_alias, by_name)
+    seen: list[str] = []
+    bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_attn_out", lambda x, hook: seen.append(hook.name))])
+    assert seen == [post]

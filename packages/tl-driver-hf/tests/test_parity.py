@@ -91,15 +91,18 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
 
         return hook
 
-    def norm(prefix: str, module: nn.Module, heads: int | None = None) -> None:
+    def norm(prefix: str, module: nn.Module, heads: int | None = None, heads_first: bool = False) -> None:
         # heads: the norm sees all heads of a position flat (OLMo 2's QK-norm); tl serves
-        # its sites per head, the scale repeated for every head.
+        # its sites per head, the scale repeated for every head. heads_first: the norm sees
+        # [b, h, p, dh] (Gemma 3); tl serves [b, p, h, dh].
         def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
             scale, normalized = _scale_and_normalized(args[0], mod, layernorm)
             x, out = args[0].detach(), out.detach()
             if heads is not None:
                 x, out, normalized = (_heads(v, d_head) for v in (x, out, normalized))
                 scale = scale[..., None, :].expand(*scale.shape[:-1], heads, 1)
+            if heads_first:
+                x, out, normalized, scale = (v.transpose(1, 2) for v in (x, out, normalized, scale))
             values[f"{prefix}.hook_in"] = x
             values[f"{prefix}.hook_scale"] = scale
             values[f"{prefix}.hook_normalized"] = normalized
@@ -119,6 +122,8 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
     values["embed.hook_in"] = ids
     # The embedding module's own output: Gemma's scales its lookup by sqrt(d_model).
     handles.append(get(paths["embed"]).register_forward_hook(post("embed.hook_out")))
+    if "embed_norm" in paths:
+        norm("embed_ln", get(paths["embed_norm"]))
     if "pos" in paths:
         positions = torch.arange(ids.shape[1])
         values["pos_embed.hook_in"] = positions.expand(*ids.shape)
@@ -157,7 +162,8 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         for role, heads in (("q_norm", n_heads), ("k_norm", n_kv)):
             if role in paths:
                 flat = heads if paths.get("qk_norm_flat") else None
-                norm(f"{b}attn.{role}", attn.get_submodule(paths[role]), flat)
+                first = bool(paths.get("qk_norm_heads_first"))
+                norm(f"{b}attn.{role}", attn.get_submodule(paths[role]), flat, first)
         if paths.get("rotary_table"):
             handles.append(attn.register_forward_pre_hook(table(b + "attn."), with_kwargs=True))
         mlp = layer.get_submodule(paths["mlp"])
@@ -272,3 +278,16 @@ def test_non_fireable_hooks_say_why(family: str, bridge: TransformerBridge) -> N
         with pytest.raises(Exception, match="structurally absent" if absent else "cannot fire") as info:
             bridge.run_with_cache("x", names_filter=[name])
         assert absent or reason in str(info.value)
+
+
+def test_every_served_hook_has_its_canonical_layout(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+    """Shapes follow the vocabulary's layout whatever the family's own layout is."""
+    namespace = bridge.namespace
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids)
+    batch, pos = ids.shape
+    for name in namespace.served:
+        shape = namespace.feature_shape(name)
+        # Attention scores and patterns are [b, h, q, k]; everything else [b, p, ...].
+        expected = (batch, bridge.cfg.n_heads, pos, pos) if shape is None else (batch, pos, *shape)
+        assert tuple(cache[name].shape) == expected, name

@@ -6,7 +6,7 @@ module can be retired in favour of ``TransformerBridge.boot_transformers(folder)
 edited, with the specs compiled by tl-core) at the matching ``transformers`` module, with
 the same conventions as the vllm driver: edits run before captures at a hook; the residual
 between attention and MLP is edited in place so the residual path sees the edit; Gemma's
-``embed.hook_out`` is the embedding before the sqrt(d_model) scaling.
+``embed.hook_out`` is the embedding module's output, its sqrt(d_model) scale included.
 """
 
 from __future__ import annotations
@@ -15,10 +15,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from tl_core import InterventionSpec, build_plan, canonical_name, compile_specs
+from tl_core import InterventionSpec
+from tl_core.driver_api import (
+    HookNamespace,
+    build_plan,
+    canonical_hook_names,
+    compile_specs,
+    model_info_from_config,
+)
 
 _SITES = {
     "gemma2": ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
@@ -45,6 +51,15 @@ class Reference:
         self.norm = self.base.ln_f if self.gpt2 else self.base.norm
         self.d_model = config.hidden_size
         self.eps = config.layer_norm_epsilon if self.gpt2 else config.rms_norm_eps
+        # Names resolve against this model's own structure, written out here.
+        info = model_info_from_config(
+            config,
+            normalization_type="LN" if self.gpt2 else "RMS",
+            positional_embedding_type="standard" if self.gpt2 else "rotary",
+            gated_mlp=not self.gpt2,
+            sandwich_norm=self.kind in _SITES,
+        )
+        self.namespace = HookNamespace.build(info, canonical_hook_names(info), driver="reference")
 
     # -- specs ---------------------------------------------------------------------------
 
@@ -52,14 +67,7 @@ class Reference:
         """Canonical hooks and absolute positions for one prompt's ``intervene`` mapping."""
         if not intervene:
             return {}
-        plan = build_plan(
-            intervene,
-            lengths=[length],
-            resolve_name=canonical_name,
-            fireable=lambda name: True,
-            feature_shape=lambda name: (self.d_model,),
-            allow_callables=False,
-        )
+        plan = build_plan(intervene, lengths=[length], namespace=self.namespace, allow_callables=False)
         return dict(plan.per_prompt[0])
 
     # -- running -----------------------------------------------------------------------
@@ -147,14 +155,14 @@ class Reference:
             handles.append(module.register_forward_pre_hook(hook))
 
         embed = self.base.wte if self.gpt2 else self.base.embed_tokens
-        if self.kind in ("gemma", "gemma2"):
-            def scaled(mod: Any, args: Any, output: Any) -> Any:
-                raw = visit("embed.hook_out", F.embedding(args[0], mod.weight))
-                return raw * mod.embed_scale.to(mod.weight.dtype)
+        if "embed.hook_in" in capture:
+            def ids_in(mod: Any, args: Any) -> None:
+                store["embed.hook_in"] = args[0][:, :prompt_len].clone()
 
-            handles.append(embed.register_forward_hook(scaled))
-        else:
-            out_hook(embed, "embed.hook_out")
+            handles.append(embed.register_forward_pre_hook(ids_in))
+        if "pos_embed.hook_in" in capture:
+            store["pos_embed.hook_in"] = torch.arange(prompt_len)[None]
+        out_hook(embed, "embed.hook_out")
         if self.gpt2:
             out_hook(self.base.wpe, "pos_embed.hook_out")
         for i, layer in enumerate(self.layers):

@@ -10,16 +10,18 @@ torch = pytest.importorskip("torch")
 
 from tl_core import (  # noqa: E402
     ConfigError,
+    HookNameError,
     InterventionSpec,
     ModelInfo,
+    SpecError,
     TLError,
     UserError,
     canonical_hook_names,
-    get_driver_entry,
 )
+from tl_core.driver_api import get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
 from tl_driver_vllm._families import LAYOUTS, layout_for, model_info  # noqa: E402
-from tl_driver_vllm._hooks import hook_table  # noqa: E402
+from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace  # noqa: E402
 from tl_driver_vllm._merge import edit_table, merge_results, pad_rows  # noqa: E402
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
@@ -123,21 +125,32 @@ def _info(arch: str, sandwich: bool = False) -> ModelInfo:
         n_layers=2, d_model=64, n_heads=2, d_head=32, d_mlp=128, d_vocab=300, n_ctx=64,
         normalization_type="LN" if gpt2 else "RMS",
         positional_embedding_type="standard" if gpt2 else "rotary",
-        gated_mlp=not gpt2, sandwich_norm=sandwich, architecture=arch,
+        gated_mlp=not gpt2, sandwich_norm=sandwich, qk_norm=arch.startswith("Qwen3"),
+        architecture=arch,
     )
 
 
 @pytest.mark.parametrize("arch", sorted(LAYOUTS))
-def test_hook_table_partitions_the_vocabulary(arch: str) -> None:
+def test_namespace_partitions_the_vocabulary(arch: str) -> None:
     layout = layout_for(arch)
     info = _info(arch, sandwich=layout.ln1_post is not None)
-    table = hook_table(info, layout)
+    namespace = hook_namespace(info, layout)
     every = set(canonical_hook_names(info, include_attn_result=True))
-    assert table.served | set(table.non_fireable) == every
-    assert not table.served & set(table.non_fireable)
-    assert table.editable < table.served and "unembed.hook_out" not in table.editable
-    assert "fused attention" in table.non_fireable["blocks.1.attn.hook_pattern"]
-    assert all(reason for reason in table.non_fireable.values())
+    assert namespace.served | namespace.non_fireable >= every
+    assert not namespace.served & namespace.non_fireable
+    assert namespace.editable < namespace.served
+    assert not namespace.editable & ({"unembed.hook_out"} | INPUT_SITES)
+    assert "fused attention" in namespace.non_fireable_reasons["blocks.1.attn.hook_pattern"]
+    assert all(namespace.reasons[n] for n in namespace.non_fireable | namespace.read_only)
+    # Names resolve against the model, the same way for capture and specs.
+    if layout.ln1_post is not None:
+        assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.ln1_post.hook_out"
+    else:
+        assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.attn.hook_out"
+    with pytest.raises(HookNameError, match="rotary kernel|structurally absent"):
+        namespace.lookup("blocks.0.attn.hook_cos")
+    with pytest.raises(SpecError, match="last position only"):
+        namespace.lookup("unembed.hook_out", edit=True)
 
 
 def test_model_info_from_configs_and_unsupported_families() -> None:

@@ -42,6 +42,7 @@ class ModelModules:
     """The model-level modules and every layer's modules."""
 
     embed: nn.Module
+    embed_norm: nn.Module | None
     pos_embed: nn.Module | None
     layers: tuple[LayerModules, ...]
     final_norm: nn.Module
@@ -107,6 +108,7 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
         )
     return ModelModules(
         embed=_need(model, adapter.embed, "", adapter),
+        embed_norm=_get(model, adapter.embed_norm, "", adapter),
         pos_embed=_get(model, adapter.pos_embed, "", adapter),
         layers=tuple(layers),
         final_norm=_need(model, adapter.final_norm, "", adapter),

@@ -173,24 +173,50 @@ def _rotary_hook(cos: HookPoint | None, sin: HookPoint | None) -> Callable[..., 
     return hook
 
 
-def _as_heads(x: torch.Tensor, heads: int | None) -> torch.Tensor:
-    return x if heads is None else torch.unflatten(x, -1, (heads, x.shape[-1] // heads))
+class HeadView:
+    """How a QK-norm's tensors are laid out relative to tl's ``b p h dh``.
+
+    ``"positions_first"`` (Qwen3) is tl's own layout; ``"heads_first"`` (Gemma 3) norms a
+    ``b h p dh`` tensor; ``"flat"`` (OLMo 2) norms the flat projection ``b p (h dh)``, one
+    scale per position, which tl serves repeated for every head.
+    """
+
+    def __init__(self, layout: str, heads: int) -> None:
+        self.layout, self.heads = layout, heads
+
+    def to_tl(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's tensor in tl's layout (a view)."""
+        if self.layout == "heads_first":
+            return x.transpose(1, 2)
+        if self.layout == "flat":
+            return torch.unflatten(x, -1, (self.heads, x.shape[-1] // self.heads))
+        return x
+
+    def to_model(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor in tl's layout back in the model's."""
+        if self.layout == "heads_first":
+            return x.transpose(1, 2)
+        if self.layout == "flat":
+            return x.flatten(-2)
+        return x
+
+    def scale_to_tl(self, s: torch.Tensor) -> torch.Tensor:
+        """The norm's ``[..., 1]`` scale in tl's ``b p h 1`` layout."""
+        if self.layout == "flat":
+            return s.unsqueeze(-2).expand(*s.shape[:-1], self.heads, 1).contiguous()
+        return self.to_tl(s)
 
 
-def _as_flat(x: torch.Tensor, heads: int | None) -> torch.Tensor:
-    return x if heads is None else x.flatten(-2)
-
-
-def _flat_input_hook(point: HookPoint, heads: int) -> Callable[..., Any]:
-    """Fire a ``b p h dh`` hook on a module input laid out flat, ``b p (h dh)``."""
+def _viewed_input_hook(point: HookPoint, view: HeadView) -> Callable[..., Any]:
+    """Fire a ``b p h dh`` hook on a norm input laid out the model's way."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         x = _input_of(args, kwargs)
-        seen = _as_heads(x, heads)
+        seen = view.to_tl(x)
         out = point(seen)
         if out is seen and not point.has_backward_hooks:
             return None
-        return _with_input(args, kwargs, out.flatten(-2))
+        return _with_input(args, kwargs, view.to_model(out))
 
     return hook
 
@@ -200,12 +226,12 @@ def _norm_hook(
     scale: HookPoint | None,
     normed: HookPoint | None,
     out: HookPoint | None,
-    heads: int | None = None,
+    view: HeadView | None = None,
 ) -> Callable[..., Any]:
     """Fire a norm's scale, normalized and output hooks; rebuild the output after edits.
 
-    With ``heads``, the norm sees a flat ``b p (h dh)`` input over all heads (OLMo 2's
-    QK-norm) and the hooks fire per head: the scale of a position repeated for each head.
+    With a ``view`` (QK-norms) the hooks fire in tl's per-head layout whatever layout the
+    model normalises in.
     """
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
@@ -213,20 +239,20 @@ def _norm_hook(
         if (scale is not None and scale.has_hooks) or (normed is not None and normed.has_hooks):
             x = args[0]
             centred, s, n = normalize(x, kind, norm_eps(module))
-            centred, n = _as_heads(centred, heads), _as_heads(n, heads)
-            if heads is not None:
-                s = s.unsqueeze(-2).expand(*s.shape[:-1], heads, 1).contiguous()
+            if view is not None:
+                centred, s, n = view.to_tl(centred), view.scale_to_tl(s), view.to_tl(n)
             new_s = scale(s) if scale is not None and scale.has_hooks else s
             if new_s is not s or _has_bwd(scale):
                 n = centred / new_s
             new_n = normed(n) if normed is not None and normed.has_hooks else n
             if new_n is not n or new_s is not s or _has_bwd(scale, normed):
-                result = apply_weight(_as_flat(new_n, heads), module, kind, x.dtype)
+                weighted = new_n if view is None else view.to_model(new_n)
+                result = apply_weight(weighted, module, kind, x.dtype)
         if out is not None and out.has_hooks:
-            seen = _as_heads(result, heads)
+            seen = result if view is None else view.to_tl(result)
             edited = out(seen)
-            if edited is not seen or (heads is not None and out.has_backward_hooks):
-                result = _as_flat(edited, heads)
+            if edited is not seen or (view is not None and out.has_backward_hooks):
+                result = edited if view is None else view.to_model(edited)
         return None if result is output else result
 
     return hook
@@ -293,6 +319,7 @@ class Wiring:
         if self._active("embed.hook_out"):
             # The module's own output: Gemma's scaled lookup, as it enters the residual.
             handles.append(m.embed.register_forward_hook(_output_hook(self.points["embed.hook_out"])))
+        self._install_norm("embed_ln", m.embed_norm, handles)
         if m.pos_embed is not None and self._active("pos_embed.hook_in"):
             # OPT passes position_ids by keyword (and adds its offset inside the module).
             hook = _ids_hook(self.points["pos_embed.hook_in"], "position_ids")
@@ -313,17 +340,17 @@ class Wiring:
         handles: list[RemovableHandle],
         *,
         with_input: bool = True,
-        heads: int | None = None,
+        view: HeadView | None = None,
     ) -> None:
         if module is None:
             return
         if with_input and self._active(f"{prefix}.hook_in"):
             point = self.points[f"{prefix}.hook_in"]
-            pre = _input_hook(point) if heads is None else _flat_input_hook(point, heads)
+            pre = _input_hook(point) if view is None else _viewed_input_hook(point, view)
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         names = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out"]
         if self._active(*names):
-            hook = _norm_hook(self.adapter.norm, *(self._point(n) for n in names), heads=heads)
+            hook = _norm_hook(self.adapter.norm, *(self._point(n) for n in names), view=view)
             handles.append(module.register_forward_hook(hook))
 
     def _install_layer(self, i: int, layer: LayerModules, state: RunState, handles: list[RemovableHandle]) -> None:
@@ -399,8 +426,8 @@ class Wiring:
             ("q_norm", layer.q_norm, self.n_heads),
             ("k_norm", layer.k_norm, self.n_kv_heads),
         ):
-            flat = None if self.adapter.qk_norm_per_head else heads
-            self._install_norm(f"{b}attn.{name}", module, handles, heads=flat)
+            view = HeadView(self.adapter.qk_norm_layout, heads)
+            self._install_norm(f"{b}attn.{name}", module, handles, view=view)
 
     def _install_mlp(self, p: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
         pre, lin, post = (self._point(p + n) for n in ("hook_pre", "hook_pre_linear", "hook_post"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tl_core import DriverEntry, EngineRequirement
+from tl_core.driver_api import DriverEntry, EngineRequirement
 from tl_driver_vllm._version import __version__
 
 if TYPE_CHECKING:

@@ -9,24 +9,21 @@ from typing import Any
 
 import torch
 
-from tl_core import (
+from tl_core import ModelInfo, UserError
+from tl_core.driver_api import (
     ForwardResult,
-    HookNameError,
-    ModelInfo,
+    HFTokenizer,
     ModelReadout,
-    UserError,
+    NamespaceFacts,
     build_plan,
-    canonical_name,
-    suggest_names,
 )
 from tl_driver_vllm._families import layout_for, model_info
-from tl_driver_vllm._hooks import hook_table
+from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
 from tl_driver_vllm._lifecycle import children, shutdown, socket_files
 from tl_driver_vllm._merge import edit_table, merge_results, pad_rows
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
 from tl_driver_vllm._run_state import TAG_KEY
-from tl_driver_vllm._tokenizer import HFTokenizer
 from tl_driver_vllm._wire import unpack
 
 __all__ = ["VLLMDriver"]
@@ -34,7 +31,7 @@ __all__ = ["VLLMDriver"]
 _FEATURES = frozenset({"generation", "batching", "position_interventions"})
 
 
-class VLLMDriver:
+class VLLMDriver(NamespaceFacts):
     """A vLLM engine serving tl's hooks; boot it with ``RemoteBridge.boot_vllm``.
 
     Captures and declarative interventions run inside the engine's workers, at every step
@@ -46,14 +43,9 @@ class VLLMDriver:
 
     def __init__(self, llm: Any, info: ModelInfo, tokenizer: HFTokenizer, *, positions: bool) -> None:
         self._llm: Any | None = llm
-        self.info = info
         self.tokenizer = tokenizer
         self._layout = layout_for(info.architecture)
-        table = hook_table(info, self._layout)
-        self.supported_hook_points = table.served
-        self.editable_hook_points = table.editable
-        self.non_fireable_reasons: dict[str, str] = table.non_fireable
-        self.non_fireable_hook_points = frozenset(table.non_fireable)
+        self.namespace = hook_namespace(info, self._layout)
         self._positions = positions
         self._runs = itertools.count()
         self._readout: ModelReadout | None = None
@@ -143,6 +135,11 @@ class VLLMDriver:
 
     # -- facts ------------------------------------------------------------------------
 
+    @property
+    def info(self) -> ModelInfo:
+        """The model's sizes and structure."""
+        return self.namespace.info
+
     def supports(self, feature: str) -> bool:
         """Whether the driver has ``feature`` (generation, batching, position_interventions)."""
         if feature == "position_interventions":
@@ -168,23 +165,6 @@ class VLLMDriver:
                 logit_softcap=first["softcap"],
             )
         return self._readout
-
-    def resolve_hook(self, name: str) -> str:
-        """The canonical name of ``name`` if this driver serves it.
-
-        Raises:
-            HookNameError: Unknown, non-fireable (with the reason) or absent hooks.
-        """
-        canonical = canonical_name(name, info=self.info)
-        if canonical in self.supported_hook_points:
-            return canonical
-        reason = self.non_fireable_reasons.get(canonical)
-        shown = repr(name) if name == canonical else f"{name!r} ({canonical!r})"
-        if reason is not None:
-            raise HookNameError(f"driver 'vllm' cannot fire {shown}: {reason}")
-        close = suggest_names(canonical, self.supported_hook_points)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise HookNameError(f"driver 'vllm' does not serve hook {shown} on this model.{hint}")
 
     # -- running ----------------------------------------------------------------------
 
@@ -231,15 +211,8 @@ class VLLMDriver:
         rows = token_rows(input_ids)
         lengths = tuple(len(r) for r in rows)
         check_tokens(rows, max_new_tokens, vocab=self.info.d_vocab, limit=self.info.n_ctx)
-        names = list(dict.fromkeys(self.resolve_hook(n) for n in capture))
-        plan = build_plan(
-            intervene,
-            lengths=lengths,
-            resolve_name=self.resolve_hook,
-            fireable=self.editable_hook_points,
-            feature_shape=lambda hook: (self.info.d_vocab,) if hook.startswith("unembed") else (self.info.d_model,),
-            allow_callables=False,
-        )
+        names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
+        plan = build_plan(intervene, lengths=lengths, namespace=self.namespace, allow_callables=False)
         if not self._positions:
             refuse_positions(plan.per_prompt)
         return self._run(llm, rows, lengths, names, plan, max_new_tokens, return_logits, sampling, stop_at_eos)
@@ -260,11 +233,13 @@ class VLLMDriver:
 
         run = next(self._runs)
         tags = [f"r{run}-{b}" for b in range(len(rows))]
+        inputs = [n for n in names if n in INPUT_SITES]
+        engine_names = [n for n in names if n not in INPUT_SITES]
         requests = {}
         for tag, specs_by_hook, length in zip(tags, plan.per_prompt, lengths, strict=True):
             requests[tag] = {
                 "length": length,
-                "capture": names,
+                "capture": engine_names,
                 "logits": return_logits,
                 "edits": {
                     hook: edit_table(specs, length=length, width=self.info.d_model)
@@ -295,7 +270,8 @@ class VLLMDriver:
         merged = merge_results(results, vocab=self.info.d_vocab, check_ranks=check)
         self._ranks_checked = True
         per_tag = [merged.get(tag, {}) for tag in tags]
-        captured = {name: pad_rows([m.get(name) for m in per_tag], lengths) for name in names}
+        captured = {n: pad_rows([m.get(n) for m in per_tag], lengths) for n in engine_names}
+        captured.update(_input_sites(inputs, rows, lengths))
         logits = pad_rows([m.get("logits") for m in per_tag], lengths) if return_logits else None
         new_tokens = None
         if max_new_tokens >= 1:
@@ -319,3 +295,14 @@ class VLLMDriver:
         llm, self._llm = self._llm, None
         if llm is not None:
             shutdown(llm, self._sockets, self._processes)
+
+
+def _input_sites(
+    names: Sequence[str], rows: Sequence[Sequence[int]], lengths: Sequence[int]
+) -> dict[str, torch.Tensor]:
+    """Token ids and position ids of each prompt, as the engine received them."""
+    per_site = {
+        "embed.hook_in": [torch.tensor(row, dtype=torch.long) for row in rows],
+        "pos_embed.hook_in": [torch.arange(n, dtype=torch.long) for n in lengths],
+    }
+    return {name: pad_rows(per_site[name], lengths) for name in names}

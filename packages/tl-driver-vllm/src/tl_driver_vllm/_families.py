@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tl_core import ConfigError, ModelInfo
+from tl_core.driver_api import model_info_from_config
 
 __all__ = ["LAYOUTS", "Layout", "layout_for", "model_info"]
 
@@ -39,6 +40,9 @@ class Layout:
             ``"ln"`` (LayerNorm with bias).
         lm_head: Unembedding module: ``"lm_head"`` on the top-level model, or ``"embed"``
             when the model projects with its (tied) token embedding directly.
+        embed_scaled: Whether the model multiplies the embedding by ``sqrt(d_model)`` after
+            the embedding module (Gemma): ``embed.hook_out`` is then read where that value
+            enters block 0.
     """
 
     inner: str
@@ -54,6 +58,7 @@ class Layout:
     residual_pair: bool
     norm: NormKind
     lm_head: Literal["lm_head", "embed"]
+    embed_scaled: bool = False
 
 
 _LLAMA = Layout(
@@ -71,7 +76,7 @@ _LLAMA = Layout(
     norm="rms",
     lm_head="lm_head",
 )
-_GEMMA = Layout(**{**_LLAMA.__dict__, "norm": "gemma_rms"})
+_GEMMA = Layout(**{**_LLAMA.__dict__, "norm": "gemma_rms", "embed_scaled": True})
 _GEMMA2 = Layout(
     **{
         **_GEMMA.__dict__,
@@ -132,14 +137,6 @@ def layout_for(architecture: str) -> Layout:
     return layout
 
 
-def _get(config: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
-
-
 def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
     """Build the ``ModelInfo`` of a checkpoint from its ``transformers`` config.
 
@@ -148,37 +145,21 @@ def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
         max_model_len: The engine's context limit, when known (else the config's).
 
     Returns:
-        The model's sizes and structure.
+        Sizes from tl-core's config reader, structure from the family's layout.
 
     Raises:
         ConfigError: Unsupported architecture or a config missing a size.
     """
     architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
     layout = layout_for(architecture)
-    d_model = _get(config, "hidden_size", "n_embd")
-    n_heads = _get(config, "num_attention_heads", "n_head")
-    n_layers = _get(config, "num_hidden_layers", "n_layer")
-    if d_model is None or n_heads is None or n_layers is None:
-        raise ConfigError(
-            f"config of {architecture!r} lacks hidden_size, num_attention_heads or "
-            "num_hidden_layers; is this a complete transformers config.json?"
-        )
-    d_head = _get(config, "head_dim", default=d_model // n_heads)
     gpt2 = layout.norm == "ln"
-    n_ctx = max_model_len or _get(config, "max_position_embeddings", "n_positions", default=0)
-    return ModelInfo(
-        n_layers=int(n_layers),
-        d_model=int(d_model),
-        n_heads=int(n_heads),
-        d_head=int(d_head),
-        d_mlp=int(_get(config, "intermediate_size", "n_inner", default=4 * d_model)),
-        d_vocab=int(config.vocab_size),
-        n_ctx=int(n_ctx),
-        n_key_value_heads=int(_get(config, "num_key_value_heads", default=n_heads)),
+    return model_info_from_config(
+        config,
         normalization_type="LN" if gpt2 else "RMS",
         positional_embedding_type="standard" if gpt2 else "rotary",
         gated_mlp=not gpt2,
-        parallel_attn_mlp=False,
         sandwich_norm=layout.ln1_post is not None,
+        qk_norm=architecture == "Qwen3ForCausalLM",
         architecture=architecture,
+        n_ctx=max_model_len,
     )

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from tl_core import InterventionSpec, TLError, compile_specs
+from tl_core import InterventionSpec, TLError
+from tl_core.driver_api import compile_specs
 from tl_driver_vllm._wire import pack, unpack
 
 __all__ = ["edit_table", "merge_results", "pad_rows"]

@@ -154,12 +154,17 @@ def install_sites(model: nn.Module, layout: Layout, n_layers: int, state: RunSta
         if module is not None and kept:
             handles.append(module.register_forward_hook(_Out(state, kept)))
 
-    out(_sub(inner, layout.embed), "embed.hook_out")
+    if not layout.embed_scaled:
+        out(_sub(inner, layout.embed), "embed.hook_out")
     if layout.pos_embed:
         out(_sub(inner, layout.pos_embed), "pos_embed.hook_out")
     final_norm = _sub(inner, layout.final_norm)
     for k in range(n_layers + 1):
         names = [f"blocks.{k - 1}.hook_out"] if k else []
+        if k == 0 and layout.embed_scaled:
+            # Gemma scales the embedding after its module: the embedding as it enters the
+            # residual stream is block 0's input (no position embedding comes between).
+            names.append("embed.hook_out")
         names.append("ln_final.hook_in" if k == n_layers else f"blocks.{k}.hook_in")
         derived = ("ln_final.hook_scale", "ln_final.hook_normalized") if k == n_layers else ()
         kept = want(*names)

@@ -25,7 +25,7 @@ from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
-from tl_core.hooks._vocabulary import split_canonical
+from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
 
 __all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
 
@@ -615,7 +615,7 @@ def _reached(name: str, stop: int) -> bool:
     layer = None if split is None else split[1]
     if layer is not None:
         return layer < stop
-    return name.startswith(("embed.", "pos_embed."))
+    return name in BEFORE_BLOCKS
 
 
 class _GradCapture:

@@ -46,7 +46,11 @@ if TYPE_CHECKING:
     from tl_core.hooks._namespace import HookNamespace as HookNamespace
     from tl_core.hooks._order import forward_order as forward_order
     from tl_core.hooks._vocabulary import canonical_hook_names as canonical_hook_names
-    from tl_core.specs._affine import AffineEdit as AffineEdit, compile_plan as compile_plan
+    from tl_core.specs._affine import (
+        AffineEdit as AffineEdit,
+        compile_plan as compile_plan,
+        compile_specs as compile_specs,
+    )
     from tl_core.specs._plan import InterventionPlan as InterventionPlan, build_plan as build_plan
 
 __getattr__, __dir__, __all__ = attach(
@@ -82,6 +86,7 @@ __getattr__, __dir__, __all__ = attach(
         "canonical_hook_names": "tl_core.hooks._vocabulary",
         "AffineEdit": "tl_core.specs._affine",
         "compile_plan": "tl_core.specs._affine",
+        "compile_specs": "tl_core.specs._affine",
         "InterventionPlan": "tl_core.specs._plan",
         "build_plan": "tl_core.specs._plan",
     },

@@ -40,6 +40,7 @@ def model_info_from_config(
     parallel_attn_mlp: bool = False,
     sandwich_norm: bool = False,
     qk_norm: bool = False,
+    embed_norm: bool = False,
     architecture: str | None = None,
     n_ctx: int | None = None,
     device: str = "cpu",
@@ -54,6 +55,7 @@ def model_info_from_config(
         parallel_attn_mlp: Whether attention and MLP read the same block input.
         sandwich_norm: Whether each sublayer output is normalised.
         qk_norm: Whether queries and keys are normalised.
+        embed_norm: Whether the embedding is normalised before the first block.
         architecture: The class name to report (default: ``config.architectures[0]``).
         n_ctx: The longest input (default: the config's position limit, else 2048).
         device: Where the bridge takes token ids (see ``ModelInfo.device``).
@@ -105,6 +107,7 @@ def model_info_from_config(
         parallel_attn_mlp=parallel_attn_mlp,
         sandwich_norm=sandwich_norm,
         qk_norm=qk_norm,
+        embed_norm=embed_norm,
         rotary_dim=rotary_dim,
         architecture=name,
         device=device,

@@ -126,8 +126,21 @@ def _resid_mid(family: HookFamily) -> Rule:
     )
 
 
+def _embed_norm(info: ModelInfo) -> bool:
+    return info.embed_norm
+
+
 _LEGACY: dict[str, Rule] = {
-    "hook_embed": _legacy("embed.hook_out"),
+    "hook_embed": Rule(
+        "legacy",
+        _alias(
+            "embed.hook_out",
+            "The embedding as it enters the residual stream: on models with an embedding "
+            "norm (BLOOM) that norm's output, embed_ln.hook_out; pass info= to resolve per "
+            "model.",
+        ),
+        ((_embed_norm, _alias("embed_ln.hook_out", "After the embedding norm.")),),
+    ),
     "hook_pos_embed": _legacy(
         "pos_embed.hook_out",
         "Learned positions only; on rotary models TransformerBridge serves the rotary "

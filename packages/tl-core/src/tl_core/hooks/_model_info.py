@@ -27,6 +27,8 @@ class ModelInfo:
         parallel_attn_mlp: Whether attention and MLP read the same block input (GPT-J,
             NeoX): then ``ln2.hook_in`` / ``hook_resid_mid`` does not exist.
         sandwich_norm: Whether each sublayer is followed by its own norm (Gemma 2/3, OLMo 2).
+        embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
+            then ``embed_ln.*`` exist.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
             (Qwen3, Gemma 3, OLMo 2): then ``attn.q_norm.*`` and ``attn.k_norm.*`` exist.
         rotary_dim: Width of the rotated part of each head (``None``: the whole head);
@@ -50,6 +52,7 @@ class ModelInfo:
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
     sandwich_norm: bool = False
+    embed_norm: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
     architecture: str = ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tl_core.hooks._vocabulary import CANONICAL_TEMPLATES, split_canonical
+from tl_core.hooks._vocabulary import BEFORE_BLOCKS, CANONICAL_TEMPLATES, split_canonical
 
 __all__ = ["forward_order"]
 
@@ -19,8 +19,8 @@ def _key(name: str) -> tuple[int, int, int]:
     rank = _RANK[template.template]
     if layer is not None:
         return (1, layer, rank)
-    # Global hooks: embeddings before the blocks, final norm and unembed after them.
-    return (0 if name.startswith(("embed", "pos_embed")) else 2, 0, rank)
+    # Global hooks: inputs and embeddings before the blocks, final norm and unembed after.
+    return (0 if name in BEFORE_BLOCKS else 2, 0, rank)
 
 
 def forward_order(names: Iterable[str]) -> list[str]:

@@ -18,6 +18,8 @@ Structural decisions (the ``requires`` column):
   which the name does not promise. ``ln1``'s four sites, every
   ``ln_final`` site and ``ln1.hook_in`` need a norm; ``ln1.hook_in`` always equals
   ``blocks.{i}.hook_in`` and is kept for symmetry with the other norms.
+* ``embed_ln.*`` is BLOOM's norm on the embedding (``word_embeddings_layernorm``):
+  ``embed.hook_out`` is the raw lookup and ``embed_ln.hook_out`` what enters block 0.
 * ``attn.q_norm.*`` and ``attn.k_norm.*`` are the QK-norm of Qwen3, Gemma 3 and OLMo 2,
   always served per head (``b p h dh``; the scale ``b p h 1``). OLMo 2 normalises all heads
   of a position together, so its scale is the same for every head of a position.
@@ -39,6 +41,7 @@ from tl_core._errors import ConfigError, HookNameError
 from tl_core.hooks._model_info import ModelInfo
 
 __all__ = [
+    "BEFORE_BLOCKS",
     "CANONICAL_TEMPLATES",
     "LAYOUTS",
     "MISSING_BECAUSE",
@@ -55,6 +58,7 @@ HookRequirement = Literal[
     "rotary",
     "gated_mlp",
     "mlp_norm_input",
+    "embed_norm",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -97,8 +101,8 @@ class HookTemplate:
         requires: The structural condition under which a model has the site, or ``None``
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
-            MLP in sequence, or a norm before the MLP),
-            ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
+            MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
+            embedding, BLOOM), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
     """
 
     template: str
@@ -207,6 +211,9 @@ _LN2_POST = _norm_family(
     "= mlp.hook_out",
 )
 _LN_FINAL = _norm_family("ln_final", "the final norm", "norm", "= the last block's hook_out")
+_EMBED_LN = _norm_family(
+    "embed_ln", "the embedding norm (BLOOM)", "embed_norm", "= embed.hook_out"
+)
 
 #: The vocabulary, in forward order: global hooks before the blocks, one block's hooks,
 #: global hooks after the blocks.
@@ -225,6 +232,7 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "W_E[tokens] with W_E scaled alike.",
         "hook_embed",
     ),
+    *_EMBED_LN,
     HookTemplate(
         "pos_embed.hook_in",
         "b p",
@@ -389,7 +397,10 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
 )
 
 _FIRST_BLOCK_ROW = next(n for n, t in enumerate(CANONICAL_TEMPLATES) if t.per_block)
-_GLOBAL_BEFORE_BLOCKS = frozenset(t.template for t in CANONICAL_TEMPLATES[:_FIRST_BLOCK_ROW])
+#: Global hooks the forward pass reaches before the first block (inputs, embeddings).
+BEFORE_BLOCKS: frozenset[str] = frozenset(
+    t.template for t in CANONICAL_TEMPLATES[:_FIRST_BLOCK_ROW]
+)
 _BLOCK_SUFFIXES: dict[str, HookTemplate] = {t.suffix: t for t in CANONICAL_TEMPLATES if t.per_block}
 _GLOBAL_NAMES: dict[str, HookTemplate] = {
     t.template: t for t in CANONICAL_TEMPLATES if not t.per_block
@@ -432,6 +443,7 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "gated_mlp": "its MLP is not gated, so there is no separate linear branch",
     "mlp_norm_input": "its blocks run attention and MLP in parallel without norms, so "
     "nothing lies between the block input and the MLP",
+    "embed_norm": "it does not normalise the embedding before the first block",
     "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
     "qk_norm": "it does not normalise queries and keys before attention",
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
@@ -462,6 +474,8 @@ def requirement_met(
         return info.gated_mlp
     if requires == "mlp_norm_input":
         return not info.parallel_attn_mlp or info.normalization_type is not None
+    if requires == "embed_norm":
+        return info.embed_norm
     if requires == "sandwich_norm":
         return info.sandwich_norm
     if requires == "qk_norm":
@@ -481,7 +495,7 @@ def _names_for(info: ModelInfo, include_attn_result: bool) -> tuple[str, ...]:
             continue
         if template.per_block:
             block.append(template)
-        elif template.template in _GLOBAL_BEFORE_BLOCKS:
+        elif template.template in BEFORE_BLOCKS:
             head.append(template.template)
         else:
             tail.append(template.template)

@@ -43,6 +43,8 @@ class ArchitectureAdapter:
         final_norm: Path of the final norm.
         lm_head: Path of the unembedding ``Linear``.
         pos_embed: Path of the learned position embedding, or ``None``.
+        embed_norm: Path of a norm applied to the embedding before the first block (BLOOM),
+            or ``None``.
         ln1: Pre-attention norm inside a layer, or ``None`` (OLMo 2 has none).
         ln2: Pre-MLP norm, or ``None``.
         ln1_post: Norm applied to the attention output (sandwich norms), or ``None``.
@@ -55,9 +57,10 @@ class ArchitectureAdapter:
         o: Output projection inside ``attn``.
         q_norm: Query norm inside ``attn`` (QK-norm families), or ``None``.
         k_norm: Key norm inside ``attn``, or ``None``.
-        qk_norm_per_head: Whether the QK-norms normalise each head (Qwen3, Gemma 3) rather
-            than all heads of a position together (OLMo 2, whose norms see the flat
-            projection); tl serves both per head.
+        qk_norm_layout: How the QK-norms see queries and keys: ``"positions_first"``
+            (``b p h dh``, Qwen3), ``"heads_first"`` (``b h p dh``, Gemma 3) or ``"flat"``
+            (``b p (h dh)``, all heads of a position normalised together, OLMo 2). tl serves
+            every layout as ``b p h dh``.
         mlp: MLP (or mixture-of-experts block) inside a layer.
         mlp_in: Input projection of a non-gated MLP, inside ``mlp``.
         gate: Gate projection of a gated MLP, inside ``mlp``.
@@ -116,6 +119,7 @@ class ArchitectureAdapter:
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
     pos_embed: str | None = None
+    embed_norm: str | None = None
     ln1: str | None = "input_layernorm"
     ln2: str | None = "post_attention_layernorm"
     ln1_post: str | None = None
@@ -128,7 +132,7 @@ class ArchitectureAdapter:
     o: str = "o_proj"
     q_norm: str | None = None
     k_norm: str | None = None
-    qk_norm_per_head: bool = True
+    qk_norm_layout: Literal["positions_first", "heads_first", "flat"] = "positions_first"
     mlp: str = "mlp"
     mlp_in: str | None = None
     gate: str | None = "gate_proj"
@@ -208,6 +212,7 @@ class ArchitectureAdapter:
             parallel_attn_mlp=self.is_parallel(config),
             sandwich_norm=self.sandwich,
             qk_norm=self.q_norm is not None,
+            embed_norm=self.embed_norm is not None,
             architecture=str(architectures[0]),
         )
 

@@ -1,9 +1,9 @@
 """BLOOM: ALiBi attention, fused per-head ``query_key_value``, an embedding LayerNorm.
 
 * **Embedding norm.** ``word_embeddings_layernorm`` normalises the token embedding before
-  block 0. The vocabulary has no name for it: ``embed.hook_out`` is the embedding module's
-  output (the raw lookup, ``W_E[ids]``) and ``blocks.0.hook_in`` is after the norm; an
-  edit at ``embed.hook_out`` goes through the norm.
+  block 0, served as ``embed_ln.*``: ``embed.hook_out`` is the embedding module's output
+  (the raw lookup, ``W_E[ids]``), ``embed_ln.hook_out`` what enters the residual stream
+  (TransformerLens's ``hook_embed`` on BLOOM).
 * **ALiBi.** There is no position embedding and no rotary; each head adds a linear bias
   over key positions to its scores, so ``hook_attn_scores`` is
   ``alibi + q k^T / sqrt(d_head)`` (masked), as in HookedTransformer.
@@ -25,6 +25,7 @@ ADAPTERS = (
         model_types=("bloom",),
         architectures=("BloomForCausalLM",),
         embed="transformer.word_embeddings",
+        embed_norm="transformer.word_embeddings_layernorm",
         layers="transformer.h",
         final_norm="transformer.ln_f",
         ln1="input_layernorm",

@@ -41,6 +41,8 @@ ADAPTERS = (
         final_softcap="final_logit_softcapping",
         q_norm="q_norm",
         k_norm="k_norm",
+        # Gemma 3 normalises queries and keys after moving heads before positions.
+        qk_norm_layout="heads_first",
         hub_patterns=(r"^google/gemma-3-(270m|1b)",),
         known_models=("google/gemma-3-270m", "google/gemma-3-1b-pt", "google/gemma-3-1b-it"),
     ),

@@ -17,7 +17,7 @@ ADAPTERS = (
         # OLMo 2 normalises the flat projections (all heads of a position together).
         q_norm="q_norm",
         k_norm="k_norm",
-        qk_norm_per_head=False,
+        qk_norm_layout="flat",
         hub_patterns=(r"^allenai/OLMo-2-",),
         known_models=("allenai/OLMo-2-0425-1B", "allenai/OLMo-2-1124-7B"),
     ),

@@ -1,0 +1,296 @@
+"""Every name TransformerLens 4.3's bridge cache answers to resolves in tl to an equal tensor.
+
+For each family both tools support, a tiny random checkpoint runs through TransformerLens
+4.3's ``TransformerBridge`` and through tl's hf driver on the same token ids. Each name in
+TransformerLens's cache is looked up in the booted model's tl namespace (the same lookup
+capture, specs and cache lookup use) and the tensors are compared.
+
+Two tables say where the tensors are not compared as they are, each entry with its reason:
+
+* ``LAYOUTS``: TransformerLens lays a site out differently (heads before positions, a flat
+  head axis, a flattened batch); tl's tensor is rearranged to TransformerLens's layout,
+  never the values changed.
+* ``TL_SLIPS``: TransformerLens 4.3 serves a different tensor than its name promises. The
+  test then checks the evidence (what TransformerLens's tensor really is, in tl's terms)
+  instead of equality, so a fixed TransformerLens release fails here and the entry goes.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformer_lens")
+
+from transformer_lens.model_bridge import TransformerBridge as TLBridge  # noqa: E402
+
+from tl_core import ActivationCache, HookNameError, TransformerBridge  # noqa: E402
+from tl_driver_hf.testing import write_tiny_checkpoint  # noqa: E402
+
+#: Every family tl's hf driver and TransformerLens 4.3 both boot.
+FAMILIES = [
+    "gpt2",
+    "gpt_neo",
+    "gptj",
+    "gpt_neox",
+    "opt",
+    "bloom",
+    "falcon",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "stablelm",
+]
+#: fp32 on both sides; the two tools compute attention in different but exact orders.
+ATOL = 1e-4
+MASKED = -1e30  # TransformerLens masks scores with the dtype's minimum, tl with -inf
+
+Convert = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """TransformerLens lays out ``pattern`` (a regex on its name) differently on ``families``."""
+
+    families: tuple[str, ...]
+    pattern: str
+    convert: Convert
+    reason: str
+
+
+def _heads_first(x: Any) -> Any:
+    return x.transpose(1, 2)
+
+
+def _flat_heads(x: Any) -> Any:
+    return x.flatten(-2)
+
+
+def _one_scale_per_position(x: Any) -> Any:
+    # OLMo 2 normalises all heads of a position together: every head holds the same scale.
+    assert torch.equal(x, x[:, :, :1].expand_as(x))
+    return x[:, :, 0]
+
+
+def _flat_batch(x: Any) -> Any:
+    return x.flatten(0, 1)
+
+
+def _one_row(x: Any) -> Any:
+    assert torch.equal(x, x[:1].expand_as(x))  # unpadded prompts share their positions
+    return x[:1]
+
+
+QK_NORM_PER_HEAD = ("qwen3", "gemma3")
+LAYOUTS = [
+    Layout(
+        QK_NORM_PER_HEAD,
+        r"attn\.(q_norm\.hook_\w+|hook_[qk]_normed)$",
+        _heads_first,
+        "TransformerLens serves the QK-norm sites heads first, [b, h, p, dh]; tl per "
+        "position, [b, p, h, dh], like every other head-level site",
+    ),
+    Layout(
+        QK_NORM_PER_HEAD,
+        r"attn\.k_norm\.hook_\w+$",
+        _heads_first,
+        "as for q_norm",
+    ),
+    Layout(
+        ("olmo2",),
+        r"attn\.([qk]_norm\.hook_(in|normalized|out)|hook_[qk]_normed)$",
+        _flat_heads,
+        "OLMo 2 normalises the flat projection; TransformerLens serves it flat, "
+        "[b, p, h*dh]; tl per head",
+    ),
+    Layout(
+        ("olmo2",),
+        r"attn\.[qk]_norm\.hook_scale$",
+        _one_scale_per_position,
+        "one scale per position ([b, p, 1] in TransformerLens), repeated per head in tl",
+    ),
+    Layout(
+        tuple(f for f in FAMILIES if f not in ("opt", "bloom")),
+        r"^pos_embed\.hook_in$|hook_(cos|sin)$",
+        _one_row,
+        "without padding transformers builds one row of position ids (and so one rotary "
+        "table) for the whole batch, which TransformerLens serves as [1, p, ...]; tl serves "
+        "a row per prompt, as they differ under left padding",
+    ),
+    Layout(
+        ("opt",),
+        r"ln2\.hook_(scale|normalized)$",
+        _flat_batch,
+        "OPT flattens batch and position before its MLP half; TransformerLens serves these "
+        "two sites there, [b*p, ...]; tl restores [b, p, ...]",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Slip:
+    """Where TransformerLens 4.3 serves another tensor than its name promises.
+
+    ``evidence(theirs, ours)`` returns the tl tensor that TransformerLens's value really is;
+    the test checks that it equals TransformerLens's value.
+    """
+
+    families: tuple[str, ...]
+    pattern: str
+    evidence: Callable[[str, ActivationCache, Any], Any]
+    reason: str
+
+
+def _block(name: str) -> str:
+    match = re.match(r"blocks\.(\d+)\.", name)
+    assert match is not None, name
+    return f"blocks.{match.group(1)}."
+
+
+TL_SLIPS = [
+    Slip(
+        ("opt", "gpt_neo", "gptj"),
+        r"attn\.hook_attn_scores$",
+        lambda name, ours, ids: ours[_block(name) + "attn.hook_pattern"],
+        "TransformerLens 4.3 serves the softmaxed pattern under hook_attn_scores on these "
+        "families (their attention runs inside the module, not through an attention "
+        "function it can hook)",
+    ),
+    Slip(
+        ("opt",),
+        r"^pos_embed\.hook_in$",
+        lambda name, ours, ids: torch.ones(ids.shape, dtype=torch.float32),
+        "TransformerLens 4.3 hooks the first argument of OPT's position embedding, which "
+        "is the attention mask (as floats), not the position ids tl serves",
+    ),
+    Slip(
+        ("bloom",),
+        r"attn\.(hook_out|hook_hidden_states)$",
+        lambda name, ours, ids: ours[_block(name) + "hook_in"] + ours[_block(name) + "attn.hook_out"],
+        "BLOOM's attention module returns its output plus the residual stream; TransformerLens "
+        "4.3 serves that sum as attn.hook_out (its own hook_attn_out is the contribution, as "
+        "in tl)",
+    ),
+    Slip(
+        ("bloom",),
+        r"mlp\.hook_out$",
+        lambda name, ours, ids: ours[_block(name) + "ln2.hook_in"] + ours[_block(name) + "mlp.hook_out"],
+        "as for attention: TransformerLens 4.3's mlp.hook_out on BLOOM includes the residual",
+    ),
+    Slip(
+        ("mixtral",),
+        r"mlp\.hook_pre$",
+        lambda name, ours, ids: ours[_block(name) + "mlp.hook_in"],
+        "on a mixture of experts TransformerLens 4.3 serves the MoE block's input "
+        "(d_model wide) under mlp.hook_pre, whose meaning is the neurons' pre-activations; "
+        "tl has no single layer of neurons there and refuses the name",
+    ),
+    Slip(
+        ("mixtral",),
+        r"mlp\.hook_post$",
+        lambda name, ours, ids: ours[_block(name) + "mlp.hook_out"],
+        "as for hook_pre: TransformerLens 4.3's mlp.hook_post on Mixtral is the MoE output",
+    ),
+]
+
+
+def _find(table: list[Any], family: str, name: str) -> Any:
+    matches = [e for e in table if family in e.families and re.search(e.pattern, name)]
+    assert len(matches) <= 1, (family, name, matches)
+    return matches[0] if matches else None
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    yield get
+
+
+def _caches(folder: Path, ids: Any) -> tuple[dict[str, Any], TransformerBridge, ActivationCache]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = TLBridge.boot_transformers(str(folder), device="cpu")
+        with torch.no_grad():
+            _, their_cache = theirs.run_with_cache(ids)
+    ours = TransformerBridge.boot_transformers(str(folder))
+    with torch.no_grad():
+        _, our_cache = ours.run_with_cache(ids)
+    return dict(their_cache.items()), ours, our_cache
+
+
+def _difference(name: str, got: Any, want: Any) -> float:
+    if tuple(got.shape) != tuple(want.shape):
+        return float("inf")
+    got, want = got.float(), want.float()
+    if name.endswith("hook_attn_scores"):
+        masked = torch.isinf(got) & (got < 0)
+        assert bool((want[masked] <= MASKED).all()), f"{name}: a masked score is not masked"
+        got, want = got.masked_fill(masked, 0.0), want.masked_fill(masked, 0.0)
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    return float((got - want).abs().max()) / scale if got.numel() else 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
+    family: str, checkpoints: Callable[[str], Path]
+) -> None:
+    ids = torch.randint(4, 500, (2, 7), generator=torch.Generator().manual_seed(3))
+    theirs, bridge, ours = _caches(checkpoints(family), ids)
+    assert len(theirs) > 70, f"TransformerLens answered to only {len(theirs)} names"
+    failures: list[str] = []
+    slips: list[str] = []
+    for name, want in theirs.items():
+        slip = _find(TL_SLIPS, family, name)
+        if slip is not None:
+            # The evidence says what TransformerLens's tensor is; it must hold exactly.
+            diff = _difference(name, slip.evidence(name, ours, ids), want)
+            (slips if diff <= ATOL else failures).append(f"{name}: TL slip, evidence off by {diff:.3g}")
+            continue
+        try:
+            canonical = bridge.namespace.lookup(name)
+        except HookNameError as error:
+            failures.append(f"{name}: not served by tl ({error})")
+            continue
+        got = ours[canonical]
+        layout = _find(LAYOUTS, family, name)
+        if layout is not None:
+            got = layout.convert(got)
+        diff = _difference(name, got, want)
+        if diff > ATOL:
+            failures.append(
+                f"{name} -> {canonical}: tl {tuple(got.shape)} vs TL {tuple(want.shape)}, "
+                f"max relative difference {diff:.3g}"
+            )
+    assert not failures, f"{family}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
+    print(f"{family}: {len(theirs)} names equal, {len(slips)} TransformerLens slips confirmed")
+
+
+def test_every_table_entry_is_used(checkpoints: Callable[[str], Path]) -> None:
+    """No stale entries: each layout and slip matches a name of some family it lists."""
+    names = {
+        family: set(_caches(checkpoints(family), torch.tensor([[5, 6, 7, 8]]))[0])
+        for family in sorted({f for e in (*LAYOUTS, *TL_SLIPS) for f in e.families})
+    }
+    for entry in (*LAYOUTS, *TL_SLIPS):
+        for family in entry.families:
+            assert any(re.search(entry.pattern, n) for n in names[family]), (family, entry.pattern)
