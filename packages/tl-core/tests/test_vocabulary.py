@@ -56,6 +56,7 @@ QWEN3 = dataclasses.replace(LLAMA, qk_norm=True, architecture="qwen3-style")
 NEOX = dataclasses.replace(GPT2, parallel_attn_mlp=True, positional_embedding_type="rotary")
 NO_NORM = dataclasses.replace(GPT2, normalization_type=None)
 PARALLEL_NO_NORM = dataclasses.replace(NEOX, normalization_type=None)
+MIXTRAL = dataclasses.replace(LLAMA, gated_mlp=False, n_experts=4, experts_per_token=2)
 BLOOM = dataclasses.replace(GPT2, positional_embedding_type="none", embed_norm=True)
 
 REQUIREMENTS = {
@@ -65,6 +66,7 @@ REQUIREMENTS = {
     "gated_mlp",
     "mlp_norm_input",
     "embed_norm",
+    "moe",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -118,6 +120,8 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     for norm in ("blocks.{i}.ln1", "blocks.{i}.ln1_post", "blocks.{i}.ln2_post", "ln_final", "embed_ln"):
         expected |= {f"{norm}.hook_{s}" for s in ("in", "scale", "normalized", "out")}
     expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
+    # Mixture-of-experts routing, as TransformerLens 4.x serves it.
+    expected |= {f"blocks.{{i}}.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")}
     # QK-norm sites, as TransformerLens 4.x names them.
     expected |= {
         f"blocks.{{i}}.attn.{x}_norm.hook_{s}"
@@ -346,9 +350,7 @@ def test_per_head_input_note_names_both_sides_of_the_norm() -> None:
 @pytest.mark.parametrize(
     ("name", "source"),
     [
-        ("router_logits.4", "blocks.4.mlp.hook_in"),
         ("attn_gate.4", "blocks.4.attn.hook_in"),
-        ("blocks.4.mlp.hook_expert_weights", "blocks.4.mlp.hook_in"),
     ],
 )
 def test_reconstructed_read_only_names(name: str, source: str) -> None:
@@ -404,6 +406,10 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (GPT2, "rotary_emb.hook_cos", "structurally_absent", "blocks.0.attn.hook_cos"),
         (LLAMA, "pos_embed.hook_in", "structurally_absent", "pos_embed.hook_in"),
         (GPT2, "hook_tokens", "alias", "embed.hook_in"),
+        (MIXTRAL, "blocks.1.mlp.gate.hook_out", "alias", "blocks.1.mlp.hook_router_logits"),
+        (MIXTRAL, "blocks.1.mlp.gate.hook_in", "alias", "blocks.1.mlp.hook_in"),
+        (MIXTRAL, "expert_indices.1", "alias", "blocks.1.mlp.hook_expert_indices"),
+        (LLAMA, "blocks.1.mlp.hook_expert_weights", "structurally_absent", "blocks.1.mlp.hook_expert_weights"),
         (GPT2, "hook_embed", "alias", "embed.hook_out"),
         (BLOOM, "hook_embed", "alias", "embed_ln.hook_out"),
         (GPT2, "embed_ln.hook_out", "structurally_absent", "embed_ln.hook_out"),

@@ -17,7 +17,8 @@ from typing import Any
 # attn); flags: rotary, rotary_table (attention receives its cos/sin table as the
 # position_embeddings argument), conv1d (weights stored [in, out]), norm ("layernorm",
 # "rms" or "rms_plus_one"), qk_norm_flat (the QK-norms see all heads of a position),
-# qk_norm_heads_first (the QK-norms see [b, h, p, dh]).
+# qk_norm_heads_first (the QK-norms see [b, h, p, dh]), router (a mixture of experts'
+# router inside mlp, returning logits, top-k weights and indices of flattened positions).
 _LLAMA = {
     "embed": "model.embed_tokens",
     "layers": "model.layers",
@@ -68,7 +69,10 @@ PATHS: dict[str, dict[str, Any]] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": {**_LLAMA, **_QK_NORM},
-    "mixtral": {k: v for k, v in _LLAMA.items() if k not in ("pre", "pre_linear", "down")},
+    "mixtral": {
+        **{k: v for k, v in _LLAMA.items() if k not in ("pre", "pre_linear", "down")},
+        "router": "gate",
+    },
     "phi3": {
         **{k: v for k, v in _LLAMA.items() if k not in ("q", "k", "v", "pre", "pre_linear")},
         "qkv": "qkv_proj",

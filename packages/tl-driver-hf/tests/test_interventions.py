@@ -32,8 +32,12 @@ def _first_block_and_global(bridge: TransformerBridge) -> list[str]:
 
 
 def _has_gradient(name: str) -> bool:
-    # Token and position ids are integers; rotary tables are built from positions alone.
-    return layout_of(name) != "b p" and not name.endswith(("hook_cos", "hook_sin"))
+    # Token and position ids and chosen experts are integers; rotary tables are built from
+    # positions alone; a router's weights come from its logits inside the router, so no
+    # gradient passes through the logits' site.
+    return layout_of(name) not in ("b p", "b p k") and not name.endswith(
+        ("hook_cos", "hook_sin", "hook_router_logits")
+    )
 
 
 def test_spec_equals_python_hook_and_every_edit_propagates(bridge: TransformerBridge, ids: torch.Tensor) -> None:

@@ -110,6 +110,18 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
 
         handles.append(module.register_forward_hook(hook))
 
+    def routing(prefix: str) -> Callable[..., None]:
+        # The router sees flattened positions; its top-k weights spread over all experts.
+        def hook(module: nn.Module, args: tuple[Any, ...], out: tuple[torch.Tensor, ...]) -> None:
+            logits, weights, chosen = (v.detach() for v in out)
+            dense = torch.zeros_like(logits)
+            for row in range(logits.shape[0]):
+                dense[row, chosen[row]] = weights[row]
+            for name, value in (("router_logits", logits), ("expert_weights", dense), ("expert_indices", chosen)):
+                values[f"{prefix}hook_{name}"] = value.unflatten(0, tuple(ids.shape))
+
+        return hook
+
     def table(prefix: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Without explicit position ids the model builds one row for the whole batch.
@@ -180,6 +192,8 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         for role in ("pre", "pre_linear"):
             if role in paths:
                 handles.append(mlp.get_submodule(paths[role]).register_forward_hook(post(f"{b}mlp.hook_{role}")))
+        if "router" in paths:
+            handles.append(mlp.get_submodule(paths["router"]).register_forward_hook(routing(b + "mlp.")))
         if "down" in paths or "gate_up" in paths:
             handles.append(mlp.get_submodule(paths.get("down", "down_proj")).register_forward_pre_hook(pre(b + "mlp.hook_post"), with_kwargs=True))
     norm("ln_final", get(paths["final"]))

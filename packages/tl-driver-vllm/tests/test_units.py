@@ -147,7 +147,7 @@ def test_namespace_partitions_the_vocabulary(arch: str) -> None:
         assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.ln1_post.hook_out"
     else:
         assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.attn.hook_out"
-    with pytest.raises(HookNameError, match="rotary kernel|structurally absent"):
+    with pytest.raises(HookNameError, match=r"rotary kernel|structurally absent"):
         namespace.lookup("blocks.0.attn.hook_cos")
     with pytest.raises(SpecError, match="last position only"):
         namespace.lookup("unembed.hook_out", edit=True)

@@ -26,7 +26,13 @@ from tl_driver_hf._loading import (
 from tl_driver_hf._model import HFHookedModel
 from tl_driver_hf._modules import resolve_modules
 from tl_driver_hf._options import BootOptions
-from tl_driver_hf._wiring import RunState, Wiring, _input_of, _with_input
+from tl_driver_hf._wiring import (
+    ROUTER_LOGITS_READ_ONLY,
+    RunState,
+    Wiring,
+    _input_of,
+    _with_input,
+)
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["HFDriver"]
@@ -237,6 +243,16 @@ class HFDriver(LocalDriver):
     def tokenizer(self) -> Tokenizer:
         """The wrapped tokenizer."""
         return self._tokenizer
+
+    @property
+    def read_only_reasons(self) -> Mapping[str, str]:
+        """Served hooks that take no specs: a mixture of experts' router logits."""
+        if not self._adapter.moe:
+            return {}
+        return {
+            f"blocks.{i}.mlp.hook_router_logits": ROUTER_LOGITS_READ_ONLY.format(i=i)
+            for i in range(self.info.n_layers)
+        }
 
     @property
     def absent_reasons(self) -> Mapping[str, str]:

@@ -35,6 +35,7 @@ class LayerModules:
     up: nn.Module | None
     gate_up: nn.Module | None
     down: nn.Module | None
+    router: nn.Module | None
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
                 up=_get(mlp, adapter.up, mlp_where, adapter),
                 gate_up=_get(mlp, adapter.gate_up, mlp_where, adapter),
                 down=_get(mlp, adapter.down, mlp_where, adapter),
+                router=_get(mlp, adapter.router, mlp_where, adapter),
             )
         )
     return ModelModules(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tl_core import HookPoint
+from tl_core import HookPoint, UserError
 from tl_driver_hf._attention import AttentionSite
 from tl_driver_hf._flat import FLAT_SUFFIXES, flat_points
 from tl_driver_hf._modules import LayerModules, ModelModules
@@ -118,6 +118,51 @@ def _per_head_split_hook(points: tuple[HookPoint | None, ...], n_heads: int, d_h
                 parts[index] = out
                 changed = True
         return torch.stack(parts, dim=-2).flatten(-3) if changed else None
+
+    return hook
+
+
+ROUTER_LOGITS_READ_ONLY = (
+    "the router picks the experts from its logits in the same call, so an edit of the "
+    "logits would not re-route; edit blocks.{i}.mlp.hook_expert_weights to reweight experts"
+)
+
+
+def _router_hook(
+    logits: HookPoint | None,
+    weights: HookPoint | None,
+    indices: HookPoint | None,
+    i: int,
+    state: RunState,
+) -> Callable[..., Any]:
+    """Fire the routing hooks on a router's ``(logits, top-k weights, top-k indices)``.
+
+    The router works on flattened positions; the hooks see ``[batch, pos, ...]``. Expert
+    weights are served per expert (0 where not chosen) and an edit of them is gathered back
+    into the weights the experts are mixed with.
+    """
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: tuple[Any, ...]) -> Any:
+        router_logits, top_weights, top_indices = output
+        shape = state.shapes[i]
+        for point, value in ((logits, router_logits), (indices, top_indices)):
+            if point is not None and point.has_hooks:
+                seen = torch.unflatten(value, 0, shape)
+                if point(seen) is not seen:
+                    raise UserError(
+                        f"a hook on {point.name!r} returned a new value, but the site is "
+                        f"read-only: {ROUTER_LOGITS_READ_ONLY.format(i=i)}"
+                    )
+        if weights is None or not weights.has_hooks:
+            return None
+        dense = torch.zeros(
+            router_logits.shape, dtype=top_weights.dtype, device=top_weights.device
+        ).scatter(1, top_indices, top_weights)
+        seen = torch.unflatten(dense, 0, shape)
+        out = weights(seen)
+        if out is seen and not weights.has_backward_hooks:
+            return None
+        return router_logits, out.flatten(0, len(shape) - 1).gather(1, top_indices), top_indices
 
     return hook
 
@@ -391,6 +436,7 @@ class Wiring:
             mlp_in = layer.mlp_in if self.adapter.mlp_inline and layer.mlp_in is not None else layer.mlp
             handles.append(mlp_in.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
         self._install_mlp(b + "mlp.", layer, handles)
+        self._install_router(i, b + "mlp.", layer, state, handles)
         if self._active(b + "mlp.hook_out"):
             own_out = self.adapter.sublayers_add_residual or self.adapter.mlp_inline
             mlp_out = layer.down if own_out and layer.down is not None else layer.mlp
@@ -428,6 +474,16 @@ class Wiring:
         ):
             view = HeadView(self.adapter.qk_norm_layout, heads)
             self._install_norm(f"{b}attn.{name}", module, handles, view=view)
+
+    def _install_router(
+        self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]
+    ) -> None:
+        names = [p + "hook_router_logits", p + "hook_expert_weights", p + "hook_expert_indices"]
+        if layer.router is None or not self._active(*names):
+            return
+        handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
+        hook = _router_hook(*(self._point(n) for n in names), i, state)
+        handles.append(layer.router.register_forward_hook(hook))
 
     def _install_mlp(self, p: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
         pre, lin, post = (self._point(p + n) for n in ("hook_pre", "hook_pre_linear", "hook_post"))

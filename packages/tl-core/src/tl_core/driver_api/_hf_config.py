@@ -21,6 +21,8 @@ _N_HEADS = ("num_attention_heads", "n_head", "num_heads")
 _N_CTX = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 _D_MLP = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 _ROTARY_FRACTION = ("partial_rotary_factor", "rotary_pct")
+_N_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
+_TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k")
 
 
 def _first(config: Any, names: tuple[str, ...]) -> Any:
@@ -29,6 +31,10 @@ def _first(config: Any, names: tuple[str, ...]) -> Any:
         if value is not None:
             return value
     return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def model_info_from_config(
@@ -41,6 +47,7 @@ def model_info_from_config(
     sandwich_norm: bool = False,
     qk_norm: bool = False,
     embed_norm: bool = False,
+    moe: bool = False,
     architecture: str | None = None,
     n_ctx: int | None = None,
     device: str = "cpu",
@@ -56,6 +63,7 @@ def model_info_from_config(
         sandwich_norm: Whether each sublayer output is normalised.
         qk_norm: Whether queries and keys are normalised.
         embed_norm: Whether the embedding is normalised before the first block.
+        moe: Whether the MLP is a mixture of experts (expert counts come from the config).
         architecture: The class name to report (default: ``config.architectures[0]``).
         n_ctx: The longest input (default: the config's position limit, else 2048).
         device: Where the bridge takes token ids (see ``ModelInfo.device``).
@@ -108,6 +116,8 @@ def model_info_from_config(
         sandwich_norm=sandwich_norm,
         qk_norm=qk_norm,
         embed_norm=embed_norm,
+        n_experts=_int_or_none(_first(config, _N_EXPERTS)) if moe else None,
+        experts_per_token=_int_or_none(_first(config, _TOP_K)) if moe else None,
         rotary_dim=rotary_dim,
         architecture=name,
         device=device,

@@ -104,13 +104,22 @@ class LocalDriver(NamespaceFacts, ABC):
         """
         return {}
 
+    @property
+    def read_only_reasons(self) -> Mapping[str, str]:
+        """Served hooks that take no specs, with the reason (integer sites need none)."""
+        return {}
+
     # -- Driver protocol --------------------------------------------------------------
 
     @cached_property
     def namespace(self) -> HookNamespace:
-        """The model's hook names: every served hook is editable except token/position ids."""
+        """The model's hook names: served hooks are editable unless read-only or integer."""
         return HookNamespace.build(
-            self.info, self.hook_points, reasons=self.absent_reasons, driver=self.name
+            self.info,
+            self.hook_points,
+            read_only=self.read_only_reasons,
+            reasons=self.absent_reasons,
+            driver=self.name,
         )
 
     def supports(self, feature: str) -> bool:

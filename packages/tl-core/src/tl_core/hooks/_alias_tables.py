@@ -73,6 +73,10 @@ def _ungated(info: ModelInfo) -> bool:
     return not info.gated_mlp
 
 
+def _moe(info: ModelInfo) -> bool:
+    return info.n_experts is not None
+
+
 def _rotary(info: ModelInfo) -> bool:
     return info.positional_embedding_type == "rotary"
 
@@ -169,18 +173,6 @@ _LEGACY: dict[str, Rule] = {
         )
         for x in "qkv"
     },
-    **{
-        f"blocks.{{i}}.mlp.hook_expert_{x}": Rule(
-            "legacy",
-            _rebuilt(
-                "blocks.{i}.mlp.hook_in",
-                f"Mixture-of-experts routing ({x}); tl has no routing hooks. Rebuild it from "
-                f"blocks.{{i}}.mlp.hook_in and the model's router weight (softmax over all "
-                f"experts before the top-k for weights, the top-k for indices).",
-            ),
-        )
-        for x in ("weights", "indices")
-    },
 }
 
 _TL_BRIDGE: dict[str, Rule] = {
@@ -256,8 +248,11 @@ _TL_BRIDGE: dict[str, Rule] = {
     "blocks.{i}.mlp.in.hook_in": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_in")),
     "blocks.{i}.mlp.gate.hook_in": Rule(
         "tl_bridge",
-        _alias("blocks.{i}.mlp.hook_in", "Gated MLPs only."),
-        ((_ungated, _absent("This model's MLP has no gate projection.")),),
+        _alias("blocks.{i}.mlp.hook_in", "Gated MLPs, and the router of a mixture of experts."),
+        (
+            (_moe, _alias("blocks.{i}.mlp.hook_in", "The router reads the MoE block's input.")),
+            (_ungated, _absent("This model's MLP has no gate projection.")),
+        ),
     ),
     "blocks.{i}.mlp.in.hook_out": Rule(
         "tl_bridge",
@@ -270,9 +265,22 @@ _TL_BRIDGE: dict[str, Rule] = {
     ),
     "blocks.{i}.mlp.gate.hook_out": Rule(
         "tl_bridge",
-        _alias("blocks.{i}.mlp.hook_pre", "Gated MLPs only."),
-        ((_ungated, _absent("This model's MLP has no gate projection.")),),
+        _alias(
+            "blocks.{i}.mlp.hook_pre",
+            "Gated MLPs; on a mixture of experts the router's logits, "
+            "blocks.{i}.mlp.hook_router_logits; pass info= to resolve per model.",
+        ),
+        (
+            (_moe, _alias("blocks.{i}.mlp.hook_router_logits", "The router's logits.")),
+            (_ungated, _absent("This model's MLP has no gate projection.")),
+        ),
     ),
+    **{
+        f"blocks.{{i}}.mlp.gate.hook_expert_{x}": Rule(
+            "tl_bridge", _alias(f"blocks.{{i}}.mlp.hook_expert_{x}", "Mixture of experts only.")
+        )
+        for x in ("weights", "indices")
+    },
     "blocks.{i}.mlp.out.hook_in": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_post")),
     "blocks.{i}.mlp.out.hook_out": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_out")),
 }
@@ -397,14 +405,7 @@ _INTERP_ENGINE: dict[str, Rule] = {
     "mlp_pre_linear.{i}": _ie("blocks.{i}.mlp.hook_pre_linear", "Gated MLPs only."),
     "mlp_act.{i}": _ie("blocks.{i}.mlp.hook_post"),
     **{
-        f"{x}.{{i}}": Rule(
-            "interp_engine",
-            _rebuilt(
-                "blocks.{i}.mlp.hook_in",
-                "Mixture-of-experts routing; tl has no routing hooks. Rebuild it from "
-                "blocks.{i}.mlp.hook_in and the model's router weight.",
-            ),
-        )
+        f"{x}.{{i}}": _ie(f"blocks.{{i}}.mlp.hook_{x}", "Mixture of experts only.")
         for x in ("router_logits", "expert_weights", "expert_indices")
     },
     "mlp_out.{i}": _ie("blocks.{i}.mlp.hook_out"),

@@ -27,6 +27,8 @@ class ModelInfo:
         parallel_attn_mlp: Whether attention and MLP read the same block input (GPT-J,
             NeoX): then ``ln2.hook_in`` / ``hook_resid_mid`` does not exist.
         sandwich_norm: Whether each sublayer is followed by its own norm (Gemma 2/3, OLMo 2).
+        n_experts: Experts per mixture-of-experts layer (``None``: a dense MLP).
+        experts_per_token: Experts each position is routed to (mixture of experts).
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
             then ``embed_ln.*`` exist.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
@@ -52,6 +54,8 @@ class ModelInfo:
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
     sandwich_norm: bool = False
+    n_experts: int | None = None
+    experts_per_token: int | None = None
     embed_norm: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None

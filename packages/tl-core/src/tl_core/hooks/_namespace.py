@@ -33,7 +33,7 @@ from tl_core.hooks._vocabulary import (
 __all__ = ["HookNamespace"]
 
 _SHOWN = 12
-_IDS = "b p"  # the layout of token and position ids
+_IDS = ("b p", "b p k")  # token and position ids, chosen experts: integers
 _IDS_REASON = (
     "it holds integer ids, which affine specs cannot edit (a Python hook on a local driver "
     "can replace them)"
@@ -69,6 +69,7 @@ class HookNamespace:
         served: Iterable[str],
         *,
         editable: Iterable[str] | None = None,
+        read_only: Mapping[str, str] | None = None,
         reasons: Mapping[str, str] | None = None,
         driver: str = "",
     ) -> HookNamespace:
@@ -78,7 +79,9 @@ class HookNamespace:
             info: The model's sizes and structure.
             served: Canonical names the driver captures.
             editable: The served names that take specs (default: all of them but the
-                token and position ids).
+                integer sites, token and position ids and chosen experts).
+            read_only: Served names that take no specs, with the reason (taken out of
+                ``editable``).
             reasons: Why the driver cannot serve (or edit) particular hooks. Hooks the
                 model structurally lacks get the structural reason; any other unserved
                 hook without a reason gets a generic one naming the driver.
@@ -99,15 +102,16 @@ class HookNamespace:
         served_set = frozenset(served)
         _check_canonical(served_set, info, label, "serves")
         if editable is None:
-            editable_set = frozenset(n for n in served_set if _template(n).layout != _IDS)
+            editable_set = frozenset(n for n in served_set if _template(n).layout not in _IDS)
         else:
             editable_set = frozenset(editable)
+        editable_set -= frozenset(read_only or ())
         stray = editable_set - served_set
         if stray:
             raise DriverContractError(
                 f"{label} declares hooks editable that it does not serve: {sorted(stray)[:5]}"
             )
-        given = dict(reasons or {})
+        given = {**(reasons or {}), **(read_only or {})}
         model = info.architecture or "model"
         table: dict[str, str] = {}
         for template in CANONICAL_TEMPLATES:
@@ -124,7 +128,7 @@ class HookNamespace:
                     table[name] = given[name]
                 elif name in served_set:
                     generic = f"{label} serves it for capture only"
-                    table[name] = _IDS_REASON if template.layout == _IDS else generic
+                    table[name] = _IDS_REASON if template.layout in _IDS else generic
                 elif not present and template.requires is not None:
                     table[name] = f"this {model} has no such site: {MISSING_BECAUSE[template.requires]}"
                 else:

@@ -29,6 +29,8 @@ def feature_shape(name: str, layout: str, info: ModelInfo) -> tuple[int, ...] | 
         "b p dm": (info.d_mlp,),
         "b p vocab": (info.d_vocab,),
         "b p h d": (info.n_heads, info.d_model),
+        "b p e": (info.n_experts or 0,),
+        "b p k": (info.experts_per_token or 0,),
     }
     if layout not in shapes:
         raise ValueError(f"unknown hook layout {layout!r} for {name!r}")

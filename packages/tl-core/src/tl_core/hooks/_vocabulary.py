@@ -59,6 +59,7 @@ HookRequirement = Literal[
     "gated_mlp",
     "mlp_norm_input",
     "embed_norm",
+    "moe",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -68,7 +69,8 @@ HookRequirement = Literal[
 #: Every layout a canonical hook can have. ``b`` batch, ``p`` position, ``d`` d_model,
 #: ``h`` heads (key/value heads for ``hook_k``/``hook_v``/``hook_rot_k``), ``dh`` d_head,
 #: ``q``/``k`` query/key positions, ``dm`` d_mlp, ``vocab`` d_vocab, ``r`` the rotary
-#: width (``rotary_dim``), ``1`` a kept axis; ``b p`` alone holds integer ids.
+#: width (``rotary_dim``), ``e`` experts, ``k`` experts per token (integer ids), ``1`` a
+#: kept axis; ``b p`` alone holds integer ids.
 LAYOUTS: frozenset[str] = frozenset(
     {
         "b p",
@@ -81,6 +83,8 @@ LAYOUTS: frozenset[str] = frozenset(
         "b p dm",
         "b p vocab",
         "b p h d",
+        "b p e",
+        "b p k",
     }
 )
 
@@ -102,7 +106,7 @@ class HookTemplate:
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
             MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
-            embedding, BLOOM), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
+            embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
     """
 
     template: str
@@ -354,6 +358,30 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "Input of the MLP module (= ln2.hook_out; after the pre-MLP norm).",
     ),
     HookTemplate(
+        "blocks.{i}.mlp.hook_router_logits",
+        "b p e",
+        "Mixture of experts: the router's logit for each expert.",
+        None,
+        "moe",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.hook_expert_weights",
+        "b p e",
+        "Mixture of experts: the weight each expert's output gets (0 for experts not chosen), "
+        "as TransformerLens 4.x serves it; HookedTransformer 2.x gave the chosen experts' "
+        "weights in the router's order (gather these with hook_expert_indices).",
+        "blocks.{i}.mlp.hook_expert_weights",
+        "moe",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.hook_expert_indices",
+        "b p k",
+        "Mixture of experts: the experts chosen at each position, in the router's order "
+        "(integers; read-only).",
+        "blocks.{i}.mlp.hook_expert_indices",
+        "moe",
+    ),
+    HookTemplate(
         "blocks.{i}.mlp.hook_pre",
         "b p dm",
         "MLP pre-activation: the input projection's output, or the gate projection's on "
@@ -444,6 +472,7 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "mlp_norm_input": "its blocks run attention and MLP in parallel without norms, so "
     "nothing lies between the block input and the MLP",
     "embed_norm": "it does not normalise the embedding before the first block",
+    "moe": "its MLP is not a mixture of experts",
     "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
     "qk_norm": "it does not normalise queries and keys before attention",
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
@@ -476,6 +505,8 @@ def requirement_met(
         return not info.parallel_attn_mlp or info.normalization_type is not None
     if requires == "embed_norm":
         return info.embed_norm
+    if requires == "moe":
+        return info.n_experts is not None
     if requires == "sandwich_norm":
         return info.sandwich_norm
     if requires == "qk_norm":

@@ -73,6 +73,8 @@ class ArchitectureAdapter:
             from the projections and ``hook_rot_q``/``hook_rot_k`` from attention).
         parallel: Whether attention and MLP read the same block input.
         moe: Whether the MLP is a mixture of experts (per-neuron hooks are absent).
+        router: The router inside ``mlp`` (mixture of experts): a module returning
+            ``(logits, top-k weights, top-k indices)`` for the flattened positions.
         embed_scaled: Whether the embedding module multiplies its lookup by its own
             ``embed_scale`` buffer (Gemma); ``embed.hook_out`` is the module's (scaled)
             output, and ``W_E`` is scaled alike.
@@ -144,6 +146,7 @@ class ArchitectureAdapter:
     rotary: bool = True
     parallel: bool = False
     moe: bool = False
+    router: str | None = None
     embed_scaled: bool = False
     softmax_fp32: bool = True
     attn_softcap: str | None = None
@@ -213,6 +216,7 @@ class ArchitectureAdapter:
             sandwich_norm=self.sandwich,
             qk_norm=self.q_norm is not None,
             embed_norm=self.embed_norm is not None,
+            moe=self.moe,
             architecture=str(architectures[0]),
         )
 

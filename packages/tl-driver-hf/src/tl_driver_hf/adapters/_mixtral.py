@@ -13,6 +13,7 @@ ADAPTERS = (
         up=None,
         down=None,
         moe=True,
+        router="gate",
         hub_patterns=(r"^mistralai/Mixtral-",),
         known_models=("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
     ),

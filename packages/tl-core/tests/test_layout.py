@@ -1,0 +1,123 @@
+"""tl-core's layout: subpackages on floors, each importing only from floors below, no circles.
+
+The floors are the architecture a newcomer reads: hook names, then specs, then the cache,
+then the driver-author API, then the bridges over it, then the built-in native driver and
+the command line. Imports are read from the source (``ast``), including those inside
+functions; imports under ``if TYPE_CHECKING:`` are annotations only and are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tl_core
+
+ROOT = Path(tl_core.__file__).parent
+#: Lowest first. A module may import from its own floor and the floors below it.
+FLOORS = ["_version", "_lazy", "_errors", "hooks", "specs", "cache", "driver_api", "bridges", "native", "cli"]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("tl_core", *parts))
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return len(FLOORS)  # the package root re-exports everything, lazily
+    return FLOORS.index(parts[1])
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.AST) -> set[str]:
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tl_core"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("tl_core"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        graph[_module_name(path)] = _runtime_imports(ast.parse(path.read_text(), str(path)))
+    return graph
+
+
+def test_every_module_sits_on_a_known_floor() -> None:
+    for module in _graph():
+        assert _floor(module) >= 0, module
+
+
+def test_imports_only_reach_down() -> None:
+    wrong = [
+        f"{module} (floor {FLOORS[_floor(module)]}) imports {target}"
+        for module, targets in _graph().items()
+        if module != "tl_core"
+        for target in targets
+        if target != "tl_core" and _floor(target) > _floor(module)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    # Importing a package runs its __init__, so an edge to a module is also one to its package.
+    edges = {
+        module: {t for target in targets for t in (target, target.rpartition(".")[0]) if t in graph}
+        for module, targets in graph.items()
+    }
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in edges[node]:
+            if target == node or target == "tl_core":
+                continue
+            if state.get(target) == 1:
+                cycle = stack[stack.index(target) :] + [target]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module)
+
+
+def test_researcher_and_driver_author_apis_are_separate() -> None:
+    import tl_core.driver_api as driver_api
+
+    researcher = set(tl_core.__all__)
+    for name in ("LocalDriver", "DriverEntry", "build_plan", "ForwardResult", "validate_driver"):
+        assert name in driver_api.__all__ and name not in researcher, name
+    for name in ("TransformerBridge", "RemoteBridge", "ActivationCache", "InterventionSpec", "boot"):
+        assert name in researcher, name
+    # Every export resolves (the lazy tables name real modules and attributes).
+    for package in (tl_core, driver_api):
+        for name in package.__all__:
+            assert getattr(package, name) is not None, (package.__name__, name)
