@@ -97,7 +97,7 @@ def test_no_import_circles() -> None:
             if target == node or target == "tl_core":
                 continue
             if state.get(target) == 1:
-                cycle = stack[stack.index(target) :] + [target]
+                cycle = [*stack[stack.index(target) :], target]
                 raise AssertionError("import circle: " + " -> ".join(cycle))
             if target not in state:
                 visit(target)

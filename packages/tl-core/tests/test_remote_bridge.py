@@ -9,12 +9,12 @@ import torch
 
 from tl_core import (
     HookNameError,
-    UserError,
     RemoteBridge,
     RemoteHookMutationError,
     SpecError,
     TransformerBridge,
     UnsupportedFeatureError,
+    UserError,
 )
 
 try:

@@ -305,3 +305,9 @@ def test_every_served_hook_has_its_canonical_layout(bridge: TransformerBridge, i
         # Attention scores and patterns are [b, h, q, k]; everything else [b, p, ...].
         expected = (batch, bridge.cfg.n_heads, pos, pos) if shape is None else (batch, pos, *shape)
         assert tuple(cache[name].shape) == expected, name
+
+
+def test_driver_keeps_the_contract(bridge: TransformerBridge) -> None:
+    from tl_core.driver_api import check_driver
+
+    check_driver(bridge.driver)

@@ -78,3 +78,9 @@ def test_readout_matches_the_checkpoint(booted: tuple[RemoteBridge, Reference]) 
     assert torch.equal(readout.W_U, ref.model.lm_head.weight.detach().T)
     assert torch.equal(readout.ln_final_weight, ref.norm.weight.detach())
     assert readout.normalization_type == "RMS" and readout.b_U is None
+
+
+def test_driver_keeps_the_contract(booted: tuple[RemoteBridge, Reference]) -> None:
+    from tl_core.driver_api import check_driver
+
+    check_driver(booted[0].driver)

@@ -395,7 +395,8 @@ class Wiring:
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         names = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out"]
         if self._active(*names):
-            hook = _norm_hook(self.adapter.norm, *(self._point(n) for n in names), view=view)
+            scale, normed, out = (self._point(n) for n in names)
+            hook = _norm_hook(self.adapter.norm, scale, normed, out, view=view)
             handles.append(module.register_forward_hook(hook))
 
     def _install_layer(self, i: int, layer: LayerModules, state: RunState, handles: list[RemovableHandle]) -> None:
@@ -482,7 +483,8 @@ class Wiring:
         if layer.router is None or not self._active(*names):
             return
         handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
-        hook = _router_hook(*(self._point(n) for n in names), i, state)
+        logits, weights, indices = (self._point(n) for n in names)
+        hook = _router_hook(logits, weights, indices, i, state)
         handles.append(layer.router.register_forward_hook(hook))
 
     def _install_mlp(self, p: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:

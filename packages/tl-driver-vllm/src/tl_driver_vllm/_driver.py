@@ -45,7 +45,7 @@ class VLLMDriver(NamespaceFacts):
         self._llm: Any | None = llm
         self.tokenizer = tokenizer
         self._layout = layout_for(info.architecture)
-        self.namespace = hook_namespace(info, self._layout)
+        self._namespace = hook_namespace(info, self._layout)
         self._positions = positions
         self._runs = itertools.count()
         self._readout: ModelReadout | None = None

@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
 def run_hooks(args: argparse.Namespace) -> int:
     """Print every hook of a tiny native model and its layout."""
     from tl_core.bridges._transformer import TransformerBridge
-    from tl_core.hooks._vocabulary import layout_of
+    from tl_core.hooks._resolution import layout_of
 
     bridge = TransformerBridge.boot_native(args.preset)
     _, cache = bridge.run_with_cache("hi")

@@ -15,6 +15,7 @@ from tl_core._lazy import attach
 if TYPE_CHECKING:
     from tl_core.cache._readout import ModelReadout as ModelReadout
     from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
+    from tl_core.driver_api._conformance import check_driver as check_driver
     from tl_core.driver_api._discovery import (
         DriverEntry as DriverEntry,
         EngineRequirement as EngineRequirement,
@@ -33,7 +34,10 @@ if TYPE_CHECKING:
         NamespaceFacts as NamespaceFacts,
         validate_driver as validate_driver,
     )
-    from tl_core.driver_api._sampling import SamplingOptions as SamplingOptions
+    from tl_core.driver_api._sampling import (
+        SamplingOptions as SamplingOptions,
+        next_tokens as next_tokens,
+    )
     from tl_core.driver_api._tokenizers import (
         ByteTokenizer as ByteTokenizer,
         HFTokenizer as HFTokenizer,
@@ -59,6 +63,7 @@ __getattr__, __dir__, __all__ = attach(
         "ModelReadout": "tl_core.cache._readout",
         "TokenBatch": "tl_core.driver_api._batching",
         "pad_batch": "tl_core.driver_api._batching",
+        "check_driver": "tl_core.driver_api._conformance",
         "DriverEntry": "tl_core.driver_api._discovery",
         "EngineRequirement": "tl_core.driver_api._discovery",
         "InstalledDriver": "tl_core.driver_api._discovery",
@@ -74,6 +79,7 @@ __getattr__, __dir__, __all__ = attach(
         "NamespaceFacts": "tl_core.driver_api._protocol",
         "validate_driver": "tl_core.driver_api._protocol",
         "SamplingOptions": "tl_core.driver_api._sampling",
+        "next_tokens": "tl_core.driver_api._sampling",
         "ByteTokenizer": "tl_core.driver_api._tokenizers",
         "HFTokenizer": "tl_core.driver_api._tokenizers",
         "Tokenizer": "tl_core.driver_api._tokenizers",

@@ -10,7 +10,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -111,16 +110,23 @@ class LocalDriver(NamespaceFacts, ABC):
 
     # -- Driver protocol --------------------------------------------------------------
 
-    @cached_property
+    @property
     def namespace(self) -> HookNamespace:
-        """The model's hook names: served hooks are editable unless read-only or integer."""
-        return HookNamespace.build(
-            self.info,
-            self.hook_points,
-            read_only=self.read_only_reasons,
-            reasons=self.absent_reasons,
-            driver=self.name,
-        )
+        """The model's hook names: served hooks are editable unless read-only or integer.
+
+        Built on first use (subclasses finish building their model in ``__init__``).
+        """
+        built: HookNamespace | None = self.__dict__.get("_namespace")
+        if built is None:
+            built = HookNamespace.build(
+                self.info,
+                self.hook_points,
+                read_only=self.read_only_reasons,
+                reasons=self.absent_reasons,
+                driver=self.name,
+            )
+            self._namespace = built
+        return built
 
     def supports(self, feature: str) -> bool:
         """Whether this driver has ``feature``."""
@@ -173,7 +179,7 @@ class LocalDriver(NamespaceFacts, ABC):
         Raises:
             UserError: Bad names, specs, options or inputs, before the model runs.
         """
-        sampling = _pop_sampling(kwargs)
+        sampling = SamplingOptions.pop_from(kwargs)
         stop_at_eos = bool(kwargs.pop("stop_at_eos", True))
         if kwargs:
             raise UserError(
@@ -350,8 +356,4 @@ def _left_to_right(x: torch.Tensor, left: TokenBatch, layout: str) -> torch.Tens
             out[row, :length] = x[row, span]
     return out
 
-
-def _pop_sampling(kwargs: dict[str, Any]) -> SamplingOptions:
-    keys = ("do_sample", "temperature", "top_k", "top_p", "seed")
-    return SamplingOptions(**{k: kwargs.pop(k) for k in keys if k in kwargs})
 

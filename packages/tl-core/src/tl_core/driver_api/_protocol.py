@@ -133,11 +133,16 @@ class Driver(Protocol):
 class NamespaceFacts:
     """The Driver protocol's derived attributes, read from the driver's ``namespace``.
 
-    Mix it into a driver class that has a ``namespace``; the hook sets then never
-    disagree with the names the driver resolves.
+    Mix it into a driver class and set ``self._namespace`` (or override ``namespace``);
+    the hook sets then never disagree with the names the driver resolves.
     """
 
-    namespace: HookNamespace
+    _namespace: HookNamespace
+
+    @property
+    def namespace(self) -> HookNamespace:
+        """The model's hook names as this driver serves them."""
+        return self._namespace
 
     @property
     def supported_hook_points(self) -> frozenset[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tl_core._errors import UserError
@@ -42,6 +44,20 @@ class SamplingOptions:
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
+
+    #: The ``Driver.forward`` keywords that choose tokens.
+    KEYS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+
+    @classmethod
+    def pop_from(cls, kwargs: dict[str, Any]) -> SamplingOptions:
+        """Take the sampling keywords out of a ``forward``'s ``**kwargs`` and check them.
+
+        What is left in ``kwargs`` is not a sampling option: a driver refuses it.
+
+        Raises:
+            UserError: A sampling option with a bad value.
+        """
+        return cls(**{k: kwargs.pop(k) for k in cls.KEYS if k in kwargs})
 
 
 def next_tokens(logits: torch.Tensor, options: SamplingOptions) -> torch.Tensor:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ModelInfo"]
 
@@ -36,8 +39,8 @@ class ModelInfo:
         rotary_dim: Width of the rotated part of each head (``None``: the whole head);
             smaller where only part of a head is rotated (GPT-NeoX's ``rotary_pct``).
         architecture: A free-form family name (``"native-llama"``, ``"LlamaForCausalLM"``).
-        device: Where the bridge takes token ids and returns tensors (``"cpu"`` for engines
-            in another process). It describes a placement, not the model's structure, so it
+        device: Where the bridge takes token ids and returns tensors (a ``torch.device`` on
+            a bridge's ``cfg``; ``"cpu"`` for engines in another process). It describes a placement, not the model's structure, so it
             takes no part in equality or hashing.
     """
 
@@ -60,7 +63,7 @@ class ModelInfo:
     qk_norm: bool = False
     rotary_dim: int | None = None
     architecture: str = ""
-    device: str = field(default="cpu", compare=False)
+    device: str | torch.device = field(default="cpu", compare=False)
 
     @property
     def kv_heads(self) -> int:

@@ -133,7 +133,8 @@ def _per_position(point: HookPoint, table: torch.Tensor) -> torch.Tensor:
     """Fire a ``b p r`` hook on a rotary table kept as ``[b, p, 1, r]`` (head-broadcast)."""
     if not point.has_hooks:
         return table
-    return point(table[:, :, 0])[:, :, None]
+    fired: torch.Tensor = point(table[:, :, 0])
+    return fired[:, :, None]
 
 
 @dataclass(frozen=True)

@@ -231,7 +231,7 @@ class ArchitectureAdapter:
                     f"residual stream directly)",
                 )
         if self.ln2 is None:
-            suffixes = ("hook_scale", "hook_normalized", "hook_out")
+            suffixes: tuple[str, ...] = ("hook_scale", "hook_normalized", "hook_out")
             # A parallel block without a second norm has no input of a norm before the MLP.
             suffixes = ("hook_in", *suffixes) if self.parallel else suffixes
             for suffix in suffixes:

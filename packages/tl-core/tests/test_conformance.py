@@ -1,0 +1,74 @@
+"""``check_driver`` passes on the built-in drivers and fails on drivers that break promises."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+from typing import Any
+
+import pytest
+
+from tl_core import DriverContractError
+from tl_core.driver_api import ForwardResult, check_driver
+from tl_core.native import NativeDriver
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama"])
+def test_native_driver_keeps_the_contract(preset: str) -> None:
+    check_driver(NativeDriver.boot(preset, n_layers=2))
+
+
+def _fake() -> Any:
+    try:
+        metadata.version("tl-fake-driver")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the fake remote driver is installed by `nox -s tests`")
+    from tl_fake_driver._driver import FakeRemoteDriver
+
+    return FakeRemoteDriver.boot("llama", n_layers=2)
+
+
+def test_remote_style_driver_keeps_the_contract() -> None:
+    check_driver(_fake())
+
+
+class _IgnoresSpecs:
+    """Wraps a driver and drops every spec: the check must notice."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
+        kwargs.pop("intervene", None)
+        return self._inner.forward(input_ids, **kwargs)  # type: ignore[no-any-return]
+
+
+class _ValidatesThenIgnoresSpecs(_IgnoresSpecs):
+    """Refuses bad specs like a real driver, then runs without the good ones."""
+
+    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
+        if kwargs.get("intervene") is not None:
+            self._inner.plan(kwargs["intervene"], [len(r) for r in input_ids])
+        return super().forward(input_ids, **kwargs)
+
+
+class _DropsAHook(_IgnoresSpecs):
+    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
+        result = self._inner.forward(input_ids, **kwargs)
+        captured = {k: v for k, v in result.captured.items() if k != "blocks.1.hook_out"}
+        return ForwardResult(result.logits, captured, result.new_tokens, None, result.lengths)
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "message"),
+    [
+        (_IgnoresSpecs, "accepted a spec on read-only"),
+        (_ValidatesThenIgnoresSpecs, "left non-zero values"),
+        (_DropsAHook, "returned no tensor"),
+    ],
+)
+def test_a_driver_that_breaks_a_promise_fails(wrapper: type, message: str) -> None:
+    with pytest.raises(DriverContractError, match=message):
+        check_driver(wrapper(NativeDriver.boot("gpt2", n_layers=2)))
