@@ -138,10 +138,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, tags=["check"])
 def docs(session: nox.Session) -> None:
-    """Check that generated docs (spec JSON Schema, hook table) match the code."""
-    _install(session, str(ROOT / "packages" / "tl-core"))
+    """Check that generated docs (spec JSON Schema, hook table) and every example's shown output match the code."""
+    _install(session, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
     session.run("python", "scripts/write_spec_schema.py", "--check")
     session.run("python", "scripts/write_hook_docs.py", "--check")
+    session.run("python", "scripts/check_doc_examples.py")
 
 
 @nox.session(python=PYTHON, tags=["demo"])

@@ -18,10 +18,10 @@ SCHEMA_PATH = ROOT / "docs" / "intervention-spec.schema.json"
 def render() -> str:
     """The schema file's exact text."""
     try:
-        from tl_core._specs import SPEC_JSON_SCHEMA
+        from tl_core.specs._specs import SPEC_JSON_SCHEMA
     except ImportError:
         sys.path.insert(0, str(ROOT / "packages" / "tl-core" / "src"))
-        from tl_core._specs import SPEC_JSON_SCHEMA
+        from tl_core.specs._specs import SPEC_JSON_SCHEMA
     return json.dumps(SPEC_JSON_SCHEMA, indent=2) + "\n"
 
 

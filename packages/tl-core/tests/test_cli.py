@@ -22,13 +22,31 @@ def test_drivers_lists_native(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_resolve_explains_aliases(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["resolve", "blocks.2.hook_resid_post", "layers_output[2]"]) == 0
+    assert main(["resolve", "blocks.2.hook_resid_post", "layers_output[2]", "--no-model"]) == 0
     out = capsys.readouterr().out
     assert out.count("blocks.2.hook_out") == 2
 
 
+def test_resolve_against_a_booted_model(capsys: pytest.CaptureFixture[str]) -> None:
+    # gpt2-style: hook_pos_embed is the learned position embedding ...
+    assert main(["resolve", "hook_pos_embed", "--model", "gpt2"]) == 0
+    assert "pos_embed.hook_out  [alias, legacy]" in capsys.readouterr().out
+    # ... which a llama-style model does not have.
+    assert main(["resolve", "hook_pos_embed", "--model", "llama"]) == 0
+    assert "structurally_absent" in capsys.readouterr().out
+
+
+def test_hooks_lists_the_namespace_with_reasons(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hooks", "--model", "llama", "--all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert rows["blocks.0.attn.hook_rot_q"].split()[-1] == "edit"
+    assert "integer ids" in rows["embed.hook_in"]
+    assert "not learned embeddings" in rows["pos_embed.hook_out"]  # listed with --all
+
+
 def test_unknown_hook_is_an_error_exit(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["resolve", "blocks.2.hook_resid_psot"]) == 1
+    assert main(["resolve", "blocks.2.hook_resid_psot", "--no-model"]) == 1
     assert "did you mean" in capsys.readouterr().err.lower()
 
 

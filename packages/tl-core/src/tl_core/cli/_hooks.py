@@ -1,4 +1,4 @@
-"""``tl hooks`` lists a native model's hooks; ``tl resolve`` explains a hook name."""
+"""``tl hooks`` lists a booted model's hook namespace; ``tl resolve`` explains hook names."""
 
 from __future__ import annotations
 
@@ -8,34 +8,67 @@ from typing import Any
 __all__ = ["register"]
 
 
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--driver", default="native", help="driver to boot (default: native)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="what the driver loads: a folder or hub id (hf, vllm), a preset (native: gpt2, llama)",
+    )
+
+
 def register(sub: Any) -> None:
     """Add the ``hooks`` and ``resolve`` subcommands."""
-    hooks = sub.add_parser("hooks", help="list the hooks of a native model with their shapes")
-    hooks.add_argument("--preset", choices=("gpt2", "llama"), default="gpt2")
+    hooks = sub.add_parser(
+        "hooks", help="list a model's hooks: layout, and whether specs can edit them (and why not)"
+    )
+    _model_options(hooks)
+    hooks.add_argument("--all", action="store_true", help="also list the hooks the driver cannot fire")
     hooks.set_defaults(run=run_hooks)
     resolve = sub.add_parser("resolve", help="show what a hook name (or alias) resolves to")
     resolve.add_argument("names", nargs="+")
+    _model_options(resolve)
+    resolve.add_argument("--no-model", action="store_true", help="resolve without booting a model")
     resolve.set_defaults(run=run_resolve)
 
 
-def run_hooks(args: argparse.Namespace) -> int:
-    """Print every hook of a tiny native model and its layout."""
-    from tl_core.bridges._transformer import TransformerBridge
-    from tl_core.hooks._resolution import layout_of
+def _boot(args: argparse.Namespace) -> Any:
+    from tl_core.bridges._boot import boot
 
-    bridge = TransformerBridge.boot_native(args.preset)
-    _, cache = bridge.run_with_cache("hi")
-    for name, tensor in cache.items():
-        print(f"{name:40s} {layout_of(name):10s} {tuple(tensor.shape)}")
+    model = args.model if args.model is not None or args.driver != "native" else "gpt2"
+    return boot(model, driver=args.driver)
+
+
+def run_hooks(args: argparse.Namespace) -> int:
+    """Print every hook of the booted model with its layout and what specs can do there."""
+    bridge = _boot(args)
+    try:
+        namespace = bridge.namespace
+        print(f"{bridge!r}: {len(namespace.served)} hooks served, {len(namespace.editable)} editable")
+        for name in namespace.ordered:
+            if name in namespace.editable:
+                print(f"{name:42s} {namespace.layout(name):9s} edit")
+            else:
+                print(f"{name:42s} {namespace.layout(name):9s} read  {namespace.reasons[name]}")
+        if args.all:
+            for name, reason in sorted(namespace.non_fireable_reasons.items()):
+                print(f"{name:42s} {namespace.layout(name):9s} -     {reason}")
+    finally:
+        bridge.close()
     return 0
 
 
 def run_resolve(args: argparse.Namespace) -> int:
-    """Print the resolution of each name."""
+    """Print the resolution of each name, against the booted model unless ``--no-model``."""
     from tl_core.hooks._resolution import resolve_hook_name
 
-    for name in args.names:
-        r = resolve_hook_name(name)
-        note = f"  ({r.note})" if r.note else ""
-        print(f"{name} -> {r.canonical}  [{r.status}, {r.family}]{note}")
+    bridge = None if args.no_model else _boot(args)
+    try:
+        for name in args.names:
+            r = resolve_hook_name(name) if bridge is None else bridge.namespace.resolve(name)
+            note = f"  ({r.note})" if r.note else ""
+            print(f"{name} -> {r.canonical}  [{r.status}, {r.family}]{note}")
+    finally:
+        if bridge is not None:
+            bridge.close()
     return 0
