@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 
 import pytest
 
@@ -22,9 +23,12 @@ from tl_core.hooks._resolution import (
 from tl_core.hooks._vocabulary import (
     CANONICAL_TEMPLATES,
     LAYOUTS,
+    MISSING_BECAUSE,
+    HookRequirement,
     HookTemplate,
     canonical_hook_names,
     is_canonical,
+    requirement_met,
 )
 
 GPT2 = ModelInfo(
@@ -59,22 +63,19 @@ PARALLEL_NO_NORM = dataclasses.replace(NEOX, normalization_type=None)
 MIXTRAL = dataclasses.replace(LLAMA, gated_mlp=False, n_experts=4, experts_per_token=2)
 BLOOM = dataclasses.replace(GPT2, positional_embedding_type="none", embed_norm=True)
 
-REQUIREMENTS = {
-    None,
-    "standard_pos",
-    "rotary",
-    "gated_mlp",
-    "mlp_norm_input",
-    "embed_norm",
-    "moe",
-    "sandwich_norm",
-    "qk_norm",
-    "attn_result",
-    "norm",
-}
+#: Every structural condition a template may name, each with its reason for absent sites.
+REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
 
 
 # --- canonical templates -------------------------------------------------------------------
+
+
+def test_every_requirement_is_decided_by_structure_and_explained() -> None:
+    for requirement in typing.get_args(HookRequirement):
+        assert MISSING_BECAUSE[requirement], requirement
+        # Some model of the fixtures has the sites and some lacks them (attn_result: opt-in).
+        met = {requirement_met(requirement, info) for info in (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, BLOOM, PARALLEL_NO_NORM)}
+        assert met == {True, False} or requirement == "attn_result", requirement
 
 
 def test_templates_are_unique_with_known_layouts_and_requirements() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tl_core._errors import __all__ as _ERRORS
 from tl_core._lazy import attach
 from tl_core._version import __version__
 
@@ -53,19 +54,6 @@ if TYPE_CHECKING:
         parse_spec as parse_spec,
     )
 
-_ERRORS = (
-    "ConfigError",
-    "DriverContractError",
-    "DriverLoadError",
-    "DriverNotFoundError",
-    "EngineVersionError",
-    "HookNameError",
-    "RemoteHookMutationError",
-    "SpecError",
-    "TLError",
-    "UnsupportedFeatureError",
-    "UserError",
-)
 
 __getattr__, __dir__, _names = attach(
     __name__,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import torch
@@ -27,7 +27,7 @@ from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
 
-__all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
+__all__ = ["Bridge", "EngineCall", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
 
 #: Text, texts, or token ids (1-D/2-D tensor, list, or ragged list of lists).
 ModelInput = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence[int]]]
@@ -38,6 +38,33 @@ ReturnType = Literal["logits", "loss", "both"] | None
 
 _B = TypeVar("_B", bound="Bridge")
 _RETURN_TYPES = ("logits", "loss", "both", None)
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """What one engine call of a bridge method asks for (see ``Bridge._execute``).
+
+    Attributes:
+        capture: Canonical hooks to return.
+        intervene: The ``intervene=`` argument as the user gave it.
+        max_new_tokens: Tokens to generate (0: prefill only).
+        need_logits: Whether the caller uses the sequence logits.
+        capture_device: Where captures go (``None``: where computed).
+        start_at_layer: Start at this block from ``residual`` (local drivers).
+        stop_at_layer: Stop before this block; ``logits`` then holds the residual stream.
+        residual: The residual stream entering ``start_at_layer``.
+        sampling: Sampling options and ``stop_at_eos`` for generation.
+    """
+
+    capture: Sequence[str] = ()
+    intervene: Any = None
+    max_new_tokens: int = 0
+    need_logits: bool = True
+    capture_device: torch.device | str | None = None
+    start_at_layer: int | None = None
+    stop_at_layer: int | None = None
+    residual: torch.Tensor | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 class Bridge:
@@ -121,20 +148,7 @@ class Bridge:
         """Canonical hook name -> HookPoint for every hook this bridge can fire."""
         raise NotImplementedError
 
-    def _execute(
-        self,
-        batch: TokenBatch,
-        *,
-        capture: Sequence[str],
-        intervene: Any,
-        max_new_tokens: int,
-        need_logits: bool,
-        capture_device: torch.device | str | None = None,
-        start_at_layer: int | None = None,
-        stop_at_layer: int | None = None,
-        residual: torch.Tensor | None = None,
-        sampling: dict[str, Any] | None = None,
-    ) -> ForwardResult:
+    def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
         """Run the engine once; ``logits`` holds the residual stream when stopping early."""
         raise NotImplementedError
 
@@ -377,16 +391,14 @@ class Bridge:
         wants_loss = stop_at_layer is None and return_type in ("loss", "both")
         if wants_loss and source is None:
             raise UserError("a loss needs the token ids: pass input or tokens")
-        result = self._execute(
-            batch,
-            capture=(),
+        call = EngineCall(
             intervene=intervene,
-            max_new_tokens=0,
             need_logits=return_type is not None,
             start_at_layer=start_at_layer,
             stop_at_layer=stop_at_layer,
             residual=residual,
         )
+        result = self._execute(batch, call)
         return self._output(result, batch, return_type, loss_per_token, stop_at_layer)
 
     def loss(
@@ -459,15 +471,14 @@ class Bridge:
                 raise UserError("incl_bwd needs the loss, which stop_at_layer skips")
             bwd = [(n, _GradCapture(grads, n, device)) for n in names]
         with self.hooks((), bwd):
-            result = self._execute(
-                batch,
+            call = EngineCall(
                 capture=names,
                 intervene=intervene,
-                max_new_tokens=0,
                 need_logits=return_type is not None or incl_bwd,
                 capture_device=device,
                 stop_at_layer=stop_at_layer,
             )
+            result = self._execute(batch, call)
             if incl_bwd:
                 assert result.logits is not None
                 loss = next_token_loss(result.logits, batch.ids, batch.lengths)
@@ -524,15 +535,11 @@ class Bridge:
             "seed": seed,
             "stop_at_eos": stop_at_eos,
         }
+        call = EngineCall(
+            intervene=intervene, max_new_tokens=max_new_tokens, need_logits=False, sampling=sampling
+        )
         with torch.no_grad():
-            result = self._execute(
-                batch,
-                capture=(),
-                intervene=intervene,
-                max_new_tokens=max_new_tokens,
-                need_logits=False,
-                sampling=sampling,
-            )
+            result = self._execute(batch, call)
         assert result.new_tokens is not None
         return self._generated(input, result.new_tokens, return_type)
 

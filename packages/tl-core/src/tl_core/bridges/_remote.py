@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tl_core._errors import RemoteHookMutationError, UnsupportedFeatureError
-from tl_core.bridges._base import Bridge, _layer_index, _reached
+from tl_core.bridges._base import Bridge, EngineCall, _layer_index, _reached
 from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._protocol import ForwardResult
 from tl_core.hooks._hook_point import HookPoint
@@ -51,28 +51,16 @@ class RemoteBridge(Bridge):
         """Canonical hook name -> replay HookPoint, for every hook the engine serves."""
         return dict(self._points)
 
-    def _execute(
-        self,
-        batch: TokenBatch,
-        *,
-        capture: Sequence[str],
-        intervene: Any,
-        max_new_tokens: int,
-        need_logits: bool,
-        capture_device: torch.device | str | None = None,
-        start_at_layer: int | None = None,
-        stop_at_layer: int | None = None,
-        residual: torch.Tensor | None = None,
-        sampling: dict[str, Any] | None = None,
-    ) -> ForwardResult:
-        if start_at_layer is not None or residual is not None:
+    def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
+        if call.start_at_layer is not None or call.residual is not None:
             raise UnsupportedFeatureError(
                 f"driver {self._name!r} runs the model inside an engine, which starts from "
                 f"token ids, not from a residual stream (start_at_layer/residual); use a "
                 f"local driver (native, hf) to run part of a model"
             )
+        stop_at_layer, capture = call.stop_at_layer, call.capture
         stop_hook = None if stop_at_layer is None else self._stop_hook(stop_at_layer)
-        logits_wanted = need_logits and stop_hook is None
+        logits_wanted = call.need_logits and stop_hook is None
         if logits_wanted and not self.driver.provides_sequence_logits:
             raise UnsupportedFeatureError(
                 f"driver {self._name!r} does not return logits at every position, so it "
@@ -87,15 +75,15 @@ class RemoteBridge(Bridge):
         result = self.driver.forward(
             batch.rows(),
             capture=names,
-            intervene=intervene,
-            max_new_tokens=max_new_tokens,
+            intervene=call.intervene,
+            max_new_tokens=call.max_new_tokens,
             return_logits=logits_wanted,
-            **(sampling or {}),
+            **call.sampling,
         )
         self._replay(result.captured, hooked)
         captured = {n: result.captured[n] for n in capture}
-        if capture_device is not None:
-            captured = {n: t.to(capture_device) for n, t in captured.items()}
+        if call.capture_device is not None:
+            captured = {n: t.to(call.capture_device) for n, t in captured.items()}
         logits = result.captured[stop_hook] if stop_hook is not None else result.logits
         return ForwardResult(logits, captured, result.new_tokens, result.raw_output, result.lengths)
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from tl_core._errors import UnsupportedFeatureError
-from tl_core.bridges._base import Bridge
+from tl_core.bridges._base import Bridge, EngineCall
 from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._local import LocalDriver
 from tl_core.driver_api._protocol import ForwardResult
@@ -77,34 +76,21 @@ class TransformerBridge(Bridge, nn.Module):
 
     # -- running ----------------------------------------------------------------------
 
-    def _execute(
-        self,
-        batch: TokenBatch,
-        *,
-        capture: Sequence[str],
-        intervene: Any,
-        max_new_tokens: int,
-        need_logits: bool,
-        capture_device: torch.device | str | None = None,
-        start_at_layer: int | None = None,
-        stop_at_layer: int | None = None,
-        residual: torch.Tensor | None = None,
-        sampling: dict[str, Any] | None = None,
-    ) -> ForwardResult:
-        ids: Any = batch.rows() if batch.is_ragged or max_new_tokens > 0 else batch.ids
-        if start_at_layer is not None and residual is not None:
+    def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
+        ids: Any = batch.rows() if batch.is_ragged or call.max_new_tokens > 0 else batch.ids
+        if call.start_at_layer is not None and call.residual is not None:
             ids = batch.ids  # only the shape and the loss's targets matter
         return self.driver.forward(  # type: ignore[no-any-return]
             ids,
-            capture=capture,
-            intervene=intervene,
-            max_new_tokens=max_new_tokens,
-            return_logits=need_logits or stop_at_layer is not None,
-            capture_device=capture_device,
-            start_at_layer=start_at_layer,
-            stop_at_layer=stop_at_layer,
-            residual=residual,
-            **(sampling or {}),
+            capture=call.capture,
+            intervene=call.intervene,
+            max_new_tokens=call.max_new_tokens,
+            return_logits=call.need_logits or call.stop_at_layer is not None,
+            capture_device=call.capture_device,
+            start_at_layer=call.start_at_layer,
+            stop_at_layer=call.stop_at_layer,
+            residual=call.residual,
+            **call.sampling,
         )
 
     # -- weights ----------------------------------------------------------------------
