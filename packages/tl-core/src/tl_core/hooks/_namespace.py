@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 
 from tl_core._errors import DriverContractError, HookNameError, SpecError
@@ -168,10 +169,10 @@ class HookNamespace:
     def __len__(self) -> int:
         return len(self.served)
 
-    @property
-    def ordered(self) -> list[str]:
+    @cached_property
+    def ordered(self) -> tuple[str, ...]:
         """The served hooks, in the order the forward pass reaches them."""
-        return forward_order(self.served)
+        return tuple(forward_order(self.served))
 
     # -- names ------------------------------------------------------------------------
 
