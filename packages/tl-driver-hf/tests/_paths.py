@@ -18,7 +18,10 @@ from typing import Any
 # position_embeddings argument), conv1d (weights stored [in, out]), norm ("layernorm",
 # "rms" or "rms_plus_one"), qk_norm_flat (the QK-norms see all heads of a position),
 # qk_norm_heads_first (the QK-norms see [b, h, p, dh]), router (a mixture of experts'
-# router inside mlp, returning logits, top-k weights and indices of flattened positions).
+# router inside mlp, returning logits, top-k weights and indices of flattened positions),
+# experts_in (inside mlp: every expert's input weights stacked, [experts, out, d_model]),
+# qkv_interleaved (the fused qkv is laid out per head, [h, (q, k, v), dh]), parallel
+# (attention and MLP read the same block input).
 _LLAMA = {
     "embed": "model.embed_tokens",
     "layers": "model.layers",
@@ -72,6 +75,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "mixtral": {
         **{k: v for k, v in _LLAMA.items() if k not in ("pre", "pre_linear", "down")},
         "router": "gate",
+        "experts_in": "experts.gate_up_proj",
     },
     "phi3": {
         **{k: v for k, v in _LLAMA.items() if k not in ("q", "k", "v", "pre", "pre_linear")},
@@ -99,6 +103,7 @@ PATHS: dict[str, dict[str, Any]] = {
         "attn": "attention",
         "qkv": "query_key_value",
         "qkv_per_head": True,
+        "qkv_interleaved": True,
         "o": "dense",
         "mlp": "mlp",
         "pre": "dense_h_to_4h",
@@ -181,6 +186,7 @@ PATHS: dict[str, dict[str, Any]] = {
         "ln2": "post_attention_layernorm",
         "attn": "self_attention",
         "qkv": "query_key_value",
+        "qkv_interleaved": True,
         "o": "dense",
         # The attention and MLP modules add the residual themselves.
         "attn_out": "dense",

@@ -4,38 +4,55 @@
 activations follow TransformerLens' ``fold_ln`` / ``center_writing_weights`` /
 ``center_unembed`` / ``fold_value_biases`` processing:
 
-- **fold_ln**: each norm's weight (and bias) moves into the linear layers that read the
-  norm's output (q/k/v, MLP input/gate/up, the unembedding); the norm's own weight becomes
-  the identity (``1``, or ``0`` under Gemma's ``(1 + w)`` rule) and its bias ``0``. On
-  LayerNorm models the folded reading weights are also centred over ``d_model`` (exact:
-  a LayerNorm's normalized value has zero mean).
+- **fold_ln**: each pre-norm's weight (and bias) moves into the projections that read the
+  norm's output, and the norm becomes the identity (weight ``1``, or ``0`` under Gemma's
+  ``(1 + w)`` rule; bias ``0``). What reads a norm follows the block's structure: the
+  pre-attention norm feeds q/k/v, and also the MLP in a parallel block with one shared
+  norm (GPT-J, Falcon); the pre-MLP norm feeds the MLP's input projections, including a
+  mixture of experts' router and every expert; the final norm feeds the unembedding. On
+  LayerNorm models the folded weights are also centred over ``d_model`` (exact: a
+  LayerNorm's output has zero mean). Norms that nothing reads linearly stay as they are:
+  post-sublayer (sandwich) norms, QK-norms and BLOOM's embedding norm.
 - **center_writing_weights** (LayerNorm models only; RMSNorm does not remove the mean, so
   centring would change the model): everything written to the residual stream (token and
   position embeddings, attention and MLP output weights and biases) loses its mean over
-  ``d_model``, so the residual stream has zero mean at every position.
+  ``d_model``.
 - **center_unembed**: the unembedding (and its bias) loses its mean over the vocabulary;
-  logits shift by a per-position constant, which ``softmax`` ignores.
-- **fold_value_biases**: value biases move into the attention output bias
-  (``b_O += sum_h b_V[h] @ W_O[h]``), exact because each attention row sums to one.
+  logits shift by a per-position constant, which ``softmax`` ignores. Skipped, with a
+  log line, when the final logits are soft-capped: ``tanh`` does not ignore the shift.
+- **fold_value_biases**: value biases move into the attention output bias.
 
 Only models the driver loaded itself are rewritten; a user's ``hf_model`` is never
-mutated.
+mutated. Every check runs before the first weight changes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from tl_core import UnsupportedFeatureError, UserError
+from tl_driver_hf._folding import (
+    Projection,
+    center_embedding,
+    center_unembedding,
+    center_writer,
+    fold_norm,
+    fold_value_bias,
+    untie,
+    value_bias_view,
+)
 from tl_driver_hf._modules import LayerModules, ModelModules
-from tl_driver_hf.adapters import ArchitectureAdapter, LinearKind
+from tl_driver_hf.adapters import ArchitectureAdapter
 
-__all__ = ["CompatState", "enable_compatibility"]
+__all__ = ["CompatState", "describe_blocks", "enable_compatibility"]
+
+_LOG = logging.getLogger(__name__)
 
 _OPTIONS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
 
@@ -45,17 +62,20 @@ class CompatState:
     """What compatibility mode did to the weights.
 
     Attributes:
-        fold_ln: Norm weights (and biases) were folded into the layers reading them.
+        fold_ln: Pre-norm weights (and biases) were folded into the layers reading them.
         center_writing_weights: Residual-stream writers were centred over ``d_model``
             (``False`` on RMSNorm models even when requested: centring would change them).
-        center_unembed: The unembedding was centred over the vocabulary.
+        center_unembed: The unembedding was centred over the vocabulary (``False`` under
+            final-logit soft-capping even when requested).
         fold_value_biases: Value biases were folded into the attention output bias.
+        notes: What was left as it is or skipped, and why (one sentence each).
     """
 
     fold_ln: bool
     center_writing_weights: bool
     center_unembed: bool
     fold_value_biases: bool
+    notes: tuple[str, ...] = field(default=())
 
 
 def _parse(options: Mapping[str, Any]) -> dict[str, bool]:
@@ -76,165 +96,129 @@ def _parse(options: Mapping[str, Any]) -> dict[str, bool]:
     return parsed
 
 
-#: Families whose fold is verified by tests/test_compat.py; others are refused rather than
-#: folded on trust (fused per-head qkv, ALiBi, embedding norms and position offsets each
-#: need their own checked fold).
-_VERIFIED_FAMILIES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "stablelm"})
-
-
-def _check_family(adapter: ArchitectureAdapter) -> None:
-    reason = None
+def describe_blocks(adapter: ArchitectureAdapter, parallel: bool) -> str:
+    """One sentence naming the norms of a family's blocks and what reads them."""
+    parts = [
+        f"norm before attention {adapter.ln1!r}" if adapter.ln1 else "no norm before attention"
+    ]
+    if adapter.ln2:
+        parts.append(f"norm before the MLP {adapter.ln2!r}")
+    elif parallel and adapter.ln1:
+        parts.append(f"the MLP reads {adapter.ln1!r} too (one norm shared by a parallel block)")
+    else:
+        parts.append("no norm before the MLP")
+    posts = [p for p in (adapter.ln1_post, adapter.ln2_post) if p]
+    if posts:
+        parts.append(f"norms on the sublayer outputs {posts}")
     if adapter.moe:
-        reason = "its MLP is a mixture of experts (the norm would have to be folded into every expert and the router)"
-    elif adapter.sandwich:
-        reason = "it normalises sublayer outputs before they join the residual stream (sandwich norms), which cannot be folded"
-    elif adapter.parallel:
-        reason = "attention and MLP read one shared norm in parallel blocks, which this fold does not handle"
-    elif adapter.ln1 is None or adapter.ln2 is None:
-        reason = "its blocks have no pre-norm to fold"
-    elif adapter.family not in _VERIFIED_FAMILIES:
-        reason = "its fold has not been verified against an independent computation yet"
-    if reason is not None:
-        raise UnsupportedFeatureError(
-            f"enable_compatibility_mode() is not implemented for the {adapter.family!r} family: "
-            f"{reason}. Supported: pre-norm sequential families (gpt2, llama, mistral, qwen2, "
-            f"qwen3, gemma, phi3, stablelm). Use the bridge without compatibility mode."
+        parts.append(f"a mixture-of-experts MLP (router {adapter.router!r}, experts {adapter.expert_in!r})")
+    kind = "LayerNorm" if adapter.norm == "layernorm" else "RMSNorm"
+    layout = "parallel" if parallel else "sequential"
+    return f"{adapter.family} has {layout} {kind} blocks: " + ", ".join(parts)
+
+
+# -- the plan: which parameters each step touches -----------------------------------------
+
+
+@dataclass
+class _Plan:
+    folds: list[tuple[nn.Module, list[Projection]]]
+    writers: list[Projection]
+    embeddings: list[nn.Module]
+    notes: list[str]
+
+
+def _refuse(adapter: ArchitectureAdapter, parallel: bool, reason: str) -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        f"enable_compatibility_mode() cannot fold the {adapter.family!r} family: "
+        f"{describe_blocks(adapter, parallel)}; {reason}. Use the bridge without "
+        f"compatibility mode (every hook is served either way)."
+    )
+
+
+def _attention_readers(layer: LayerModules, adapter: ArchitectureAdapter) -> list[Projection]:
+    modules = [layer.qkv] if layer.qkv is not None else [layer.q, layer.k, layer.v]
+    return [Projection(m, "weight", adapter.linear) for m in modules if m is not None]
+
+
+def _mlp_readers(layer: LayerModules, adapter: ArchitectureAdapter, parallel: bool) -> list[Projection]:
+    modules = (layer.mlp_in, layer.gate, layer.up, layer.gate_up)
+    readers = [Projection(m, "weight", adapter.linear) for m in modules if m is not None]
+    if adapter.moe:
+        if layer.router is None or adapter.expert_in is None:
+            raise _refuse(
+                adapter,
+                parallel,
+                "the adapter does not name the router and the stacked expert input weights "
+                "(router, expert_in) the pre-MLP norm feeds",
+            )
+        # The router is a bare weight in transformers 5 (F.linear), oriented like nn.Linear.
+        readers.append(Projection(layer.router, "weight", "linear"))
+        owner, _, name = adapter.expert_in.rpartition(".")
+        experts = layer.mlp.get_submodule(owner) if owner else layer.mlp
+        if not isinstance(getattr(experts, name, None), torch.Tensor):
+            raise _refuse(
+                adapter,
+                parallel,
+                f"the MLP has no stacked expert weights at {adapter.expert_in!r} (this "
+                f"transformers version may keep experts as separate modules)",
+            )
+        readers.append(Projection(experts, name, "experts"))
+    return readers
+
+
+def _plan(parts: ModelModules, adapter: ArchitectureAdapter, parallel: bool) -> _Plan:
+    if adapter.moe and adapter.norm == "layernorm":
+        raise _refuse(
+            adapter,
+            parallel,
+            "a LayerNorm's bias would have to become a bias of every expert and the experts' "
+            "output weights be centred, which is not implemented",
         )
-
-
-# -- parameter access in [in, out] layout ---------------------------------------------
-
-
-def _read(module: nn.Module, kind: LinearKind) -> torch.Tensor:
-    weight = cast(torch.Tensor, module.weight)
-    w = weight if kind == "conv1d" else weight.T
-    return w.detach().double()
-
-
-def _write(module: nn.Module, kind: LinearKind, w: torch.Tensor) -> None:
-    weight = cast(torch.Tensor, module.weight)
-    weight.data.copy_(w if kind == "conv1d" else w.T)
-
-
-def _bias(module: nn.Module, size: int, like: torch.Tensor) -> torch.Tensor:
-    """The module's bias (added as a zero parameter first when it has none)."""
-    bias = getattr(module, "bias", None)
-    if not isinstance(bias, torch.Tensor):
-        bias = nn.Parameter(
-            torch.zeros(size, dtype=like.dtype, device=like.device),
-            requires_grad=like.requires_grad,
+    plan = _Plan(folds=[], writers=[], embeddings=[parts.embed], notes=[])
+    if parts.pos_embed is not None:
+        plan.embeddings.append(parts.pos_embed)
+    for layer in parts.layers:
+        attention = _attention_readers(layer, adapter)
+        mlp = _mlp_readers(layer, adapter, parallel)
+        if layer.ln2 is not None:
+            if layer.ln1 is not None:
+                plan.folds.append((layer.ln1, attention))
+            plan.folds.append((layer.ln2, mlp))
+        elif layer.ln1 is not None:
+            plan.folds.append((layer.ln1, attention + mlp if parallel else attention))
+        plan.writers.append(Projection(layer.o, "weight", adapter.linear))
+        if layer.down is not None:
+            plan.writers.append(Projection(layer.down, "weight", adapter.linear))
+    # The unembedding is an nn.Linear in every family (GPT-2's blocks use Conv1D).
+    plan.folds.append((parts.final_norm, [Projection(parts.lm_head, "weight", "linear")]))
+    posts = [p for p in (adapter.ln1_post, adapter.ln2_post) if p]
+    if posts:
+        plan.notes.append(
+            f"kept the sublayer-output norms {posts}: they normalise what attention and the "
+            f"MLP write before it joins the residual stream, and nothing linear reads them"
         )
-        module.bias = bias
-    return bias
+    if adapter.q_norm:
+        plan.notes.append(
+            f"kept the QK-norms {[adapter.q_norm, adapter.k_norm]}: they normalise queries "
+            f"and keys after the projections, so their weights cannot move into them"
+        )
+    if parts.embed_norm is not None:
+        plan.notes.append(
+            f"kept the embedding norm {adapter.embed_norm!r}: it writes the residual stream's "
+            f"first value, so the residual stream keeps that norm's mean"
+        )
+    return plan
 
 
-def _add_to_bias(module: nn.Module, delta: torch.Tensor, like: torch.Tensor) -> None:
-    bias = _bias(module, delta.shape[0], like)
-    bias.data.copy_(bias.detach().double() + delta)
+# -- applying it ----------------------------------------------------------------------
 
 
-# -- the four transformations ---------------------------------------------------------
-
-
-def _effective_weight(
-    norm: nn.Module, adapter: ArchitectureAdapter, size: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = getattr(norm, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        w = weight.detach().double()
-        if adapter.norm == "rms_plus_one":
-            w = w + 1.0
-    else:
-        w = torch.ones(size, dtype=torch.float64)
-    bias = getattr(norm, "bias", None)
-    b = bias.detach().double() if isinstance(bias, torch.Tensor) else None
-    return w, b
-
-
-def _make_identity(norm: nn.Module, adapter: ArchitectureAdapter) -> None:
-    weight = getattr(norm, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        weight.data.fill_(0.0 if adapter.norm == "rms_plus_one" else 1.0)
-    bias = getattr(norm, "bias", None)
-    if isinstance(bias, torch.Tensor):
-        bias.data.zero_()
-
-
-def _fold_norm(
-    norm: nn.Module,
-    readers: list[nn.Module],
-    kind: LinearKind,
-    adapter: ArchitectureAdapter,
-    center: bool,
-) -> None:
-    """Fold ``norm``'s weight and bias into every module reading its output."""
-    size = int(cast(torch.Tensor, readers[0].weight).shape[0 if kind == "conv1d" else 1])
-    w, b = _effective_weight(norm, adapter, size)
-    for reader in readers:
-        weight = cast(torch.Tensor, reader.weight)
-        W = _read(reader, kind)
-        w_ = w.to(W.device)
-        if b is not None:
-            _add_to_bias(reader, b.to(W.device) @ W, weight)
-        W = w_[:, None] * W
-        if center:
-            W = W - W.mean(dim=0, keepdim=True)
-        _write(reader, kind, W)
-    _make_identity(norm, adapter)
-
-
-def _readers(layer: LayerModules, which: str) -> list[nn.Module]:
-    if which == "ln1":
-        found = [layer.qkv] if layer.qkv is not None else [layer.q, layer.k, layer.v]
-    elif layer.gate_up is not None:
-        found = [layer.gate_up]
-    else:
-        found = [layer.mlp_in, layer.gate, layer.up]
-    return [m for m in found if m is not None]
-
-
-def _center_writer(module: nn.Module, kind: LinearKind) -> None:
-    W = _read(module, kind)
-    _write(module, kind, W - W.mean(dim=1, keepdim=True))
-    bias = getattr(module, "bias", None)
-    if isinstance(bias, torch.Tensor):
-        b = bias.detach().double()
-        bias.data.copy_(b - b.mean())
-
-
-def _center_embedding(module: nn.Module) -> None:
-    weight = cast(torch.Tensor, module.weight)
-    w = weight.detach().double()
-    weight.data.copy_(w - w.mean(dim=-1, keepdim=True))
-
-
-def _fold_value_bias(
-    layer: LayerModules, adapter: ArchitectureAdapter, n_heads: int, n_kv: int, d_head: int
-) -> None:
-    if layer.qkv is not None:
-        bias = getattr(layer.qkv, "bias", None)
-        start = (n_heads + n_kv) * d_head
-        b_v = bias[start:] if isinstance(bias, torch.Tensor) else None
-    else:
-        assert layer.v is not None
-        bias = getattr(layer.v, "bias", None)
-        b_v = bias if isinstance(bias, torch.Tensor) else None
-    if b_v is None:
-        return
-    per_kv = b_v.detach().double().reshape(n_kv, d_head)
-    per_head = per_kv.repeat_interleave(n_heads // n_kv, dim=0)
-    W_O = _read(layer.o, adapter.linear).reshape(n_heads, d_head, -1)
-    delta = torch.einsum("he,hed->d", per_head.to(W_O.device), W_O)
-    _add_to_bias(layer.o, delta, cast(torch.Tensor, layer.o.weight))
-    b_v.data.zero_()
-
-
-def _untie_head(parts: ModelModules) -> None:
-    """Give the unembedding its own weight when it shares the embedding's."""
-    head = cast(torch.Tensor, parts.lm_head.weight)
-    embed = cast(torch.Tensor, parts.embed.weight)
-    if head is embed or head.data_ptr() == embed.data_ptr():
-        parts.lm_head.weight = nn.Parameter(head.detach().clone(), requires_grad=head.requires_grad)
+def _softcap(hf_model: nn.Module, adapter: ArchitectureAdapter) -> float | None:
+    if adapter.final_softcap is None:
+        return None
+    value = getattr(getattr(hf_model, "config", None), adapter.final_softcap, None)
+    return float(value) if value else None
 
 
 def enable_compatibility(
@@ -245,6 +229,7 @@ def enable_compatibility(
     n_heads: int,
     n_kv_heads: int,
     d_head: int,
+    parallel: bool,
     **options: Any,
 ) -> CompatState:
     """Rewrite ``hf_model``'s weights to HookedTransformer's processed-weights convention.
@@ -256,19 +241,20 @@ def enable_compatibility(
         n_heads: Query heads.
         n_kv_heads: Key/value heads.
         d_head: Head size.
+        parallel: Whether attention and the MLP read the same block input.
         **options: ``fold_ln``, ``center_writing_weights``, ``center_unembed``,
             ``fold_value_biases`` (each a bool, default ``True``).
 
     Returns:
-        What was applied.
+        What was applied, with notes on what was kept or skipped.
 
     Raises:
         UserError: An unknown option or a non-bool value.
-        UnsupportedFeatureError: The family's structure cannot be folded (names it), or
-            the model is offloaded (weights not in memory).
+        UnsupportedFeatureError: A structure that cannot be folded (the message names the
+            family's norms and what reads them), or an offloaded model.
     """
     opts = _parse(options)
-    _check_family(adapter)
+    plan = _plan(parts, adapter, parallel)
     if any(p.is_meta for p in hf_model.parameters()):
         raise UnsupportedFeatureError(
             "enable_compatibility_mode() needs every weight in memory; this model is offloaded "
@@ -277,38 +263,46 @@ def enable_compatibility(
         )
     layer_norm = adapter.norm == "layernorm"
     center = opts["center_writing_weights"] and layer_norm
+    notes = plan.notes if opts["fold_ln"] else []
+    if opts["center_writing_weights"] and not layer_norm:
+        notes.append(
+            "skipped center_writing_weights: RMSNorm does not remove the mean, so centring "
+            "the residual stream would change the model"
+        )
+    center_unembed = opts["center_unembed"]
+    cap = _softcap(hf_model, adapter)
+    if center_unembed and cap is not None:
+        center_unembed = False
+        message = (
+            f"skipped center_unembed: the final logits are soft-capped "
+            f"({adapter.final_softcap}={cap:g}), and tanh does not ignore a per-position shift"
+        )
+        notes.append(message)
+        _LOG.warning("enable_compatibility_mode: %s", message)
     with torch.no_grad():
-        if opts["fold_ln"] or center or opts["center_unembed"]:
-            _untie_head(parts)
+        if opts["fold_ln"] or center or center_unembed:
+            untie(parts.lm_head, parts.embed)
         if opts["fold_ln"]:
-            for layer in parts.layers:
-                assert layer.ln1 is not None and layer.ln2 is not None
-                _fold_norm(layer.ln1, _readers(layer, "ln1"), adapter.linear, adapter, center)
-                _fold_norm(layer.ln2, _readers(layer, "ln2"), adapter.linear, adapter, center)
-            # The unembedding is an nn.Linear in every family (GPT-2's blocks use Conv1D).
-            _fold_norm(parts.final_norm, [parts.lm_head], "linear", adapter, center)
+            for norm, readers in plan.folds:
+                # Folding into the readers is centring-safe only behind a LayerNorm.
+                fold_norm(norm, readers, adapter, center=layer_norm)
         if center:
-            _center_embedding(parts.embed)
-            if parts.pos_embed is not None:
-                _center_embedding(parts.pos_embed)
-            for layer in parts.layers:
-                _center_writer(layer.o, adapter.linear)
-                assert layer.down is not None
-                _center_writer(layer.down, adapter.linear)
-        if opts["center_unembed"]:
-            head = parts.lm_head
-            W_U = _read(head, "linear")
-            _write(head, "linear", W_U - W_U.mean(dim=1, keepdim=True))
-            bias = getattr(head, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                b = bias.detach().double()
-                bias.data.copy_(b - b.mean())
+            for embedding in plan.embeddings:
+                center_embedding(embedding)
+            for writer in plan.writers:
+                center_writer(writer)
+        if center_unembed:
+            center_unembedding(parts.lm_head)
         if opts["fold_value_biases"]:
             for layer in parts.layers:
-                _fold_value_bias(layer, adapter, n_heads, n_kv_heads, d_head)
+                b_v = value_bias_view(layer.v, layer.qkv, adapter, n_heads, n_kv_heads, d_head)
+                if b_v is not None:
+                    o = Projection(layer.o, "weight", adapter.linear)
+                    fold_value_bias(b_v, o, n_heads, n_kv_heads, d_head)
     return CompatState(
         fold_ln=opts["fold_ln"],
         center_writing_weights=center,
-        center_unembed=opts["center_unembed"],
+        center_unembed=center_unembed,
         fold_value_biases=opts["fold_value_biases"],
+        notes=tuple(notes),
     )

@@ -175,7 +175,8 @@ class HFDriver(LocalDriver):
 
         Folds norms into the layers reading them, centres the residual-stream writers
         (LayerNorm models), centres the unembedding and folds value biases (see
-        ``docs/driver.md``). Logits change only by a per-position constant.
+        ``docs/driver.md``). Logits change only by a per-position constant (not at all
+        under final-logit soft-capping, where the unembedding is not centred).
 
         Args:
             **options: ``fold_ln``, ``center_writing_weights``, ``center_unembed``,
@@ -184,7 +185,8 @@ class HFDriver(LocalDriver):
         Raises:
             UserError: The model was passed in as ``hf_model`` (it is never mutated),
                 compatibility mode is already on, or an option is unknown.
-            UnsupportedFeatureError: The family (named) or an offloaded model.
+            UnsupportedFeatureError: A structure that cannot be folded (the message names
+                the family's norms and what reads them) or an offloaded model.
         """
         if not self._owns_model:
             raise UserError(
@@ -204,6 +206,7 @@ class HFDriver(LocalDriver):
             n_heads=info.n_heads,
             n_kv_heads=info.kv_heads,
             d_head=info.d_head,
+            parallel=info.parallel_attn_mlp,
             **options,
         )
 

@@ -75,6 +75,10 @@ class ArchitectureAdapter:
         moe: Whether the MLP is a mixture of experts (per-neuron hooks are absent).
         router: The router inside ``mlp`` (mixture of experts): a module returning
             ``(logits, top-k weights, top-k indices)`` for the flattened positions.
+        expert_in: Parameter inside ``mlp`` stacking every expert's input projection as
+            ``[experts, out, d_model]`` (transformers 5's batched experts, Mixtral's
+            ``"experts.gate_up_proj"``), or ``None``; compatibility mode folds the pre-MLP
+            norm into it.
         embed_scaled: Whether the embedding module multiplies its lookup by its own
             ``embed_scale`` buffer (Gemma); ``embed.hook_out`` is the module's (scaled)
             output, and ``W_E`` is scaled alike.
@@ -147,6 +151,7 @@ class ArchitectureAdapter:
     parallel: bool = False
     moe: bool = False
     router: str | None = None
+    expert_in: str | None = None
     embed_scaled: bool = False
     softmax_fp32: bool = True
     attn_softcap: str | None = None

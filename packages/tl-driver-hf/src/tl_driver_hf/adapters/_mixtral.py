@@ -14,6 +14,7 @@ ADAPTERS = (
         down=None,
         moe=True,
         router="gate",
+        expert_in="experts.gate_up_proj",
         hub_patterns=(r"^mistralai/Mixtral-",),
         known_models=("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
     ),
