@@ -1,7 +1,9 @@
 """Every name TransformerLens 4.3's bridge cache answers to resolves in tl to an equal tensor.
 
 For each family both tools support, a tiny random checkpoint runs through TransformerLens
-4.3's ``TransformerBridge`` and through tl's hf driver on the same token ids. Each name in
+4.3's ``TransformerBridge`` and through tl's hf driver on the same token ids, once as
+loaded and once after each tool's own ``enable_compatibility_mode()`` (folded norms,
+centred writers and unembedding, folded value biases). Each name in
 TransformerLens's cache is looked up in the booted model's tl namespace (the same lookup
 capture, specs and cache lookup use) and the tensors are compared.
 
@@ -18,8 +20,7 @@ Two tables say where the tensors are not compared as they are, each entry with i
 from __future__ import annotations
 
 import re
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,32 +30,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformer_lens")
 
-from transformer_lens.model_bridge import TransformerBridge as TLBridge  # noqa: E402
+import _transformer_lens_peer as _shared  # noqa: E402  (conftest puts this folder on sys.path)
 
 from tl_core import ActivationCache, HookNameError, TransformerBridge  # noqa: E402
-from tl_driver_hf.testing import write_tiny_checkpoint  # noqa: E402
 
-#: Every family tl's hf driver and TransformerLens 4.3 both boot.
-FAMILIES = [
-    "gpt2",
-    "gpt_neo",
-    "gptj",
-    "gpt_neox",
-    "opt",
-    "bloom",
-    "falcon",
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen3",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "phi3",
-    "olmo2",
-    "stablelm",
-]
+FAMILIES: list[str] = _shared.FAMILIES
+MODES: dict[str, bool] = _shared.MODES
+
 #: fp32 on both sides; the two tools compute attention in different but exact orders.
 ATOL = 1e-4
 MASKED = -1e30  # TransformerLens masks scores with the dtype's minimum, tl with -inf
@@ -149,17 +131,29 @@ LAYOUTS = [
 
 
 @dataclass(frozen=True)
+class Run:
+    """What a slip's evidence may use: tl's cache of this run, tl's cache without
+    compatibility mode (the same cache in a plain run) and the token ids."""
+
+    ours: ActivationCache
+    plain: ActivationCache
+    ids: Any
+
+
+@dataclass(frozen=True)
 class Slip:
     """Where TransformerLens 4.3 serves another tensor than its name promises.
 
-    ``evidence(theirs, ours)`` returns the tl tensor that TransformerLens's value really is;
-    the test checks that it equals TransformerLens's value.
+    ``evidence(name, run)`` returns the tl tensor that TransformerLens's value really is;
+    the test checks that it equals TransformerLens's value. ``compat_only`` slips appear
+    only after compatibility mode.
     """
 
     families: tuple[str, ...]
     pattern: str
-    evidence: Callable[[str, ActivationCache, Any], Any]
+    evidence: Callable[[str, Run], Any]
     reason: str
+    compat_only: bool = False
 
 
 def _block(name: str) -> str:
@@ -172,7 +166,7 @@ TL_SLIPS = [
     Slip(
         ("opt", "gpt_neo", "gptj"),
         r"attn\.hook_attn_scores$",
-        lambda name, ours, ids: ours[_block(name) + "attn.hook_pattern"],
+        lambda name, run: run.ours[_block(name) + "attn.hook_pattern"],
         "TransformerLens 4.3 serves the softmaxed pattern under hook_attn_scores on these "
         "families (their attention runs inside the module, not through an attention "
         "function it can hook)",
@@ -180,14 +174,14 @@ TL_SLIPS = [
     Slip(
         ("opt",),
         r"^pos_embed\.hook_in$",
-        lambda name, ours, ids: torch.ones(ids.shape, dtype=torch.float32),
+        lambda name, run: torch.ones(run.ids.shape, dtype=torch.float32),
         "TransformerLens 4.3 hooks the first argument of OPT's position embedding, which "
         "is the attention mask (as floats), not the position ids tl serves",
     ),
     Slip(
         ("bloom",),
         r"attn\.(hook_out|hook_hidden_states)$",
-        lambda name, ours, ids: ours[_block(name) + "hook_in"] + ours[_block(name) + "attn.hook_out"],
+        lambda name, run: run.ours[_block(name) + "hook_in"] + run.ours[_block(name) + "attn.hook_out"],
         "BLOOM's attention module returns its output plus the residual stream; TransformerLens "
         "4.3 serves that sum as attn.hook_out (its own hook_attn_out is the contribution, as "
         "in tl)",
@@ -195,13 +189,13 @@ TL_SLIPS = [
     Slip(
         ("bloom",),
         r"mlp\.hook_out$",
-        lambda name, ours, ids: ours[_block(name) + "ln2.hook_in"] + ours[_block(name) + "mlp.hook_out"],
+        lambda name, run: run.ours[_block(name) + "ln2.hook_in"] + run.ours[_block(name) + "mlp.hook_out"],
         "as for attention: TransformerLens 4.3's mlp.hook_out on BLOOM includes the residual",
     ),
     Slip(
         ("mixtral",),
         r"mlp\.hook_pre$",
-        lambda name, ours, ids: ours[_block(name) + "mlp.hook_in"],
+        lambda name, run: run.ours[_block(name) + "mlp.hook_in"],
         "on a mixture of experts TransformerLens 4.3 serves the MoE block's input "
         "(d_model wide) under mlp.hook_pre, whose meaning is the neurons' pre-activations; "
         "tl has no single layer of neurons there and refuses the name",
@@ -209,68 +203,72 @@ TL_SLIPS = [
     Slip(
         ("mixtral",),
         r"mlp\.hook_post$",
-        lambda name, ours, ids: ours[_block(name) + "mlp.hook_out"],
+        lambda name, run: run.ours[_block(name) + "mlp.hook_out"],
         "as for hook_pre: TransformerLens 4.3's mlp.hook_post on Mixtral is the MoE output",
+    ),
+    Slip(
+        ("olmo2",),
+        r"^(ln_final\.hook_out|unembed\.hook_in)$",
+        lambda name, run: run.plain["ln_final.hook_out"],
+        "TransformerLens 4.3 folds no norm of OLMo 2 (its adapter declares fold_ln "
+        "unsupported), not even the final norm, an ordinary pre-unembedding norm that tl "
+        "folds into W_U; TransformerLens's ln_final output keeps the norm's weight",
+        compat_only=True,
     ),
 ]
 
 
-def _find(table: list[Any], family: str, name: str) -> Any:
-    matches = [e for e in table if family in e.families and re.search(e.pattern, name)]
+def _find(table: list[Any], family: str, name: str, compat: bool = False) -> Any:
+    matches = [
+        e
+        for e in table
+        if family in e.families
+        and re.search(e.pattern, name)
+        and (compat or not getattr(e, "compat_only", False))
+    ]
     assert len(matches) <= 1, (family, name, matches)
     return matches[0] if matches else None
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(family))
-        return made[family]
-
-    yield get
-
-
-def _caches(folder: Path, ids: Any) -> tuple[dict[str, Any], TransformerBridge, ActivationCache]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        theirs = TLBridge.boot_transformers(str(folder), device="cpu")
-        with torch.no_grad():
-            _, their_cache = theirs.run_with_cache(ids)
-    ours = TransformerBridge.boot_transformers(str(folder))
+def _caches(
+    folder: Path, ids: Any, compat: bool = False
+) -> tuple[dict[str, Any], TransformerBridge, Run]:
+    """TransformerLens's cache and tl's, each after its own compatibility mode if asked."""
+    theirs = _shared.boot_theirs(folder, compat)
+    with torch.no_grad():
+        _, their_cache = theirs.run_with_cache(ids)
+    ours = _shared.boot_ours(folder, compat)
     with torch.no_grad():
         _, our_cache = ours.run_with_cache(ids)
-    return dict(their_cache.items()), ours, our_cache
+        plain = _shared.boot_ours(folder, False).run_with_cache(ids)[1] if compat else our_cache
+    return dict(their_cache.items()), ours, Run(our_cache, plain, ids)
 
 
 def _difference(name: str, got: Any, want: Any) -> float:
-    if tuple(got.shape) != tuple(want.shape):
-        return float("inf")
-    got, want = got.float(), want.float()
-    if name.endswith("hook_attn_scores"):
+    if name.endswith("hook_attn_scores") and got.shape == want.shape:
         masked = torch.isinf(got) & (got < 0)
         assert bool((want[masked] <= MASKED).all()), f"{name}: a masked score is not masked"
         got, want = got.masked_fill(masked, 0.0), want.masked_fill(masked, 0.0)
-    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
-    return float((got - want).abs().max()) / scale if got.numel() else 0.0
+    return float(_shared.relative_difference(got, want))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("compat", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("checkpoint", _shared.CHECKPOINTS)
 def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
-    family: str, checkpoints: Callable[[str], Path]
+    checkpoint: str, compat: bool, checkpoints: Callable[[str], Path]
 ) -> None:
+    """Plain, and after each tool's enable_compatibility_mode() (folded, centred weights)."""
     ids = torch.randint(4, 500, (2, 7), generator=torch.Generator().manual_seed(3))
-    theirs, bridge, ours = _caches(checkpoints(family), ids)
+    family = _shared.family_of(checkpoint)
+    theirs, bridge, run = _caches(checkpoints(checkpoint), ids, compat)
     assert len(theirs) > 70, f"TransformerLens answered to only {len(theirs)} names"
     failures: list[str] = []
     slips: list[str] = []
     for name, want in theirs.items():
-        slip = _find(TL_SLIPS, family, name)
+        slip = _find(TL_SLIPS, family, name, compat)
         if slip is not None:
             # The evidence says what TransformerLens's tensor is; it must hold exactly.
-            diff = _difference(name, slip.evidence(name, ours, ids), want)
+            diff = _difference(name, slip.evidence(name, run), want)
             (slips if diff <= ATOL else failures).append(f"{name}: TL slip, evidence off by {diff:.3g}")
             continue
         try:
@@ -278,7 +276,7 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
         except HookNameError as error:
             failures.append(f"{name}: not served by tl ({error})")
             continue
-        got = ours[canonical]
+        got = run.ours[canonical]
         layout = _find(LAYOUTS, family, name)
         if layout is not None:
             got = layout.convert(got)
@@ -288,9 +286,10 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
                 f"{name} -> {canonical}: tl {tuple(got.shape)} vs TL {tuple(want.shape)}, "
                 f"max relative difference {diff:.3g}"
             )
-    assert not failures, f"{family}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
+    assert not failures, f"{checkpoint}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
     equal = len(theirs) - len(slips)
-    print(f"{family}: {equal} of {len(theirs)} names equal, {len(slips)} TransformerLens slips confirmed")
+    mode = " (compatibility mode)" if compat else ""
+    print(f"{checkpoint}{mode}: {equal} of {len(theirs)} names equal, {len(slips)} TransformerLens slips confirmed")
 
 
 def test_every_table_entry_is_used(checkpoints: Callable[[str], Path]) -> None:

@@ -1,0 +1,87 @@
+"""What both TransformerLens comparison modules share: the families and how each tool boots.
+
+Imported by name: ``conftest.py`` puts this folder on ``sys.path`` (the tests run in
+importlib mode).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tl_core import TransformerBridge
+
+#: Every family tl's hf driver and TransformerLens 4.3 both boot.
+FAMILIES = [
+    "gpt2",
+    "gpt_neo",
+    "gptj",
+    "gpt_neox",
+    "opt",
+    "bloom",
+    "falcon",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "olmo2",
+    "stablelm",
+]
+
+#: Checkpoint variants whose structure changes what compatibility mode does:
+#: name -> (family, config overrides).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt_neox_sequential": ("gpt_neox", {"use_parallel_residual": False}),
+    "gemma3_softcapped": ("gemma3", {"final_logit_softcapping": 30.0}),
+}
+#: Every checkpoint the comparisons run on.
+CHECKPOINTS = [*FAMILIES, *VARIANTS]
+
+
+def family_of(checkpoint: str) -> str:
+    """The family a checkpoint (or variant) name belongs to."""
+    return VARIANTS[checkpoint][0] if checkpoint in VARIANTS else checkpoint
+
+
+#: The two ways of running each family: as loaded, and after each tool's
+#: ``enable_compatibility_mode()`` (folded norms, centred writers and unembedding).
+MODES = {"plain": False, "compatibility_mode": True}
+
+
+def boot_theirs(folder: Path, compat: bool) -> Any:
+    """TransformerLens 4.3's bridge on ``folder``, after its compatibility mode if asked."""
+    from transformer_lens.model_bridge import TransformerBridge as TLBridge
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bridge = TLBridge.boot_transformers(str(folder), device="cpu")
+        if compat:
+            bridge.enable_compatibility_mode(disable_warnings=True)
+    return bridge
+
+
+def boot_ours(folder: Path, compat: bool) -> TransformerBridge:
+    """tl's hf bridge on ``folder``, after its compatibility mode if asked."""
+    bridge = TransformerBridge.boot_transformers(str(folder))
+    if compat:
+        bridge.enable_compatibility_mode()
+    return bridge
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want|`` over ``max(1, max |want|)``; ``inf`` when the shapes differ."""
+    if tuple(got.shape) != tuple(want.shape):
+        return float("inf")
+    if not want.numel():
+        return 0.0
+    got, want = got.detach().float(), want.detach().float()
+    scale = max(1.0, float(want.abs().max()))
+    return float((got - want).abs().max()) / scale
