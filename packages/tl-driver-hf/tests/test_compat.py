@@ -245,6 +245,17 @@ def test_structural_variants_fold_exactly(variant: str, tmp_path: Path, ids: tor
     _check_hand_forward(folder, paths, ids)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral"])
+def test_the_fold_is_the_same_in_small_row_blocks(
+    family: str, checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large tensors are processed in row blocks; blocks of 7 rows cut every tensor unevenly."""
+    from tl_driver_hf import _folding
+
+    monkeypatch.setattr(_folding, "ROWS", 7)
+    _check_weights(checkpoint(family), PATHS[family])
+
+
 def test_what_was_kept_or_skipped_is_reported(
     checkpoint: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,11 +1,14 @@
 """The weight rewrites behind compatibility mode, each on one kind of parameter.
 
-Every rewrite reads the parameter in float64, in HookedTransformer's ``[in, out]``
-orientation, and writes the result back into the same storage in the parameter's dtype.
+Every rewrite computes in float64 and writes the result back into the parameter's own
+storage, in its dtype. The large tensors (embeddings, the unembedding, stacked experts)
+are processed ``ROWS`` output units at a time, so a fold never holds a float64 copy of a
+whole vocabulary or expert stack.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -29,6 +32,17 @@ __all__ = [
 #: ``"linear"``: ``[out, in]``; ``"conv1d"``: ``[in, out]``; ``"experts"``: stacked
 #: ``[experts, out, in]`` (transformers 5's batched mixture-of-experts weights).
 Orientation = Literal["linear", "conv1d", "experts"]
+
+#: Output units (rows) processed at once: 4096 rows of a 8192-wide weight are 256 MiB in
+#: float64.
+ROWS = 4096
+
+
+def _blocks(rows: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(where, float64 copy)`` of consecutive row blocks of a 2-D view."""
+    for start in range(0, rows.shape[0], ROWS):
+        where = slice(start, start + ROWS)
+        yield where, rows[where].double()
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,13 @@ class Projection:
     def store(self, w: torch.Tensor) -> None:
         """Write ``w`` (``[..., in, out]``) back into the parameter."""
         self.parameter.data.copy_(w if self.orientation == "conv1d" else w.transpose(-1, -2))
+
+    def rows(self) -> torch.Tensor:
+        """A ``[out units, in]`` view of the parameter's storage (experts stacked)."""
+        data = self.parameter.data
+        if self.orientation == "conv1d":
+            return data.T
+        return data.view(-1, data.shape[-1])
 
 
 def add_to_bias(module: nn.Module, delta: torch.Tensor) -> None:
@@ -105,16 +126,21 @@ def fold_norm(
     with ``center`` the folded weight also loses its mean over ``d_model``, which changes
     nothing a LayerNorm's zero-mean output can see. The norm becomes the identity.
     """
-    w, b = _norm_scale(norm, adapter, readers[0].matrix().shape[-2])
+    w, b = _norm_scale(norm, adapter, readers[0].rows().shape[-1])
     for reader in readers:
-        W = reader.matrix()
+        rows = reader.rows()
+        scale = w.to(rows.device)
+        delta = torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
+        for where, block in _blocks(rows):
+            if b is not None:
+                delta[where] = block @ b.to(rows.device)
+            block = block * scale
+            if center:
+                block = block - block.mean(dim=-1, keepdim=True)
+            rows[where] = block.to(rows.dtype)
         if b is not None:
             assert reader.has_bias, "checked by the plan: a norm bias never meets stacked experts"
-            add_to_bias(reader.owner, b.to(W.device) @ W)
-        W = w.to(W.device)[:, None] * W
-        if center:
-            W = W - W.mean(dim=-2, keepdim=True)
-        reader.store(W)
+            add_to_bias(reader.owner, delta)
     _make_identity(norm, adapter)
 
 
@@ -130,16 +156,20 @@ def center_writer(projection: Projection) -> None:
 
 def center_embedding(module: nn.Module) -> None:
     """Remove the mean over ``d_model`` from every row of an embedding table."""
-    weight = cast(torch.Tensor, module.weight)
-    w = weight.detach().double()
-    weight.data.copy_(w - w.mean(dim=-1, keepdim=True))
+    rows = cast(torch.Tensor, module.weight).data
+    for where, block in _blocks(rows):
+        rows[where] = (block - block.mean(dim=-1, keepdim=True)).to(rows.dtype)
 
 
 def center_unembedding(head: nn.Module) -> None:
     """Remove the mean over the vocabulary from the unembedding and its bias."""
-    projection = Projection(head, "weight", "linear")
-    W_U = projection.matrix()
-    projection.store(W_U - W_U.mean(dim=-1, keepdim=True))
+    rows = Projection(head, "weight", "linear").rows()  # [vocab, d_model]
+    total = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
+    for _, block in _blocks(rows):
+        total += block.sum(dim=0)
+    mean = total / rows.shape[0]
+    for where, block in _blocks(rows):
+        rows[where] = (block - mean).to(rows.dtype)
     bias = getattr(head, "bias", None)
     if isinstance(bias, torch.Tensor):
         b = bias.detach().double()
