@@ -1,8 +1,8 @@
 """tl-core's layout: subpackages on floors, each importing only from floors below, no circles.
 
 The floors are the architecture a newcomer reads: hook names, then specs, then the cache,
-then the driver-author API, then the bridges over it, then the built-in native driver and
-the command line. Imports are read from the source (``ast``), including those inside
+then the driver-author API, then the bridges over it, then the built-in native driver, the
+activation store built on any bridge, and the command line. Imports are read from the source (``ast``), including those inside
 functions; imports under ``if TYPE_CHECKING:`` are annotations only and are skipped.
 """
 
@@ -15,7 +15,9 @@ import tl_core
 
 ROOT = Path(tl_core.__file__).parent
 #: Lowest first. A module may import from its own floor and the floors below it.
-FLOORS = ["_version", "_lazy", "_errors", "hooks", "specs", "cache", "driver_api", "bridges", "native", "cli"]
+FLOORS = [
+    "_version", "_lazy", "_errors", "hooks", "specs", "cache", "driver_api", "bridges", "native", "capture", "cli",
+]
 
 
 def _module_name(path: Path) -> str:

@@ -21,14 +21,14 @@ CLI_ENTRY_POINT_GROUP = "tl_core.cli"
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: built-in subcommands plus those of installed packages."""
-    from tl_core.cli import _demo, _drivers, _hooks
+    from tl_core.cli import _capture, _demo, _drivers, _hooks
 
     parser = argparse.ArgumentParser(
         prog="tl", description="One hook vocabulary, cache and intervention language for every engine."
     )
     parser.add_argument("--version", action="version", version=f"tl-core {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for register in (_drivers.register, _demo.register, _hooks.register):
+    for register in (_drivers.register, _demo.register, _hooks.register, _capture.register):
         register(sub)
     for ep in metadata.entry_points(group=CLI_ENTRY_POINT_GROUP):
         try:

@@ -1,0 +1,135 @@
+"""``CaptureConfig``: everything that decides what a capture store holds.
+
+A store records its config in its manifest; resuming compares the requested config with
+the recorded one field by field and refuses any difference, naming it, so a store never
+mixes two jobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tl_core._errors import UserError
+
+__all__ = ["CaptureConfig", "InputFormat", "Separator", "fingerprint"]
+
+InputFormat = Literal["text", "jsonl", "datasets"]
+#: What joins two documents inside a packed context.
+Separator = Literal["bos", "eos", "none"]
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What to capture, from which input, with which model, and how to cut it into shards.
+
+    Attributes:
+        model: What the driver loads (a folder, a hub id, a native preset).
+        hooks: Hook names to capture (canonical names or aliases).
+        input: The input: a text file (one document per line), a JSONL file, or a
+            folder written by ``datasets.Dataset.save_to_disk``.
+        driver: A driver name from ``tl drivers``.
+        boot_options: The driver's boot options (JSON values), e.g. ``{"dtype": "float32"}``.
+        input_format: ``"text"``, ``"jsonl"`` or ``"datasets"``; ``None`` picks by the path
+            (a folder is a dataset, ``.jsonl`` is JSONL, anything else text).
+        text_field: The field holding each document's text (JSONL, datasets).
+        context_size: Tokens per context (the model's input length).
+        pack: Concatenate documents into full contexts (``separator`` between them);
+            otherwise each document starts a new context and long ones continue in the next.
+        prepend_bos: Start every context with the BOS token.
+        separator: The token between two documents in a packed context.
+        drop_bos: Leave positions holding the BOS token out of the store.
+        drop_padding: Leave padding positions out; with ``False`` a short context is padded
+            to ``context_size`` with the pad token and every position is stored (fixed-size
+            contexts, as an export to sae-lens needs).
+        batch_size: Contexts per forward pass.
+        shard_contexts: Contexts per shard (a multiple of ``batch_size``); ``None`` sizes a
+            shard to about 256 MiB of activations.
+        dtype: Storage dtype of floating activations (``None``: as the driver returns them).
+        max_tokens: Stop after the context that reaches this many input tokens.
+        intervene: Specs applied while capturing (JSON, as ``run_with_cache(intervene=)``).
+    """
+
+    model: str
+    hooks: tuple[str, ...]
+    input: str
+    driver: str = "hf"
+    boot_options: Mapping[str, Any] = field(default_factory=dict)
+    input_format: InputFormat | None = None
+    text_field: str = "text"
+    context_size: int = 128
+    pack: bool = True
+    prepend_bos: bool = True
+    separator: Separator = "bos"
+    drop_bos: bool = False
+    drop_padding: bool = True
+    batch_size: int = 8
+    shard_contexts: int | None = None
+    dtype: str | None = None
+    max_tokens: int | None = None
+    intervene: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hooks, str) or not isinstance(self.hooks, Sequence) or not self.hooks:
+            raise UserError(
+                f"hooks must be a non-empty list of hook names, got {self.hooks!r}; e.g. "
+                f"['blocks.0.hook_resid_post']"
+            )
+        object.__setattr__(self, "hooks", tuple(self.hooks))
+        object.__setattr__(self, "input", str(Path(self.input).expanduser().resolve()))
+        object.__setattr__(self, "boot_options", dict(self.boot_options))
+        for name in ("context_size", "batch_size"):
+            _positive(name, getattr(self, name))
+        if self.shard_contexts is not None:
+            _positive("shard_contexts", self.shard_contexts)
+            if self.shard_contexts % self.batch_size:
+                raise UserError(
+                    f"shard_contexts={self.shard_contexts} must be a multiple of "
+                    f"batch_size={self.batch_size}: a batch never spans two shards, so every "
+                    f"shard computes the same way whichever process runs it"
+                )
+        if self.max_tokens is not None:
+            _positive("max_tokens", self.max_tokens)
+        if self.input_format not in (None, "text", "jsonl", "datasets"):
+            raise UserError(f"input_format must be 'text', 'jsonl' or 'datasets', got {self.input_format!r}")
+        if self.separator not in ("bos", "eos", "none"):
+            raise UserError(f"separator must be 'bos', 'eos' or 'none', got {self.separator!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise UserError(f"dtype must be one of {list(_DTYPES)} or None, got {self.dtype!r}")
+        if self.context_size < 2 and self.prepend_bos:
+            raise UserError("context_size must be at least 2 with prepend_bos (BOS plus a token)")
+        try:
+            json.dumps(self.to_json())
+        except TypeError as error:
+            raise UserError(
+                f"boot_options and intervene must be JSON values (they are recorded in the "
+                f"store's manifest): {error}"
+            ) from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as JSON values (hooks as a list)."""
+        data = asdict(self)
+        data["hooks"] = list(self.hooks)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CaptureConfig:
+        """The config recorded in a manifest."""
+        return cls(**{**data, "hooks": tuple(data["hooks"])})
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def fingerprint(identity: Mapping[str, Any]) -> str:
+    """A short stable hash of a JSON mapping (the store's identity)."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

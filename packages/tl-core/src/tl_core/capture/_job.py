@@ -1,0 +1,185 @@
+"""Preparing a capture: the hooks as this model serves them, the store's identity, and the
+checks that let a rerun continue a store (same job, intact shards) or refuse it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tl_core._errors import UserError
+from tl_core._version import __version__
+from tl_core.capture._config import CaptureConfig
+from tl_core.capture._manifest import MANIFEST, HookRecord, Manifest, identity_differences
+from tl_core.capture._shards import check_shard, shard_name
+from tl_core.driver_api._discovery import available_drivers
+from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
+
+__all__ = ["HookPlan", "identity", "open_store", "plan_hooks", "shard_contexts", "stop_layer"]
+
+#: Bytes of one row's per-row fields (int32 token, int64 document, int64 context, int32 position).
+_ROW_FIELD_BYTES = 4 + 8 + 8 + 4
+_SHARD_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class HookPlan:
+    """The hooks to capture: canonical name -> record (requested name, row shape, dtype)."""
+
+    hooks: dict[str, HookRecord]
+
+    @property
+    def names(self) -> list[str]:
+        """Canonical names in capture order."""
+        return list(self.hooks)
+
+    def row_bytes(self) -> int:
+        """Bytes one stored position takes, hooks and row fields together."""
+        total = _ROW_FIELD_BYTES
+        for record in self.hooks.values():
+            itemsize = torch.empty((), dtype=getattr(torch, record.dtype)).element_size()
+            total += math.prod(record.shape) * itemsize
+        return total
+
+
+def plan_hooks(bridge: Any, config: CaptureConfig, probe_token: int) -> HookPlan:
+    """Resolve the requested hooks on ``bridge`` and learn each one's row shape and dtype.
+
+    A two-token probe run gives the dtypes the driver returns; the shapes are checked
+    against the namespace's.
+
+    Raises:
+        UserError: An unknown or unservable name, a duplicate, or a hook whose rows have no
+            fixed width (attention patterns and scores span the key positions).
+    """
+    namespace = bridge.namespace
+    requested: dict[str, str] = {}
+    for name in config.hooks:
+        canonical = namespace.lookup(name)
+        if canonical in requested:
+            raise UserError(f"hooks {requested[canonical]!r} and {name!r} are the same hook ({canonical}); list it once")
+        if namespace.feature_shape(canonical) is None:
+            raise UserError(
+                f"{name!r} ({canonical}) has one value per key position, so its rows have no "
+                f"fixed width; a capture store holds per-token rows. Capture q/k (hook_rot_q, "
+                f"hook_rot_k) and rebuild patterns, or use run_with_cache"
+            )
+        requested[canonical] = name
+    _, cache = bridge.run_with_cache(
+        [[probe_token, probe_token]], names_filter=list(requested), return_type=None, prepend_bos=False, device="cpu"
+    )
+    hooks: dict[str, HookRecord] = {}
+    for canonical, name in requested.items():
+        tensor = cache[canonical]
+        shape = tuple(int(n) for n in tensor.shape[2:])
+        expected = namespace.feature_shape(canonical)
+        if shape != expected:
+            raise UserError(
+                f"the driver serves {canonical} with rows of shape {shape}, its namespace says "
+                f"{expected}: the driver breaks its contract (report it to its authors)"
+            )
+        dtype = config.dtype if config.dtype and tensor.is_floating_point() else str(tensor.dtype).removeprefix("torch.")
+        hooks[canonical] = HookRecord(name, shape, dtype)
+    return HookPlan(hooks)
+
+
+def shard_contexts(config: CaptureConfig, plan: HookPlan) -> int:
+    """Contexts per shard: the configured number, or about 256 MiB of rows (whole batches)."""
+    if config.shard_contexts is not None:
+        return config.shard_contexts
+    per_context = plan.row_bytes() * config.context_size
+    batches = max(1, _SHARD_BYTES // (per_context * config.batch_size))
+    return batches * config.batch_size
+
+
+def stop_layer(names: list[str], n_layers: int) -> int | None:
+    """The block to stop before when every hook lies before it (``None``: run to the end)."""
+    last = -1
+    for name in names:
+        split = split_canonical(name)
+        layer = None if split is None else split[1]
+        if layer is None and name not in BEFORE_BLOCKS:
+            return None  # a hook after the blocks (final norm, unembedding)
+        last = max(last, -1 if layer is None else layer)
+    stop = last + 1
+    return stop if stop < n_layers else None
+
+
+def _versions(driver: str) -> dict[str, str]:
+    row = available_drivers().get(driver)
+    versions = {"tl-core": __version__}
+    if row is not None:
+        versions["driver"] = f"{row.distribution} {row.version}"
+        versions["engine"] = row.engine
+    return versions
+
+
+def identity(
+    config: CaptureConfig, plan: HookPlan, bridge: Any, input_digest: str, contexts_per_shard: int
+) -> dict[str, Any]:
+    """What decides a store's content; two runs may share a store only when it is equal."""
+    info = {k: v for k, v in asdict(bridge.cfg).items() if k != "device"}
+    return {
+        "config": {**config.to_json(), "shard_contexts": contexts_per_shard},
+        "input_digest": input_digest,
+        "model": info,
+        "hooks": {name: [h.requested, list(h.shape), h.dtype] for name, h in plan.hooks.items()},
+        "versions": _versions(config.driver),
+    }
+
+
+def open_store(
+    folder: Path, wanted: dict[str, Any], plan: HookPlan, part: tuple[int, int], *, repair: bool
+) -> tuple[Manifest, list[str]]:
+    """The manifest to continue (checked against this job), or a new one; and what was found.
+
+    Leftovers of an interrupted run are removed: partial files, and shard files the manifest
+    does not list (written, but not recorded before the interruption). Every recorded shard
+    is checked in full (size, header, checksum).
+
+    Raises:
+        UserError: Another job's store (naming the differences), another part, or a
+            damaged shard (unless ``repair``).
+    """
+    notes: list[str] = []
+    if (folder / MANIFEST).exists():
+        manifest = Manifest.load(folder)
+        differences = identity_differences(manifest.identity, wanted)
+        if differences:
+            raise UserError(
+                f"{folder} holds a capture with another configuration, so this run cannot "
+                f"continue it:\n  " + "\n  ".join(differences) + "\nUse a new output folder, or rerun "
+                "with the recorded settings."
+            )
+        if manifest.part != part:
+            raise UserError(
+                f"{folder} holds part {manifest.part[0]}/{manifest.part[1]} of the job; this run "
+                f"is part {part[0]}/{part[1]}. Give each part its own folder."
+            )
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        manifest = Manifest(identity=wanted, hooks=dict(plan.hooks), part=part)
+        manifest.save(folder)
+    for leftover in sorted(folder.glob(".*.partial")):
+        leftover.unlink()
+        notes.append(f"removed {leftover.name}, left by an interrupted write")
+    listed = {s.file for s in manifest.shards.values()}
+    for stray in sorted(folder.glob("shard-*.safetensors")):
+        if stray.name not in listed:
+            stray.unlink()
+            notes.append(f"{stray.name} was written but not recorded before an interruption; redoing it")
+    for index in sorted(manifest.shards):
+        try:
+            check_shard(folder, manifest.shards[index], manifest.fingerprint, checksum=True)
+        except UserError as error:
+            if not repair:
+                raise
+            del manifest.shards[index]
+            (folder / shard_name(index)).unlink(missing_ok=True)
+            notes.append(f"repair: redoing shard {index}: {error}")
+    if notes:
+        manifest.save(folder)
+    return manifest, notes

@@ -1,0 +1,167 @@
+"""The manifest of a capture store: what the job is, and which shards are complete.
+
+``manifest.json`` is rewritten atomically (temporary file, flush, rename) after each shard,
+so after any interruption it lists exactly the shards that were completely written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tl_core._errors import UserError
+from tl_core.capture._config import fingerprint
+from tl_core.capture._shards import ShardRecord, fsync_folder
+
+__all__ = ["FORMAT", "MANIFEST", "HookRecord", "Manifest", "identity_differences"]
+
+FORMAT = "tl-capture"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class HookRecord:
+    """One captured hook: the name asked for, and each row's shape and dtype."""
+
+    requested: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass
+class Manifest:
+    """A store's manifest.
+
+    Attributes:
+        identity: What decides the store's content: the config, the input's digest, the
+            model's sizes and the software versions. Resuming requires the same identity.
+        hooks: Canonical hook name -> its record, in capture order.
+        part: ``(index, count)`` of this part of a sharded job (``(0, 1)``: the whole job).
+        shards: Complete shards by number.
+        total_shards: How many shards the whole job has, once a run reached the input's end.
+    """
+
+    identity: dict[str, Any]
+    hooks: dict[str, HookRecord]
+    part: tuple[int, int] = (0, 1)
+    shards: dict[int, ShardRecord] = field(default_factory=dict)
+    total_shards: int | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """The hash of ``identity``; every shard's header carries it."""
+        return fingerprint(self.identity)
+
+    def owns(self, shard: int) -> bool:
+        """Whether shard ``shard`` belongs to this part."""
+        return shard % self.part[1] == self.part[0]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every shard of this part is written."""
+        if self.total_shards is None:
+            return False
+        return all(i in self.shards for i in range(self.total_shards) if self.owns(i))
+
+    @property
+    def rows(self) -> int:
+        """Stored positions in the complete shards."""
+        return sum(s.rows for s in self.shards.values())
+
+    @property
+    def tokens(self) -> int:
+        """Model input tokens of the complete shards."""
+        return sum(s.tokens for s in self.shards.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as JSON values."""
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "identity": self.identity,
+            "hooks": {
+                name: {"requested": h.requested, "shape": list(h.shape), "dtype": h.dtype}
+                for name, h in self.hooks.items()
+            },
+            "part": {"index": self.part[0], "count": self.part[1]},
+            "total_shards": self.total_shards,
+            "complete": self.complete,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "shards": [self.shards[i].to_json() for i in sorted(self.shards)],
+        }
+
+    def save(self, folder: Path) -> None:
+        """Write ``manifest.json`` atomically."""
+        temporary = folder / f".{MANIFEST}.partial"
+        with temporary.open("w") as handle:
+            json.dump(self.to_json(), handle, indent=1)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, folder / MANIFEST)
+        fsync_folder(folder)
+
+    @classmethod
+    def load(cls, folder: Path) -> Manifest:
+        """Read and check a store's manifest.
+
+        Raises:
+            UserError: No manifest, not a tl capture manifest, or one edited by hand (its
+                fields do not fit together).
+        """
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise UserError(f"{folder} is not a capture store: it has no {MANIFEST}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}): the manifest is damaged") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise UserError(f"{path} is not a tl capture manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise UserError(
+                f"{path} has format version {data.get('format_version')!r}; this tl-core reads "
+                f"version {FORMAT_VERSION}"
+            )
+        try:
+            manifest = cls(
+                identity=dict(data["identity"]),
+                hooks={
+                    name: HookRecord(h["requested"], tuple(int(n) for n in h["shape"]), str(h["dtype"]))
+                    for name, h in data["hooks"].items()
+                },
+                part=(int(data["part"]["index"]), int(data["part"]["count"])),
+                shards={int(s["index"]): ShardRecord(**s) for s in data["shards"]},
+                total_shards=data["total_shards"],
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise UserError(f"{path} was edited or damaged: a field is missing or malformed ({error!r})") from None
+        if manifest.fingerprint != data.get("fingerprint"):
+            raise UserError(
+                f"{path} was edited: its identity no longer hashes to its fingerprint "
+                f"{data.get('fingerprint')!r}; restore it or start a new store"
+            )
+        for index in manifest.shards:
+            beyond = manifest.total_shards is not None and index >= manifest.total_shards
+            if not manifest.owns(index) or beyond:
+                raise UserError(f"{path} was edited: it lists shard {index}, which is not one of this part's shards")
+        return manifest
+
+
+def identity_differences(recorded: Mapping[str, Any], requested: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``"key: recorded -> requested"`` for every leaf that differs between two identities."""
+    out: list[str] = []
+    for key in sorted(set(recorded) | set(requested)):
+        a, b = recorded.get(key), requested.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(identity_differences(a, b, f"{name}."))
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out

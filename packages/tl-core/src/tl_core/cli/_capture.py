@@ -1,0 +1,148 @@
+"""``tl capture``: run, merge, inspect and export activation stores."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tl_core._errors import UserError
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add the ``capture`` subcommand and its actions."""
+    parser = sub.add_parser("capture", help="collect activations into a resumable, shardable store")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    run = actions.add_parser("run", help="capture hooks over an input (rerun to continue an interrupted store)")
+    run.add_argument("--model", required=True, help="what the driver loads: a folder, hub id or native preset")
+    run.add_argument("--driver", default="hf", help="a driver from `tl drivers` (default: hf)")
+    run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a driver boot option (VALUE as JSON when it parses), repeatable")
+    run.add_argument("--hooks", required=True, nargs="+", help="hook names (aliases allowed)")
+    run.add_argument("--input", required=True, help="a text file (one document per line), a .jsonl file, or a datasets folder")
+    run.add_argument("--output", required=True, help="the store folder")
+    run.add_argument("--format", choices=("text", "jsonl", "datasets"), help="input format (default: from the path)")
+    run.add_argument("--text-field", default="text", help="the text field of JSONL records or dataset rows")
+    run.add_argument("--context-size", type=int, default=128, help="tokens per context (default: 128)")
+    run.add_argument("--no-pack", action="store_true", help="start each document in a new context")
+    run.add_argument("--no-prepend-bos", action="store_true", help="do not start contexts with BOS")
+    run.add_argument("--separator", choices=("bos", "eos", "none"), default="bos", help="token between packed documents")
+    run.add_argument("--drop-bos", action="store_true", help="leave BOS positions out of the store")
+    run.add_argument("--keep-padding", action="store_true", help="pad short contexts to full length and store every position")
+    run.add_argument("--batch-size", type=int, default=8, help="contexts per forward pass (default: 8)")
+    run.add_argument("--shard-contexts", type=int, help="contexts per shard (default: about 256 MiB)")
+    run.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="storage dtype of activations")
+    run.add_argument("--max-tokens", type=int, help="stop after this many input tokens")
+    run.add_argument("--intervene", type=Path, help="a JSON file of specs applied while capturing")
+    run.add_argument("--shard", default="0/1", metavar="I/N", help="run part I of N (each part in its own folder)")
+    run.add_argument("--repair", action="store_true", help="redo recorded shards that are missing or damaged")
+    run.add_argument("--quiet", action="store_true", help="no progress line")
+    run.set_defaults(run=_run)
+
+    merge = actions.add_parser("merge", help="join the complete parts of a sharded capture")
+    merge.add_argument("parts", nargs="+", type=Path, help="the parts' folders")
+    merge.add_argument("--output", required=True, type=Path, help="a new folder for the merged store")
+    merge.set_defaults(run=_merge)
+
+    info = actions.add_parser("info", help="check a store and summarise it")
+    info.add_argument("store", type=Path)
+    info.add_argument("--no-verify", action="store_true", help="skip the checksums (sizes and headers are still checked)")
+    info.set_defaults(run=_info)
+
+    export = actions.add_parser("export-sae-lens", help="write sae-lens's cached-activations dataset")
+    export.add_argument("store", type=Path)
+    export.add_argument("output", type=Path)
+    export.add_argument("--hook", action="append", dest="hooks", help="hooks to export (default: all), repeatable")
+    export.set_defaults(run=_export)
+
+
+def _option(text: str) -> tuple[str, Any]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise UserError(f"--option takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _specs(path: Path | None) -> Any:
+    if path is None:
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"--intervene {path}: {error}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tl_core.capture import CaptureConfig, capture
+
+    config = CaptureConfig(
+        model=args.model,
+        hooks=tuple(args.hooks),
+        input=args.input,
+        driver=args.driver,
+        boot_options=dict(_option(o) for o in args.option),
+        input_format=args.format,
+        text_field=args.text_field,
+        context_size=args.context_size,
+        pack=not args.no_pack,
+        prepend_bos=not args.no_prepend_bos,
+        separator=args.separator,
+        drop_bos=args.drop_bos,
+        drop_padding=not args.keep_padding,
+        batch_size=args.batch_size,
+        shard_contexts=args.shard_contexts,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        intervene=_specs(args.intervene),
+    )
+    try:
+        summary = capture(config, args.output, part=args.shard, repair=args.repair, progress=not args.quiet)
+    except KeyboardInterrupt:
+        print(
+            f"tl capture: interrupted; every shard recorded in {args.output}/manifest.json is "
+            f"complete. Rerun the same command to continue.",
+            file=sys.stderr,
+        )
+        return 130
+    for note in summary.notes:
+        print(f"note: {note}")
+    print(summary)
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from tl_core.capture import merge_stores
+
+    manifest = merge_stores(args.parts, args.output)
+    print(f"{args.output}: merged {len(args.parts)} parts, {len(manifest.shards)} shards, {manifest.rows:,} rows")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from tl_core.capture import CaptureStore
+
+    store = CaptureStore(args.store, verify=not args.no_verify, allow_incomplete=True)
+    print(store.info())
+    manifest = store.manifest
+    total = manifest.total_shards if manifest.total_shards is not None else "?"
+    state = "complete" if manifest.complete else "incomplete"
+    print(f"part {manifest.part[0]}/{manifest.part[1]}: {len(manifest.shards)} of {total} shards, {state}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from tl_core.capture import export_sae_lens
+
+    done = export_sae_lens(args.store, args.output, hooks=args.hooks)
+    columns = ", ".join(f"{c} (d_in {done.d_in[c]})" for c in done.columns.values())
+    print(f"{done.path}: {done.contexts} contexts of {done.context_size} tokens; columns {columns}, token_ids")
+    if done.dropped_rows:
+        print(f"left out the final context's {done.dropped_rows} rows: it is shorter than {done.context_size}")
+    return 0
