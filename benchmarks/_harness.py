@@ -18,6 +18,8 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 __all__ = [
     "PeakMemory",
@@ -27,7 +29,9 @@ __all__ = [
     "load_average",
     "peak_rss_in_subprocess",
     "summarize",
+    "time_call",
     "time_interleaved",
+    "write_json",
 ]
 
 _MARKER = "@@PEAK_RSS@@"
@@ -303,3 +307,18 @@ def environment_line() -> str:
     if load is not None:
         parts.append(f"load {load[0]:.2f}")
     return " | ".join(parts)
+
+
+def time_call(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds of one call of ``fn``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def write_json(path: Path | None, payload: Any) -> None:
+    """Write ``payload`` as indented JSON to ``path`` (folders created); nothing if ``None``."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -22,14 +22,17 @@ build; on a GPU the same script measures the CUDA build.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# The benchmarks folder is not a package: make _harness importable however this is run.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import time_call, write_json
 
 
 def _setup_env(tmp: Path) -> None:
@@ -46,13 +49,6 @@ def _checkpoint(tmp: Path, dtype: str) -> Path:
         "llama", tmp / "bench-llama", dtype=dtype, n_layers=8, d_model=512, head_dim=64,
         vocab_size=2048, n_ctx=1024,
     )
-
-
-def _time(fn: Callable[[], Any]) -> tuple[float, float]:
-    """Wall-clock and process CPU seconds of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -110,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
             for _ in range(args.repeats):
                 for key, fn in cases.items():
-                    times[key].append(_time(fn))
+                    times[key].append(time_call(fn))
             clock = args.clock
             if clock == "auto":
                 clock = "wall" if torch.cuda.is_available() else "cpu"
@@ -138,9 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "prompts": args.prompts, "tokens": args.tokens, "dtype": args.dtype, "clock": clock, "rows": rows
     }
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report)
     return report
 
 

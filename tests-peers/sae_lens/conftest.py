@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,3 +21,14 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_VLLM_TMP, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def engine_options() -> dict[str, Any]:
+    """Small vLLM engine settings for tiny models on the CPU."""
+    return {
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 8,
+        "max_model_len": 64,
+        "kv_cache_memory_bytes": 32 * 2**20,
+    }

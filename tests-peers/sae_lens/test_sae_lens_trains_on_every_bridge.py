@@ -25,12 +25,6 @@ from tl_driver_hf.testing import write_tiny_checkpoint  # noqa: E402
 
 HOOK = "blocks.0.hook_resid_post"  # a TransformerLens name; sae-lens stops after block 0
 CONTEXT = 16
-ENGINE_OPTIONS: dict[str, Any] = {
-    "max_num_batched_tokens": 64,
-    "max_num_seqs": 8,
-    "max_model_len": 64,
-    "kv_cache_memory_bytes": 32 * 2**20,
-}
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +33,12 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def bridge(request: pytest.FixtureRequest, folder: Path) -> Iterator[Any]:
+def bridge(request: pytest.FixtureRequest, folder: Path, engine_options: dict[str, Any]) -> Iterator[Any]:
     if request.param == "hf":
         yield TransformerBridge.boot_transformers(str(folder))
         return
     pytest.importorskip("vllm")
-    remote = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
+    remote = RemoteBridge.boot_vllm(folder, dtype="float32", **engine_options)
     try:
         yield remote
     finally:
@@ -120,12 +114,12 @@ def test_sae_lens_trains_on_the_bridge(bridge: Any, tmp_path: Path) -> None:
     assert error < acts.pow(2).sum(-1).mean()
 
 
-def test_vllm_serves_sae_lens_the_hf_drivers_activations(folder: Path) -> None:
+def test_vllm_serves_sae_lens_the_hf_drivers_activations(folder: Path, engine_options: dict[str, Any]) -> None:
     pytest.importorskip("vllm")
     tokens = torch.tensor(_dataset(512)["input_ids"][:6])
     local = TransformerBridge.boot_transformers(str(folder))
     _, want = local.run_with_cache(tokens, names_filter=[HOOK], stop_at_layer=1, prepend_bos=False)
-    remote = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
+    remote = RemoteBridge.boot_vllm(folder, dtype="float32", **engine_options)
     try:
         resid, got = remote.run_with_cache(tokens, names_filter=[HOOK], stop_at_layer=1, prepend_bos=False)
     finally:
