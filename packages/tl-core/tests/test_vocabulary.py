@@ -73,9 +73,14 @@ REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
 def test_every_requirement_is_decided_by_structure_and_explained() -> None:
     for requirement in typing.get_args(HookRequirement):
         assert MISSING_BECAUSE[requirement], requirement
-        # Some model of the fixtures has the sites and some lacks them (attn_result: opt-in).
+        # Some model of the fixtures has the sites and some lacks them; the opt-ins are
+        # decided by the caller, not the structure.
         met = {requirement_met(requirement, info) for info in (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, BLOOM, PARALLEL_NO_NORM)}
-        assert met == {True, False} or requirement == "attn_result", requirement
+        opt_in = requirement in ("attn_result", "split_qkv_input")
+        assert met == ({True} if opt_in else {True, False}), requirement
+        if opt_in:
+            off = {"include_attn_result": False, "include_split_qkv_input": False}
+            assert not requirement_met(requirement, GPT2, **off), requirement
 
 
 def test_templates_are_unique_with_known_layouts_and_requirements() -> None:
@@ -123,6 +128,8 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
     # Mixture-of-experts routing, as TransformerLens 4.x serves it.
     expected |= {f"blocks.{{i}}.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")}
+    # Per-head q/k/v inputs (opt-in), HookedTransformer's use_split_qkv_input sites.
+    expected |= {f"blocks.{{i}}.attn.hook_{x}_input" for x in "qkv"}
     # QK-norm sites, as TransformerLens 4.x names them.
     expected |= {
         f"blocks.{{i}}.attn.{x}_norm.hook_{s}"
@@ -317,11 +324,8 @@ def test_every_alias_target_is_a_canonical_template() -> None:
 @pytest.mark.parametrize(
     ("name", "family", "source"),
     [
-        ("blocks.3.hook_q_input", "legacy", "blocks.3.hook_in"),
-        ("blocks.3.hook_k_input", "legacy", "blocks.3.hook_in"),
-        ("blocks.3.hook_v_input", "legacy", "blocks.3.hook_in"),
         ("blocks.3.hook_attn_in", "legacy", "blocks.3.hook_in"),
-        ("blocks.3.attn.hook_q_input", "tl_bridge", "blocks.3.hook_in"),
+        ("blocks.3.attn.hook_attn_in", "tl_bridge", "blocks.3.hook_in"),
         ("blocks.3.attn.qkv.hook_out", "tl_bridge", None),
         ("rotary_emb.hook_out", "tl_bridge", "blocks.0.attn.hook_cos"),
         ("next_token_probs", "nnterp", "unembed.hook_out"),
@@ -341,11 +345,22 @@ def test_derived_names(name: str, family: str, source: str | None) -> None:
     assert resolution.note in str(raised.value)
 
 
-def test_per_head_input_note_names_both_sides_of_the_norm() -> None:
-    note = resolve_hook_name("blocks.3.hook_q_input").note
+def test_attention_input_copy_note_names_both_sides_of_the_norm() -> None:
+    note = resolve_hook_name("blocks.3.hook_attn_in").note
     assert "blocks.3.hook_in" in note
     assert "blocks.3.attn.hook_in" in note
+    assert "set_use_split_qkv_input" in note
     assert "{i}" not in note
+
+
+def test_per_head_inputs_are_opt_in_canonical_sites() -> None:
+    for x in "qkv":
+        assert canonical_name(f"blocks.3.hook_{x}_input") == f"blocks.3.attn.hook_{x}_input"
+    names = canonical_hook_names(LLAMA)
+    assert "blocks.0.attn.hook_q_input" not in names
+    split = canonical_hook_names(LLAMA, include_split_qkv_input=True)
+    i = split.index("blocks.0.attn.hook_q_input")
+    assert split[i : i + 4] == [f"blocks.0.attn.hook_{x}_input" for x in "qkv"] + ["blocks.0.attn.hook_in"]
 
 
 @pytest.mark.parametrize(
@@ -455,7 +470,7 @@ def test_model_dependent_names_say_so_without_a_model() -> None:
 
 def test_absent_canonical_names_agree_with_the_listing() -> None:
     for info in (GPT2, LLAMA, GEMMA2, NEOX, NO_NORM):
-        listed = set(canonical_hook_names(info, include_attn_result=True))
+        listed = set(canonical_hook_names(info, include_attn_result=True, include_split_qkv_input=True))
         for layer in range(info.n_layers):
             for t in CANONICAL_TEMPLATES:
                 name = t.format(layer)

@@ -96,7 +96,7 @@ class HFDriver(LocalDriver):
         }
         names = [
             n
-            for n in canonical_hook_names(info, include_attn_result=use_attn_result)
+            for n in canonical_hook_names(info, include_attn_result=use_attn_result, include_split_qkv_input=True)
             if n not in self._absent
         ]
         self._model = HFHookedModel(hf_model, adapter, info, modules, names)
@@ -235,7 +235,10 @@ class HFDriver(LocalDriver):
     @property
     def hook_points(self) -> Mapping[str, HookPoint]:
         """Canonical name -> HookPoint of every site this model fires."""
-        return self._model.hook_points
+        return self._served(self._model.hook_points)
+
+    def _apply_split_qkv_input(self, enabled: bool) -> None:
+        self._wiring.split_qkv_input = enabled
 
     @property
     def info(self) -> ModelInfo:

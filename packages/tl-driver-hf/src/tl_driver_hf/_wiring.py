@@ -21,6 +21,7 @@ from tl_driver_hf._attention import AttentionSite
 from tl_driver_hf._flat import FLAT_SUFFIXES, flat_points
 from tl_driver_hf._modules import LayerModules, ModelModules
 from tl_driver_hf._norms import apply_weight, norm_eps, normalize
+from tl_driver_hf._split_inputs import install_split_inputs
 from tl_driver_hf._weights import head_weights
 from tl_driver_hf.adapters import ArchitectureAdapter
 
@@ -293,6 +294,11 @@ def _norm_hook(
             if new_n is not n or new_s is not s or _has_bwd(scale, normed):
                 weighted = new_n if view is None else view.to_model(new_n)
                 result = apply_weight(weighted, module, kind, x.dtype)
+                if _same(new_n, n) and _same(new_s, s):
+                    # Only the gradient changes (backward hooks, relevance rules, probes that
+                    # add zero): keep the module's own bits, route the gradient through the
+                    # rebuilt value, which differs from a fused LayerNorm by rounding.
+                    result = output.detach() + (result - result.detach())
         if out is not None and out.has_hooks:
             seen = result if view is None else view.to_tl(result)
             edited = out(seen)
@@ -301,6 +307,11 @@ def _norm_hook(
         return None if result is output else result
 
     return hook
+
+
+def _same(edited: torch.Tensor, original: torch.Tensor) -> bool:
+    """Whether a hook handed on the value it got (the same object, or equal bits)."""
+    return edited is original or torch.equal(edited, original)
 
 
 class Wiring:
@@ -324,6 +335,8 @@ class Wiring:
         self.n_kv_heads = n_kv_heads
         self.d_head = d_head
         self.parallel = parallel
+        #: Whether each head reads its own copy of the block input (see ``_split_inputs``).
+        self.split_qkv_input = False
 
     def _point(self, name: str) -> HookPoint | None:
         return self.points.get(name)
@@ -406,6 +419,13 @@ class Wiring:
         self._install_norm(b + "ln1", layer.ln1, handles)
         if self._active(b + "attn.hook_in"):
             handles.append(layer.attn.register_forward_pre_hook(_input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True))
+        if self.split_qkv_input:
+            # Before hook_q/hook_k's own hooks on the projections, so they see the split values.
+            inputs = {k: self._point(f"{b}attn.hook_{k}_input") for k in "qkv"}
+            install_split_inputs(
+                layer, inputs, self.adapter, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                d_head=self.d_head, handles=handles,
+            )  # fmt: skip
         self._install_qk(b, layer, handles)
         self._install_qk_norms(b, layer, handles)
         if self.adapter.rotary and self._active(b + "attn.hook_cos", b + "attn.hook_sin"):

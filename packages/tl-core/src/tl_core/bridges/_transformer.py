@@ -93,6 +93,20 @@ class TransformerBridge(Bridge, nn.Module):
             **call.sampling,
         )
 
+    def set_use_split_qkv_input(self, enabled: bool) -> TransformerBridge:
+        """Give each attention head its own copy of the block input (``attn.hook_q_input``,
+        ``hook_k_input``, ``hook_v_input``), as HookedTransformer's ``use_split_qkv_input``;
+        a gradient there is that head's alone. ``False`` turns it off.
+
+        Raises:
+            UnsupportedFeatureError: If the driver has no per-head inputs.
+        """
+        toggle = getattr(self.driver, "set_use_split_qkv_input", None)
+        if toggle is None:
+            raise UnsupportedFeatureError(f"driver {self._name!r} has no per-head q/k/v inputs")
+        toggle(enabled)
+        return self
+
     # -- weights ----------------------------------------------------------------------
 
     def enable_compatibility_mode(self, **options: Any) -> TransformerBridge:

@@ -23,6 +23,8 @@ _D_MLP = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 _ROTARY_FRACTION = ("partial_rotary_factor", "rotary_pct")
 _N_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k")
+# The MLP activation's name; Gemma 2/3 call theirs hidden_activation (Gemma 1 hidden_act).
+_ACT_FN = ("hidden_activation", "hidden_act", "activation_function", "activation")
 
 
 def _first(config: Any, names: tuple[str, ...]) -> Any:
@@ -50,6 +52,7 @@ def model_info_from_config(
     moe: bool = False,
     architecture: str | None = None,
     n_ctx: int | None = None,
+    act_fn: str | None = None,
     device: str = "cpu",
 ) -> ModelInfo:
     """The ``ModelInfo`` of a transformers config (text config for multimodal wrappers).
@@ -66,6 +69,9 @@ def model_info_from_config(
         moe: Whether the MLP is a mixture of experts (expert counts come from the config).
         architecture: The class name to report (default: ``config.architectures[0]``).
         n_ctx: The longest input (default: the config's position limit, else 2048).
+        act_fn: The MLP activation's name (default: the config's ``hidden_activation``,
+            ``hidden_act``, ``activation_function`` or ``activation``, first one set;
+            ``None`` when the config names none, as BLOOM's).
         device: Where the bridge takes token ids (see ``ModelInfo.device``).
 
     Returns:
@@ -100,6 +106,9 @@ def model_info_from_config(
     explicit = getattr(config, "rotary_dim", None)
     if positional_embedding_type == "rotary" and isinstance(explicit, int) and explicit < d_head:
         rotary_dim = explicit
+    if act_fn is None:
+        named = _first(config, _ACT_FN)
+        act_fn = named if isinstance(named, str) else None
     return ModelInfo(
         n_layers=int(n_layers),
         d_model=int(d_model),
@@ -119,6 +128,7 @@ def model_info_from_config(
         n_experts=_int_or_none(_first(config, _N_EXPERTS)) if moe else None,
         experts_per_token=_int_or_none(_first(config, _TOP_K)) if moe else None,
         rotary_dim=rotary_dim,
+        act_fn=act_fn,
         architecture=name,
         device=device,
     )

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tl_core._errors import UserError
+from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.cache._readout import ModelReadout
 from tl_core.driver_api._batching import TokenBatch, pad_batch
 from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
@@ -29,6 +29,13 @@ from tl_core.specs._affine import AffineEdit, compile_plan
 from tl_core.specs._plan import InterventionPlan, build_plan
 
 __all__ = ["LocalDriver"]
+
+_SPLIT_INPUTS = ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input")
+_SPLIT_READ_ONLY = (
+    "per-head q/k/v inputs are on: attention reads attn.hook_q_input/hook_k_input/"
+    "hook_v_input, so an edit here would not reach it; edit those, or turn them off "
+    "with set_use_split_qkv_input(False)"
+)
 
 
 class LocalDriver(NamespaceFacts, ABC):
@@ -108,20 +115,73 @@ class LocalDriver(NamespaceFacts, ABC):
         """Served hooks that take no specs, with the reason (integer sites need none)."""
         return {}
 
+    # -- opt-in per-head inputs ---------------------------------------------------------
+
+    @property
+    def split_qkv_input(self) -> bool:
+        """Whether each attention head reads its own copy of the block input."""
+        return bool(self.__dict__.get("_split_qkv_input", False))
+
+    def set_use_split_qkv_input(self, enabled: bool) -> None:
+        """Give each head its own copy of the block input, or stop (HookedTransformer's
+        ``use_split_qkv_input``).
+
+        While on, ``attn.hook_q_input``/``hook_k_input``/``hook_v_input`` are served and
+        ``ln1``'s outputs (and ``attn.hook_in``) are capture-only: attention no longer reads
+        them. The namespace is rebuilt.
+
+        Raises:
+            UnsupportedFeatureError: The driver has no per-head inputs.
+        """
+        if not isinstance(enabled, bool):
+            raise UserError(f"set_use_split_qkv_input takes a bool, got {enabled!r}")
+        self._apply_split_qkv_input(enabled)
+        before = self._split_read_only()
+        self._split_qkv_input = enabled
+        self.__dict__.pop("_namespace", None)
+        # Python hooks are refused too, not only specs: an edit there would be lost.
+        for name, reason in before.items():
+            if self.hook_points[name].edit_refusal == reason:
+                self.hook_points[name].edit_refusal = None
+        for name, reason in self._split_read_only().items():
+            self.hook_points[name].edit_refusal = reason
+
+    def _apply_split_qkv_input(self, enabled: bool) -> None:
+        """Switch the model's attention to per-head inputs (drivers that can override)."""
+        raise UnsupportedFeatureError(f"driver {self.name!r} has no per-head q/k/v inputs")
+
+    def _served(self, points: Mapping[str, HookPoint]) -> dict[str, HookPoint]:
+        """``points`` without the per-head inputs unless they are on (for ``hook_points``)."""
+        if self.split_qkv_input:
+            return dict(points)
+        return {n: p for n, p in points.items() if not n.endswith(_SPLIT_INPUTS)}
+
+    def _split_read_only(self) -> dict[str, str]:
+        if not self.split_qkv_input:
+            return {}
+        reason = _SPLIT_READ_ONLY
+        names = [
+            f"blocks.{i}.{site}"
+            for i in range(self.info.n_layers)
+            for site in ("ln1.hook_scale", "ln1.hook_normalized", "ln1.hook_out", "attn.hook_in")
+        ]
+        return {n: reason for n in names if n in self.hook_points}
+
     # -- Driver protocol --------------------------------------------------------------
 
     @property
     def namespace(self) -> HookNamespace:
         """The model's hook names: served hooks are editable unless read-only or integer.
 
-        Built on first use (subclasses finish building their model in ``__init__``).
+        Built on first use (subclasses finish building their model in ``__init__``), and
+        again after ``set_use_split_qkv_input``.
         """
         built: HookNamespace | None = self.__dict__.get("_namespace")
         if built is None:
             built = HookNamespace.build(
                 self.info,
                 self.hook_points,
-                read_only=self.read_only_reasons,
+                read_only={**self.read_only_reasons, **self._split_read_only()},
                 reasons=self.absent_reasons,
                 driver=self.name,
             )

@@ -88,9 +88,10 @@ def _no_norm(info: ModelInfo) -> bool:
 _FLAT = "The other tool may flatten the head axes; tl serves the per-head layout."
 _PRE_LN1_COPY = (
     "TransformerLens fires this on the block input repeated over heads "
-    "([b, p, n_heads, d_model]), before ln1, so each head's input can be patched separately. "
-    "tl keeps no per-head copy: capture blocks.{i}.hook_in and broadcast it, or use "
-    "blocks.{i}.attn.hook_in for the attention input after ln1."
+    "([b, p, n_heads, d_model]), before ln1, so attention's input can be patched as a whole. "
+    "tl keeps no such copy: capture blocks.{i}.hook_in and broadcast it, use "
+    "blocks.{i}.attn.hook_in for the attention input after ln1, or turn on per-head inputs "
+    "(model.set_use_split_qkv_input(True)) for attn.hook_q_input/hook_k_input/hook_v_input."
 )
 
 
@@ -169,7 +170,12 @@ _LEGACY: dict[str, Rule] = {
     "blocks.{i}.hook_attn_in": Rule("legacy", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)),
     **{
         f"blocks.{{i}}.hook_{x}_input": Rule(
-            "legacy", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)
+            "legacy",
+            _alias(
+                f"blocks.{{i}}.attn.hook_{x}_input",
+                "Per-head copies of the block input; opt-in, as in HookedTransformer "
+                "(model.set_use_split_qkv_input(True)).",
+            ),
         )
         for x in "qkv"
     },
@@ -233,12 +239,7 @@ _TL_BRIDGE: dict[str, Rule] = {
     ),
     "blocks.{i}.attn.o.hook_in": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_z", _FLAT)),
     "blocks.{i}.attn.o.hook_out": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_out")),
-    **{
-        f"blocks.{{i}}.attn.hook_{h}": Rule(
-            "tl_bridge", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)
-        )
-        for h in ("attn_in", "q_input", "k_input", "v_input")
-    },
+    "blocks.{i}.attn.hook_attn_in": Rule("tl_bridge", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)),
     **{
         f"blocks.{{i}}.attn.hook_{x}_normed": Rule(
             "tl_bridge", _alias(f"blocks.{{i}}.attn.{x}_norm.hook_out", "QK-norm models only.")

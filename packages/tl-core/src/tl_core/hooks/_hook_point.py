@@ -3,18 +3,41 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["HookFn", "HookHandle", "HookPoint"]
+from tl_core._errors import UserError
+
+__all__ = ["HookFn", "HookHandle", "HookPoint", "RuleHook"]
 
 
 class HookFn(Protocol):
     """A hook: ``fn(tensor, hook=hook_point)`` returns a replacement tensor or ``None``."""
 
     def __call__(self, tensor: torch.Tensor, /, *, hook: HookPoint) -> torch.Tensor | None: ...
+
+
+class RuleHook:
+    """A forward hook installed by a backward rule (``tl_core.analysis.use_relevance_rules``).
+
+    A ``HookPoint`` keeps rule hooks at the ends of its forward list, whatever users attach
+    later: ``stage = "first"`` hooks run before every user hook (so users read the value the
+    rule hands on, the one the gradient flows through) and ``stage = "last"`` hooks after
+    them (so a rule reads the value the model really uses, user edits included). Rule hooks
+    survive ``remove_hooks``; only their handle removes them. Subclasses implement
+    ``__call__(tensor, hook=...)`` like any hook.
+    """
+
+    stage: ClassVar[Literal["first", "last"]] = "last"
+
+    def __call__(self, tensor: torch.Tensor, /, *, hook: HookPoint) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+def _stage(fn: object) -> str | None:
+    return fn.stage if isinstance(fn, RuleHook) else None
 
 
 class HookHandle:
@@ -43,11 +66,19 @@ class HookPoint(nn.Module):
 
     Hooks are kept in plain lists rather than torch's hook dictionaries: that keeps the
     hot path cheap and lets a hook receive the ``HookPoint`` (and so its name).
+
+    Attributes:
+        name: The canonical hook name.
+        edit_refusal: While not ``None``, a user forward hook that returns a different
+            value raises ``UserError`` with this reason (a backward rule owns the value here;
+            reading hooks and value-preserving gradient probes stay allowed). Checked only
+            when a hook returns a new tensor, so unhooked and reading runs pay nothing.
     """
 
     def __init__(self, name: str = "") -> None:
         super().__init__()
         self.name = name
+        self.edit_refusal: str | None = None
         self._fwd: list[tuple[Callable[..., Any], bool]] = []
         self._bwd: list[tuple[Callable[..., Any], bool]] = []
 
@@ -82,10 +113,11 @@ class HookPoint(nn.Module):
 
         Args:
             fn: The hook. A forward hook may return a tensor to replace the value; a
-                backward hook's return value is ignored (gradients are read-only).
+                backward hook's return value is ignored (gradients are read-only). A
+                ``RuleHook`` goes to its stage's end of the forward list.
             dir: ``"fwd"`` for the forward value, ``"bwd"`` for its gradient.
             is_permanent: Permanent hooks survive ``remove_hooks(including_permanent=False)``.
-            prepend: Run before the hooks already attached.
+            prepend: Run before the hooks already attached (after any ``"first"`` rule hook).
 
         Returns:
             A handle whose ``remove()`` detaches exactly this hook.
@@ -94,21 +126,36 @@ class HookPoint(nn.Module):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
         hooks = self._fwd if dir == "fwd" else self._bwd
         entry = (fn, is_permanent)
-        if prepend:
+        stage = _stage(fn)
+        if stage == "first":
             hooks.insert(0, entry)
-        else:
+        elif stage == "last":
             hooks.append(entry)
+        elif prepend:
+            index = 0
+            while index < len(hooks) and _stage(hooks[index][0]) == "first":
+                index += 1
+            hooks.insert(index, entry)
+        else:
+            index = len(hooks)
+            while index > 0 and _stage(hooks[index - 1][0]) == "last":
+                index -= 1
+            hooks.insert(index, entry)
         return HookHandle(self, dir, fn)
 
     def remove_hooks(
         self, dir: Literal["fwd", "bwd", "both"] = "both", *, including_permanent: bool = False
     ) -> None:
-        """Detach hooks in one or both directions."""
+        """Detach hooks in one or both directions (rule hooks stay: their handle owns them)."""
         for direction in ("fwd", "bwd"):
             if dir not in (direction, "both"):
                 continue
             hooks = self._fwd if direction == "fwd" else self._bwd
-            hooks[:] = [(fn, perm) for fn, perm in hooks if perm and not including_permanent]
+            hooks[:] = [
+                (fn, perm)
+                for fn, perm in hooks
+                if (perm and not including_permanent) or isinstance(fn, RuleHook)
+            ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the forward hooks in order, then arm the backward hooks on the result."""
@@ -120,11 +167,27 @@ class HookPoint(nn.Module):
                         f"hook {getattr(fn, '__name__', fn)!r} on {self.name!r} returned "
                         f"{type(out).__name__}; a forward hook returns a tensor or None"
                     )
+                if out is not x and self.edit_refusal is not None:
+                    self._check_edit(fn, x, out)
                 x = out
         if self._bwd and x.requires_grad:
             for fn, _ in self._bwd:
                 x.register_hook(_BackwardCall(fn, self))  # type: ignore[no-untyped-call]
         return x
+
+    def _check_edit(self, fn: Callable[..., Any], x: torch.Tensor, out: torch.Tensor) -> None:
+        """Refuse a user hook's new value while ``edit_refusal`` is set.
+
+        A tensor with the same value (a gradient probe such as ``x + zeros``) is no edit.
+        """
+        if isinstance(fn, RuleHook) or (
+            out.shape == x.shape and out.dtype == x.dtype and torch.equal(out, x)
+        ):
+            return
+        raise UserError(
+            f"hook {getattr(fn, '__name__', type(fn).__name__)!r} on {self.name!r} returned "
+            f"a new value, but {self.name!r} cannot be edited now: {self.edit_refusal}"
+        )
 
     def extra_repr(self) -> str:
         return repr(self.name)

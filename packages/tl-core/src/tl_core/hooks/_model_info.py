@@ -38,6 +38,11 @@ class ModelInfo:
             (Qwen3, Gemma 3, OLMo 2): then ``attn.q_norm.*`` and ``attn.k_norm.*`` exist.
         rotary_dim: Width of the rotated part of each head (``None``: the whole head);
             smaller where only part of a head is rotated (GPT-NeoX's ``rotary_pct``).
+        act_fn: The MLP activation as the model's config names it (``"gelu"``,
+            ``"gelu_new"``, ``"silu"``, ``"relu"``; transformers names such as
+            ``"gelu_pytorch_tanh"`` are kept as given), or ``None`` when the driver does not
+            know it. Gradient rules that depend on the activation read it (see
+            ``tl_core.analysis.use_relevance_rules``).
         architecture: A free-form family name (``"native-llama"``, ``"LlamaForCausalLM"``).
         device: Where the bridge takes token ids and returns tensors (a ``torch.device`` on
             a bridge's ``cfg``; ``"cpu"`` for engines in another process). It describes a placement, not the model's structure, so it
@@ -62,6 +67,7 @@ class ModelInfo:
     embed_norm: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
+    act_fn: str | None = None
     architecture: str = ""
     device: str | torch.device = field(default="cpu", compare=False)
 

@@ -121,7 +121,9 @@ class HookNamespace:
                 if template.per_block
                 else [template.template]
             )
-            present = requirement_met(template.requires, info, include_attn_result=False)
+            present = requirement_met(
+                template.requires, info, include_attn_result=False, include_split_qkv_input=False
+            )
             for name in names:
                 if name in served_set and name in editable_set:
                     continue

@@ -6,7 +6,7 @@ from tl_core.hooks._model_info import ModelInfo
 
 __all__ = ["feature_shape", "position_axis"]
 
-_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "attn.hook_rot_k")
+_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "attn.hook_rot_k", "attn.hook_k_input", "attn.hook_v_input")
 _KV_NORM = ".attn.k_norm."
 
 
@@ -28,7 +28,7 @@ def feature_shape(name: str, layout: str, info: ModelInfo) -> tuple[int, ...] | 
         "b p r": (info.rotary_width,),
         "b p dm": (info.d_mlp,),
         "b p vocab": (info.d_vocab,),
-        "b p h d": (info.n_heads, info.d_model),
+        "b p h d": (heads, info.d_model),
         "b p e": (info.n_experts or 0,),
         "b p k": (info.experts_per_token or 0,),
     }

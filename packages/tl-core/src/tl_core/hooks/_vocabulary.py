@@ -27,7 +27,10 @@ Structural decisions (the ``requires`` column):
   ``attn.hook_cos``/``attn.hook_sin`` the rotary table a block rotates q/k with: inputs of a
   computation rather than activations, served because TransformerLens 4.x serves them.
 * ``attn.hook_result`` is opt-in (it costs ``n_heads`` copies of the residual width), so
-  ``canonical_hook_names`` lists it only when asked.
+  ``canonical_hook_names`` lists it only when asked. So are ``attn.hook_q_input``,
+  ``hook_k_input`` and ``hook_v_input``: while a driver runs with split inputs, each head
+  reads its own copy of the block input (normalised by ``ln1`` per head), so a gradient
+  there is that head's alone; attribution patching turns them on for its edge sweep.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ HookRequirement = Literal[
     "sandwich_norm",
     "qk_norm",
     "attn_result",
+    "split_qkv_input",
     "norm",
 ]
 
@@ -106,7 +110,8 @@ class HookTemplate:
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
             MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
-            embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in) or ``"norm"``.
+            embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
+            ``"split_qkv_input"`` (opt-in) or ``"norm"``.
     """
 
     template: str
@@ -258,6 +263,27 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "blocks.{i}.hook_resid_pre",
     ),
     *_LN1,
+    HookTemplate(
+        "blocks.{i}.attn.hook_q_input",
+        "b p h d",
+        "Each query head's own copy of the block input, before ln1 (opt-in: per-head gradients).",
+        "blocks.{i}.hook_q_input",
+        "split_qkv_input",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_k_input",
+        "b p h d",
+        "Each key/value head's own copy of the block input feeding its keys, before ln1 (opt-in).",
+        "blocks.{i}.hook_k_input",
+        "split_qkv_input",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_v_input",
+        "b p h d",
+        "Each key/value head's own copy of the block input feeding its values, before ln1 (opt-in).",
+        "blocks.{i}.hook_v_input",
+        "split_qkv_input",
+    ),
     HookTemplate(
         "blocks.{i}.attn.hook_in",
         "b p d",
@@ -476,12 +502,18 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
     "qk_norm": "it does not normalise queries and keys before attention",
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
+    "split_qkv_input": "per-head q/k/v inputs are opt-in on local drivers (native, hf): call "
+    "model.set_use_split_qkv_input(True) (attribution patching turns them on for its sweep)",
     "norm": "it has no normalisation layers",
 }
 
 
 def requirement_met(
-    requires: HookRequirement | None, info: ModelInfo, *, include_attn_result: bool = True
+    requires: HookRequirement | None,
+    info: ModelInfo,
+    *,
+    include_attn_result: bool = True,
+    include_split_qkv_input: bool = True,
 ) -> bool:
     """Whether a model with ``info`` has sites that need ``requires``.
 
@@ -489,6 +521,7 @@ def requirement_met(
         requires: A ``HookTemplate.requires`` value.
         info: The model's structure.
         include_attn_result: What to answer for the opt-in ``"attn_result"``.
+        include_split_qkv_input: What to answer for the opt-in ``"split_qkv_input"``.
 
     Returns:
         ``True`` when the model has such sites.
@@ -513,16 +546,24 @@ def requirement_met(
         return info.qk_norm
     if requires == "attn_result":
         return include_attn_result
+    if requires == "split_qkv_input":
+        return include_split_qkv_input
     return info.normalization_type is not None
 
 
 @lru_cache(maxsize=64)
-def _names_for(info: ModelInfo, include_attn_result: bool) -> tuple[str, ...]:
+def _names_for(info: ModelInfo, include_attn_result: bool, include_split_qkv_input: bool) -> tuple[str, ...]:
     head: list[str] = []
     block: list[HookTemplate] = []
     tail: list[str] = []
     for template in CANONICAL_TEMPLATES:
-        if not requirement_met(template.requires, info, include_attn_result=include_attn_result):
+        met = requirement_met(
+            template.requires,
+            info,
+            include_attn_result=include_attn_result,
+            include_split_qkv_input=include_split_qkv_input,
+        )
+        if not met:
             continue
         if template.per_block:
             block.append(template)
@@ -534,7 +575,9 @@ def _names_for(info: ModelInfo, include_attn_result: bool) -> tuple[str, ...]:
     return (*head, *blocks, *tail)
 
 
-def canonical_hook_names(info: ModelInfo, *, include_attn_result: bool = False) -> list[str]:
+def canonical_hook_names(
+    info: ModelInfo, *, include_attn_result: bool = False, include_split_qkv_input: bool = False
+) -> list[str]:
     """Every concrete canonical hook a model with this structure has, in forward order.
 
     Order: ``embed``, ``pos_embed`` (learned positions only), each block's hooks in forward
@@ -544,6 +587,8 @@ def canonical_hook_names(info: ModelInfo, *, include_attn_result: bool = False) 
     Args:
         info: The model's sizes and structure.
         include_attn_result: Also list the opt-in ``blocks.{i}.attn.hook_result``.
+        include_split_qkv_input: Also list the opt-in per-head inputs
+            ``blocks.{i}.attn.hook_q_input``/``hook_k_input``/``hook_v_input``.
 
     Returns:
         A new list of names.
@@ -560,4 +605,4 @@ def canonical_hook_names(info: ModelInfo, *, include_attn_result: bool = False) 
             f"ModelInfo.n_layers must be an int >= 0, got {info.n_layers!r}; fix the driver's "
             f"ModelInfo."
         )
-    return list(_names_for(info, bool(include_attn_result)))
+    return list(_names_for(info, bool(include_attn_result), bool(include_split_qkv_input)))

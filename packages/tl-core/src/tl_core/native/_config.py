@@ -21,7 +21,7 @@ _NORMS = ("LN", "RMS")
 _POS_TYPES = ("standard", "rotary")
 _INIT_MODES = ("gpt2", "xavier_normal")
 _POSITIVE_INTS = ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")
-_BOOLS = ("gated_mlp", "use_attn_result", "tie_word_embeddings")
+_BOOLS = ("gated_mlp", "use_attn_result", "use_split_qkv_input", "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ class NativeConfig:
         n_ctx: Longest sequence the model accepts.
         act_fn: MLP activation: ``"gelu"`` (exact), ``"gelu_new"`` (tanh), ``"relu"``,
             ``"silu"``.
-        normalization_type: ``"LN"`` (LayerNorm with bias) or ``"RMS"`` (RMSNorm).
+        normalization_type: ``"LN"`` (LayerNorm with bias), ``"RMS"`` (RMSNorm) or
+            ``None`` (no norms: every path from a site to the logits that passes no
+            attention softmax or activation is linear, the toy model exact checks need).
         positional_embedding_type: ``"standard"`` (learned ``W_pos``) or ``"rotary"``.
         n_key_value_heads: Key/value heads; ``None`` means ``n_heads``. Fewer heads than
             ``n_heads`` gives grouped-query attention; ``n_heads`` must be a multiple.
@@ -53,6 +55,9 @@ class NativeConfig:
         eps: Epsilon added to the variance (LN) or mean square (RMS) in every norm.
         rotary_base: Base of the rotary frequencies.
         use_attn_result: Whether ``attn.hook_result`` (per-head output) exists and fires.
+        use_split_qkv_input: Whether each attention head reads its own copy of the block
+            input (``attn.hook_q_input``/``hook_k_input``/``hook_v_input``) at boot; the
+            model switches it with ``set_use_split_qkv_input``.
         tie_word_embeddings: Whether the unembedding is the transpose of ``W_E``.
         use_bias: Whether the linear maps (q, k, v, o, MLP, unembed) have biases;
             ``None`` means yes for LN models and no for RMS models. LayerNorm always has
@@ -67,7 +72,7 @@ class NativeConfig:
     d_vocab: int = MIN_VOCAB
     n_ctx: int = 256
     act_fn: Literal["gelu", "gelu_new", "relu", "silu"] = "gelu"
-    normalization_type: Literal["LN", "RMS"] = "LN"
+    normalization_type: Literal["LN", "RMS"] | None = "LN"
     positional_embedding_type: Literal["standard", "rotary"] = "standard"
     n_key_value_heads: int | None = None
     gated_mlp: bool = False
@@ -76,6 +81,7 @@ class NativeConfig:
     eps: float = 1e-5
     rotary_base: float = 10000.0
     use_attn_result: bool = False
+    use_split_qkv_input: bool = False
     tie_word_embeddings: bool = False
     use_bias: bool | None = None
 
@@ -87,9 +93,10 @@ class NativeConfig:
                 f"NativeConfig field 'd_vocab' must be at least {MIN_VOCAB} so the byte "
                 f"tokenizer's ids fit, got {self.d_vocab}; raise it to {MIN_VOCAB} or more."
             )
+        if self.normalization_type is not None:
+            _check_choice("normalization_type", self.normalization_type, _NORMS)
         for name, choices in (
             ("act_fn", _ACT_FNS),
-            ("normalization_type", _NORMS),
             ("positional_embedding_type", _POS_TYPES),
             ("init_mode", _INIT_MODES),
         ):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ class NativeDriver(LocalDriver):
     def __init__(self, model: NativeTransformer, tokenizer: Tokenizer | None = None) -> None:
         self._model = model
         self._tokenizer = tokenizer or ByteTokenizer()
+        self._split_qkv_input = model.cfg.use_split_qkv_input
 
     @classmethod
     def boot(
@@ -66,12 +68,16 @@ class NativeDriver(LocalDriver):
     @property
     def hook_points(self) -> Mapping[str, HookPoint]:
         """Canonical name -> HookPoint of every site the model fires."""
-        return self._model.hook_points
+        return self._served(self._model.hook_points)
+
+    def _apply_split_qkv_input(self, enabled: bool) -> None:
+        self._model.set_use_split_qkv_input(enabled)
 
     @property
     def info(self) -> ModelInfo:
-        """The model's sizes."""
-        return self._model.info
+        """The model's sizes and structure, its activation (``cfg.act_fn``) included."""
+        info = self._model.info
+        return info if info.act_fn is not None else replace(info, act_fn=self._model.cfg.act_fn)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -71,26 +71,45 @@ class Norm(nn.Module):
 
     ``hook_scale`` is ``sqrt(var + eps)`` (LN, biased variance) or ``sqrt(mean(x^2) + eps)``
     (RMS), shape ``[b, p, 1]``; ``hook_normalized`` is the value before the weight (and
-    bias); ``hook_out`` is after.
+    bias); ``hook_out`` is after. A model without norms gets the identity: no parameters
+    and only ``hook_in`` where the site exists without a norm (``ln2.hook_in``, the residual
+    stream between attention and MLP).
     """
 
-    def __init__(self, cfg: NativeConfig) -> None:
+    def __init__(self, cfg: NativeConfig, *, input_site: bool = False) -> None:
         super().__init__()
         self.kind = cfg.normalization_type
         self.eps = cfg.eps
+        self.w: nn.Parameter | None = None
+        self.b: nn.Parameter | None = None
+        self.hook_in: HookPoint | None = HookPoint() if self.kind or input_site else None
+        if self.kind is None:
+            return
         self.w = nn.Parameter(torch.ones(cfg.d_model))
         self.b = _optional_param((cfg.d_model,), self.kind == "LN")
-        self.hook_in = HookPoint()
         self.hook_scale = HookPoint()
         self.hook_normalized = HookPoint()
         self.hook_out = HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Fire ``hook_in`` on ``x``, then normalise it."""
-        return self.normalize(self.hook_in(x))
+        return self.normalize(self.hook_in(x) if self.hook_in is not None else x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The same normalisation over the last axis of any shape, firing no hook (per-head
+        input copies are normalised with it)."""
+        if self.kind is None:
+            return x
+        assert self.w is not None  # every norm kind has a weight
+        if self.kind == "LN":
+            x = x - x.mean(dim=-1, keepdim=True)
+        out = x / (x.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt() * self.w
+        return out if self.b is None else out + self.b
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise a value whose ``hook_in`` has already fired (see ``ln2`` in a block)."""
+        if self.kind is None:
+            return x
         if self.kind == "LN":
             x = x - x.mean(dim=-1, keepdim=True)
         scale = self.hook_scale((x.pow(2).mean(dim=-1, keepdim=True) + self.eps).sqrt())
@@ -209,6 +228,9 @@ class Attention(nn.Module):
         self.b_V = _optional_param((n_kv, d_head), cfg.has_bias)
         self.b_O = _optional_param((d_model,), cfg.has_bias)
         self.rotary = cfg.positional_embedding_type == "rotary"
+        self.hook_q_input = HookPoint()
+        self.hook_k_input = HookPoint()
+        self.hook_v_input = HookPoint()
         self.hook_in = HookPoint()
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
@@ -237,12 +259,36 @@ class Attention(nn.Module):
         out = torch.einsum("bpd,hde->bphe", x, w)
         return out if b is None else out + b
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Attend over ``x`` (``[b, p, d_model]``, the ``ln1`` output); returns ``[b, p, d]``."""
+    def _split(
+        self, point: HookPoint, resid: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor],
+        w: torch.Tensor, b: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Project each head from its own normalised copy of the block input."""
+        copies = point(resid[:, :, None, :].expand(-1, -1, w.shape[0], -1).clone())
+        out = torch.einsum("bphd,hde->bphe", norm(copies), w)
+        return out if b is None else out + b
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: AttentionContext,
+        split: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Attend over ``x`` (``[b, p, d_model]``, the ``ln1`` output); returns ``[b, p, d]``.
+
+        With ``split = (ln1's input, ln1's plain normalisation)`` each head reads its own
+        copy of the block input (as ``ln1.hook_in`` left it) instead (``hook_q_input``/``hook_k_input``/``hook_v_input``).
+        """
         x = self.hook_in(x)
-        q = self.hook_q(self._project(x, self.W_Q, self.b_Q))
-        k = self.hook_k(self._project(x, self.W_K, self.b_K))
-        v = self.hook_v(self._project(x, self.W_V, self.b_V))
+        if split is None:
+            q = self.hook_q(self._project(x, self.W_Q, self.b_Q))
+            k = self.hook_k(self._project(x, self.W_K, self.b_K))
+            v = self.hook_v(self._project(x, self.W_V, self.b_V))
+        else:
+            resid, norm = split
+            q = self.hook_q(self._split(self.hook_q_input, resid, norm, self.W_Q, self.b_Q))
+            k = self.hook_k(self._split(self.hook_k_input, resid, norm, self.W_K, self.b_K))
+            v = self.hook_v(self._split(self.hook_v_input, resid, norm, self.W_V, self.b_V))
         if self.rotary:
             assert ctx.cos is not None and ctx.sin is not None
             cos = _per_position(self.hook_cos, ctx.cos)
@@ -250,7 +296,11 @@ class Attention(nn.Module):
             q = self.hook_rot_q(apply_rotary(q, cos, sin))
             k = self.hook_rot_k(apply_rotary(k, cos, sin))
         if self.hook_attn_scores.has_hooks or self.hook_pattern.has_hooks:
-            z = self._explicit(q, k, v, ctx)
+            z, rerouted = self._explicit(q, k, v, ctx)
+            if rerouted:
+                # The hooks handed on equal values and only change the gradient (relevance
+                # rules, probes): keep the fused kernel's bits, the explicit path's gradient.
+                z = self._fused(q, k, v, ctx).detach() + (z - z.detach())
         else:
             z = self._fused(q, k, v, ctx)
         z = self.hook_z(z)
@@ -266,22 +316,28 @@ class Attention(nn.Module):
 
     def _explicit(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, bool]:
+        """``(z, rerouted)``: rerouted when a hook returned a new tensor of equal value."""
         group = self.n_heads // self.n_kv_heads
         if group > 1:
             k = k.repeat_interleave(group, dim=2)
             v = v.repeat_interleave(group, dim=2)
         scores = torch.einsum("bqhe,bkhe->bhqk", q, k) * self.scale
-        scores = self.hook_attn_scores(scores.masked_fill(~ctx.mask, float("-inf")))
+        masked = scores.masked_fill(~ctx.mask, float("-inf"))
+        scores = self.hook_attn_scores(masked)
+        # At least float32 (half-precision models), and float64 models keep their precision.
+        softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
         if ctx.row_valid is None:
-            pattern = F.softmax(scores, dim=-1, dtype=torch.float32)
+            pattern = F.softmax(scores, dim=-1, dtype=softmax_dtype)
         else:
             # A row of only -inf would softmax to NaN, and NaN * 0 still poisons pattern @ v.
             safe = scores.masked_fill(~ctx.row_valid, 0.0)
-            pattern = F.softmax(safe, dim=-1, dtype=torch.float32)
+            pattern = F.softmax(safe, dim=-1, dtype=softmax_dtype)
             pattern = pattern.masked_fill(~ctx.row_valid, 0.0)
-        pattern = self.hook_pattern(pattern.to(q.dtype))
-        return torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+        computed = pattern.to(q.dtype)
+        pattern = self.hook_pattern(computed)
+        z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+        return z, only_rerouted((masked, scores), (computed, pattern))
 
     def _fused(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
@@ -299,6 +355,12 @@ class Attention(nn.Module):
             if ctx.row_valid is not None:
                 out = out.masked_fill(~ctx.row_valid, 0.0)
         return out.transpose(1, 2)
+
+
+def only_rerouted(*fired: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether some hook returned a new tensor and every hook kept the value it was given."""
+    new = [(before, after) for before, after in fired if after is not before]
+    return bool(new) and all(torch.equal(before, after) for before, after in new)
 
 
 class MLP(nn.Module):

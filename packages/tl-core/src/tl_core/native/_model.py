@@ -72,6 +72,9 @@ class Unembed(nn.Module):
         return out
 
 
+_SPLIT_INPUTS = ("attn.hook_q_input", "attn.hook_k_input", "attn.hook_v_input")
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(.))``.
 
@@ -84,14 +87,25 @@ class TransformerBlock(nn.Module):
         self.hook_in = HookPoint()
         self.ln1 = Norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = Norm(cfg)
+        self.ln2 = Norm(cfg, input_site=True)  # ln2.hook_in is resid_mid, norm or not
         self.mlp = MLP(cfg)
         self.hook_out = HookPoint()
+        #: Whether each head reads its own copy of the block input (see ``Attention``).
+        self.split_qkv_input = cfg.use_split_qkv_input
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Run the block on the residual stream ``x`` (``[b, p, d_model]``)."""
         x = self.hook_in(x)
-        mid = self.ln2.hook_in(x + self.attn(self.ln1(x), ctx))
+        if self.split_qkv_input:
+            # The heads copy ln1's input after ln1.hook_in fired, so an edit there still
+            # reaches attention (as it does without split, and as the hf driver does).
+            ln_in = self.ln1.hook_in(x) if self.ln1.hook_in is not None else x
+            attended = self.attn(self.ln1.normalize(ln_in), ctx, (ln_in, self.ln1.plain))
+        else:
+            attended = self.attn(self.ln1(x), ctx)
+        mid = x + attended
+        assert self.ln2.hook_in is not None
+        mid = self.ln2.hook_in(mid)
         out: torch.Tensor = self.hook_out(mid + self.mlp(self.ln2.normalize(mid)))
         return out
 
@@ -133,11 +147,29 @@ class NativeTransformer(nn.Module):
         self.ln_final = Norm(cfg)
         self.unembed = Unembed(cfg)
         self._reset_parameters()
-        self.hook_points: dict[str, HookPoint] = {}
+        self._hook_points: dict[str, HookPoint] = {}
         for name, module in self.named_modules():
             if isinstance(module, HookPoint):
                 module.name = name
-                self.hook_points[name] = module
+                self._hook_points[name] = module
+
+    @property
+    def hook_points(self) -> dict[str, HookPoint]:
+        """Canonical name -> HookPoint of every site that fires (the per-head q/k/v inputs
+        only while they are on)."""
+        if self.split_qkv_input:
+            return dict(self._hook_points)
+        return {n: p for n, p in self._hook_points.items() if not n.endswith(_SPLIT_INPUTS)}
+
+    @property
+    def split_qkv_input(self) -> bool:
+        """Whether each attention head reads its own copy of the block input."""
+        return any(block.split_qkv_input for block in self._block_list())
+
+    def set_use_split_qkv_input(self, enabled: bool) -> None:
+        """Give each attention head its own copy of the block input, or stop."""
+        for block in self._block_list():
+            block.split_qkv_input = enabled
 
     def _reset_parameters(self) -> None:
         cfg = self.cfg
