@@ -158,6 +158,7 @@ def bench(session: nox.Session) -> None:
     _install(session, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
     session.run("python", "benchmarks/bench_native_capture.py", *session.posargs)
     session.run("python", "benchmarks/bench_hf_capture.py", "--no-optional", *session.posargs)
+    session.run("python", "benchmarks/bench_attribution.py", *session.posargs)
 
 
 @nox.session(python=PYTHON, tags=["bench"])

@@ -16,7 +16,7 @@ import tl_core
 ROOT = Path(tl_core.__file__).parent
 #: Lowest first. A module may import from its own floor and the floors below it.
 FLOORS = [
-    "_version", "_lazy", "_errors", "hooks", "specs", "cache", "driver_api", "bridges", "native", "capture", "cli",
+    "_version", "_lazy", "_errors", "hooks", "specs", "cache", "driver_api", "bridges", "native", "analysis", "capture", "cli",
 ]
 
 

@@ -1,0 +1,326 @@
+"""Attribution patching: every node's and edge's patching effect from one backward pass.
+
+The score of a node is ``(a_clean - a_corrupt) . d metric / d a`` at the corrupt run, the
+first-order estimate of patching that site to its clean value. The gradient is taken at
+what an edit of the site reaches: each site gets a zero tensor added by a forward hook, and
+the gradient of that zero is the score's second factor. The forward stays bit-identical.
+
+Edges follow the residual stream's additive structure: a reader's input is the sum of
+every upstream writer's output (embeddings, each head's result, each MLP's output), so the
+edge ``writer -> reader`` scores the writer's clean-minus-corrupt delta against the
+gradient at the reader's own input. Per-head readers need per-head inputs, so the sweep
+runs with split q/k/v inputs on (restored afterwards, also on error). An MLP's own input
+gradient is what remains of the residual's gradient once the skip path (and, on parallel
+blocks, attention's per-head copies) is taken out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+
+from tl_core._errors import UnsupportedFeatureError, UserError
+from tl_core.analysis._attribution_result import AttributionResult
+from tl_core.analysis._edges import edge_graph, edge_scores
+from tl_core.driver_api._batching import TokenBatch
+
+__all__ = ["AttributionResult", "attribution_patch", "default_node_sites"]
+
+Granularity = Literal["node", "edge", "both"]
+Metric = Callable[[torch.Tensor], torch.Tensor]
+
+#: Layout axes a node score keeps: the pair, the position (``q`` for patterns), the head.
+_KEPT_AXES = ("b", "p", "q", "h")
+
+
+def default_node_sites(model: Any) -> list[str]:
+    """Residual, attention and MLP nodes of every block: the block input, each head's
+    ``hook_z`` (and ``hook_result`` where served), the attention output, the MLP output."""
+    namespace = model.namespace
+    sites = []
+    for layer in range(namespace.info.n_layers):
+        for suffix in (
+            "hook_in",
+            "attn.hook_z",
+            "attn.hook_result",
+            "attn.hook_out",
+            "mlp.hook_out",
+        ):
+            name = f"blocks.{layer}.{suffix}"
+            if name in namespace.served:
+                sites.append(name)
+    return sites
+
+
+def attribution_patch(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric,
+    *,
+    granularity: Granularity = "node",
+    sites: Sequence[str] | None = None,
+    clean_cache: Mapping[str, torch.Tensor] | None = None,
+    prepend_bos: bool = True,
+) -> AttributionResult:
+    """Score every node (and/or edge) by attribution patching clean into corrupt.
+
+    Args:
+        model: A bridge whose driver has gradients (native, hf).
+        clean: Clean prompts: text, texts or token ids.
+        corrupt: The corrupted prompts, pair by pair the same length in tokens.
+        metric: ``logits -> [batch]`` (one value per pair; scores are averaged over pairs)
+            or ``logits -> scalar`` (scores are summed); see ``logit_diff_metric``.
+        granularity: ``"node"``, ``"edge"`` or ``"both"``.
+        sites: Node sites (any accepted names); default ``default_node_sites(model)``.
+        clean_cache: Clean activations to reuse (an ``ActivationCache`` or a mapping);
+            every site this call needs must be there. Skips the clean forward.
+        prepend_bos: Put BOS before text input.
+
+    Returns:
+        An ``AttributionResult``.
+
+    Raises:
+        UnsupportedFeatureError: The driver has no gradients, or cannot split attention
+            inputs (edges), or the model normalises each sublayer's output (edges).
+        UserError: Mismatched pairs, unknown sites, a metric of the wrong shape.
+    """
+    driver = getattr(model, "driver", None)
+    if driver is None or not driver.supports("gradients"):
+        raise UnsupportedFeatureError(
+            f"attribution_patch needs gradients; driver {getattr(driver, 'name', driver)!r} has "
+            "none. Use a local driver (native, hf)."
+        )
+    if granularity not in ("node", "edge", "both"):
+        raise UserError(f"granularity must be 'node', 'edge' or 'both', got {granularity!r}.")
+    if not callable(metric):
+        raise UserError(f"metric must be a callable on logits, got {type(metric).__name__}.")
+    clean_batch, corrupt_batch = _pairs(model, clean, corrupt, prepend_bos)
+    want_nodes = granularity in ("node", "both")
+    want_edges = granularity in ("edge", "both")
+    node_sites = _node_sites(model, sites) if want_nodes else []
+    graph = edge_graph(model) if want_edges else None
+
+    result = AttributionResult()
+    with _split_inputs(model, on=want_edges):
+        # Sites an edit cannot reach while heads read their own copies get their own pass.
+        separate = [s for s in node_sites if s in model.namespace.read_only] if want_edges else []
+        together = [s for s in node_sites if s not in separate]
+        needed = [*together, *(graph.value_sites if graph else ())]
+        gradient_sites = [*together, *(graph.gradient_sites if graph else ())]
+        clean_values = _clean_values(model, clean_batch, needed, clean_cache)
+        values, grads, m_corrupt = _gradient_pass(model, corrupt_batch, metric, gradient_sites)
+        _node_scores(model, result, together, clean_values, values, grads, corrupt_batch, m_corrupt)
+        if graph is not None:
+            result.writers, result.readers = graph.writers, graph.readers
+            per_pair, result.edge_mask = edge_scores(
+                graph, clean_values, values, grads, corrupt_batch.lengths
+            )
+            result.edges_per_pair = per_pair
+            result.edges = _combine(per_pair, m_corrupt)
+    if separate:
+        clean_values = _clean_values(model, clean_batch, separate, clean_cache)
+        values, grads, _ = _gradient_pass(model, corrupt_batch, metric, separate)
+        _node_scores(model, result, separate, clean_values, values, grads, corrupt_batch, m_corrupt)
+    result.nodes = {s: result.nodes[s] for s in node_sites}
+    result.metric_corrupt = m_corrupt.detach()
+    result.metric_clean = _metric_of(model, clean_batch, metric)
+    return result
+
+
+# -- inputs ---------------------------------------------------------------------------
+
+
+def _pairs(
+    model: Any, clean: Any, corrupt: Any, prepend_bos: bool
+) -> tuple[TokenBatch, TokenBatch]:
+    clean_batch = model._token_batch(clean, prepend_bos=prepend_bos)
+    corrupt_batch = model._token_batch(corrupt, prepend_bos=prepend_bos)
+    if clean_batch.ids.shape[0] != corrupt_batch.ids.shape[0]:
+        raise UserError(
+            f"attribution_patch needs clean/corrupt pairs: {clean_batch.ids.shape[0]} clean prompts "
+            f"but {corrupt_batch.ids.shape[0]} corrupt ones."
+        )
+    for i, (a, b) in enumerate(zip(clean_batch.lengths, corrupt_batch.lengths, strict=True)):
+        if a != b:
+            raise UserError(
+                f"pair {i}: the clean prompt is {a} tokens and the corrupt one {b}; attribution "
+                "patching compares activations position by position, so each pair must have "
+                "the same length (rephrase, or pass token ids)."
+            )
+    return clean_batch, corrupt_batch
+
+
+def _node_sites(model: Any, sites: Sequence[str] | None) -> list[str]:
+    if sites is None:
+        return default_node_sites(model)
+    if isinstance(sites, str):
+        sites = [sites]
+    names = list(dict.fromkeys(model.namespace.lookup(s) for s in sites))
+    for name in names:
+        axes = model.namespace.layout(name).split()
+        if axes[0] != "b" or not any(a in axes for a in ("p", "q")):
+            raise UserError(
+                f"attribution_patch cannot score {name!r} (layout {' '.join(axes)!r}): a node "
+                "needs a batch and a position axis."
+            )
+    return names
+
+
+@contextmanager
+def _split_inputs(model: Any, *, on: bool) -> Iterator[None]:
+    """Per-head q/k/v inputs for the duration of the sweep, restored even on error."""
+    if not on:
+        yield
+        return
+    before = bool(model.driver.split_qkv_input)
+    model.set_use_split_qkv_input(True)
+    try:
+        yield
+    finally:
+        model.set_use_split_qkv_input(before)
+
+
+@contextmanager
+def _frozen_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """No weight gradients: the pass needs activation gradients only (and leaves ``.grad``)."""
+    wanted = [p for p in module.parameters() if p.requires_grad]
+    for p in wanted:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in wanted:
+            p.requires_grad_(True)
+
+
+# -- passes ---------------------------------------------------------------------------
+
+
+def _clean_values(
+    model: Any, batch: TokenBatch, sites: Sequence[str], cache: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    if cache is not None:
+        missing = [s for s in sites if s not in cache]
+        if missing:
+            raise UserError(
+                f"clean_cache lacks {len(missing)} site(s) this call needs, e.g. {missing[:4]}; "
+                "cache them (names_filter=...) or leave clean_cache out."
+            )
+        return {s: cache[s] for s in sites}
+    values: dict[str, torch.Tensor] = {}
+
+    def keep(site: str) -> Callable[..., None]:
+        def hook(x: torch.Tensor, *, hook: Any) -> None:
+            values[site] = x.detach()
+
+        return hook
+
+    with torch.no_grad(), model.hooks([(s, keep(s)) for s in sites]):
+        model.forward(batch.rows(), None, prepend_bos=False)
+    return values
+
+
+def _gradient_pass(
+    model: Any, batch: TokenBatch, metric: Metric, sites: Sequence[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """The corrupt run: each site's value, the metric's gradient at it, and the metric."""
+    values: dict[str, torch.Tensor] = {}
+    zeros: dict[str, torch.Tensor] = {}
+
+    def probe(site: str) -> Callable[..., torch.Tensor]:
+        def hook(x: torch.Tensor, *, hook: Any) -> torch.Tensor:
+            values[site] = x.detach()
+            zero = torch.zeros_like(x, requires_grad=True)
+            zeros[site] = zero
+            return x + zero
+
+        return hook
+
+    with (
+        torch.enable_grad(),
+        _frozen_parameters(model.driver.module),
+        model.hooks([(s, probe(s)) for s in sites]),
+    ):
+        logits = model.forward(batch.rows(), "logits", prepend_bos=False)
+        value = _checked_metric(metric, logits)
+        missing = [s for s in sites if s not in zeros]
+        if missing:
+            raise UserError(f"these sites did not fire in the forward pass: {missing[:4]}")
+        value.sum().backward()  # type: ignore[no-untyped-call]
+    grads = {s: z.grad if z.grad is not None else torch.zeros_like(z) for s, z in zeros.items()}
+    return values, grads, value.detach()
+
+
+def _checked_metric(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
+    value = metric(logits)
+    if not isinstance(value, torch.Tensor):
+        raise UserError(f"metric returned {type(value).__name__}; it must return a tensor.")
+    if value.ndim > 1 or (value.ndim == 1 and value.shape[0] != logits.shape[0]):
+        raise UserError(
+            f"metric returned shape {tuple(value.shape)}; return one value per pair "
+            f"([{logits.shape[0]}]) or a scalar."
+        )
+    if not value.requires_grad:
+        raise UserError(
+            "the metric's value does not depend on the logits' gradient graph (was it detached?)."
+        )
+    return value
+
+
+def _metric_of(model: Any, batch: TokenBatch, metric: Metric) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model.forward(batch.rows(), "logits", prepend_bos=False)
+        return metric(logits).detach()
+
+
+# -- scores ---------------------------------------------------------------------------
+
+
+def _node_scores(
+    model: Any,
+    result: AttributionResult,
+    sites: Sequence[str],
+    clean: Mapping[str, torch.Tensor],
+    corrupt: Mapping[str, torch.Tensor],
+    grads: Mapping[str, torch.Tensor],
+    batch: TokenBatch,
+    metric_value: torch.Tensor,
+) -> None:
+    for site in sites:
+        axes = model.namespace.layout(site).split()
+        before, after = clean[site], corrupt[site]
+        if before.shape != after.shape:
+            raise UserError(
+                f"the clean activation at {site!r} has shape {tuple(before.shape)} but the corrupt "
+                f"one {tuple(after.shape)}: a clean_cache from other prompts?"
+            )
+        dtype = torch.promote_types(after.dtype, torch.float32)
+        product = (before.to(after.device, dtype) - after.to(dtype)) * grads[site].to(dtype)
+        kept = [a for a in axes if a in _KEPT_AXES]
+        reduced = (
+            product.sum(dim=[i for i, a in enumerate(axes) if a not in _KEPT_AXES])
+            if len(kept) < len(axes)
+            else product
+        )
+        position = kept.index("p") if "p" in kept else kept.index("q")
+        mask = _real_positions(batch, reduced.shape[position], reduced.device)
+        reduced = reduced * mask.reshape(
+            [mask.shape[0] if a == "b" else mask.shape[1] if a in ("p", "q") else 1 for a in kept]
+        )
+        result.nodes_per_pair[site] = reduced
+        result.nodes[site] = _combine(reduced, metric_value)
+        result.node_axes[site] = " ".join(kept[1:])
+
+
+def _real_positions(batch: TokenBatch, width: int, device: torch.device) -> torch.Tensor:
+    lengths = torch.tensor(batch.lengths, device=device)
+    return (torch.arange(width, device=device)[None, :] < lengths[:, None]).to(torch.float32)
+
+
+def _combine(per_pair: torch.Tensor, metric_value: torch.Tensor) -> torch.Tensor:
+    """Mean over pairs for a per-pair metric, sum for a scalar one."""
+    return per_pair.mean(0) if metric_value.ndim == 1 else per_pair.sum(0)
