@@ -36,6 +36,8 @@ PACKAGES: dict[str, list[str]] = {
     ],
     # accelerate is the driver's optional extra; installing it runs the device_map tests.
     "tl-driver-hf": ["accelerate>=1.1"],
+    # inspect evals on the hf driver; pandas and pyarrow are the `analysis` extra.
+    "tl-driver-inspect": [str(ROOT / "packages" / "tl-driver-hf"), "pandas", "pyarrow"],
     # The package a new driver starts from: a working driver whose tests must keep passing.
     "_template": [],
 }
@@ -80,9 +82,11 @@ def vllm(session: nox.Session) -> None:
     _install(
         session,
         "pytest",
-        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")),
+        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm", "tl-driver-inspect")),
     )
     session.run("pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs)
+    # The inspect provider over the vLLM driver needs this engine, so it is checked here.
+    session.run("pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q")
 
 
 @nox.session(python=PYTHON, tags=["test"])
@@ -129,7 +133,12 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["check"])
 def typecheck(session: nox.Session) -> None:
     """mypy (strict on tl-core) over every package (vLLM itself is not needed to check its driver)."""
-    drivers = {"tl-driver-hf": "tl_driver_hf", "tl-driver-vllm": "tl_driver_vllm", "_template": "tl_driver_template"}
+    drivers = {
+        "tl-driver-hf": "tl_driver_hf",
+        "tl-driver-vllm": "tl_driver_vllm",
+        "tl-driver-inspect": "tl_driver_inspect",
+        "_template": "tl_driver_template",
+    }
     _install(session, "mypy", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))
     session.run("mypy", str(ROOT / "packages" / "tl-core" / "src" / "tl_core"))
     for package, module in drivers.items():
@@ -139,7 +148,13 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["check"])
 def docs(session: nox.Session) -> None:
     """Check that generated docs (spec JSON Schema, hook table) and every example's shown output match the code."""
-    _install(session, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
+    # docs/inspect.md runs real evals and reads their logs into data frames.
+    _install(
+        session,
+        *(str(ROOT / "packages" / p) for p in (*LOCAL_PACKAGES, "tl-driver-inspect")),
+        "pandas",
+        "pyarrow",
+    )
     session.run("python", "scripts/write_spec_schema.py", "--check")
     session.run("python", "scripts/write_hook_docs.py", "--check")
     session.run("python", "scripts/check_doc_examples.py")

@@ -25,6 +25,7 @@ FILES = [
     ROOT / "packages" / "tl-core" / "README.md",
     ROOT / "packages" / "tl-driver-hf" / "README.md",
     *sorted((ROOT / "packages" / "tl-driver-hf" / "docs").glob("*.md")),
+    ROOT / "packages" / "tl-driver-inspect" / "README.md",
 ]
 # Neither block may contain a fence: an example is two adjacent blocks, nothing between.
 _EXAMPLE = re.compile(r"```python\n(?P<code>(?:(?!```).)*)```\n\n```\n(?P<out>(?:(?!```).)*)```", re.S)
