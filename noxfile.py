@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.sessions = [
     "tests",
     "vllm",
+    "parity",
     "integration",
     "transformer_lens",
     "sae_lens",
@@ -38,6 +41,8 @@ PACKAGES: dict[str, list[str]] = {
     "tl-driver-hf": ["accelerate>=1.1"],
     # inspect evals on the hf driver; pandas and pyarrow are the `analysis` extra.
     "tl-driver-inspect": [str(ROOT / "packages" / "tl-driver-hf"), "pandas", "pyarrow"],
+    # Alone with tl-core: the tests that need a driver skip (the parity session runs them all).
+    "tl-parity": [],
     # The package a new driver starts from: a working driver whose tests must keep passing.
     "_template": [],
 }
@@ -82,11 +87,43 @@ def vllm(session: nox.Session) -> None:
     _install(
         session,
         "pytest",
-        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm", "tl-driver-inspect")),
+        *(
+            str(ROOT / "packages" / p)
+            for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm", "tl-driver-inspect", "tl-parity")
+        ),
     )
     session.run("pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs)
-    # The inspect provider over the vLLM driver needs this engine, so it is checked here.
+    # The inspect provider and the parity checks of the vLLM driver need this engine.
     session.run("pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q")
+    session.run("pytest", str(ROOT / "packages" / "tl-parity" / "tests"), "-q", "-m", "vllm")
+
+
+def _ensure_chromium(session: nox.Session) -> None:
+    """The parity HTML report is checked in a real headless browser (Debian's chromium)."""
+    if shutil.which("chromium") or shutil.which("chromium-browser") or sys.platform != "linux":
+        return
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        session.warn("no chromium and no root apt-get: the headless-browser check will skip")
+        return
+    session.run("apt-get", "update", "-qq", external=True)
+    session.run("apt-get", "install", "-y", "-qq", "chromium", external=True)
+
+
+@nox.session(python=PYTHON, tags=["test"])
+def parity(session: nox.Session) -> None:
+    """tl-parity with the local drivers: fault injection, alias reports, the HTML report in a
+    headless browser, and the report card of every installed driver on tiny checkpoints."""
+    _ensure_chromium(session)
+    parity_pkg = ROOT / "packages" / "tl-parity"
+    _install(
+        session,
+        "pytest",
+        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-inspect")),
+        str(parity_pkg),
+        str(parity_pkg / "tests" / "fixtures" / "tl-parity-faults"),
+    )
+    session.run("pytest", str(parity_pkg / "tests"), "-q", *session.posargs)
+    session.run("tl", "parity", "--candidate", "all", "--drivers", "native,inspect")
 
 
 @nox.session(python=PYTHON, tags=["test"])
@@ -137,6 +174,7 @@ def typecheck(session: nox.Session) -> None:
         "tl-driver-hf": "tl_driver_hf",
         "tl-driver-vllm": "tl_driver_vllm",
         "tl-driver-inspect": "tl_driver_inspect",
+        "tl-parity": "tl_parity",
         "_template": "tl_driver_template",
     }
     _install(session, "mypy", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))

@@ -81,6 +81,10 @@ def _rotary(info: ModelInfo) -> bool:
     return info.positional_embedding_type == "rotary"
 
 
+def _not_rotary(info: ModelInfo) -> bool:
+    return info.positional_embedding_type != "rotary"
+
+
 def _no_norm(info: ModelInfo) -> bool:
     return info.normalization_type is None and info.n_layers > 0
 
@@ -129,6 +133,14 @@ def _resid_mid(family: HookFamily) -> Rule:
             ),
         ),
     )
+
+
+# ModelInfo has no gated-attention flag; the architectures that have the gate are named.
+_GATED_ATTENTION = ("Qwen3Next", "Qwen3_5", "Qwen3.5")
+
+
+def _ungated_attention(info: ModelInfo) -> bool:
+    return not info.architecture.startswith(_GATED_ATTENTION)
 
 
 def _embed_norm(info: ModelInfo) -> bool:
@@ -189,6 +201,7 @@ _TL_BRIDGE: dict[str, Rule] = {
             "The rotary module is called on the embeddings only to learn their dtype and "
             "device; its table depends on the positions alone.",
         ),
+        ((_not_rotary, _absent("This model has no rotary embedding module.")),),
     ),
     **{
         f"rotary_emb.hook_{x}": Rule(
@@ -394,6 +407,15 @@ _INTERP_ENGINE: dict[str, Rule] = {
             "blocks.{i}.attn.hook_in",
             "Gated-attention models (Qwen3.5): the raw gate projection, which tl does not "
             "hook. Rebuild it from blocks.{i}.attn.hook_in and the gate projection weight.",
+        ),
+        (
+            (
+                _ungated_attention,
+                _absent(
+                    "This model's attention has no output gate; only gated-attention models "
+                    "(Qwen3-Next, Qwen3.5) have the gate projection this point reads."
+                ),
+            ),
         ),
     ),
     "attn_out.{i}": _ie("blocks.{i}.attn.hook_out"),

@@ -1,0 +1,3 @@
+"""The tl-parity version (read by hatchling)."""
+
+__version__ = "0.1.0"
