@@ -105,8 +105,12 @@ def _ensure_chromium(session: nox.Session) -> None:
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         session.warn("no chromium and no root apt-get: the headless-browser check will skip")
         return
-    session.run("apt-get", "update", "-qq", external=True)
-    session.run("apt-get", "install", "-y", "-qq", "chromium", external=True)
+    try:
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run("apt-get", "install", "-y", "-qq", "chromium", external=True)
+    except nox.command.CommandFailed:
+        # A machine without the Debian archive still runs every other parity check.
+        session.warn("installing chromium failed: the headless-browser check will skip")
 
 
 @nox.session(python=PYTHON, tags=["test"])
