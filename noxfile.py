@@ -181,7 +181,8 @@ def typecheck(session: nox.Session) -> None:
         "tl-parity": "tl_parity",
         "_template": "tl_driver_template",
     }
-    _install(session, "mypy", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))
+    # pytest: tl-parity ships a pytest plugin, whose fixture decorator mypy must see typed.
+    _install(session, "mypy", "pytest", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))
     session.run("mypy", str(ROOT / "packages" / "tl-core" / "src" / "tl_core"))
     for package, module in drivers.items():
         session.run("mypy", str(ROOT / "packages" / package / "src" / module))
