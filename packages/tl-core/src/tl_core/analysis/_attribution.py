@@ -117,7 +117,7 @@ def attribution_patch(
         if graph is not None:
             result.writers, result.readers = graph.writers, graph.readers
             per_pair, result.edge_mask = edge_scores(
-                graph, clean_values, values, grads, corrupt_batch.lengths
+                graph, clean_values, values, grads, corrupt_batch.attention_mask()
             )
             result.edges_per_pair = per_pair
             result.edges = _combine(per_pair, m_corrupt)
@@ -306,19 +306,13 @@ def _node_scores(
             if len(kept) < len(axes)
             else product
         )
-        position = kept.index("p") if "p" in kept else kept.index("q")
-        mask = _real_positions(batch, reduced.shape[position], reduced.device)
+        mask = batch.attention_mask().to(reduced.device, torch.float32)
         reduced = reduced * mask.reshape(
             [mask.shape[0] if a == "b" else mask.shape[1] if a in ("p", "q") else 1 for a in kept]
         )
         result.nodes_per_pair[site] = reduced
         result.nodes[site] = _combine(reduced, metric_value)
         result.node_axes[site] = " ".join(kept[1:])
-
-
-def _real_positions(batch: TokenBatch, width: int, device: torch.device) -> torch.Tensor:
-    lengths = torch.tensor(batch.lengths, device=device)
-    return (torch.arange(width, device=device)[None, :] < lengths[:, None]).to(torch.float32)
 
 
 def _combine(per_pair: torch.Tensor, metric_value: torch.Tensor) -> torch.Tensor:

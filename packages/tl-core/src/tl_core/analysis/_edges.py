@@ -8,7 +8,7 @@ a block's MLP read its own heads; parallel blocks do not.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,25 +130,21 @@ def edge_scores(
     clean: Mapping[str, torch.Tensor],
     corrupt: Mapping[str, torch.Tensor],
     grads: Mapping[str, torch.Tensor],
-    lengths: Sequence[int],
+    real_positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([pair, writer, reader] scores summed over positions, the graph's mask)``."""
+    """``([pair, writer, reader] scores summed over positions, the graph's mask)``.
+
+    ``real_positions`` is the batch's ``[batch, pos]`` attention mask: padding scores 0.
+    """
     reader_grads = _reader_gradients(graph, grads)
     dtype = reader_grads.dtype
-    real = _real(lengths, reader_grads.shape[1], reader_grads.device, dtype)
+    real = real_positions.to(reader_grads.device, dtype)[:, :, None, None]
     pieces = []
     for delta in _writer_deltas(graph, clean, corrupt, dtype):
         pieces.append(torch.einsum("bpwd,bprd->bwr", delta * real, reader_grads))
     scores = torch.cat(pieces, dim=1)
     mask = graph.mask.to(scores.device)
     return scores * mask, mask
-
-
-def _real(
-    lengths: Sequence[int], width: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    n = torch.tensor(list(lengths), device=device)
-    return (torch.arange(width, device=device)[None, :] < n[:, None]).to(dtype)[:, :, None, None]
 
 
 def _reader_gradients(graph: EdgeGraph, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
