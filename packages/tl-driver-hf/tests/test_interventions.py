@@ -103,13 +103,8 @@ def test_mlp_norm_input_of_a_parallel_block_reaches_the_mlp_only(
 ) -> None:
     assert bridge.cfg.parallel_attn_mlp
     names = ["blocks.0.hook_in", "blocks.0.attn.hook_out", "blocks.0.mlp.hook_out", "blocks.0.hook_out"]
-    if "blocks.0.ln2.hook_in" not in bridge.hook_dict:
-        # One norm feeds both sublayers (GPT-J, Falcon-7B): an MLP-only input does not exist.
-        reason = bridge.driver.non_fireable_reasons["blocks.0.ln2.hook_in"]
-        assert "one norm per block" in reason
-        with pytest.raises(Exception, match="one norm per block"):
-            bridge(ids, intervene={"blocks.0.hook_mlp_in": {"op": "scale", "factor": 2.0}})
-        return
+    # Served on every parallel family, the shared-norm ones (GPT-J, Falcon-7B) included.
+    assert "blocks.0.ln2.hook_in" in bridge.hook_dict
     # A non-uniform shift: a LayerNorm would undo a uniform one.
     shift = torch.linspace(-1.0, 2.0, bridge.cfg.d_model)
     with torch.no_grad():
@@ -226,3 +221,32 @@ def test_tl_names_resolve_against_the_model_for_capture_specs_and_cache(
     seen: list[str] = []
     bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_attn_out", lambda x, hook: seen.append(hook.name))])
     assert seen == [post]
+
+
+@pytest.mark.parametrize("family", ["gptj", "falcon"])
+def test_shared_norm_mlp_input_carries_the_mlp_gradient_only(
+    family: str, bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
+    """On one-norm parallel blocks, ln2.hook_in's gradient is the MLP path's, through the norm."""
+    taps: dict[str, torch.Tensor] = {}
+
+    def tap(name: str) -> Any:
+        def hook(x: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+            taps[name] = torch.zeros_like(x, requires_grad=True)
+            return x + taps[name]
+
+        return hook
+
+    names = ["blocks.0.ln2.hook_in", "blocks.0.mlp.hook_in"]
+    logits = bridge.run_with_hooks(ids, fwd_hooks=[(n, tap(n)) for n in names])
+    logits.float().pow(2).mean().backward()
+    g_site, g_mlp_in = taps[names[0]].grad, taps[names[1]].grad
+    assert g_site is not None and g_mlp_in is not None and g_site.abs().max() > 0
+    # The MLP input's gradient pulled back through the shared norm, and nothing else.
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids, names_filter=["blocks.0.hook_in"])
+    paths = _paths.PATHS[family]
+    norm = bridge.driver.hf_model.get_submodule(paths["layers"])[0].get_submodule(paths["ln1"])
+    x = cache["blocks.0.hook_in"].clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(norm(x), x, g_mlp_in)
+    torch.testing.assert_close(g_site, want, atol=1e-6, rtol=1e-5)

@@ -145,6 +145,9 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
     for i, layer in enumerate(layers):
         b = f"blocks.{i}."
         handles.append(layer.register_forward_pre_hook(pre(b + "hook_in"), with_kwargs=True))
+        if paths.get("parallel") and "ln2" not in paths and "ln1" in paths:
+            # One norm for both sublayers: the MLP's norm input is the block input.
+            handles.append(layer.register_forward_pre_hook(pre(b + "ln2.hook_in"), with_kwargs=True))
         handles.append(layer.register_forward_hook(post(b + "hook_out")))
         attn = layer.get_submodule(paths["attn"])
         attn_modules.append(attn)

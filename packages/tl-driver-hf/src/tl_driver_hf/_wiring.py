@@ -35,6 +35,8 @@ class RunState:
         self.resid_mid_delta: dict[int, torch.Tensor] = {}
         # Batch and position shape of each layer's input (layers that flatten them, OPT).
         self.shapes: dict[int, tuple[int, ...]] = {}
+        # Each shared-norm layer's input, for the MLP's copy of that norm (GPT-J, Falcon-7B).
+        self.block_inputs: dict[int, torch.Tensor] = {}
 
 
 def _input_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -54,6 +56,29 @@ def _input_hook(point: HookPoint) -> Callable[..., Any]:
         x = _input_of(args, kwargs)
         out = point(x)
         return None if out is x else _with_input(args, kwargs, out)
+
+    return hook
+
+
+def _stash_input_hook(i: int, state: RunState) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        state.block_inputs[i] = _input_of(args, kwargs)
+
+    return hook
+
+
+def _shared_norm_mlp_hook(i: int, norm: nn.Module, point: HookPoint, state: RunState) -> Callable[..., Any]:
+    """The MLP reads ``norm(ln2.hook_in)`` instead of the shared norm's output.
+
+    ``norm.forward`` on the unedited block input gives the shared norm's output bit for bit
+    (the same module, called without its hooks), so the forward is unchanged; gradients and
+    edits at ``ln2.hook_in`` then reach the MLP only, as TransformerLens's copy of the norm
+    (``ln2`` = ``ln1``'s weights) does.
+    """
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = state.block_inputs.pop(i)
+        return _with_input(args, kwargs, norm.forward(point(x)))
 
     return hook
 
@@ -444,7 +469,14 @@ class Wiring:
             handles.append(layer.layer.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
             self.points = flat_points(points, i, state.shapes)
         resid_mid = b + "ln2.hook_in"
-        if self._active(resid_mid) and self.parallel:
+        if self._active(resid_mid) and self.parallel and layer.ln2 is None:
+            # One norm feeds both sublayers (GPT-J, Falcon-7B): the MLP gets its own copy of
+            # that norm over ln2.hook_in, so an edit there reaches the MLP only.
+            assert layer.ln1 is not None
+            handles.append(layer.layer.register_forward_pre_hook(_stash_input_hook(i, state), with_kwargs=True))
+            hook = _shared_norm_mlp_hook(i, layer.ln1, self.points[resid_mid], state)
+            handles.append(layer.mlp.register_forward_pre_hook(hook, with_kwargs=True))
+        elif self._active(resid_mid) and self.parallel:
             # A parallel block's MLP norm reads the block input: an edit reaches the MLP only.
             assert layer.ln2 is not None
             handles.append(layer.ln2.register_forward_pre_hook(_input_hook(self.points[resid_mid]), with_kwargs=True))

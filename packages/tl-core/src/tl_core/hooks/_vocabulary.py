@@ -13,8 +13,10 @@ Structural decisions (the ``requires`` column):
   there reaches the MLP only. ``hook_resid_mid`` does not exist on parallel blocks.
 * The rest of ``ln2`` (``hook_scale``, ``hook_normalized``, ``hook_out``) is the MLP's input
   norm and needs only a norm: parallel blocks with two norms (NeoX) keep it. Where one
-  norm feeds both sublayers (GPT-J, Falcon-7B) it fires as ``ln1`` only and drivers declare
-  every ``ln2`` site non-fireable: an edit there would also change what attention reads,
+  norm feeds both sublayers (GPT-J, Falcon-7B) it fires as ``ln1``; ``ln2.hook_in`` is still
+  the block input as the MLP reads it (the MLP gets its own copy of the shared norm, as in
+  TransformerLens, so an edit there reaches the MLP only), and drivers declare the other
+  ``ln2`` sites non-fireable: an edit there would also change what attention reads,
   which the name does not promise. ``ln1``'s four sites, every
   ``ln_final`` site and ``ln1.hook_in`` need a norm; ``ln1.hook_in`` always equals
   ``blocks.{i}.hook_in`` and is kept for symmetry with the other norms.

@@ -237,8 +237,9 @@ class ArchitectureAdapter:
                 )
         if self.ln2 is None:
             suffixes: tuple[str, ...] = ("hook_scale", "hook_normalized", "hook_out")
-            # A parallel block without a second norm has no input of a norm before the MLP.
-            suffixes = ("hook_in", *suffixes) if self.parallel else suffixes
+            # A parallel block without any norm has no input of a norm before the MLP; with
+            # one shared norm (GPT-J), ln2.hook_in is the block input the MLP's copy reads.
+            suffixes = ("hook_in", *suffixes) if self.parallel and self.ln1 is None else suffixes
             for suffix in suffixes:
                 reasons.setdefault(
                     f"blocks.{{i}}.ln2.{suffix}",

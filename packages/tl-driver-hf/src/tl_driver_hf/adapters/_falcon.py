@@ -4,7 +4,9 @@ One shared key/value head (``n_key_value_heads = 1``); the fused ``query_key_val
 is laid out ``[q heads | key head | value head]``, so ``hook_q``/``hook_k`` split it like
 any ``[q | k | v]`` projection. Attention and the MLP read the same normalised input
 (``input_layernorm``), served as ``ln1.*``; there is no second norm module, so
-``ln2.hook_scale``/``hook_normalized``/``hook_out`` are non-fireable with the reason.
+``ln2.hook_scale``/``hook_normalized``/``hook_out`` are non-fireable with the reason, and
+``ln2.hook_in`` is the block input the MLP reads through its own copy of that norm (an edit
+there reaches the MLP only).
 The layer adds the attention output into the MLP's output tensor in place, so
 ``mlp.hook_out`` hands the layer a copy (``mlp_out_inplace``).
 
@@ -24,7 +26,8 @@ from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 _SHARED_NORM = (
     "falcon (7B layout) has one norm per block (input_layernorm) feeding both attention "
-    "and the MLP; it is served as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in; an MLP-only edit of the norm's input does not exist)"
+    "and the MLP; it is served as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in); ln2.hook_in is the block input as "
+    "the MLP's copy of that norm reads it, so an edit there reaches the MLP only"
 )
 
 
@@ -64,7 +67,7 @@ ADAPTERS = (
         mlp_out_inplace=True,
         absent={
             f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
-            for suffix in ("hook_in", "hook_scale", "hook_normalized", "hook_out")
+            for suffix in ("hook_scale", "hook_normalized", "hook_out")
         },
         config_requires={
             "new_decoder_architecture": (

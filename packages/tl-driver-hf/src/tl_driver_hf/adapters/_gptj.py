@@ -4,7 +4,10 @@ GPT-J's block normalises its input once (``ln_1``) and feeds that one tensor to 
 attention and the MLP. There is no second norm module, so the driver serves it as ``ln1.*``
 only and declares ``ln2.hook_scale``/``hook_normalized``/``hook_out`` non-fireable with the
 reason (serving the same tensor under two names would let an ``ln2`` edit change attention
-too). ``mlp.hook_in`` is the MLP's input, which equals ``ln1.hook_out``.
+too). ``mlp.hook_in`` is the MLP's input, which equals ``ln1.hook_out``. ``ln2.hook_in`` is
+the block input as the MLP reads it: the driver hands the MLP ``ln_1(ln2.hook_in)``, the same
+bits unedited, so an edit (or a gradient) there reaches the MLP only, as TransformerLens's
+``hook_mlp_in`` does.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 _SHARED_NORM = (
     "gptj has one norm per block (ln_1) feeding both attention and the MLP; it is served "
-    "as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in; an MLP-only edit of the norm's input does not exist)"
+    "as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in); ln2.hook_in is the block input as "
+    "the MLP's copy of that norm reads it, so an edit there reaches the MLP only"
 )
 
 ADAPTERS = (
@@ -41,7 +45,7 @@ ADAPTERS = (
         rotary_in_attention=False,
         absent={
             f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
-            for suffix in ("hook_in", "hook_scale", "hook_normalized", "hook_out")
+            for suffix in ("hook_scale", "hook_normalized", "hook_out")
         },
         hub_patterns=(r"^EleutherAI/gpt-j-",),
         known_models=("EleutherAI/gpt-j-6b",),
