@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tl_core import HookPoint
+from tl_core.driver_api import only_rerouted
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionSite", "attention_sites", "hooked_attention"]
 
@@ -159,7 +160,7 @@ def hooked_attention(
         pattern = fired[-1][1]
     pattern = F.dropout(pattern, p=dropout, training=module.training)
     z = torch.matmul(pattern, repeat_kv(value, n_rep)).transpose(1, 2).contiguous()
-    if softcap is None and query.dtype in _FAST_DTYPES and _only_rerouted(fired):
+    if softcap is None and query.dtype in _FAST_DTYPES and only_rerouted(*fired):
         # The hooks handed on equal values and only change the gradient (relevance rules,
         # probes, backward hooks): keep SDPA's bits, the explicit path's gradient.
         fast, _ = sdpa_attention_forward(
@@ -169,12 +170,6 @@ def hooked_attention(
     if site is not None and site.z.has_hooks:
         z = site.z(z)
     return z, pattern
-
-
-def _only_rerouted(fired: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Whether some hook returned a new tensor and every hook kept the value it was given."""
-    new = [(before, after) for before, after in fired if after is not before]
-    return bool(new) and all(torch.equal(before, after.reshape(before.shape)) for before, after in new)
 
 
 def _softmax(scores: torch.Tensor, fp32: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         detect_bos_eos as detect_bos_eos,
         padding_id as padding_id,
     )
-    from tl_core.hooks._hook_point import HookPoint as HookPoint
+    from tl_core.hooks._hook_point import HookPoint as HookPoint, only_rerouted as only_rerouted
     from tl_core.hooks._model_info import ModelInfo as ModelInfo
     from tl_core.hooks._namespace import HookNamespace as HookNamespace
     from tl_core.hooks._order import forward_order as forward_order
@@ -86,6 +86,7 @@ __getattr__, __dir__, __all__ = attach(
         "detect_bos_eos": "tl_core.driver_api._tokenizers",
         "padding_id": "tl_core.driver_api._tokenizers",
         "HookPoint": "tl_core.hooks._hook_point",
+        "only_rerouted": "tl_core.hooks._hook_point",
         "ModelInfo": "tl_core.hooks._model_info",
         "HookNamespace": "tl_core.hooks._namespace",
         "forward_order": "tl_core.hooks._order",

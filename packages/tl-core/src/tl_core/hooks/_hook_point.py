@@ -10,7 +10,7 @@ from torch import nn
 
 from tl_core._errors import UserError
 
-__all__ = ["HookFn", "HookHandle", "HookPoint", "RuleHook"]
+__all__ = ["HookFn", "HookHandle", "HookPoint", "RuleHook", "only_rerouted"]
 
 
 class HookFn(Protocol):
@@ -202,3 +202,22 @@ class _BackwardCall:
 
     def __call__(self, grad: torch.Tensor) -> None:
         self._fn(grad, hook=self._hook_point)
+
+
+def only_rerouted(*fired: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether some hook returned a new tensor and every hook kept the value it was given.
+
+    Drivers that compute a site step by step when hooks are attached (attention's scores
+    and pattern) use it to keep the fast kernel's bits when the hooks only reroute the
+    gradient (relevance rules, probes, backward hooks): the forward then stays bit-identical.
+
+    Args:
+        *fired: ``(value handed to the hook, value the hook returned)`` pairs; the returned
+            value may have another shape with the same elements (a transposed view).
+
+    Returns:
+        ``True`` when at least one hook returned a new tensor and all returned values equal
+        what they were given.
+    """
+    new = [(before, after) for before, after in fired if after is not before]
+    return bool(new) and all(torch.equal(before, after.reshape(before.shape)) for before, after in new)

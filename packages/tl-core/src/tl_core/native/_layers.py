@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tl_core.hooks._hook_point import HookPoint
+from tl_core.hooks._hook_point import HookPoint, only_rerouted
 from tl_core.native._config import NativeConfig
 
 __all__ = [
@@ -355,12 +355,6 @@ class Attention(nn.Module):
             if ctx.row_valid is not None:
                 out = out.masked_fill(~ctx.row_valid, 0.0)
         return out.transpose(1, 2)
-
-
-def only_rerouted(*fired: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """Whether some hook returned a new tensor and every hook kept the value it was given."""
-    new = [(before, after) for before, after in fired if after is not before]
-    return bool(new) and all(torch.equal(before, after) for before, after in new)
 
 
 class MLP(nn.Module):
