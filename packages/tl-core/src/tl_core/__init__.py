@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         DriverNotFoundError as DriverNotFoundError,
         EngineVersionError as EngineVersionError,
         HookNameError as HookNameError,
+        ModelNotInstalledError as ModelNotInstalledError,
         RemoteHookMutationError as RemoteHookMutationError,
         SpecError as SpecError,
         TLError as TLError,

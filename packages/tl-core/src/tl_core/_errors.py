@@ -9,6 +9,7 @@ __all__ = [
     "DriverNotFoundError",
     "EngineVersionError",
     "HookNameError",
+    "ModelNotInstalledError",
     "RemoteHookMutationError",
     "SpecError",
     "TLError",
@@ -31,6 +32,10 @@ class HookNameError(UserError):
 
 class SpecError(UserError):
     """An intervention spec that fails validation."""
+
+
+class ModelNotInstalledError(UserError):
+    """A bundled model's package is not installed; the message gives the install command."""
 
 
 class ConfigError(UserError):
