@@ -25,6 +25,15 @@ if TYPE_CHECKING:
         get_driver_entry as get_driver_entry,
         load_driver_class as load_driver_class,
     )
+    from tl_core.driver_api._gguf import (
+        CACHE_ENV as CACHE_ENV,
+        GGUF_RECORD as GGUF_RECORD,
+        dequantized_gguf as dequantized_gguf,
+        file_sha256 as file_sha256,
+        gguf_cache_dir as gguf_cache_dir,
+        gguf_source as gguf_source,
+        require_gguf_packages as require_gguf_packages,
+    )
     from tl_core.driver_api._hf_config import model_info_from_config as model_info_from_config
     from tl_core.driver_api._local import LocalDriver as LocalDriver
     from tl_core.driver_api._protocol import (
@@ -71,6 +80,18 @@ __getattr__, __dir__, __all__ = attach(
         "clear_driver_cache": "tl_core.driver_api._discovery",
         "get_driver_entry": "tl_core.driver_api._discovery",
         "load_driver_class": "tl_core.driver_api._discovery",
+        **dict.fromkeys(
+            (
+                "CACHE_ENV",
+                "GGUF_RECORD",
+                "dequantized_gguf",
+                "file_sha256",
+                "gguf_cache_dir",
+                "gguf_source",
+                "require_gguf_packages",
+            ),
+            "tl_core.driver_api._gguf",
+        ),
         "model_info_from_config": "tl_core.driver_api._hf_config",
         "LocalDriver": "tl_core.driver_api._local",
         "FEATURES": "tl_core.driver_api._protocol",
