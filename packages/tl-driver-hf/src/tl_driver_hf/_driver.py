@@ -19,6 +19,7 @@ from tl_driver_hf._inline_attention import inline_attention
 from tl_driver_hf._loading import (
     adapter_for_config,
     apply_n_ctx,
+    gguf_folder,
     load_config,
     load_model,
     load_tokenizer,
@@ -124,7 +125,9 @@ class HFDriver(LocalDriver):
         """Load a transformers model (or wrap one) for tl.
 
         Args:
-            model_name: A hub id or a local folder (``None`` with ``hf_model``).
+            model_name: A hub id, a local folder, or a GGUF file (``"model.gguf"``, or a
+                folder plus ``gguf_file=``; needs ``tl-driver-hf[gguf]``), or ``None`` with
+                ``hf_model``.
             **options: ``hf_config_overrides`` (config fields to change),
                 ``device`` or ``device_map`` (``"auto"``, a dict, ...; mutually exclusive),
                 ``offload_folder`` and ``max_memory`` (with ``device_map``),
@@ -134,7 +137,11 @@ class HFDriver(LocalDriver):
                 ``trust_remote_code`` (default False), ``model_class`` (class or its name
                 in transformers), ``hf_model`` (wrap a loaded model as is), ``n_ctx``,
                 ``revision``, ``checkpoint_index``/``checkpoint_value`` (Pythia and
-                stanford-crfm training checkpoints), ``use_attn_result``.
+                stanford-crfm training checkpoints), ``use_attn_result``,
+                ``gguf_file`` (the GGUF file's name inside the ``model_name`` folder). A
+                GGUF file is dequantised once, in ``dtype``, into a cached safetensors
+                folder (``tl_core.driver_api.gguf_cache_dir``) that later boots reuse; to
+                load one through transformers alone, pass ``hf_model=`` and ``tokenizer=``.
 
         Returns:
             The driver.
@@ -154,6 +161,7 @@ class HFDriver(LocalDriver):
                 source, model.config, local_only=True, required=isinstance(opts.tokenizer, str)
             )
             return cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result)
+        opts = gguf_folder(opts)
         config = load_config(opts)
         adapter = adapter_for_config(config)
         if opts.n_ctx is not None:

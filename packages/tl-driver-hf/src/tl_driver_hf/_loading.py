@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -13,12 +14,39 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from tl_core import ConfigError, UserError
-from tl_core.driver_api import HFTokenizer, Tokenizer
+from tl_core.driver_api import HFTokenizer, Tokenizer, dequantized_gguf
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._tokenizer import MissingTokenizer
 from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
 
-__all__ = ["adapter_for_config", "load_config", "load_model", "load_tokenizer", "wrap_tokenizer"]
+__all__ = [
+    "adapter_for_config",
+    "gguf_folder",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+    "wrap_tokenizer",
+]
+
+
+def gguf_folder(opts: BootOptions) -> BootOptions:
+    """Options that boot a GGUF file from its dequantised folder (other options unchanged).
+
+    The file is dequantised once into a cached safetensors folder
+    (``tl_core.driver_api.dequantized_gguf``) and booted like any folder: transformers
+    otherwise parses the whole file again on every load, about a minute for SmolLM2-135M
+    on two cores.
+    """
+    if opts.gguf_path is None:
+        return opts
+    folder = dequantized_gguf(
+        opts.gguf_path,
+        dtype=opts.dtype,
+        auto_model=AutoModelForCausalLM,
+        auto_tokenizer=AutoTokenizer,
+        reason="transformers parses a GGUF file anew on every load",
+    )
+    return dataclasses.replace(opts, model_name=str(folder), gguf_path=None)
 
 
 def load_config(opts: BootOptions) -> PretrainedConfig:

@@ -7,14 +7,16 @@ import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tl_core import ConfigError, UserError
+from tl_core.driver_api import gguf_source, require_gguf_packages
 from tl_driver_hf._checkpoints import checkpoint_revision
 
-__all__ = ["BOOT_OPTIONS", "BootOptions", "parse_dtype"]
+__all__ = ["BOOT_OPTIONS", "GGUF_EXTRA", "BootOptions", "parse_dtype"]
 
 BOOT_OPTIONS: tuple[str, ...] = (
     "hf_config_overrides",
@@ -34,7 +36,11 @@ BOOT_OPTIONS: tuple[str, ...] = (
     "checkpoint_index",
     "checkpoint_value",
     "use_attn_result",
+    "gguf_file",
 )
+
+#: What installs the packages transformers needs to read GGUF files.
+GGUF_EXTRA = "pip install 'tl-driver-hf[gguf]'"
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -63,6 +69,7 @@ _LOADING_OPTIONS = (
     "revision",
     "checkpoint_index",
     "checkpoint_value",
+    "gguf_file",
 )
 
 
@@ -102,6 +109,7 @@ class BootOptions:
     n_ctx: int | None = None
     revision: str | None = None
     use_attn_result: bool = False
+    gguf_path: Path | None = None
 
     @property
     def is_local_folder(self) -> bool:
@@ -167,6 +175,14 @@ class BootOptions:
         overrides = opts.get("hf_config_overrides") or {}
         if not isinstance(overrides, Mapping):
             raise UserError(f"hf_config_overrides must be a dict, got {type(overrides).__name__}")
+        gguf_path = gguf_source(name, opts.get("gguf_file"))
+        if gguf_path is not None:
+            require_gguf_packages(GGUF_EXTRA)
+        if gguf_path is not None and revision is not None:
+            raise UserError(
+                f"revision={revision!r} picks a hub revision, but {str(gguf_path)!r} is a local "
+                f"GGUF file; drop the revision/checkpoint option"
+            )
         n_ctx = opts.get("n_ctx")
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
@@ -187,6 +203,7 @@ class BootOptions:
             n_ctx=n_ctx,
             revision=revision,
             use_attn_result=bool(opts.get("use_attn_result", False)),
+            gguf_path=gguf_path,
         )
 
 
