@@ -18,6 +18,7 @@ from tl_core.driver_api import (
     build_plan,
 )
 from tl_driver_vllm._families import layout_for, model_info
+from tl_driver_vllm._gguf import gguf_checkpoint
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
 from tl_driver_vllm._lifecycle import children, shutdown, socket_files
@@ -72,6 +73,7 @@ class VLLMDriver(NamespaceFacts):
         enable_position_interventions: bool = True,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        gguf_file: str | None = None,
         **vllm_kwargs: Any,
     ) -> VLLMDriver:
         """Start a vLLM engine for ``model`` with tl's worker extension.
@@ -80,7 +82,11 @@ class VLLMDriver(NamespaceFacts):
         engine runs eagerly (hooks are Python code; see the README's "Compilation").
 
         Args:
-            model: A local checkpoint folder or a hub id vLLM can load.
+            model: A local checkpoint folder or a hub id vLLM can load, or a GGUF file
+                (``"model.gguf"``, or a folder plus ``gguf_file=``; needs
+                ``tl-driver-vllm[gguf]``), which is dequantised once into a cached
+                safetensors folder (``tl_core.driver_api.gguf_cache_dir``; vLLM 0.32 has no
+                GGUF loader) in ``dtype`` (float32 when ``None``).
             tokenizer: Tokenizer folder or id, when not the model's.
             dtype: ``"float32"``, ``"bfloat16"``, a torch dtype, or ``None`` (checkpoint's).
             gpu_memory_utilization: Passed to vLLM (GPU only).
@@ -90,6 +96,7 @@ class VLLMDriver(NamespaceFacts):
             enable_position_interventions: ``False`` refuses specs with ``pos``.
             tensor_parallel_size: vLLM tensor parallelism.
             pipeline_parallel_size: vLLM pipeline parallelism.
+            gguf_file: The GGUF file's name inside the ``model`` folder.
             **vllm_kwargs: Any other ``vllm.LLM`` argument (``kv_cache_memory_bytes``, ...).
 
         Returns:
@@ -100,7 +107,7 @@ class VLLMDriver(NamespaceFacts):
         """
         from transformers import AutoConfig, AutoTokenizer
 
-        path = os.fspath(model)
+        path = gguf_checkpoint(model, gguf_file, dtype)
         trust = bool(vllm_kwargs.get("trust_remote_code", False))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         info = model_info(config)  # unsupported families fail here, before any engine work
