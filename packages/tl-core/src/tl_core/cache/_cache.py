@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import torch
 
 from tl_core._errors import HookNameError, UserError
+from tl_core.cache._plotting import CachePlotsMixin
 from tl_core.cache._readout import ModelReadout
 from tl_core.cache._resid_analysis import ResidualAnalysisMixin
 from tl_core.hooks._model_info import ModelInfo
@@ -104,7 +105,7 @@ def _hook_suffix(name: str) -> str:
     return name if "." in name or name.startswith("hook_") else f"hook_{name}"
 
 
-class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
+class ActivationCache(ResidualAnalysisMixin, CachePlotsMixin, Mapping[str, torch.Tensor]):
     """Captured activations of one forward pass, keyed by canonical hook name.
 
     Lookup accepts canonical names, aliases (``"blocks.3.hook_resid_post"``,
@@ -115,7 +116,8 @@ class ActivationCache(ResidualAnalysisMixin, Mapping[str, torch.Tensor]):
 
     The analysis methods (``accumulated_resid``, ``decompose_resid``, ``apply_ln_to_stack``,
     ``stack_head_results``, ``logit_attrs``, ``logit_lens``) come from
-    ``ResidualAnalysisMixin``.
+    ``ResidualAnalysisMixin``; the figures (``plot_pattern``, ``plot_logit_lens``, needing
+    matplotlib: ``pip install 'tl-core[plots]'``) from ``CachePlotsMixin``.
 
     Names resolve through the model's ``namespace`` when the cache has one (every cache a
     bridge builds does), so an alias means the same tensor here as in ``capture`` and
