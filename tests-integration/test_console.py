@@ -27,8 +27,8 @@ def test_tl_drivers_lists_every_installed_driver() -> None:
             assert row["status"] == "ok", row
 
 
-def test_tl_demo_prints_every_section() -> None:
-    result = _tl("demo", "--layers", "2", "--preset", "llama")
+def test_tl_demo_native_prints_every_section() -> None:
+    result = _tl("demo", "--native", "--layers", "2", "--preset", "llama")
     assert result.returncode == 0, result.stderr
     for heading in ("== capture", "== intervention", "== residual-stream analysis", "== generation"):
         assert heading in result.stdout

