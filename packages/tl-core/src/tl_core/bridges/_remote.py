@@ -38,7 +38,13 @@ class RemoteBridge(Bridge):
 
     @classmethod
     def boot_vllm(cls, model: Any, **options: Any) -> RemoteBridge:
-        """A vLLM engine (needs ``pip install tl-driver-vllm``)."""
+        """A vLLM engine (needs ``pip install tl-driver-vllm``).
+
+        Args:
+            model: A checkpoint folder, a hub id, or a GGUF file (dequantised once into a
+                cached folder; extra ``tl-driver-vllm[gguf]``).
+            **options: The vllm driver's boot options (see ``tl_driver_vllm.VLLMDriver.boot``).
+        """
         return cls.boot(model, driver="vllm", **options)
 
     @classmethod

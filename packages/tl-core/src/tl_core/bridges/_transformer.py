@@ -48,7 +48,15 @@ class TransformerBridge(Bridge, nn.Module):
 
     @classmethod
     def boot_transformers(cls, model_name: Any = None, **options: Any) -> TransformerBridge:
-        """A HuggingFace transformers model (needs ``pip install tl-driver-hf``)."""
+        """A HuggingFace transformers model (needs ``pip install tl-driver-hf``).
+
+        Args:
+            model_name: A hub id, a local folder, or a GGUF file (``"model.gguf"``, or a
+                folder plus ``gguf_file=``; extra ``tl-driver-hf[gguf]``), e.g.
+                ``tl_core.models.smollm2_gguf()``.
+            **options: The hf driver's boot options (``dtype``, ``device``, ...; see
+                ``tl_driver_hf.HFDriver.boot``).
+        """
         return cls.boot(model_name, driver="hf", **options)
 
     # -- facts ------------------------------------------------------------------------
