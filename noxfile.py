@@ -233,7 +233,8 @@ def typecheck(session: nox.Session) -> None:
         "_template": "tl_driver_template",
     }
     # pytest: tl-parity ships a pytest plugin, whose fixture decorator mypy must see typed.
-    _install(session, "mypy", "pytest", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))
+    # matplotlib: tl_core.plots is checked against its real types, not as Any.
+    _install(session, "mypy", "pytest", "matplotlib", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))
     session.run("mypy", str(ROOT / "packages" / "tl-core" / "src" / "tl_core"))
     for package, module in drivers.items():
         session.run("mypy", str(ROOT / "packages" / package / "src" / module))

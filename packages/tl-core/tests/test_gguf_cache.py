@@ -249,10 +249,14 @@ def test_an_unwritable_cache_is_a_clear_error(tmp_path: Path) -> None:
         _convert(_gguf(tmp_path / "m.gguf"), blocker / "cache")
 
 
-def test_missing_reader_packages_name_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("absent", "named"),
+    [({"gguf"}, "the 'gguf' package"), ({"gguf", "accelerate"}, "the 'gguf' and 'accelerate' packages")],
+)
+def test_missing_reader_packages_name_the_extra(monkeypatch: pytest.MonkeyPatch, absent: set[str], named: str) -> None:
     import importlib.util
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    with pytest.raises(UserError, match=r"needs the 'gguf' package, .*install with: pip install 'x\[gguf\]'"):
+    # Decide presence for both names, so the result does not depend on what this env installed.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else object())
+    with pytest.raises(UserError, match=rf"needs {named}, .*install with: pip install 'x\[gguf\]'"):
         require_gguf_packages("pip install 'x[gguf]'")

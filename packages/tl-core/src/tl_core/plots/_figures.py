@@ -8,7 +8,7 @@ shows the returned figure once. Pass ``ax=`` to draw into an axes of your own fi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -52,7 +52,8 @@ def _matrix(values: Array, what: str, ndim: int = 2) -> Any:
 
 def _axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
-        return ax.figure, ax  # type: ignore[return-value]
+        # An axes may sit in a SubFigure; savefig and the callers only need the Figure API.
+        return cast("Figure", ax.figure), ax
     figure = _matplotlib().Figure(figsize=size, layout="constrained")
     return figure, figure.add_subplot()
 
