@@ -16,11 +16,39 @@ ENGINE_OPTIONS: dict[str, Any] = {
 }
 
 
+#: What ``_tlv_reference`` reads (residual-stream and module-output sites); the hf driver
+#: is the reference for every other hook.
+REFERENCE_SITES = (
+    "hook_in", "hook_out", "attn.hook_out", "ln2.hook_in", "mlp.hook_out",
+    "ln1_post.hook_in", "ln1_post.hook_out", "ln2_post.hook_in", "ln2_post.hook_out",
+)  # fmt: skip
+
+
+def reference_served(driver: Any) -> list[str]:
+    """The served hooks ``_tlv_reference`` can read too."""
+    return sorted(
+        n for n in driver.supported_hook_points
+        if not n.startswith("blocks.") or n.split(".", 2)[2] in REFERENCE_SITES
+    )  # fmt: skip
+
+
+def prompt_part(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Prompt ``b``'s real positions of a padded capture (both axes of attention maps)."""
+    if t.dim() == 4 and t.shape[-1] == t.shape[-2] and t.shape[1] != t.shape[2]:
+        return t[b, :, :n, :n]
+    return t[b, :n]
+
+
 def diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max abs difference (inf on a shape mismatch)."""
+    """Max abs difference; equal entries (masked ``-inf`` scores too) count 0, inf on a
+    shape mismatch or where only one side is infinite or NaN."""
     if a.shape != b.shape:
         return float("inf")
-    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+    if not a.numel():
+        return 0.0
+    a, b = a.float(), b.float()
+    gap = (a - b).abs().masked_fill(a == b, 0.0)
+    return float(gap.nan_to_num(nan=float("inf")).max())
 
 
 def check(report: Mapping[str, float], tol: float, what: str) -> None:

@@ -48,15 +48,40 @@ def engine_calls(bridge: RemoteBridge, monkeypatch: pytest.MonkeyPatch) -> list[
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
 BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
-    ("unfireable capture", {"capture": ["blocks.0.attn.hook_pattern"]}, HookNameError, "fused attention"),
-    ("head-level capture", {"capture": ["blocks.1.attn.hook_q"]}, HookNameError, "QKV"),
+    ("unfireable capture", {"capture": ["blocks.0.attn.hook_cos"]}, HookNameError, "rotary kernel"),
+    ("opt-in capture", {"capture": ["blocks.1.attn.hook_result"]}, HookNameError, "use_attn_result=True"),
     ("unknown hook", {"capture": ["blocks.0.hook_outt"]}, HookNameError, "blocks.0.hook_out"),
     ("layer out of range", {"capture": ["blocks.7.hook_out"]}, HookNameError, "blocks.7"),
     (
         "spec on unfireable hook",
-        {"intervene": {"blocks.0.attn.hook_pattern": {"op": "suppress"}}},
+        {"intervene": {"blocks.0.attn.hook_sin": {"op": "suppress"}}},
         HookNameError,
-        "pattern",
+        "rotary kernel",
+    ),
+    (
+        "spec on a rebuilt pattern",
+        {"intervene": {"blocks.0.attn.hook_pattern": {"op": "suppress"}}},
+        SpecError,
+        "'blocks.0.attn.hook_pattern': driver 'vllm' cannot edit it: vLLM's fused attention "
+        "kernel never materialises it",
+    ),
+    (
+        "spec on rebuilt scores",
+        {"intervene": {"blocks.1.attn.hook_attn_scores": {"op": "scale", "factor": 2.0}}},
+        SpecError,
+        "edit blocks.1.attn.hook_rot_q/hook_rot_k or hook_v instead",
+    ),
+    (
+        "spec on a derived norm site",
+        {"intervene": {"blocks.0.ln1.hook_scale": {"op": "set", "value": 1.0}}},
+        SpecError,
+        "derived from the norm's input after the engine ran",
+    ),
+    (
+        "key spec of the query width",
+        {"intervene": {"blocks.0.attn.hook_k": {"op": "add", "value": [0.0] * 128}}},
+        SpecError,
+        "width",
     ),
     (
         "spec on read-only hook",

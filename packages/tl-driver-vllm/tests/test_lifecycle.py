@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
 
 from _tlv_reference import Reference  # noqa: E402
-from _tlv_support import ENGINE_OPTIONS, check, diff  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, check, diff, reference_served  # noqa: E402
 
 from tl_core import RemoteBridge, UserError  # noqa: E402
 
@@ -70,7 +70,7 @@ def test_tensor_parallel_2_multiprocess(checkpoint: Any, vllm_tmp: Path, monkeyp
             None,
             {"blocks.1.ln2.hook_in": {"op": "scale", "factor": 0.5}},
         ]
-        capture = sorted(driver.supported_hook_points)
+        capture = reference_served(driver)
         result = driver.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
         assert driver._ranks_checked  # the first forward compared both ranks' replicated sites
         ref = Reference(folder)
@@ -106,7 +106,7 @@ def test_bfloat16_within_documented_band(checkpoint: Any, family: str) -> None:
         assert driver.workers[0]["dtype"] == "torch.bfloat16"
         ref = Reference(folder, dtype=torch.bfloat16)
         prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 60))]
-        capture = sorted(driver.supported_hook_points)
+        capture = reference_served(driver)
         result = driver.forward(prompts, capture=capture, max_new_tokens=0)
         report: dict[str, float] = {}
         largest = 0.0

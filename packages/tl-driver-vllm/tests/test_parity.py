@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from _tlv_reference import Reference  # noqa: E402
-from _tlv_support import ENGINE_OPTIONS, check, diff  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, check, diff, prompt_part, reference_served  # noqa: E402
 
 from tl_core import RemoteBridge  # noqa: E402
 
@@ -63,7 +63,7 @@ def _compare_batch(
 
 def test_every_served_hook_single_prompt(family: Any) -> None:
     driver, ref, prompts = family
-    served = sorted(driver.supported_hook_points)
+    served = reference_served(driver)
     assert {"embed.hook_out", "blocks.1.hook_out", "unembed.hook_out"} <= set(served)
     report = _compare_batch(driver, ref, [prompts[0]], None, served)
     check(report, TOL, f"{driver.info.architecture} single prompt")
@@ -72,7 +72,7 @@ def test_every_served_hook_single_prompt(family: Any) -> None:
 def test_every_served_hook_ragged_batch_with_chunked_prefill(family: Any) -> None:
     driver, ref, prompts = family
     assert max(LENGTHS) > ENGINE_OPTIONS["max_num_batched_tokens"]
-    served = sorted(driver.supported_hook_points)
+    served = reference_served(driver)
     report = _compare_batch(driver, ref, prompts, None, served)
     check(report, TOL, f"{driver.info.architecture} ragged batch")
 
@@ -174,7 +174,7 @@ def test_matches_the_hf_driver(family: Any) -> None:
     driver, ref, prompts = family
     from tl_core import TransformerBridge
 
-    hf = TransformerBridge.boot_transformers(ref.model.name_or_path, dtype=torch.float32).driver
+    hf = TransformerBridge.boot_transformers(ref.model.name_or_path, dtype=torch.float32, use_attn_result=True).driver
     served = sorted(driver.supported_hook_points)
     specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
     report: dict[str, float] = {}
@@ -184,6 +184,8 @@ def test_matches_the_hf_driver(family: Any) -> None:
         assert ours.lengths == tuple(theirs.lengths)
         for b, n in enumerate(ours.lengths):
             for name in served:
-                report[f"{label}:p{b}:{name}"] = diff(ours.captured[name][b, :n], theirs.captured[name][b, :n])
+                report[f"{label}:p{b}:{name}"] = diff(
+                    prompt_part(ours.captured[name], b, n), prompt_part(theirs.captured[name], b, n)
+                )
             report[f"{label}:p{b}:logits"] = diff(ours.logits[b, :n], theirs.logits[b, :n])
     check(report, TOL, f"{driver.info.architecture} vs the hf driver")

@@ -24,6 +24,7 @@ from tl_driver_vllm._families import LAYOUTS, layout_for, model_info  # noqa: E4
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace  # noqa: E402
 from tl_driver_vllm._merge import edit_table, merge_results, pad_rows  # noqa: E402
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs  # noqa: E402
+from tl_driver_vllm._shards import Shard, layer_shards  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
 
 
@@ -48,14 +49,24 @@ def test_wire_round_trip(dtype: torch.dtype) -> None:
 
 def test_edit_table_rows_prompt_positions_then_generated() -> None:
     specs = [InterventionSpec.scale(2.0), InterventionSpec.add(1.0, pos=(1,))]
-    table = edit_table(specs, length=3, width=2)
+    table = edit_table(specs, length=3, feature_shape=(2,))
     scale, bias = unpack(table["scale"]), unpack(table["bias"])
     assert table["positional"] and scale.shape == (4, 2)
     assert scale[:, 0].tolist() == [2.0, 2.0, 2.0, 2.0]
     assert bias[:, 0].tolist() == [0.0, 1.0, 0.0, 0.0]  # the generated row ignores pos specs
-    flat = edit_table([InterventionSpec.set([3.0, 4.0])], length=5, width=2)
+    flat = edit_table([InterventionSpec.set([3.0, 4.0])], length=5, feature_shape=(2,))
     assert not flat["positional"] and unpack(flat["scale"]).shape == (2, 2)
     assert unpack(flat["bias"]).tolist() == [[3.0, 4.0], [3.0, 4.0]]
+
+
+def test_edit_table_of_a_head_site_is_head_major() -> None:
+    # A [heads=2, d_head=3] site takes 6 numbers (head-major), here at position 1 only.
+    value = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    table = edit_table([InterventionSpec.set(value, pos=(1,))], length=2, feature_shape=(2, 3))
+    scale, bias = unpack(table["scale"]), unpack(table["bias"])
+    assert scale.shape == (3, 6) and scale[1].abs().sum() == 0 and scale[0].tolist() == [1.0] * 6
+    assert bias[1].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # head 1 is columns 3..5
+    assert Shard(1, 1, 1, 3).columns == slice(3, 6)
 
 
 def _result(tp: int, requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -83,6 +94,42 @@ def test_rank_disagreement_fails_loudly() -> None:
     with pytest.raises(TLError, match=r"ranks disagree on replicated hook 'blocks.0.hook_out'"):
         merge_results(results, vocab=10, check_ranks=True)
     merge_results(results, vocab=10, check_ranks=False)  # only the first forward checks
+
+
+def _placed(tp: int, shards: dict[str, list[int]], requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {**_result(tp, requests), "shards": shards}
+
+
+def test_merge_puts_head_shards_in_global_order_and_dedupes_replicated_kv_heads() -> None:
+    q = torch.randn(5, 4, 3)  # [pos, heads, d_head]: heads 0-1 on rank 0, 2-3 on rank 1
+    kv = torch.randn(5, 1, 3)  # one key/value head, replicated on both ranks
+    pattern = torch.rand(4, 5, 5)
+    places = [
+        {"q": [1, 0, 2], "k": [1, 0, 1], "p": [0, 0, 2]},
+        {"q": [1, 2, 2], "k": [1, 0, 1], "p": [0, 2, 2]},
+    ]
+    results = [
+        _placed(r, places[r], {"a": {"q": pack(q[:, 2 * r : 2 * r + 2]), "k": pack(kv),
+                                      "p": pack(pattern[2 * r : 2 * r + 2])}})
+        for r in (1, 0)
+    ]  # fmt: skip
+    merged = merge_results(results, vocab=10, check_ranks=True)
+    assert torch.equal(merged["a"]["q"], q) and torch.equal(merged["a"]["k"], kv)
+    assert torch.equal(merged["a"]["p"], pattern)
+    results[0]["requests"]["a"]["k"] = pack(kv + 1)
+    with pytest.raises(TLError, match="ranks disagree on replicated hook 'k'"):
+        merge_results(results, vocab=10, check_ranks=True)
+    results[0]["shards"]["q"] = [1, 3, 2]
+    with pytest.raises(TLError, match=r"no slice 2\.\.2 of hook 'q'"):
+        merge_results(results, vocab=10, check_ranks=False)
+
+
+def test_pad_rows_pads_attention_maps_on_both_axes() -> None:
+    out = pad_rows([torch.ones(2, 3, 3), torch.ones(2, 1, 1)], [3, 1], layout="b h q k", fill=-1.0)
+    assert out.shape == (2, 2, 3, 3) and out[1, :, 0, 0].tolist() == [1.0, 1.0]
+    assert bool((out[1, :, 1:, :] == -1).all()) and bool((out[1, :, :, 1:] == -1).all())
+    with pytest.raises(TLError, match="attention map"):
+        pad_rows([torch.ones(2, 3, 3)], [2], layout="b h q k")
 
 
 def test_pad_rows_right_pads_and_checks_lengths() -> None:
@@ -119,29 +166,48 @@ def test_sampling_options_map_to_sampling_params() -> None:
         sampling_kwargs({"do_sample": True, "top_p": 0.0})
 
 
-def _info(arch: str, sandwich: bool = False) -> ModelInfo:
-    gpt2 = arch.startswith("GPT2")
+def _info(arch: str) -> ModelInfo:
+    layout = layout_for(arch)
     return ModelInfo(
         n_layers=2, d_model=64, n_heads=2, d_head=32, d_mlp=128, d_vocab=300, n_ctx=64,
-        normalization_type="LN" if gpt2 else "RMS",
-        positional_embedding_type="standard" if gpt2 else "rotary",
-        gated_mlp=not gpt2, sandwich_norm=sandwich, qk_norm=arch.startswith("Qwen3"),
-        architecture=arch,
+        normalization_type="LN" if layout.norm == "ln" else "RMS",
+        positional_embedding_type="standard" if layout.pos_embed else "rotary",
+        gated_mlp=layout.gated, sandwich_norm=layout.ln1_post is not None,
+        qk_norm=layout.qk_norm, n_experts=4 if layout.moe else None,
+        experts_per_token=2 if layout.moe else None, architecture=arch,
     )
 
 
 @pytest.mark.parametrize("arch", sorted(LAYOUTS))
-def test_namespace_partitions_the_vocabulary(arch: str) -> None:
+@pytest.mark.parametrize("attn_result", [False, True])
+def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> None:
     layout = layout_for(arch)
-    info = _info(arch, sandwich=layout.ln1_post is not None)
-    namespace = hook_namespace(info, layout)
+    info = _info(arch)
+    namespace = hook_namespace(info, layout, attn_result=attn_result)
     every = set(canonical_hook_names(info, include_attn_result=True))
     assert namespace.served | namespace.non_fireable >= every
     assert not namespace.served & namespace.non_fireable
     assert namespace.editable < namespace.served
     assert not namespace.editable & ({"unembed.hook_out"} | INPUT_SITES)
-    assert "fused attention" in namespace.non_fireable_reasons["blocks.1.attn.hook_pattern"]
     assert all(namespace.reasons[n] for n in namespace.non_fireable | namespace.read_only)
+    # Head- and neuron-level sites are served; rebuilt and derived ones read-only, saying why.
+    heads = {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_in", "ln1.hook_out"}
+    if layout.pos_embed is None:
+        heads |= {"attn.hook_rot_q", "attn.hook_rot_k"}
+    if not layout.moe:
+        heads |= {"mlp.hook_pre", "mlp.hook_post"}
+    assert {f"blocks.1.{s}" for s in heads} <= namespace.editable
+    for site in ("attn.hook_pattern", "attn.hook_attn_scores"):
+        assert "rebuilds it after the run" in namespace.reasons[f"blocks.1.{site}"]
+    assert "derived from the norm's input" in namespace.reasons["blocks.0.ln2.hook_scale"]
+    assert ("blocks.0.attn.hook_result" in namespace.editable) == attn_result
+    if not attn_result:
+        with pytest.raises(HookNameError, match="use_attn_result=True"):
+            namespace.lookup("blocks.0.attn.hook_result")
+    if layout.moe:
+        assert "blocks.0.mlp.hook_router_logits" in namespace.read_only
+        with pytest.raises(HookNameError, match="no single layer of MLP neurons"):
+            namespace.lookup("blocks.0.mlp.hook_post")
     # Names resolve against the model, the same way for capture and specs.
     if layout.ln1_post is not None:
         assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.ln1_post.hook_out"
@@ -165,3 +231,25 @@ def test_model_info_from_configs_and_unsupported_families() -> None:
     assert info.gated_mlp and info.positional_embedding_type == "rotary"
     with pytest.raises(ConfigError, match="FalconForCausalLM"):
         layout_for("FalconForCausalLM")
+    stablelm = transformers.StableLmConfig(
+        hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=96,
+        vocab_size=300, qk_layernorm=True, architectures=["StableLmForCausalLM"],
+    )
+    with pytest.raises(ConfigError, match="qk_layernorm=True"):
+        model_info(stablelm)
+
+
+def test_shards_follow_vllms_head_and_neuron_split() -> None:
+    # 8 query heads, 2 key/value heads, TP=4: kv heads are replicated on pairs of ranks.
+    got = [
+        layer_shards(0, tp_rank=r, tp_size=4, heads=2, kv_heads=1, total_kv_heads=2, head_dim=32,
+                     d_model=256, neurons=16)
+        for r in range(4)
+    ]  # fmt: skip
+    assert [g["blocks.0.attn.hook_q"].start for g in got] == [0, 2, 4, 6]
+    assert [g["blocks.0.attn.hook_rot_k"].start for g in got] == [0, 0, 1, 1]
+    assert [g["blocks.0.mlp.hook_post"].start for g in got] == [0, 16, 32, 48]
+    assert got[1]["blocks.0.attn.hook_result"].columns == slice(2 * 256, 4 * 256)
+    assert got[3]["blocks.0.attn.hook_pattern"].axis == 0
+    assert layer_shards(0, tp_rank=0, tp_size=1, heads=8, kv_heads=2, total_kv_heads=2,
+                        head_dim=32, d_model=256, neurons=64) == {}  # fmt: skip

@@ -42,18 +42,26 @@ class VLLMDriver(NamespaceFacts):
     name = "vllm"
     provides_sequence_logits = True
 
-    def __init__(self, llm: Any, info: ModelInfo, tokenizer: HFTokenizer, *, positions: bool) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        info: ModelInfo,
+        tokenizer: HFTokenizer,
+        *,
+        positions: bool,
+        use_attn_result: bool = False,
+    ) -> None:
         self._llm: Any | None = llm
         self.tokenizer = tokenizer
         self._layout = layout_for(info.architecture)
-        self._namespace = hook_namespace(info, self._layout)
+        self._namespace = hook_namespace(info, self._layout, attn_result=use_attn_result)
         self._positions = positions
         self._runs = itertools.count()
         self._readout: ModelReadout | None = None
         self._sockets: set[str] = set()
         self._processes: set[int] = set()
         self.workers: list[dict[str, Any]] = llm.collective_rpc(
-            "tl_install", args=(info.architecture, info.n_layers)
+            "tl_install", args=(info.architecture, info.n_layers, _sizes(info))
         )
         self._raw = all(w["pid"] == os.getpid() for w in self.workers)
         self._tp = max(int(w["tp_size"]) for w in self.workers)
@@ -71,6 +79,7 @@ class VLLMDriver(NamespaceFacts):
         max_num_batched_tokens: int | None = None,
         enable_batching: bool = True,
         enable_position_interventions: bool = True,
+        use_attn_result: bool = False,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         gguf_file: str | None = None,
@@ -94,6 +103,8 @@ class VLLMDriver(NamespaceFacts):
             max_num_batched_tokens: Tokens per engine step (longer prompts are chunked).
             enable_batching: ``False`` runs one request at a time (``max_num_seqs=1``).
             enable_position_interventions: ``False`` refuses specs with ``pos``.
+            use_attn_result: Also serve ``attn.hook_result`` (per-head outputs), as on
+                the hf driver.
             tensor_parallel_size: vLLM tensor parallelism.
             pipeline_parallel_size: vLLM pipeline parallelism.
             gguf_file: The GGUF file's name inside the ``model`` folder.
@@ -133,7 +144,10 @@ class VLLMDriver(NamespaceFacts):
         try:
             limit = int(llm.llm_engine.model_config.max_model_len)
             info = model_info(config, max_model_len=limit)
-            driver = cls(llm, info, HFTokenizer(hf_tokenizer), positions=enable_position_interventions)
+            driver = cls(
+                llm, info, HFTokenizer(hf_tokenizer), positions=enable_position_interventions,
+                use_attn_result=use_attn_result,
+            )  # fmt: skip
         except BaseException:
             shutdown(llm, sockets, started)
             raise
@@ -249,7 +263,7 @@ class VLLMDriver(NamespaceFacts):
                 "capture": engine_names,
                 "logits": return_logits,
                 "edits": {
-                    hook: edit_table(specs, length=length, width=self.info.d_model)
+                    hook: edit_table(specs, length=length, feature_shape=self._features(hook))
                     for hook, specs in specs_by_hook.items()
                     if specs
                 },
@@ -277,13 +291,23 @@ class VLLMDriver(NamespaceFacts):
         merged = merge_results(results, vocab=self.info.d_vocab, check_ranks=check)
         self._ranks_checked = True
         per_tag = [merged.get(tag, {}) for tag in tags]
-        captured = {n: pad_rows([m.get(n) for m in per_tag], lengths) for n in engine_names}
+        captured = {n: self._pad(n, [m.get(n) for m in per_tag], lengths) for n in engine_names}
         captured.update(_input_sites(inputs, rows, lengths))
         logits = pad_rows([m.get("logits") for m in per_tag], lengths) if return_logits else None
         new_tokens = None
         if max_new_tokens >= 1:
             new_tokens = self._new_tokens(outputs, max_new_tokens)
         return ForwardResult(logits, captured, new_tokens, outputs, lengths)
+
+    def _pad(self, name: str, rows: list[torch.Tensor | None], lengths: tuple[int, ...]) -> torch.Tensor:
+        # Keys beyond a prompt are masked: its scores there are -inf, its pattern 0.
+        fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
+        return pad_rows(rows, lengths, layout=self.namespace.layout(name), fill=fill)
+
+    def _features(self, hook: str) -> tuple[int, ...]:
+        shape = self.namespace.feature_shape(hook)
+        assert shape is not None, f"{hook!r} takes no specs"  # build_plan refuses patterns
+        return shape
 
     def _new_tokens(self, outputs: Sequence[Any], max_new_tokens: int) -> torch.Tensor:
         generated = [list(o.outputs[0].token_ids)[:max_new_tokens] for o in outputs]
@@ -302,6 +326,17 @@ class VLLMDriver(NamespaceFacts):
         llm, self._llm = self._llm, None
         if llm is not None:
             shutdown(llm, self._sockets, self._processes)
+
+
+def _sizes(info: ModelInfo) -> dict[str, Any]:
+    """The global sizes workers need to place their tensor-parallel shards."""
+    return {
+        "n_heads": info.n_heads,
+        "n_kv_heads": info.kv_heads,
+        "d_model": info.d_model,
+        "d_mlp": info.d_mlp,
+        "experts_per_token": info.experts_per_token,
+    }
 
 
 def _input_sites(

@@ -11,8 +11,7 @@ __all__ = ["INPUT_SITES", "hook_namespace"]
 #: Sites the driver fills from the request itself (token and position ids), not the engine.
 INPUT_SITES = frozenset({"embed.hook_in", "pos_embed.hook_in"})
 
-_BLOCK_SERVED = ("hook_in", "attn.hook_out", "ln2.hook_in", "mlp.hook_out", "hook_out")
-_SANDWICH_SERVED = ("ln1_post.hook_in", "ln1_post.hook_out", "ln2_post.hook_in", "ln2_post.hook_out")
+_NORM = ("hook_in", "hook_scale", "hook_normalized", "hook_out")
 _FINAL_SERVED = (
     "ln_final.hook_in",
     "ln_final.hook_scale",
@@ -20,53 +19,33 @@ _FINAL_SERVED = (
     "ln_final.hook_out",
     "unembed.hook_out",
 )
-#: Served for capture only, with the reason.
-_READ_ONLY = {
-    "ln_final.hook_scale": "derived from the final norm's input after the engine ran",
-    "ln_final.hook_normalized": "derived from the final norm's input after the engine ran",
-    "unembed.hook_out": "vLLM samples from logits it computes at the last position only; "
-    "the sequence logits are rebuilt for capture",
-}
 
-_HEADS = (
-    "vLLM computes queries, keys and values in one fused QKV projection, sharded by head "
-    "across tensor-parallel ranks, and rotates them in place; the vllm driver serves no "
-    "head-level sites (use the hf driver)"
+_DERIVED = (
+    "derived from the norm's input after the engine ran (the fused norm kernel never "
+    "materialises it); edit {alt} instead"
+)
+_PATTERN = (
+    "vLLM's fused attention kernel never materialises it: the driver rebuilds it after the "
+    "run from the queries and keys attention received, so an edit could not reach the "
+    "forward pass; edit blocks.{i}.attn.hook_{q}/hook_{k} or hook_v instead"
+)
+_ROUTING = (
+    "vLLM's fused mixture-of-experts kernel chooses and weights the experts from the router "
+    "logits inside one call; the driver derives them from the logits for capture, so an "
+    "edit could not re-route (use the hf driver to edit the routing)"
 )
 _ROTARY = (
-    "vLLM's rotary kernel reads cos/sin from a cached table inside the attention layer; the "
-    "table is not passed between modules, so the vllm driver serves no hook on it"
+    "vLLM's rotary kernel reads cos/sin from a cached table inside the rotary layer; the "
+    "table is never passed between modules, so the vllm driver serves no hook on it "
+    "(hook_rot_q/hook_rot_k hold the rotated values)"
 )
-_REASONS: dict[str, str] = {
-    "attn.hook_cos": _ROTARY,
-    "attn.hook_sin": _ROTARY,
-    "attn.hook_q": _HEADS,
-    "attn.hook_k": _HEADS,
-    "attn.hook_v": _HEADS,
-    "attn.hook_rot_q": _HEADS,
-    "attn.hook_rot_k": _HEADS,
-    "attn.hook_z": _HEADS,
-    "attn.hook_attn_scores": "fused attention kernel (PagedAttention): attention scores are "
-    "never materialised",
-    "attn.hook_pattern": "fused attention kernel (PagedAttention): the attention pattern is "
-    "never materialised",
-    "attn.hook_result": "per-head outputs are summed inside the output projection's matmul "
-    "and never materialised",
-    "attn.hook_in": "vLLM fuses the residual add with the pre-attention norm in one kernel; "
-    "capture blocks.{i}.hook_in instead",
-    "mlp.hook_in": "vLLM fuses the residual add with the pre-MLP norm in one kernel; capture "
-    "blocks.{i}.ln2.hook_in instead",
-    "mlp.hook_pre": "vLLM fuses the MLP's input projections and activation; neuron-level "
-    "sites are sharded across tensor-parallel ranks and not served (use the hf driver)",
-}
-for _name in ("mlp.hook_pre_linear", "mlp.hook_post"):
-    _REASONS[_name] = _REASONS["mlp.hook_pre"]
-for _norm in ("q_norm", "k_norm"):
-    for _site in ("hook_in", "hook_scale", "hook_normalized", "hook_out"):
-        _REASONS[f"attn.{_norm}.{_site}"] = _HEADS
-_NORM_REASON = (
-    "this norm runs as one fused vLLM kernel (with the residual add where the model has "
-    "one); only the residual-stream sites around it are served"
+_SPLIT = (
+    "per-head copies of the block input exist only on local drivers (native, hf), which "
+    "can run one projection per head; vLLM runs one fused QKV projection"
+)
+_MOE_NEURONS = (
+    "{arch} routes each token through a few of its experts, so there is no single layer of "
+    "MLP neurons; use mlp.hook_in / mlp.hook_out"
 )
 
 
@@ -75,12 +54,64 @@ def _suffix(name: str) -> str:
     return parts[2] if parts[0] == "blocks" else name
 
 
-def hook_namespace(info: ModelInfo, layout: Layout) -> HookNamespace:
+def _block_sites(info: ModelInfo, layout: Layout, attn_result: bool) -> list[str]:
+    """Every per-block hook (``blocks.{i}.`` stripped) the driver serves on this family."""
+    sites = ["hook_in", *(f"ln1.{s}" for s in _NORM), "attn.hook_in"]
+    sites += ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
+    if layout.qk_norm:
+        sites += [f"attn.{n}.{s}" for n in ("q_norm", "k_norm") for s in _NORM]
+    if layout.rotary is not None:
+        sites += ["attn.hook_rot_q", "attn.hook_rot_k"]
+    sites += ["attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z"]
+    if attn_result:
+        sites.append("attn.hook_result")
+    sites.append("attn.hook_out")
+    if layout.ln1_post is not None:
+        sites += [f"ln1_post.{s}" for s in _NORM]
+    sites += [f"ln2.{s}" for s in _NORM]
+    sites.append("mlp.hook_in")
+    if layout.moe:
+        sites += ["mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices"]
+    else:
+        sites += ["mlp.hook_pre", "mlp.hook_post"]
+        if layout.gated:
+            sites.append("mlp.hook_pre_linear")
+    sites.append("mlp.hook_out")
+    if layout.ln2_post is not None:
+        sites += [f"ln2_post.{s}" for s in _NORM]
+    sites.append("hook_out")
+    return sites
+
+
+def _read_only(i: int, layout: Layout) -> dict[str, str]:
+    """Why each served-but-read-only hook of block ``i`` takes no specs."""
+    p = f"blocks.{i}."
+    q, k = ("rot_q", "rot_k") if layout.rotary is not None else ("q", "k")
+    pattern = _PATTERN.format(i=i, q=q, k=k)
+    out = {p + "attn.hook_attn_scores": pattern, p + "attn.hook_pattern": pattern}
+    norms = [("ln1", "ln1.hook_in or ln1.hook_out"), ("ln2", "ln2.hook_in or ln2.hook_out")]
+    if layout.ln1_post is not None:
+        norms += [("ln1_post", "ln1_post.hook_in or ln1_post.hook_out"),
+                  ("ln2_post", "ln2_post.hook_in or ln2_post.hook_out")]  # fmt: skip
+    if layout.qk_norm:
+        norms += [(f"attn.{n}", f"attn.{n}.hook_in or attn.{n}.hook_out") for n in ("q_norm", "k_norm")]
+    for prefix, alt in norms:
+        reason = _DERIVED.format(alt=f"blocks.{i}.{alt}".replace(" or ", f" or blocks.{i}."))
+        out[f"{p}{prefix}.hook_scale"] = reason
+        out[f"{p}{prefix}.hook_normalized"] = reason
+    if layout.moe:
+        out[p + "mlp.hook_router_logits"] = _ROUTING
+        out[p + "mlp.hook_expert_weights"] = _ROUTING
+    return out
+
+
+def hook_namespace(info: ModelInfo, layout: Layout, *, attn_result: bool = False) -> HookNamespace:
     """The namespace of a model served by vLLM.
 
     Args:
         info: The model's structure.
         layout: Where vLLM keeps its sites.
+        attn_result: Also serve the opt-in ``attn.hook_result``.
 
     Returns:
         The served, editable and non-fireable hooks, every one with its reason.
@@ -88,13 +119,29 @@ def hook_namespace(info: ModelInfo, layout: Layout) -> HookNamespace:
     served = {"embed.hook_out", *_FINAL_SERVED, "embed.hook_in"}
     if layout.pos_embed is not None:
         served |= {"pos_embed.hook_in", "pos_embed.hook_out"}
-    per_block = _BLOCK_SERVED + (_SANDWICH_SERVED if layout.ln1_post is not None else ())
+    per_block = _block_sites(info, layout, attn_result)
     served.update(f"blocks.{i}.{s}" for i in range(info.n_layers) for s in per_block)
-    reasons: dict[str, str] = {
-        name: _REASONS.get(_suffix(name), _NORM_REASON)
-        for name in canonical_hook_names(info, include_attn_result=True)
-        if name not in served
+    read_only: dict[str, str] = {
+        "ln_final.hook_scale": _DERIVED.format(alt="ln_final.hook_in or ln_final.hook_out"),
+        "ln_final.hook_normalized": _DERIVED.format(alt="ln_final.hook_in or ln_final.hook_out"),
+        "unembed.hook_out": "vLLM samples from logits it computes at the last position only; "
+        "the sequence logits are rebuilt for capture",
     }
-    reasons.update(_READ_ONLY)
-    editable = served - set(_READ_ONLY) - INPUT_SITES
-    return HookNamespace.build(info, served, editable=editable, reasons=reasons, driver="vllm")
+    for i in range(info.n_layers):
+        read_only.update(_read_only(i, layout))
+    reasons: dict[str, str] = {}
+    for name in canonical_hook_names(info, include_attn_result=attn_result, include_split_qkv_input=True):
+        if name in served:
+            continue
+        suffix = _suffix(name)
+        if suffix in ("attn.hook_cos", "attn.hook_sin"):
+            reasons[name] = _ROTARY
+        elif suffix.startswith("attn.hook_") and suffix.endswith("_input"):
+            reasons[name] = _SPLIT
+        elif layout.moe and suffix in ("mlp.hook_pre", "mlp.hook_post"):
+            reasons[name] = _MOE_NEURONS.format(arch=info.architecture)
+    editable = served - set(read_only) - INPUT_SITES
+    editable -= {n for n in served if n.endswith("mlp.hook_expert_indices")}
+    return HookNamespace.build(
+        info, served, editable=editable, read_only=read_only, reasons=reasons, driver="vllm"
+    )

@@ -4,14 +4,18 @@ Edit tables: one prompt's specs on one hook become rows of ``x * scale + bias``:
 per prompt position when any spec lists positions (else one row for every prompt
 position), then one row for generated tokens, where only specs without ``pos`` apply.
 
-Merging: replicated sites (every residual-stream and module-output site the driver serves,
-after tensor-parallel all-reduce) come from tensor-parallel rank 0 of whichever pipeline
-stage holds them; vocabulary shards of the logits are concatenated in rank order. When
-asked, the other ranks' copies are compared with rank 0's and a mismatch fails loudly.
+Merging: replicated sites (residual-stream and module-output sites, after tensor-parallel
+all-reduce) come from tensor-parallel rank 0 of whichever pipeline stage holds them;
+vocabulary shards of the logits are concatenated in rank order; head- and neuron-level
+sites come from every rank with the place of its piece (``_shards.Shard``) and are put
+together in global head or neuron order (a key/value head replicated on several ranks is
+taken once). When asked, the other ranks' copies of replicated values (and of replicated
+key/value heads) are compared with the first and a mismatch fails loudly.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,26 +30,37 @@ __all__ = ["edit_table", "merge_results", "pad_rows"]
 _SHARDED = ("logits", "unembed.hook_out")
 
 
-def edit_table(specs: Sequence[InterventionSpec], *, length: int, width: int) -> dict[str, Any]:
-    """One prompt's specs on one ``[pos, width]`` hook as packed table rows.
+def edit_table(
+    specs: Sequence[InterventionSpec], *, length: int, feature_shape: tuple[int, ...]
+) -> dict[str, Any]:
+    """One prompt's specs on one hook as packed table rows, features flattened.
 
     Args:
         specs: The prompt's specs on the hook, positions already absolute.
         length: The prompt's length.
-        width: The hook's feature width.
+        feature_shape: The hook's per-position shape (``(d_model,)``, ``(heads, d_head)``).
 
     Returns:
-        ``{"scale", "bias"}`` (packed float32 ``[rows, width]``) and ``"positional"``.
+        ``{"scale", "bias"}`` (packed float32 ``[rows, prod(feature_shape)]``, head-major for
+        head sites, so a tensor-parallel rank takes its heads as a column range) and
+        ``"positional"``.
     """
+    width = math.prod(feature_shape)
     positional = any(spec.pos is not None for spec in specs)
-    prompt = compile_specs(specs, feature_shape=(width,), seq_len=length, dtype=torch.float32, device="cpu")
-    generated = compile_specs(
-        [s for s in specs if s.pos is None], feature_shape=(width,), seq_len=1,
-        dtype=torch.float32, device="cpu",
+    prompt = compile_specs(
+        specs, feature_shape=feature_shape, seq_len=length, dtype=torch.float32, device="cpu"
     )
+    generated = compile_specs(
+        [s for s in specs if s.pos is None], feature_shape=feature_shape, seq_len=1,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
     rows = length if positional else 1
-    scale = torch.cat([prompt.scale.expand(rows, width), generated.scale.expand(1, width)])
-    bias = torch.cat([prompt.bias.expand(rows, width), generated.bias.expand(1, width)])
+
+    def flat(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.expand(n, *feature_shape).reshape(n, width)
+
+    scale = torch.cat([flat(prompt.scale, rows), flat(generated.scale, 1)])
+    bias = torch.cat([flat(prompt.bias, rows), flat(generated.bias, 1)])
     return {"scale": pack(scale), "bias": pack(bias), "positional": positional}
 
 
@@ -67,13 +82,18 @@ def merge_results(
     """
     merged: dict[str, dict[str, torch.Tensor]] = {}
     shards: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
+    pieces: dict[tuple[str, str], list[tuple[int, int, int, int, torch.Tensor]]] = {}
     others: list[tuple[int, int, str, str, torch.Tensor]] = []
     for result in results:
         tp_rank, pp_rank = int(result["tp_rank"]), int(result["pp_rank"])
+        placed = result.get("shards", {})
         for tag, items in result["requests"].items():
             for name, packed in items.items():
                 tensor = unpack(packed)
-                if name in _SHARDED:
+                if name in placed:
+                    axis, start, count = (int(v) for v in placed[name])
+                    pieces.setdefault((tag, name), []).append((start, tp_rank, axis, count, tensor))
+                elif name in _SHARDED:
                     shards.setdefault((tag, name), []).append((tp_rank, tensor))
                 elif tp_rank == 0:
                     merged.setdefault(tag, {})[name] = tensor
@@ -83,10 +103,35 @@ def merge_results(
         parts.sort(key=lambda item: item[0])
         full = torch.cat([t for _, t in parts], dim=-1) if len(parts) > 1 else parts[0][1]
         merged.setdefault(tag, {})[name] = full[..., :vocab]
+    for (tag, name), found in pieces.items():
+        merged.setdefault(tag, {})[name] = _assemble(name, found, check_ranks)
     if check_ranks:
         for tp_rank, pp_rank, tag, name, tensor in others:
             _check_rank(merged.get(tag, {}).get(name), tensor, tp_rank, pp_rank, name)
     return merged
+
+
+def _assemble(
+    name: str, found: list[tuple[int, int, int, int, torch.Tensor]], check_ranks: bool
+) -> torch.Tensor:
+    """One hook's pieces from every rank, in global head (or neuron) order."""
+    found.sort(key=lambda item: (item[0], item[1]))
+    parts: list[torch.Tensor] = []
+    axis, end = found[0][2], 0
+    for start, rank, _, count, tensor in found:
+        if start < end:
+            # A key/value head replicated on several ranks (more ranks than kv heads).
+            if check_ranks:
+                _check_rank(parts[-1], tensor, rank, 0, name)
+            continue
+        if start != end:
+            raise TLError(
+                f"the tensor-parallel ranks returned no slice {end}..{start - 1} of hook "
+                f"{name!r}; the vllm driver's shard table does not fit this model"
+            )
+        parts.append(tensor)
+        end = start + count
+    return torch.cat(parts, dim=axis) if len(parts) > 1 else parts[0]
 
 
 def _check_rank(
@@ -109,12 +154,21 @@ def _check_rank(
     )
 
 
-def pad_rows(rows: Sequence[torch.Tensor | None], lengths: Sequence[int]) -> torch.Tensor:
+def pad_rows(
+    rows: Sequence[torch.Tensor | None], lengths: Sequence[int], *, layout: str = "b p",
+    fill: float = 0.0,
+) -> torch.Tensor:
     """Right-pad per-prompt ``[length, ...]`` tensors into ``[batch, max_length, ...]``.
+
+    Attention scores and patterns (``layout="b h q k"``, per prompt ``[heads, length,
+    length]``) are padded on both position axes with ``fill`` (``-inf`` for scores: keys
+    beyond a prompt are masked).
 
     Raises:
         TLError: A prompt's tensor is missing or has the wrong length.
     """
+    if layout == "b h q k":
+        return _pad_square(rows, lengths, fill=fill)
     first = next((r for r in rows if r is not None), None)
     if first is None or any(r is None for r in rows):
         raise TLError("the engine returned no values for some prompts; see the worker logs")
@@ -133,4 +187,21 @@ def pad_rows(rows: Sequence[torch.Tensor | None], lengths: Sequence[int]) -> tor
     for b, (row, length) in enumerate(zip(full, lengths, strict=True)):
         out[b, :length] = row
         out[b, length:] = 0
+    return out
+
+
+def _pad_square(rows: Sequence[torch.Tensor | None], lengths: Sequence[int], *, fill: float) -> torch.Tensor:
+    if any(r is None for r in rows):
+        raise TLError("the engine returned no values for some prompts; see the worker logs")
+    full = [r for r in rows if r is not None]
+    for b, (row, length) in enumerate(zip(full, lengths, strict=True)):
+        if tuple(row.shape[1:]) != (length, length):
+            raise TLError(
+                f"prompt {b}: the engine returned an attention map of shape {tuple(row.shape)}, "
+                f"expected [heads, {length}, {length}]"
+            )
+    width = max(lengths)
+    out = full[0].new_full((len(full), full[0].shape[0], width, width), fill)
+    for b, (row, length) in enumerate(zip(full, lengths, strict=True)):
+        out[b, :, :length, :length] = row
     return out

@@ -9,7 +9,7 @@ captures and edits land on the right request whatever the scheduler does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,12 @@ TAG_KEY = "tl_request"
 
 @dataclass
 class RequestPlan:
-    """What one request asks for: captures, logits and per-hook edit table offsets."""
+    """What one request asks for: captures, logits and per-hook edit table offsets.
+
+    ``capture`` is what the sites record for it, ``returned`` what goes back to the driver:
+    a rebuilt attention pattern records the queries and keys it is built from, which are
+    returned only when asked for too.
+    """
 
     tag: str
     length: int
@@ -36,6 +41,7 @@ class RequestPlan:
     logits: bool
     #: hook -> (first row in that hook's stacked table, whether rows follow positions)
     edits: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    returned: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -54,22 +60,37 @@ class RunState:
         config: The plain-data run description sent by the driver (see ``_driver``).
         device: The worker's device.
         dtype: The model's dtype (edit tables are cast to it).
+        columns: Per sharded hook, the columns of its (flattened, full-width) edit table
+            that this tensor-parallel rank holds; other hooks use the whole table.
+        needs: Per hook, the hooks its value is rebuilt from (recorded, not returned).
     """
 
-    def __init__(self, config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        columns: Mapping[str, slice] | None = None,
+        needs: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        columns = columns or {}
+        needs = needs or {}
         self.raw = bool(config.get("raw", False))
         self.all_ranks = bool(config.get("all_ranks", False))
         self.plans: dict[str, RequestPlan] = {}
         tables: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         rows: dict[str, int] = {}
         for tag, request in config["requests"].items():
-            plan = RequestPlan(
-                tag, int(request["length"]), frozenset(request["capture"]), bool(request["logits"])
-            )
+            wanted = frozenset(request["capture"])
+            plan = RequestPlan(tag, int(request["length"]), wanted, bool(request["logits"]), returned=wanted)
+            plan.capture = wanted | {n for name in wanted for n in needs.get(name, ())}
             if plan.logits or "unembed.hook_out" in plan.capture:
                 plan.capture = plan.capture | {NORMED}
             for hook, edit in request.get("edits", {}).items():
                 scale, bias = unpack(edit["scale"]), unpack(edit["bias"])
+                if hook in columns:
+                    scale, bias = scale[:, columns[hook]], bias[:, columns[hook]]
                 plan.edits[hook] = (rows.get(hook, 0), bool(edit["positional"]))
                 rows[hook] = rows.get(hook, 0) + scale.shape[0]
                 tables.setdefault(hook, []).append((scale, bias))
@@ -129,9 +150,11 @@ class RunState:
         table = self.tables[name]
         scale, bias = table.scale.index_select(0, index), table.bias.index_select(0, index)
         sub = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-        new = torch.addcmul(bias, sub, scale)
+        # Tables are flat [rows, features]; head sites arrive as [tokens, heads, d_head].
+        new = torch.addcmul(bias, sub.reshape(sub.shape[0], -1), scale)
         if table.zero is not None:
             new = torch.where(table.zero.index_select(0, index), bias, new)
+        new = new.view(sub.shape)
         if isinstance(rows, slice) and rows.start == 0 and rows.stop == x.shape[0]:
             return new
         out = x.clone()

@@ -1,57 +1,54 @@
-"""Worker side: the torch hooks at each physical site of vLLM's model, installed per run.
+"""Worker side: install, per run, the hooks at each physical site the run needs.
 
-Each site reads the activation the canonical hooks name, lets ``RunState.visit`` apply the
-run's edits and captures in forward order, and hands an edited value back to the model so
-it propagates downstream. Only the sites some request needs are hooked, and the hooks are
-removed when the run ends, so a run without captures or edits runs the bare engine.
-
-Residual-stream sites on families with fused add-norm (``(delta, residual)`` pairs) read
-``delta + residual``; an edit passes ``(edited, zeros)`` on, which the next fused add turns
-back into exactly ``edited``.
+``install_sites`` walks the family's ``Layout`` (module paths only; no per-family code) and
+puts a hook from ``_site_hooks`` on each module some request captures or edits at. Only
+the sites some request needs are hooked, and the hooks are removed when the run ends, so a
+run without captures or edits runs the bare engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_driver_vllm._families import Layout
+from tl_driver_vllm._patterns import AttentionFacts
 from tl_driver_vllm._run_state import NORMED, RunState
+from tl_driver_vllm._site_hooks import (
+    AttentionInput,
+    GateUpSplit,
+    InputSite,
+    NormSite,
+    OutputProjection,
+    OutputSite,
+    QKVSplit,
+    ResidualSite,
+    RouterSite,
+    normalized,
+    rms_scale,
+)
 
-__all__ = ["install_sites", "normalized", "rms_scale"]
+__all__ = ["attention_inputs", "install_sites", "normalized", "rms_scale", "sub", "pattern_needs"]
 
 
-def _sub(module: nn.Module, path: str) -> nn.Module | None:
-    for part in path.split("."):
-        module = getattr(module, part, None)  # type: ignore[assignment]
+def sub(module: nn.Module | None, path: str) -> nn.Module | None:
+    """The submodule at dotted ``path`` (``""``: ``module`` itself), or ``None``.
+
+    Pipeline stages hold placeholders (``PPMissingLayer``) for other stages' modules; they
+    count as absent.
+    """
+    if module is None:
+        return None
+    for part in path.split(".") if path else ():
+        module = getattr(module, part, None)
         if module is None:
             return None
-    # Pipeline stages hold placeholders (nn.Identity subclasses) for other stages' modules.
     if type(module).__name__ == "PPMissingLayer":
         return None
     return module
-
-
-def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``sqrt(mean(x^2) + eps)`` in float32, shape ``[..., 1]``."""
-    return (x.float().pow(2).mean(-1, keepdim=True) + eps).sqrt()
-
-
-def normalized(x: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
-    """The final norm's value before its weight (and bias), from its input."""
-    if norm == "ln":
-        return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _scale(x: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
-    if norm == "ln":
-        return (x.float().var(-1, keepdim=True, unbiased=False) + eps).sqrt().to(x.dtype)
-    return rms_scale(x, eps).to(x.dtype)
 
 
 def _eps(module: nn.Module) -> float:
@@ -62,72 +59,61 @@ def _eps(module: nn.Module) -> float:
     return 1e-5
 
 
-class _Resid:
-    """Pre-hook at the residual stream entering a layer (or the final norm)."""
-
-    def __init__(self, state: RunState, names: tuple[str, ...], pair: bool, final: Any) -> None:
-        self.state, self.names, self.pair, self.final = state, names, pair, final
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # Layers take (positions, hidden, residual) on pair families, (hidden,) otherwise;
-        # the final norm takes (hidden, residual) or (hidden,).
-        first = 1 if self.pair and self.final is None else 0
-        hidden = args[first]
-        residual = args[first + 1] if self.pair and len(args) > first + 1 else None
-        x = hidden if residual is None else hidden + residual
-        edited = self.state.visit(self.names, x)
-        if self.final is not None:
-            norm, eps = self.final
-            if "ln_final.hook_scale" in self.state.captured:
-                self.state.capture("ln_final.hook_scale", edited, lambda t: _scale(t, norm, eps))
-            if "ln_final.hook_normalized" in self.state.captured:
-                self.state.capture(
-                    "ln_final.hook_normalized", edited, lambda t: normalized(t, norm, eps)
-                )
-        if edited is x:
-            return None
-        new = list(args)
-        new[first] = edited
-        if residual is not None:
-            new[first + 1] = torch.zeros_like(edited)
-        return tuple(new), kwargs
+def attention_inputs(layout: Layout, layer: int) -> tuple[str, str]:
+    """The hooks holding the queries and keys that layer ``layer``'s attention receives."""
+    p = f"blocks.{layer}.attn."
+    return (p + "hook_rot_q", p + "hook_rot_k") if layout.rotary else (p + "hook_q", p + "hook_k")
 
 
-class _Mid:
-    """Pre-hook on the pre-MLP norm: its input is the residual between attention and MLP."""
-
-    def __init__(self, state: RunState, name: str, pair: bool) -> None:
-        self.state, self.names, self.pair = state, (name,), pair
-
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
-        if self.pair:
-            x = args[0] + args[1]
-            edited = self.state.visit(self.names, x)
-            return None if edited is x else (edited, torch.zeros_like(edited))
-        # GPT-2 style: the norm's input is also the block's `residual` variable, so an edit
-        # must happen in place for the residual path to see it.
-        x = args[0]
-        edited = self.state.visit(self.names, x)
-        if edited is not x:
-            x.copy_(edited)
-        return None
+def pattern_needs(layout: Layout, n_layers: int) -> dict[str, tuple[str, ...]]:
+    """Per pattern and scores hook, the captures it is rebuilt from."""
+    needs: dict[str, tuple[str, ...]] = {}
+    for i in range(n_layers):
+        qk = attention_inputs(layout, i)
+        needs[f"blocks.{i}.attn.hook_pattern"] = qk
+        needs[f"blocks.{i}.attn.hook_attn_scores"] = qk
+    return needs
 
 
-class _Out:
-    """Forward hook on a module whose output tensor is the site (or its first element)."""
+class _Installer:
+    def __init__(self, state: RunState, handles: list[RemovableHandle]) -> None:
+        self.state, self.handles = state, handles
+        self.needed = state.needed()
 
-    def __init__(self, state: RunState, names: tuple[str, ...]) -> None:
-        self.state, self.names = state, names
+    def want(self, *names: str) -> tuple[str, ...]:
+        return tuple(n for n in names if n in self.needed)
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        value = output[0] if isinstance(output, tuple) else output
-        edited = self.state.visit(self.names, value)
-        if edited is value:
-            return None
-        return (edited, *output[1:]) if isinstance(output, tuple) else edited
+    def one(self, name: str) -> str | None:
+        return name if name in self.needed else None
+
+    def output(self, module: nn.Module | None, *names: str) -> None:
+        kept = self.want(*names)
+        if module is not None and kept:
+            self.handles.append(module.register_forward_hook(OutputSite(self.state, kept)))
+
+    def norm(self, module: nn.Module | None, prefix: str, *, mode: Any, pair: bool, kind: str,
+             heads: int | None = None, flat: bool = False) -> None:  # fmt: skip
+        names = [f"{prefix}.{s}" for s in ("hook_scale", "hook_normalized", "hook_out")]
+        if mode is not None:
+            names.append(f"{prefix}.hook_in")
+        if module is None or not self.want(*names):
+            return
+        site = NormSite(self.state, prefix, mode=mode, pair=pair, kind=kind, eps=_eps(module),
+                        heads=heads, flat=flat)  # fmt: skip
+        self.handles.append(module.register_forward_pre_hook(site.pre))
+        self.handles.append(module.register_forward_hook(site.post))
 
 
-def install_sites(model: nn.Module, layout: Layout, n_layers: int, state: RunState) -> list[RemovableHandle]:
+def install_sites(
+    model: nn.Module,
+    layout: Layout,
+    n_layers: int,
+    state: RunState,
+    *,
+    attention: Mapping[int, AttentionFacts],
+    tp_size: int = 1,
+    top_k: int | None = None,
+) -> list[RemovableHandle]:
     """Hook every physical site that the run's captures and edits need.
 
     Args:
@@ -135,30 +121,24 @@ def install_sites(model: nn.Module, layout: Layout, n_layers: int, state: RunSta
         layout: Where the family keeps its sites.
         n_layers: Number of decoder layers of the whole model.
         state: The run (its ``needed()`` hooks decide which sites are hooked).
+        attention: Per layer held on this worker, its attention facts (heads on this rank).
+        tp_size: Tensor-parallel ranks (``hook_result`` edits are summed across them).
+        top_k: Experts per token (mixture-of-experts families).
 
     Returns:
         Handles to remove after the run.
     """
-    needed = state.needed()
-    inner = _sub(model, layout.inner)
+    inner = sub(model, layout.inner)
     assert inner is not None
     layers = getattr(inner, layout.layers)
     handles: list[RemovableHandle] = []
-
-    def want(*names: str) -> tuple[str, ...] | None:
-        kept = tuple(n for n in names if n in needed)
-        return kept or None
-
-    def out(module: nn.Module | None, *names: str) -> None:
-        kept = want(*names)
-        if module is not None and kept:
-            handles.append(module.register_forward_hook(_Out(state, kept)))
+    at = _Installer(state, handles)
 
     if not layout.embed_scaled:
-        out(_sub(inner, layout.embed), "embed.hook_out")
+        at.output(sub(inner, layout.embed), "embed.hook_out")
     if layout.pos_embed:
-        out(_sub(inner, layout.pos_embed), "pos_embed.hook_out")
-    final_norm = _sub(inner, layout.final_norm)
+        at.output(sub(inner, layout.pos_embed), "pos_embed.hook_out")
+    final_norm = sub(inner, layout.final_norm)
     for k in range(n_layers + 1):
         names = [f"blocks.{k - 1}.hook_out"] if k else []
         if k == 0 and layout.embed_scaled:
@@ -166,30 +146,101 @@ def install_sites(model: nn.Module, layout: Layout, n_layers: int, state: RunSta
             # residual stream is block 0's input (no position embedding comes between).
             names.append("embed.hook_out")
         names.append("ln_final.hook_in" if k == n_layers else f"blocks.{k}.hook_in")
-        derived = ("ln_final.hook_scale", "ln_final.hook_normalized") if k == n_layers else ()
-        kept = want(*names)
-        target = final_norm if k == n_layers else layers[k]
-        if type(target).__name__ == "PPMissingLayer" or target is None:
+        derived = at.want("ln_final.hook_scale", "ln_final.hook_normalized") if k == n_layers else ()
+        kept = at.want(*names)
+        target = final_norm if k == n_layers else sub(layers[k], "")
+        if target is None or not (kept or derived):
             continue
-        if kept or want(*derived):
-            final = (layout.norm, _eps(target)) if k == n_layers else None
-            hook: Callable[..., Any] = _Resid(state, kept or (), layout.residual_pair, final)
-            handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
+        final = (layout.norm, _eps(target)) if k == n_layers else None
+        index = 0 if k == n_layers else layout.layer_input
+        hook = ResidualSite(state, kept, index, layout.residual_pair, final)
+        handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
     for i in range(n_layers):
-        layer = layers[i]
-        if type(layer).__name__ == "PPMissingLayer":
-            continue
-        prefix = f"blocks.{i}."
-        out(_sub(layer, layout.attn), prefix + "attn.hook_out", prefix + "ln1_post.hook_in")
-        out(_sub(layer, layout.mlp), prefix + "mlp.hook_out", prefix + "ln2_post.hook_in")
-        if layout.ln1_post:
-            out(_sub(layer, layout.ln1_post), prefix + "ln1_post.hook_out")
-        if layout.ln2_post:
-            out(_sub(layer, layout.ln2_post), prefix + "ln2_post.hook_out")
-        if want(prefix + "ln2.hook_in"):
-            ln2 = _sub(layer, layout.ln2)
-            assert ln2 is not None
-            handles.append(ln2.register_forward_pre_hook(_Mid(state, prefix + "ln2.hook_in", layout.residual_pair)))
-    if final_norm is not None:
-        out(final_norm, "ln_final.hook_out", NORMED)
+        layer = sub(layers[i], "")
+        if layer is not None and i in attention:
+            _install_layer(at, layer, f"blocks.{i}.", layout, attention[i], tp_size, top_k)
+    at.output(final_norm, "ln_final.hook_out", NORMED)
     return handles
+
+
+def _install_layer(
+    at: _Installer,
+    layer: nn.Module,
+    p: str,
+    layout: Layout,
+    facts: AttentionFacts,
+    tp_size: int,
+    top_k: int | None,
+) -> None:
+    state, handles, pair, kind = at.state, at.handles, layout.residual_pair, layout.norm
+    at.norm(sub(layer, layout.ln1), p + "ln1", mode="norm", pair=pair, kind=kind)
+    attn = sub(layer, layout.attn)
+    assert attn is not None
+    if at.want(p + "attn.hook_in"):
+        site = InputSite(state, (p + "attn.hook_in",), position=-1)
+        handles.append(attn.register_forward_pre_hook(site, with_kwargs=True))
+    _install_attention(at, attn, p + "attn.", layout, facts, tp_size)
+    at.output(attn, p + "attn.hook_out", p + "ln1_post.hook_in")
+    at.norm(sub(layer, layout.ln1_post) if layout.ln1_post else None, p + "ln1_post", mode=None,
+            pair=False, kind=kind)  # fmt: skip
+    at.norm(sub(layer, layout.ln2), p + "ln2", mode="residual", pair=pair, kind=kind)
+    mlp = sub(layer, layout.mlp)
+    assert mlp is not None
+    if at.want(p + "mlp.hook_in"):
+        handles.append(mlp.register_forward_pre_hook(InputSite(state, (p + "mlp.hook_in",), 0), with_kwargs=True))
+    _install_mlp(at, mlp, p + "mlp.", layout, top_k)
+    at.output(mlp, p + "mlp.hook_out", p + "ln2_post.hook_in")
+    at.norm(sub(layer, layout.ln2_post) if layout.ln2_post else None, p + "ln2_post", mode=None,
+            pair=False, kind=kind)  # fmt: skip
+
+
+def _install_attention(
+    at: _Installer, attn: nn.Module, a: str, layout: Layout, facts: AttentionFacts, tp_size: int
+) -> None:
+    state, handles = at.state, at.handles
+    heads, kv_heads = facts.heads, facts.kv_heads
+    if layout.rotary is not None:
+        names = (at.one(a + "hook_q"), at.one(a + "hook_k"))
+        qkv = sub(attn, layout.qkv)
+        if qkv is not None and any(names):
+            site = QKVSplit(state, names, heads, kv_heads, facts.head_dim, layout.qkv_layout)
+            handles.append(qkv.register_forward_hook(site))
+        inputs = (at.one(a + "hook_rot_q"), at.one(a + "hook_rot_k"), at.one(a + "hook_v"))
+    else:
+        inputs = (at.one(a + "hook_q"), at.one(a + "hook_k"), at.one(a + "hook_v"))
+    flat = layout.qk_norm_layout == "flat"
+    for norm, path, count in (("q_norm", layout.q_norm, heads), ("k_norm", layout.k_norm, kv_heads)):
+        if path is not None:
+            at.norm(sub(attn, path), a + norm, mode="norm", pair=False, kind=layout.norm,
+                    heads=count, flat=flat)  # fmt: skip
+    attention = sub(attn, layout.attention)
+    if attention is not None and any(inputs):
+        received = AttentionInput(state, inputs, heads, kv_heads)
+        handles.append(attention.register_forward_pre_hook(received, with_kwargs=True))
+    o_proj = sub(attn, layout.o_proj)
+    z, result = at.one(a + "hook_z"), at.one(a + "hook_result")
+    if o_proj is not None and (z or result):
+        proj = OutputProjection(state, z, result, heads, tp_size)
+        if z:
+            handles.append(o_proj.register_forward_pre_hook(proj.pre))
+        if result:
+            handles.append(o_proj.register_forward_hook(proj.post))
+
+
+def _install_mlp(at: _Installer, mlp: nn.Module, m: str, layout: Layout, top_k: int | None) -> None:
+    state, handles = at.state, at.handles
+    pre, linear, post = at.one(m + "hook_pre"), at.one(m + "hook_pre_linear"), at.one(m + "hook_post")
+    gate_up = sub(mlp, layout.gate_up) if layout.gate_up else None
+    if gate_up is not None and (pre or linear):
+        handles.append(gate_up.register_forward_hook(GateUpSplit(state, (pre, linear))))
+    fc_in = sub(mlp, layout.fc_in) if layout.fc_in else None
+    if fc_in is not None and pre:
+        handles.append(fc_in.register_forward_hook(OutputSite(state, (pre,))))
+    down = sub(mlp, layout.down) if layout.down else None
+    if down is not None and post:
+        handles.append(down.register_forward_pre_hook(InputSite(state, (post,), 0), with_kwargs=True))
+    router = sub(mlp, layout.router) if layout.router else None
+    routing = at.want(m + "hook_router_logits", m + "hook_expert_weights", m + "hook_expert_indices")
+    if router is not None and routing:
+        assert top_k is not None
+        handles.append(router.register_forward_hook(RouterSite(state, m[:-1], top_k)))

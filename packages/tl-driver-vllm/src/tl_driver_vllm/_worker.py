@@ -15,8 +15,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from tl_driver_vllm._families import Layout, layout_for
+from tl_driver_vllm._patterns import AttentionFacts, attention_facts, rebuild
 from tl_driver_vllm._run_state import NORMED, TAG_KEY, RunState, Step
-from tl_driver_vllm._sites import install_sites
+from tl_driver_vllm._shards import Shard, layer_shards
+from tl_driver_vllm._sites import attention_inputs, install_sites, pattern_needs, sub
 from tl_driver_vllm._wire import pack
 
 __all__ = ["TLWorkerExtension"]
@@ -36,15 +38,26 @@ class TLWorkerExtension:
     _tl_n_layers: int
     _tl_state: RunState | None
     _tl_handles: list[RemovableHandle]
+    _tl_attention: dict[int, AttentionFacts]
+    _tl_shards: dict[str, Shard]
+    _tl_top_k: int | None
 
-    def tl_install(self, architecture: str, n_layers: int) -> dict[str, Any]:
-        """Remember the family layout; report this worker's process and parallel ranks."""
+    def tl_install(self, architecture: str, n_layers: int, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Remember the family layout and this rank's share of every layer's heads and
+        neurons; report this worker's process and parallel ranks.
+
+        ``sizes`` holds the model's global ``n_heads``, ``n_kv_heads``, ``d_model`` and
+        ``experts_per_token`` (from the driver's ``ModelInfo``).
+        """
         self._tl_layout = layout_for(architecture)
         self._tl_n_layers = n_layers
         self._tl_state = None
         self._tl_handles = []
         tp_rank, tp_size, pp_rank, pp_size = _ranks()
         model = self._tl_model()
+        sizes = sizes or {}
+        self._tl_top_k = sizes.get("experts_per_token")
+        self._tl_attention, self._tl_shards = self._tl_layer_facts(sizes, tp_rank, tp_size)
         return {
             "pid": os.getpid(),
             "tp_rank": tp_rank,
@@ -60,9 +73,15 @@ class TLWorkerExtension:
         self.tl_abort()
         model = self._tl_model()
         param = next(model.parameters())
-        state = RunState(config, param.device, param.dtype)
+        columns = {name: shard.columns for name, shard in self._tl_shards.items()}
+        needs = pattern_needs(self._tl_layout, self._tl_n_layers)
+        state = RunState(config, param.device, param.dtype, columns=columns, needs=needs)
         self._tl_state = state
-        handles = install_sites(model, self._tl_layout, self._tl_n_layers, state)
+        _, tp_size, _, _ = _ranks()
+        handles = install_sites(
+            model, self._tl_layout, self._tl_n_layers, state,
+            attention=self._tl_attention, tp_size=tp_size, top_k=self._tl_top_k,
+        )  # fmt: skip
         if handles:
             handles.append(model.register_forward_pre_hook(self._tl_step, with_kwargs=True))
         self._tl_handles = handles
@@ -77,6 +96,7 @@ class TLWorkerExtension:
             result["requests"] = {}
             return result
         keep_replicated = tp_rank == 0 or state.all_ranks
+        shards = self._tl_shards
         requests: dict[str, dict[str, Any]] = {}
         with torch.no_grad():
             for tag, captured in state.gathered().items():
@@ -85,10 +105,14 @@ class TLWorkerExtension:
                 normed = captured.pop(NORMED, None)
                 if normed is not None:
                     out.update(self._tl_logits(normed, plan.logits, "unembed.hook_out" in plan.capture, state.raw))
-                if keep_replicated:
-                    out.update({k: pack(v, raw=state.raw) for k, v in captured.items()})
+                captured.update(self._tl_patterns(plan.returned, captured))
+                for name, value in captured.items():
+                    if name in plan.returned and (keep_replicated or name in shards):
+                        out[name] = pack(value, raw=state.raw)
                 requests[tag] = out
         result["requests"] = requests
+        # Where this rank's piece of each head- or neuron-level hook sits in the full tensor.
+        result["shards"] = {name: [s.axis, s.start, s.count] for name, s in shards.items()}
         return result
 
     def tl_abort(self) -> None:
@@ -120,6 +144,49 @@ class TLWorkerExtension:
             "eps": float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-5))),
             "softcap": getattr(processor, "soft_cap", None),
         }
+
+    def _tl_layer_facts(
+        self, sizes: dict[str, Any], tp_rank: int, tp_size: int
+    ) -> tuple[dict[int, AttentionFacts], dict[str, Shard]]:
+        """Per layer held here: its attention settings and this rank's shards."""
+        layout = self._tl_layout
+        inner = sub(self._tl_model(), layout.inner)
+        layers = getattr(inner, layout.layers)
+        facts: dict[int, AttentionFacts] = {}
+        shards: dict[str, Shard] = {}
+        for i in range(self._tl_n_layers):
+            layer = sub(layers[i], "")
+            attention = sub(sub(layer, layout.attn), layout.attention)
+            if layer is None or attention is None:
+                continue
+            facts[i] = attention_facts(attention)
+            mlp = sub(layer, layout.mlp)
+            down = sub(mlp, layout.down) if layout.down else None
+            neurons = getattr(down, "input_size_per_partition", None)
+            shards.update(
+                layer_shards(
+                    i, tp_rank=tp_rank, tp_size=tp_size, heads=facts[i].heads,
+                    kv_heads=facts[i].kv_heads,
+                    total_kv_heads=int(sizes.get("n_kv_heads") or facts[i].kv_heads * tp_size),
+                    head_dim=facts[i].head_dim, d_model=int(sizes.get("d_model", 0)),
+                    neurons=None if neurons is None else int(neurons),
+                )
+            )  # fmt: skip
+        return facts, shards
+
+    def _tl_patterns(self, wanted: frozenset[str], captured: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Scores and patterns a request asked for, rebuilt from its queries and keys."""
+        out: dict[str, torch.Tensor] = {}
+        for i, facts in self._tl_attention.items():
+            p = f"blocks.{i}.attn."
+            names = [n for n in (p + "hook_attn_scores", p + "hook_pattern") if n in wanted]
+            if not names:
+                continue
+            q_name, k_name = attention_inputs(self._tl_layout, i)
+            scores, pattern = rebuild(captured[q_name], captured[k_name], facts)
+            values = {p + "hook_attn_scores": scores, p + "hook_pattern": pattern}
+            out.update({n: values[n] for n in names})
+        return out
 
     # -- inside the forward pass ------------------------------------------------------
 
