@@ -28,6 +28,7 @@ from tl_core.driver_api import (
 
 _SITES = {
     "gemma2": ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
+    "gemma3_text": ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
 }
 
 
@@ -50,7 +51,10 @@ class Reference:
         self.layers = self.base.h if self.gpt2 else self.base.layers
         self.norm = self.base.ln_f if self.gpt2 else self.base.norm
         self.d_model = config.hidden_size
-        self.eps = config.layer_norm_epsilon if self.gpt2 else config.rms_norm_eps
+        # LayerNorm families (GPT-2, StableLM) name their epsilon differently.
+        self.layer_norm = self.gpt2 or self.kind == "stablelm"
+        eps = getattr(config, "layer_norm_epsilon", None) if self.gpt2 else None
+        self.eps = eps or getattr(config, "rms_norm_eps", None) or config.layer_norm_eps
         # Names resolve against this model's own structure, written out here.
         info = model_info_from_config(
             config,
@@ -184,7 +188,7 @@ class Reference:
 
     def _derived(self, x: torch.Tensor, capture: set[str], store: dict[str, torch.Tensor], n: int) -> None:
         x = x[:, :n].float()
-        if self.gpt2:
+        if self.layer_norm:
             centred = x - x.mean(-1, keepdim=True)
             scale = (centred.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
         else:

@@ -16,9 +16,9 @@ ENGINE_OPTIONS: dict[str, Any] = {
 }
 
 
-#: What ``_tlv_reference`` reads (residual-stream and module-output sites); the hf driver
-#: is the reference for every other hook.
-REFERENCE_SITES = (
+#: Residual-stream and sublayer-output sites (``blocks.{i}.`` stripped): what
+#: ``_tlv_reference`` reads; the hf driver is the reference for every other hook.
+RESIDUAL_SITES = REFERENCE_SITES = (
     "hook_in", "hook_out", "attn.hook_out", "ln2.hook_in", "mlp.hook_out",
     "ln1_post.hook_in", "ln1_post.hook_out", "ln2_post.hook_in", "ln2_post.hook_out",
 )  # fmt: skip
@@ -48,7 +48,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0
     a, b = a.float(), b.float()
     gap = (a - b).abs().masked_fill(a == b, 0.0)
-    return float(gap.nan_to_num(nan=float("inf")).max())
+    return float(gap.masked_fill(gap.isnan(), float("inf")).max())
 
 
 def check(report: Mapping[str, float], tol: float, what: str) -> None:

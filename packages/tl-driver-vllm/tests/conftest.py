@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,15 +39,16 @@ def vllm_tmp() -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Path]]:
-    """``checkpoint(family, dtype="float32")``: a tiny random checkpoint folder (cached)."""
+    """``checkpoint(family, dtype="float32", **overrides)``: a tiny random checkpoint folder
+    (cached), with config fields ``overrides`` set."""
     testing = pytest.importorskip("tl_driver_hf.testing")
-    made: dict[tuple[str, str], Path] = {}
+    made: dict[tuple[str, str, str], Path] = {}
 
-    def make(family: str, dtype: str = "float32") -> Path:
-        key = (family, dtype)
+    def make(family: str, dtype: str = "float32", **overrides: Any) -> Path:
+        key = (family, dtype, repr(sorted(overrides.items())))
         if key not in made:
             folder = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            made[key] = testing.write_tiny_checkpoint(family, folder, dtype=dtype)
+            made[key] = testing.write_tiny_checkpoint(family, folder, dtype=dtype, overrides=overrides)
         return made[key]
 
     yield make

@@ -1,15 +1,18 @@
-"""Parity: every served hook, logits, specs and generation against a reference.
+"""Parity: every served hook, logits, specs and generation against the hf driver.
 
-References: the plain transformers model hooked by ``_tlv_reference`` (per prompt, for
-captures, specs and greedy generation) and the project's hf driver through the same
-``Driver.forward`` call (``test_matches_the_hf_driver``). One engine per family (module
-scope), float32, a 32-token step so the 70-token prompt is prefilled in chunks across
-steps, next to shorter prompts that finish earlier.
+The reference is the project's hf driver, through the same ``Driver.forward`` call (its
+sites fix the tensor, layout and convention of every name); greedy generation is checked
+against plain transformers with the specs hooked in (``_tlv_reference``). One engine per
+family (module scope), float32, a 32-token step so the 70-token prompt is prefilled in
+chunks across steps, next to shorter prompts that finish earlier. Mistral and Gemma 3 get a
+16-token sliding window (the prompts are longer, so the window cuts), StableLM qkv biases.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -18,15 +21,38 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from _tlv_reference import Reference  # noqa: E402
-from _tlv_support import ENGINE_OPTIONS, check, diff, prompt_part, reference_served  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, RESIDUAL_SITES, check, diff, prompt_part  # noqa: E402
 
-from tl_core import RemoteBridge  # noqa: E402
+from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gpt2"]
+#: Family -> config overrides of its tiny checkpoint.
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": 16},
+    "gemma": {},
+    "gemma2": {},
+    "gemma3": {"sliding_window": 16},
+    "gpt2": {},
+    "phi3": {},
+    "mixtral": {},
+    "stablelm": {"use_qkv_bias": True},
+}
 TOL = 1e-4
 LENGTHS = [9, 70, 3, 17, 33, 1, 24]
+
+
+@dataclass
+class Engines:
+    """One family's checkpoint on vLLM and on the hf driver (both serve hook_result)."""
+
+    vllm: Any
+    hf: Any
+    ref: Reference
+    prompts: list[list[int]]
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -34,47 +60,45 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request: pytest.FixtureRequest, checkpoint: Any) -> Iterator[tuple[Any, Reference, list[list[int]]]]:
-    folder = checkpoint(request.param)
-    bridge = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, checkpoint: Any) -> Iterator[Engines]:
+    folder = checkpoint(request.param, **FAMILIES[request.param])
+    bridge = RemoteBridge.boot_vllm(folder, dtype="float32", use_attn_result=True, **ENGINE_OPTIONS)
     try:
-        ref = Reference(folder)
-        yield bridge.driver, ref, _prompts(bridge.cfg.d_vocab)
+        hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32, use_attn_result=True)
+        yield Engines(bridge.driver, hf.driver, Reference(folder), _prompts(bridge.cfg.d_vocab))
     finally:
         bridge.close()
 
 
-def _compare_batch(
-    driver: Any, ref: Reference, prompts: list[list[int]], intervene: Any, capture: list[str]
-) -> dict[str, float]:
-    result = driver.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
-    assert result.lengths == tuple(len(p) for p in prompts)
+def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture: list[str]) -> dict[str, float]:
+    """Per prompt and hook (and the logits): max abs difference between vLLM and hf."""
+    ours = engines.vllm.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
+    theirs = engines.hf.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
+    assert ours.lengths == tuple(len(p) for p in prompts) == tuple(theirs.lengths)
     report: dict[str, float] = {}
-    for b, ids in enumerate(prompts):
-        n = len(ids)
-        mapping = intervene[b] if isinstance(intervene, list) else intervene
-        want, logits = ref.run(ids, capture, mapping)
+    for b, n in enumerate(ours.lengths):
         for name in capture:
-            report[f"p{b}:{name}"] = diff(result.captured[name][b, :n], want[name])
-        report[f"p{b}:logits"] = diff(result.logits[b, :n], logits)
+            report[f"p{b}:{name}"] = diff(
+                prompt_part(ours.captured[name], b, n), prompt_part(theirs.captured[name], b, n)
+            )
+        report[f"p{b}:logits"] = diff(ours.logits[b, :n], theirs.logits[b, :n])
     return report
 
 
-def test_every_served_hook_single_prompt(family: Any) -> None:
-    driver, ref, prompts = family
-    served = reference_served(driver)
-    assert {"embed.hook_out", "blocks.1.hook_out", "unembed.hook_out"} <= set(served)
-    report = _compare_batch(driver, ref, [prompts[0]], None, served)
-    check(report, TOL, f"{driver.info.architecture} single prompt")
+def test_every_served_hook_single_prompt(family: Engines) -> None:
+    served = sorted(family.vllm.supported_hook_points)
+    assert {"blocks.1.attn.hook_pattern", "blocks.1.attn.hook_result", "blocks.1.attn.hook_z"} <= set(served)
+    report = _compare(family, family.prompts[:1], None, served)
+    check(report, TOL, f"{family.vllm.info.architecture} single prompt")
 
 
-def test_every_served_hook_ragged_batch_with_chunked_prefill(family: Any) -> None:
-    driver, ref, prompts = family
+def test_every_served_hook_ragged_batch_with_chunked_prefill(family: Engines) -> None:
     assert max(LENGTHS) > ENGINE_OPTIONS["max_num_batched_tokens"]
-    served = reference_served(driver)
-    report = _compare_batch(driver, ref, prompts, None, served)
-    check(report, TOL, f"{driver.info.architecture} ragged batch")
+    served = sorted(family.vllm.supported_hook_points)
+    assert set(served) <= set(family.hf.supported_hook_points)
+    report = _compare(family, family.prompts, None, served)
+    check(report, TOL, f"{family.vllm.info.architecture} ragged batch")
 
 
 def _per_prompt_specs(d: int, arch: str) -> list[dict[str, Any] | None]:
@@ -108,7 +132,7 @@ def _per_prompt_specs(d: int, arch: str) -> list[dict[str, Any] | None]:
     ]
     extra = specs[3]
     assert extra is not None
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         extra["blocks.0.ln1_post.hook_out"] = {"op": "scale", "factor": 3.0, "pos": [0, 5]}
         extra["blocks.1.ln2_post.hook_in"] = {"op": "add", "value": vec}
     elif arch == "GPT2LMHeadModel":
@@ -118,32 +142,77 @@ def _per_prompt_specs(d: int, arch: str) -> list[dict[str, Any] | None]:
     return specs
 
 
-def test_every_spec_op_per_prompt_in_a_batch(family: Any) -> None:
-    driver, ref, prompts = family
+def test_every_spec_op_per_prompt_in_a_batch(family: Engines) -> None:
+    driver, prompts = family.vllm, family.prompts
     specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
-    capture = ["blocks.0.hook_out", "blocks.1.attn.hook_out", "blocks.1.hook_out", "ln_final.hook_normalized"]
-    report = _compare_batch(driver, ref, prompts, specs, capture)
+    capture = ["blocks.0.hook_out", "blocks.1.attn.hook_out", "blocks.1.hook_out", "ln_final.hook_normalized",
+               "blocks.1.attn.hook_pattern", "blocks.1.ln2.hook_scale"]  # fmt: skip
+    report = _compare(family, prompts, specs, capture)
     check(report, TOL, f"{driver.info.architecture} per-prompt specs")
+    _check_only_specced_prompts_changed(driver, prompts, specs)
+
+
+def _check_only_specced_prompts_changed(driver: Any, prompts: list[list[int]], specs: list[Any]) -> None:
     plain = driver.forward(prompts, max_new_tokens=0)
     edited = driver.forward(prompts, intervene=specs, max_new_tokens=0)
     changed = [float((plain.logits[b] - edited.logits[b]).abs().max()) for b in range(len(prompts))]
-    assert changed[4] <= 1e-5, "a prompt without specs changed"
-    assert all(c > 1e-3 for i, c in enumerate(changed) if specs[i]), changed
+    assert all(c <= 1e-5 for c, s in zip(changed, specs, strict=True) if not s), f"a prompt without specs changed: {changed}"
+    assert all(c > 1e-3 for c, s in zip(changed, specs, strict=True) if s), changed
 
 
-def test_one_mapping_for_every_prompt(family: Any) -> None:
-    driver, ref, prompts = family
-    vec = torch.linspace(-1, 1, driver.info.d_model).tolist()
+def test_one_mapping_for_every_prompt(family: Engines) -> None:
+    vec = torch.linspace(-1, 1, family.vllm.info.d_model).tolist()
     intervene = {
         "blocks.0.hook_out": {"op": "add", "value": vec},
         "blocks.1.attn.hook_out": {"op": "scale", "factor": 0.0, "pos": -1},
     }
-    report = _compare_batch(driver, ref, prompts, intervene, ["blocks.1.hook_in", "blocks.1.hook_out"])
-    check(report, TOL, f"{driver.info.architecture} shared specs")
+    report = _compare(family, family.prompts, intervene, ["blocks.1.hook_in", "blocks.1.hook_out"])
+    check(report, TOL, f"{family.vllm.info.architecture} shared specs")
 
 
-def test_greedy_generation_with_steering(family: Any) -> None:
-    driver, ref, prompts = family
+def _site_specs(namespace: Any, seed: int) -> tuple[list[dict[str, Any] | None], list[str]]:
+    """Per-prompt specs on every editable head-, neuron- and norm-level site, round robin.
+
+    ``set`` and ``suppress`` list positions, so no later spec hides an earlier one's effect;
+    the one-token prompt gets none (the control).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    sites = sorted(
+        n for n in namespace.editable
+        if n.startswith("blocks.") and n.split(".", 2)[2] not in RESIDUAL_SITES
+    )  # fmt: skip
+    targets = [b for b, n in enumerate(LENGTHS) if n > 1]
+    per: list[dict[str, Any] | None] = [None if n == 1 else {} for n in LENGTHS]
+    for k, name in enumerate(sites):
+        width = math.prod(namespace.feature_shape(name))
+        vec = torch.randn(width, generator=gen).tolist()
+        kinds: list[Any] = [
+            {"op": "scale", "factor": 1.7},
+            {"op": "add", "value": vec, "pos": [0, -1]},
+            {"op": "set", "value": vec, "pos": [1]},
+            [{"op": "scale", "factor": 0.5}, {"op": "add", "value": 0.3, "pos": 0}],
+            {"op": "suppress", "pos": -1},
+        ]
+        mapping = per[targets[k % len(targets)]]
+        assert mapping is not None
+        mapping[name] = kinds[k % len(kinds)]
+    return per, sites
+
+
+def test_head_neuron_and_norm_edits_per_prompt(family: Engines) -> None:
+    """Every editable site beyond the residual stream, per prompt, with and without pos:
+    the edited site itself, what follows it and the logits equal the hf driver's."""
+    driver = family.vllm
+    specs, sites = _site_specs(driver.namespace, seed=11)
+    assert {"blocks.0.attn.hook_q", "blocks.1.attn.hook_z", "blocks.0.attn.hook_result"} <= set(sites)
+    capture = [*sites, "blocks.1.hook_out", "blocks.1.attn.hook_pattern"]
+    report = _compare(family, family.prompts, specs, capture)
+    check(report, TOL, f"{driver.info.architecture} head/neuron/norm specs")
+    _check_only_specced_prompts_changed(driver, family.prompts, specs)
+
+
+def test_greedy_generation_with_steering(family: Engines) -> None:
+    driver, ref, prompts = family.vllm, family.ref, family.prompts
     chosen = [prompts[0], prompts[3], prompts[1], prompts[2]]
     vec = (torch.linspace(-2, 2, driver.info.d_model)).tolist()
     intervene = [
@@ -167,25 +236,3 @@ def test_greedy_generation_with_steering(family: Any) -> None:
             TOL,
             f"prompt {b} during generation",
         )
-
-
-def test_matches_the_hf_driver(family: Any) -> None:
-    """The same Driver.forward call on the hf driver (the project's reference) agrees."""
-    driver, ref, prompts = family
-    from tl_core import TransformerBridge
-
-    hf = TransformerBridge.boot_transformers(ref.model.name_or_path, dtype=torch.float32, use_attn_result=True).driver
-    served = sorted(driver.supported_hook_points)
-    specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
-    report: dict[str, float] = {}
-    for label, intervene in (("plain", None), ("specs", specs)):
-        ours = driver.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
-        theirs = hf.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
-        assert ours.lengths == tuple(theirs.lengths)
-        for b, n in enumerate(ours.lengths):
-            for name in served:
-                report[f"{label}:p{b}:{name}"] = diff(
-                    prompt_part(ours.captured[name], b, n), prompt_part(theirs.captured[name], b, n)
-                )
-            report[f"{label}:p{b}:logits"] = diff(ours.logits[b, :n], theirs.logits[b, :n])
-    check(report, TOL, f"{driver.info.architecture} vs the hf driver")
