@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from pathlib import Path
@@ -14,9 +15,9 @@ torch = pytest.importorskip("torch")
 psutil = pytest.importorskip("psutil")
 
 from _tlv_reference import Reference  # noqa: E402
-from _tlv_support import ENGINE_OPTIONS, check, diff, reference_served  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, check, diff, prompt_part, reference_served  # noqa: E402
 
-from tl_core import RemoteBridge, UserError  # noqa: E402
+from tl_core import RemoteBridge, TransformerBridge, UserError  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -51,39 +52,74 @@ def test_close_in_process_releases_everything(checkpoint: Any, vllm_tmp: Path) -
     assert _sockets(vllm_tmp / "rpc") == []
 
 
+def _sharded_specs(driver: Any) -> list[dict[str, Any] | None]:
+    """Per-prompt specs on head- and neuron-sharded sites, with pos, vectors and scalars."""
+    ns = driver.namespace
+    gen = torch.Generator().manual_seed(5)
+
+    def vec(hook: str) -> list[float]:
+        return torch.randn(math.prod(ns.feature_shape(hook)), generator=gen).tolist()
+
+    return [
+        {
+            "blocks.0.attn.hook_q": {"op": "add", "value": vec("blocks.0.attn.hook_q"), "pos": [0, -1]},
+            "blocks.1.attn.hook_result": {"op": "set", "value": vec("blocks.1.attn.hook_result"), "pos": 2},
+            "blocks.0.hook_out": {"op": "add", "value": 0.5, "pos": -1},
+        },
+        None,
+        {
+            "blocks.0.attn.hook_rot_k": {"op": "set", "value": vec("blocks.0.attn.hook_rot_k"), "pos": 1},
+            "blocks.1.attn.hook_v": {"op": "scale", "factor": 2.0},
+            "blocks.1.ln2.hook_in": {"op": "scale", "factor": 0.5},
+        },
+        {
+            "blocks.1.attn.hook_z": {"op": "add", "value": vec("blocks.1.attn.hook_z")},
+            "blocks.0.mlp.hook_pre": {"op": "suppress", "pos": [3, 7]},
+            "blocks.1.mlp.hook_post": {"op": "add", "value": vec("blocks.1.mlp.hook_post"), "pos": -1},
+            "blocks.0.mlp.hook_pre_linear": {"op": "scale", "factor": -1.0},
+            "blocks.1.attn.hook_k": {"op": "add", "value": vec("blocks.1.attn.hook_k")},
+        },
+    ]
+
+
 def test_tensor_parallel_2_multiprocess(checkpoint: Any, vllm_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TP=2 on the CPU build: two worker processes, replicated sites merged, ranks checked."""
+    """TP=2 on the CPU build: two worker processes; every served hook, head- and
+    neuron-sharded ones put together in global order, equals the hf driver's (so TP=1's),
+    and specs on sharded sites reach the rank holding each slice. The model has one
+    key/value head, so vLLM replicates it on both ranks (query heads and neurons are split);
+    the driver takes it once and checks the copies agree."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     # Two workers on a one-NUMA-node machine: vLLM's automatic thread binding refuses.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    folder = checkpoint("llama")
-    bridge = RemoteBridge.boot_vllm(folder, dtype="float32", tensor_parallel_size=2, **ENGINE_OPTIONS)
+    folder = checkpoint("llama", num_key_value_heads=1)
+    bridge = RemoteBridge.boot_vllm(
+        folder, dtype="float32", tensor_parallel_size=2, use_attn_result=True, **ENGINE_OPTIONS
+    )
     try:
         driver = bridge.driver
         assert sorted(w["tp_rank"] for w in driver.workers) == [0, 1]
         assert not driver._raw and all(w["pid"] != os.getpid() for w in driver.workers)
         assert not driver._ranks_checked
-        prompts = [[5, 6, 7, 8, 9], list(range(10, 50)), [60, 61]]
-        vec = torch.linspace(-1, 1, driver.info.d_model).tolist()
-        intervene = [
-            {"blocks.0.hook_out": {"op": "add", "value": vec, "pos": -1}},
-            None,
-            {"blocks.1.ln2.hook_in": {"op": "scale", "factor": 0.5}},
-        ]
-        capture = reference_served(driver)
-        result = driver.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
-        assert driver._ranks_checked  # the first forward compared both ranks' replicated sites
-        ref = Reference(folder)
+        hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32, use_attn_result=True).driver
+        prompts = [[5, 6, 7, 8, 9], list(range(10, 50)), [60, 61], list(range(100, 112))]
+        intervene = _sharded_specs(driver)
+        capture = sorted(driver.supported_hook_points)
         report: dict[str, float] = {}
-        for b, ids in enumerate(prompts):
-            want, logits = ref.run(ids, capture, intervene[b])
-            n = len(ids)
-            report.update({f"p{b}:{k}": diff(result.captured[k][b, :n], want[k]) for k in capture})
-            report[f"p{b}:logits"] = diff(result.logits[b, :n], logits)
+        for label, specs in (("plain", None), ("specs", intervene)):
+            ours = driver.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
+            assert driver._ranks_checked  # the first forward compared both ranks' replicated values
+            theirs = hf.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
+            for b, n in enumerate(ours.lengths):
+                for k in capture:
+                    report[f"{label}:p{b}:{k}"] = diff(prompt_part(ours.captured[k], b, n), prompt_part(theirs.captured[k], b, n))
+                report[f"{label}:p{b}:logits"] = diff(ours.logits[b, :n], theirs.logits[b, :n])
+        assert driver.info.kv_heads == 1
         check(report, 1e-4, "TP=2")
-        steered = driver.forward(prompts[:1], intervene=intervene[:1], max_new_tokens=4, stop_at_eos=False)
-        assert steered.new_tokens is not None
-        assert steered.new_tokens[0].tolist() == ref.generate(prompts[0], 4, intervene[0])
+        # Generation with sharded edits: the same tokens as the hf driver's.
+        steered = driver.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
+        want = hf.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
+        assert steered.new_tokens is not None and want.new_tokens is not None
+        assert steered.new_tokens.tolist() == want.new_tokens.tolist()
     finally:
         bridge.close()
     assert _engine_processes() == []
