@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from _tlv_reference import Reference  # noqa: E402
 from _tlv_support import ENGINE_OPTIONS, diff  # noqa: E402
 
-from tl_core import RemoteBridge, RemoteHookMutationError, available_drivers  # noqa: E402
+from tl_core import RemoteBridge, RemoteHookMutationError, TransformerBridge, available_drivers  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,6 +41,26 @@ def test_run_with_cache_on_text_with_aliases(booted: tuple[RemoteBridge, Referen
     want, want_logits = ref.run(ids[0], ["blocks.1.hook_out"])
     assert diff(cache["blocks.1.hook_resid_post"][0], want["blocks.1.hook_out"]) <= 1e-4
     assert diff(logits[0], want_logits) <= 1e-4
+
+
+def test_patterns_through_the_bridge_cache(booted: tuple[RemoteBridge, Reference]) -> None:
+    """A pattern needs no rot_q/rot_k capture, brings none back, and equals the hf bridge's."""
+    bridge, ref = booted
+    texts = ["The lighthouse keeper climbed the stairs", "Hi", "Stairs"]
+    names = ["blocks.1.attn.hook_pattern", "blocks.0.attn.hook_attn_scores"]
+    _, cache = bridge.run_with_cache(texts, names_filter=names)
+    assert sorted(cache.keys()) == sorted(names)
+    local = TransformerBridge.boot_transformers(ref.model.name_or_path, dtype=torch.float32)
+    _, want = local.run_with_cache(texts, names_filter=names)
+    assert cache.lengths == want.lengths
+    for b, n in enumerate(cache.lengths or ()):
+        pattern = cache["blocks.1.attn.hook_pattern"][b, :, :n, :n]
+        assert diff(pattern, want["blocks.1.attn.hook_pattern"][b, :, :n, :n]) <= 1e-4
+        torch.testing.assert_close(pattern.sum(-1), torch.ones(pattern.shape[:-1]))
+        scores = cache["blocks.0.attn.hook_attn_scores"][b, :, :n, :n]
+        assert diff(scores, want["blocks.0.attn.hook_attn_scores"][b, :, :n, :n]) <= 1e-4
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        assert bool(torch.isneginf(scores[:, future]).all())  # masked with -inf, as on hf
 
 
 def test_loss_uses_sequence_logits(booted: tuple[RemoteBridge, Reference]) -> None:

@@ -75,7 +75,7 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         "spec on a derived norm site",
         {"intervene": {"blocks.0.ln1.hook_scale": {"op": "set", "value": 1.0}}},
         SpecError,
-        "derived from the norm's input after the engine ran",
+        "derived from the norm's input (vLLM's norm kernels return only the norm's output)",
     ),
     (
         "key spec of the query width",

@@ -21,8 +21,8 @@ _FINAL_SERVED = (
 )
 
 _DERIVED = (
-    "derived from the norm's input after the engine ran (the fused norm kernel never "
-    "materialises it); edit {alt} instead"
+    "derived from the norm's input (vLLM's norm kernels return only the norm's output), so "
+    "an edit could not reach the forward pass; edit {alt} instead"
 )
 _PATTERN = (
     "vLLM's fused attention kernel never materialises it: the driver rebuilds it after the "
