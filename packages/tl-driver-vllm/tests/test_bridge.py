@@ -48,8 +48,10 @@ def test_patterns_through_the_bridge_cache(booted: tuple[RemoteBridge, Reference
     bridge, ref = booted
     texts = ["The lighthouse keeper climbed the stairs", "Hi", "Stairs"]
     names = ["blocks.1.attn.hook_pattern", "blocks.0.attn.hook_attn_scores"]
-    _, cache = bridge.run_with_cache(texts, names_filter=names)
-    assert sorted(cache.keys()) == sorted(names)
+    _, cache = bridge.run_with_cache(texts, names_filter=[*names, "blocks.0.attn.hook_q"])
+    assert sorted(cache.keys()) == sorted([*names, "blocks.0.attn.hook_q"])
+    # Ordinary tensors (the engine runs under inference mode): callers may edit them in place.
+    assert not any(cache[n].is_inference() for n in cache)
     local = TransformerBridge.boot_transformers(ref.model.name_or_path, dtype=torch.float32)
     _, want = local.run_with_cache(texts, names_filter=names)
     assert cache.lengths == want.lengths

@@ -124,14 +124,6 @@ def test_merge_puts_head_shards_in_global_order_and_dedupes_replicated_kv_heads(
         merge_results(results, vocab=10, check_ranks=False)
 
 
-def test_pad_rows_pads_attention_maps_on_both_axes() -> None:
-    out = pad_rows([torch.ones(2, 3, 3), torch.ones(2, 1, 1)], [3, 1], layout="b h q k", fill=-1.0)
-    assert out.shape == (2, 2, 3, 3) and out[1, :, 0, 0].tolist() == [1.0, 1.0]
-    assert bool((out[1, :, 1:, :] == -1).all()) and bool((out[1, :, :, 1:] == -1).all())
-    with pytest.raises(TLError, match="attention map"):
-        pad_rows([torch.ones(2, 3, 3)], [2], layout="b h q k")
-
-
 def test_pad_rows_right_pads_and_checks_lengths() -> None:
     out = pad_rows([torch.ones(2, 3), torch.ones(4, 3)], [2, 4])
     assert out.shape == (2, 4, 3) and out[0, 2:].abs().sum() == 0

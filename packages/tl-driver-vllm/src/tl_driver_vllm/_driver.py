@@ -22,7 +22,7 @@ from tl_driver_vllm._gguf import gguf_checkpoint
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
 from tl_driver_vllm._lifecycle import children, shutdown, socket_files
-from tl_driver_vllm._merge import edit_table, merge_results, pad_rows
+from tl_driver_vllm._merge import edit_table, merge_batched, merge_results, pad_rows
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
 from tl_driver_vllm._run_state import TAG_KEY
 from tl_driver_vllm._wire import unpack
@@ -257,8 +257,9 @@ class VLLMDriver(NamespaceFacts):
         inputs = [n for n in names if n in INPUT_SITES]
         engine_names = [n for n in names if n not in INPUT_SITES]
         requests = {}
-        for tag, specs_by_hook, length in zip(tags, plan.per_prompt, lengths, strict=True):
+        for index, (tag, specs_by_hook, length) in enumerate(zip(tags, plan.per_prompt, lengths, strict=True)):
             requests[tag] = {
+                "index": index,
                 "length": length,
                 "capture": engine_names,
                 "logits": return_logits,
@@ -269,7 +270,7 @@ class VLLMDriver(NamespaceFacts):
                 },
             }
         check = not self._ranks_checked
-        config = {"raw": self._raw, "all_ranks": check, "requests": requests}
+        config = {"raw": self._raw, "all_ranks": check, "width": max(lengths), "requests": requests}
         params = [
             SamplingParams(
                 max_tokens=max(1, max_new_tokens),
@@ -289,20 +290,19 @@ class VLLMDriver(NamespaceFacts):
             llm.collective_rpc("tl_abort")
             raise
         merged = merge_results(results, vocab=self.info.d_vocab, check_ranks=check)
+        batched = merge_batched(results, check_ranks=check)
         self._ranks_checked = True
         per_tag = [merged.get(tag, {}) for tag in tags]
-        captured = {n: self._pad(n, [m.get(n) for m in per_tag], lengths) for n in engine_names}
+        captured = {
+            n: batched[n] if n in batched else pad_rows([m.get(n) for m in per_tag], lengths)
+            for n in engine_names
+        }
         captured.update(_input_sites(inputs, rows, lengths))
         logits = pad_rows([m.get("logits") for m in per_tag], lengths) if return_logits else None
         new_tokens = None
         if max_new_tokens >= 1:
             new_tokens = self._new_tokens(outputs, max_new_tokens)
         return ForwardResult(logits, captured, new_tokens, outputs, lengths)
-
-    def _pad(self, name: str, rows: list[torch.Tensor | None], lengths: tuple[int, ...]) -> torch.Tensor:
-        # Keys beyond a prompt are masked: its scores there are -inf, its pattern 0.
-        fill = float("-inf") if name.endswith("hook_attn_scores") else 0.0
-        return pad_rows(rows, lengths, layout=self.namespace.layout(name), fill=fill)
 
     def _features(self, hook: str) -> tuple[int, ...]:
         shape = self.namespace.feature_shape(hook)

@@ -71,33 +71,51 @@ def attention_facts(attention: Any) -> AttentionFacts:
     )
 
 
-def rebuild(q: torch.Tensor, k: torch.Tensor, facts: AttentionFacts) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores and pattern of one prompt from its queries and keys.
+def rebuild(
+    q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, facts: AttentionFacts, *, chunk: int = 1 << 26
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores and pattern of a batch of prompts from their queries and keys.
 
     Args:
-        q: ``[pos, heads, d_head]`` queries as attention received them.
-        k: ``[pos, kv_heads, d_head]`` keys as attention received them.
+        q: ``[batch, pos, heads, d_head]`` queries as attention received them (zero past
+            each prompt's length).
+        k: ``[batch, pos, kv_heads, d_head]`` keys as attention received them.
+        lengths: ``[batch]`` prompt lengths.
         facts: The layer's settings.
+        chunk: Most score entries computed at once (prompts are taken in groups).
 
     Returns:
-        ``(scores, pattern)``, each ``[heads, pos, pos]`` in ``q``'s dtype.
+        ``(scores, pattern)``, each ``[batch, heads, pos, pos]`` in ``q``'s dtype; rows and
+        columns past a prompt's length hold ``-inf`` (scores) and 0 (pattern).
     """
-    n = q.shape[0]
-    queries = q.float().transpose(0, 1)
-    keys = k.float().transpose(0, 1)
-    if keys.shape[0] != queries.shape[0]:
-        keys = keys.repeat_interleave(queries.shape[0] // keys.shape[0], dim=0)
-    scores = torch.matmul(queries, keys.transpose(1, 2)) * facts.scale
-    if facts.softcap is not None:
-        scores = torch.tanh(scores / facts.softcap) * facts.softcap
+    batch, n, heads = q.shape[0], q.shape[1], q.shape[2]
+    scores = q.new_empty((batch, heads, n, n))
+    pattern = q.new_empty((batch, heads, n, n))
     key_pos = torch.arange(n, device=q.device)
-    if facts.alibi is not None:
-        slopes = facts.alibi.to(device=q.device)
-        scores = scores + slopes[:, None, None] * key_pos.float()[None, None, :]
     query_pos = key_pos[:, None]
     allowed = key_pos[None, :] <= query_pos
     if facts.window is not None:
         allowed &= query_pos - key_pos[None, :] < facts.window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    pattern = torch.softmax(scores, dim=-1)
-    return scores.to(q.dtype), pattern.to(q.dtype)
+    alibi = None
+    if facts.alibi is not None:
+        alibi = facts.alibi.to(device=q.device)[:, None, None] * key_pos.float()[None, None, :]
+    # Queries past a prompt's end see nothing: their rows come out -inf / 0.
+    past = key_pos[None, :] >= lengths.to(q.device)[:, None]
+    step = max(1, chunk // max(1, heads * n * n))
+    for start in range(0, batch, step):
+        part = slice(start, min(batch, start + step))
+        queries = q[part].float().transpose(1, 2)
+        keys = k[part].float().transpose(1, 2)
+        if keys.shape[1] != heads:
+            keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)
+        s = torch.matmul(queries, keys.transpose(2, 3)) * facts.scale
+        if facts.softcap is not None:
+            s = torch.tanh(s / facts.softcap) * facts.softcap
+        if alibi is not None:
+            s = s + alibi
+        s = s.masked_fill(~allowed, float("-inf"))
+        rows = past[part][:, None, :, None]
+        p = torch.softmax(s.masked_fill(rows, 0.0), dim=-1).masked_fill(rows, 0.0)
+        scores[part] = s.masked_fill(rows, float("-inf"))
+        pattern[part] = p
+    return scores, pattern

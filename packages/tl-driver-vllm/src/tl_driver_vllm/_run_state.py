@@ -16,14 +16,33 @@ from typing import Any
 import numpy as np
 import torch
 
+from tl_core import TLError
 from tl_driver_vllm._wire import unpack
 
-__all__ = ["NORMED", "RequestPlan", "RunState", "Step"]
+__all__ = ["NORMED", "RequestPlan", "RunState", "Step", "copy_rows"]
 
 #: Internal capture of the final norm's output, from which logits are computed.
 NORMED = "__normed__"
 #: The SamplingParams.extra_args key that tags a request with its run-local id.
 TAG_KEY = "tl_request"
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for tensors of one dtype; on the CPU as one single-threaded copy.
+
+    torch's CPU copy hands every large copy to its OpenMP threads, and on a busy machine
+    (engine threads, other jobs) that hand-off costs far more than the copy: a captured
+    site would cost milliseconds per step. numpy copies the same bits (strided source
+    included) on the calling thread.
+    """
+    bits = _BITS.get(src.element_size())
+    if src.device.type != "cpu" or dst.dtype != src.dtype or bits is None or src.dtype.is_complex:
+        dst.copy_(src)
+        return
+    dst.view(bits).numpy()[...] = src.view(bits).numpy()
 
 
 @dataclass
@@ -42,6 +61,8 @@ class RequestPlan:
     #: hook -> (first row in that hook's stacked table, whether rows follow positions)
     edits: dict[str, tuple[int, bool]] = field(default_factory=dict)
     returned: frozenset[str] = frozenset()
+    #: The request's row in the run's batch (its place in the driver's prompt list).
+    index: int = 0
 
 
 @dataclass
@@ -81,9 +102,12 @@ class RunState:
         self.plans: dict[str, RequestPlan] = {}
         tables: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         rows: dict[str, int] = {}
-        for tag, request in config["requests"].items():
+        for position, (tag, request) in enumerate(config["requests"].items()):
             wanted = frozenset(request["capture"])
-            plan = RequestPlan(tag, int(request["length"]), wanted, bool(request["logits"]), returned=wanted)
+            plan = RequestPlan(
+                tag, int(request["length"]), wanted, bool(request["logits"]), returned=wanted,
+                index=int(request.get("index", position)),
+            )  # fmt: skip
             plan.capture = wanted | {n for name in wanted for n in needs.get(name, ())}
             if plan.logits or "unembed.hook_out" in plan.capture:
                 plan.capture = plan.capture | {NORMED}
@@ -102,8 +126,13 @@ class RunState:
             zero = scale == 0
             self.tables[hook] = EditTable(scale, bias, zero if bool(zero.any()) else None)
         self.captured = {name for plan in self.plans.values() for name in plan.capture}
-        #: hook -> list of (gathered rows, [(tag, first position, count), ...])
-        self.store: dict[str, list[tuple[torch.Tensor, list[tuple[str, int, int]]]]] = {}
+        self.batch = max((plan.index for plan in self.plans.values()), default=-1) + 1
+        self.width = int(config.get("width") or max((p.length for p in self.plans.values()), default=0))
+        #: hook -> ``[batch, width, ...]``: every request's prompt rows at their final place
+        #: (written once, straight from the engine's tensors; no per-prompt pieces to join).
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.written: dict[tuple[str, str], int] = {}
+        self.square: set[str] = set()
         self.step: Step | None = None
         self.tag_of: dict[str, str | None] = {}
 
@@ -138,10 +167,41 @@ class RunState:
         rows, segments = step.capture_rows(name, self.plans)
         if not segments:
             return
-        taken = x[rows].clone() if isinstance(rows, slice) else x.index_select(0, rows)
+        # A slice is a view: each segment is copied once, into its request's row.
+        taken = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
         if transform is not None:
             taken = transform(taken)
-        self.store.setdefault(name, []).append((taken, segments))
+        buffer = self.buffers.get(name)
+        if buffer is None:
+            # A normal tensor, though the engine runs under inference mode: callers may
+            # edit what they get back in place.
+            with torch.inference_mode(False):
+                buffer = taken.new_empty((self.batch, self.width, *taken.shape[1:]))
+            self.buffers[name] = buffer
+        # Segments that sit end to end in the flat buffer (whole prompts in batch order, the
+        # usual prefill) go in one copy: each torch op costs a thread hand-off on the CPU.
+        flat = buffer.view(self.batch * self.width, *buffer.shape[2:])
+        offset = 0
+        run_start, run_rows = -1, 0
+        for tag, first, count in segments:
+            at = self.plans[tag].index * self.width + first
+            if run_rows and at != run_start + run_rows:
+                copy_rows(flat[run_start : run_start + run_rows], taken[offset - run_rows : offset])
+                run_rows = 0
+            if not run_rows:
+                run_start = at
+            run_rows += count
+            offset += count
+            self.written[(name, tag)] = self.written.get((name, tag), 0) + count
+        copy_rows(flat[run_start : run_start + run_rows], taken[offset - run_rows : offset])
+
+    def set_batched(self, name: str, value: torch.Tensor) -> None:
+        """Store a hook computed after the run for the whole batch (a rebuilt pattern,
+        ``[batch, heads, width, width]``, already filled past each prompt's end)."""
+        self.buffers[name] = value
+        self.square.add(name)
+        for plan in self.plans.values():
+            self.written[(name, plan.tag)] = plan.length
 
     def _edit(self, name: str, x: torch.Tensor, step: Step) -> torch.Tensor:
         rows, index = step.edit_rows(name, self.plans, x.device)
@@ -167,22 +227,39 @@ class RunState:
     # -- collection --------------------------------------------------------------------
 
     def gathered(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per request tag, per hook: the prompt's captured rows in position order."""
-        pieces: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
-        for name, chunks in self.store.items():
-            for taken, segments in chunks:
-                offset = 0
-                for tag, first, count in segments:
-                    part = taken[offset : offset + count]
-                    pieces.setdefault(tag, {}).setdefault(name, []).append((first, part))
-                    offset += count
+        """Per request tag, per hook: the prompt's captured rows in position order (views).
+
+        Raises:
+            TLError: Some prompt positions were not computed (nothing else skips them).
+        """
         out: dict[str, dict[str, torch.Tensor]] = {}
-        for tag, by_name in pieces.items():
-            out[tag] = {}
-            for name, parts in by_name.items():
-                parts.sort(key=lambda item: item[0])
-                out[tag][name] = torch.cat([p for _, p in parts]) if len(parts) > 1 else parts[0][1]
+        for name, buffer in self.buffers.items():
+            for tag, plan in self.plans.items():
+                if name not in plan.capture:
+                    continue
+                self._check_written(name, plan)
+                out.setdefault(tag, {})[name] = buffer[plan.index, : plan.length]
         return out
+
+    def batched(self, name: str) -> torch.Tensor:
+        """Hook ``name`` for the whole batch, ``[batch, width, ...]``, zero-padded."""
+        buffer = self.buffers[name]
+        if name in self.square:
+            return buffer  # allocated filled: only each prompt's own square was written
+        for plan in self.plans.values():
+            if name not in plan.capture:
+                buffer[plan.index] = 0
+            elif plan.length < self.width:
+                buffer[plan.index, plan.length :] = 0
+        return buffer
+
+    def _check_written(self, name: str, plan: RequestPlan) -> None:
+        got = self.written.get((name, plan.tag), 0)
+        if got != plan.length:
+            raise TLError(
+                f"prompt {plan.index}: the engine computed {got} of its {plan.length} positions "
+                f"for {name!r}; some positions were not recomputed (prefix caching?)"
+            )
 
 
 class Step:

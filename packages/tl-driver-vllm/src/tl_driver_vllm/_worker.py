@@ -98,19 +98,25 @@ class TLWorkerExtension:
         keep_replicated = tp_rank == 0 or state.all_ranks
         shards = self._tl_shards
         requests: dict[str, dict[str, Any]] = {}
+        returned: set[str] = set()
         with torch.no_grad():
             for tag, captured in state.gathered().items():
                 plan = state.plans[tag]
+                returned |= plan.returned
                 out: dict[str, Any] = {}
                 normed = captured.pop(NORMED, None)
                 if normed is not None:
                     out.update(self._tl_logits(normed, plan.logits, "unembed.hook_out" in plan.capture, state.raw))
-                captured.update(self._tl_patterns(plan.returned, captured))
-                for name, value in captured.items():
-                    if name in plan.returned and (keep_replicated or name in shards):
-                        out[name] = pack(value, raw=state.raw)
                 requests[tag] = out
+            self._tl_patterns(state)
+            batched = {
+                name: pack(state.batched(name), raw=state.raw)
+                for name in state.buffers
+                if name in returned and (keep_replicated or name in shards)
+            }
         result["requests"] = requests
+        # Every captured hook as one [batch, width, ...] tensor, prompts in the driver's order.
+        result["batched"] = batched
         # Where this rank's piece of each head- or neuron-level hook sits in the full tensor.
         result["shards"] = {name: [s.axis, s.start, s.count] for name, s in shards.items()}
         return result
@@ -174,19 +180,22 @@ class TLWorkerExtension:
             )  # fmt: skip
         return facts, shards
 
-    def _tl_patterns(self, wanted: frozenset[str], captured: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Scores and patterns a request asked for, rebuilt from its queries and keys."""
-        out: dict[str, torch.Tensor] = {}
+    def _tl_patterns(self, state: RunState) -> None:
+        """Rebuild the scores and patterns the run asked for, layer by layer, batched."""
+        wanted = {name for plan in state.plans.values() for name in plan.returned}
+        lengths = torch.zeros(state.batch, dtype=torch.long)
+        for plan in state.plans.values():
+            lengths[plan.index] = plan.length
         for i, facts in self._tl_attention.items():
             p = f"blocks.{i}.attn."
             names = [n for n in (p + "hook_attn_scores", p + "hook_pattern") if n in wanted]
             if not names:
                 continue
             q_name, k_name = attention_inputs(self._tl_layout, i)
-            scores, pattern = rebuild(captured[q_name], captured[k_name], facts)
+            scores, pattern = rebuild(state.batched(q_name), state.batched(k_name), lengths, facts)
             values = {p + "hook_attn_scores": scores, p + "hook_pattern": pattern}
-            out.update({n: values[n] for n in names})
-        return out
+            for name in names:
+                state.set_batched(name, values[name])
 
     # -- inside the forward pass ------------------------------------------------------
 
