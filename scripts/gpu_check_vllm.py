@@ -2,10 +2,12 @@
 
 Each stage runs in its own subprocess (a fresh CUDA context and vLLM environment) and
 prints one JSON line; the parent prints a report and exits 1 on any failure. Stages: one
-per family (every served hook and the logits of a single prompt and of a ragged batch with
-chunked prefill, every spec op per prompt, steered greedy generation), then tensor
-parallelism 2 and pipeline parallelism 2 when the machine has two GPUs. Float32 against
-the transformers reference on the CPU, tolerance 1e-4. Budget: under 8 minutes on one GPU.
+per family (every served hook, head- and neuron-level sites and rebuilt patterns included,
+and the logits of a ragged batch with chunked prefill: plain, with every residual spec op
+per prompt, and with per-prompt specs on every head/neuron/norm site; steered greedy
+generation), then tensor parallelism 2 and pipeline parallelism 2 when the machine has two
+GPUs. Float32 against the hf driver on the CPU (generation against plain transformers),
+tolerance 1e-4. Budget: under 8 minutes on one GPU.
 
 Usage (a GPU machine with tl-core, tl-driver-hf and tl-driver-vllm[cuda] installed)::
 
@@ -37,16 +39,16 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
     import torch
     from _tlv_reference import Reference  # the test suite's transformers reference
-    from _tlv_support import diff
-    from test_parity import _per_prompt_specs, _prompts
+    from _tlv_support import diff, prompt_part
+    from test_parity import _per_prompt_specs, _prompts, _site_specs
 
-    from tl_core import RemoteBridge
+    from tl_core import RemoteBridge, TransformerBridge
     from tl_driver_hf.testing import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(family, tmp / f"{family}-{name}")
     options: dict[str, Any] = {
         "dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8,
-        "max_model_len": 256, "kv_cache_memory_bytes": 256 * 2**20,
+        "max_model_len": 256, "kv_cache_memory_bytes": 256 * 2**20, "use_attn_result": True,
     }
     if torch.cuda.is_available():
         options["gpu_memory_utilization"] = 0.3
@@ -60,19 +62,24 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     report: dict[str, float] = {}
     try:
         driver, ref = bridge.driver, Reference(folder)
+        hf = TransformerBridge.boot_transformers(
+            str(folder), dtype=torch.float32, use_attn_result=True, device="cpu"
+        ).driver
         prompts = _prompts(driver.info.d_vocab)
         served = sorted(driver.supported_hook_points)
         specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
-        for label, intervene in (("plain", None), ("specs", specs)):
+        site_specs, _ = _site_specs(driver.namespace, seed=11)
+        for label, intervene in (("plain", None), ("specs", specs), ("site specs", site_specs)):
             result = driver.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
+            want = hf.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
             for b, ids in enumerate(prompts):
-                want, logits = ref.run(ids, served, None if intervene is None else intervene[b])
                 n = len(ids)
                 for hook in served:
                     key = f"{label}:{hook}"
-                    report[key] = max(report.get(key, 0.0), diff(result.captured[hook][b, :n].cpu(), want[hook]))
+                    got = prompt_part(result.captured[hook].cpu(), b, n)
+                    report[key] = max(report.get(key, 0.0), diff(got, prompt_part(want.captured[hook], b, n)))
                 key = f"{label}:logits"
-                report[key] = max(report.get(key, 0.0), diff(result.logits[b, :n].cpu(), logits))
+                report[key] = max(report.get(key, 0.0), diff(result.logits[b, :n].cpu(), want.logits[b, :n]))
         steer = [{"blocks.0.hook_out": {"op": "add", "value": 2.0}}, None]
         chosen = prompts[:2]
         out = driver.forward(chosen, intervene=steer, max_new_tokens=6, stop_at_eos=False)
