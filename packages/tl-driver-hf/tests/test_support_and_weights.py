@@ -86,7 +86,7 @@ def test_detect_tokenizer_bos_eos() -> None:
     assert detect_tokenizer_bos_eos(_NoIds()) == (7, 9)
 
 
-def test_weights_reproduce_the_hooks(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_weights_reproduce_the_hooks(bridge: TransformerBridge, family: str, ids: torch.Tensor) -> None:
     info = bridge.cfg
     with torch.no_grad():
         _, cache = bridge.run_with_cache(ids)
@@ -98,6 +98,10 @@ def test_weights_reproduce_the_hooks(bridge: TransformerBridge, ids: torch.Tenso
     torch.testing.assert_close(cache["embed.hook_out"], bridge.W_E[ids])
     if info.positional_embedding_type == "standard":
         torch.testing.assert_close(cache["pos_embed.hook_out"][0], bridge.W_pos[: ids.shape[1]])
+        torch.testing.assert_close(cache["embed.hook_out"] + cache["pos_embed.hook_out"], cache["blocks.0.hook_in"])
+    elif family != "bloom":  # BLOOM normalises the embedding before block 0
+        # The embedding as it enters the residual stream (Gemma's sqrt(d_model) scale included).
+        torch.testing.assert_close(cache["embed.hook_out"], cache["blocks.0.hook_in"])
     for layer in range(info.n_layers):
         b = f"blocks.{layer}."
         x = cache[b + "attn.hook_in"]
