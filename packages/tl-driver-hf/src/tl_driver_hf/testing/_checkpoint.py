@@ -142,7 +142,8 @@ def tiny_config(
     """Build the config of a tiny model of ``family``, without weights.
 
     Sizes not given follow ``n_heads=4`` and ``head_dim=32``; ``d_model`` defaults to
-    ``n_heads * head_dim`` and the MLP is ``2 * d_model`` wide. Families with grouped-query
+    ``n_heads * head_dim`` and the MLP is ``2 * d_model`` wide (``4 * d_model`` on BLOOM and
+    Falcon, whose vLLM implementations fix that width). Families with grouped-query
     attention get ``n_heads // 2`` key/value heads (when ``n_heads`` is even), multi-query
     families one. Rotary families use ``rope_theta=10000``; sliding windows are ``n_ctx``
     wide so they never cut anything off. Token ids match :func:`train_tiny_tokenizer`.

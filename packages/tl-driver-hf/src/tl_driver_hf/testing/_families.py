@@ -248,6 +248,8 @@ FAMILIES: Final[dict[str, Family]] = {
         "Olmo2Config", "Olmo2ForCausalLM", "gqa", False, lambda d: _llama_like(d, head_dim=False)
     ),
     # Falcon-7B layout: one shared key/value head, attention and MLP in parallel, rotary.
+    # The MLP is 4 * d_model wide, as in every Falcon checkpoint: vLLM's Falcon ignores
+    # ffn_hidden_size and builds 4 * d_model, so any other width fails to load there.
     "falcon": Family(
         "FalconConfig",
         "FalconForCausalLM",
@@ -257,7 +259,7 @@ FAMILIES: Final[dict[str, Family]] = {
             "num_hidden_layers": d.n_layers,
             "hidden_size": d.d_model,
             "num_attention_heads": d.n_heads,
-            "ffn_hidden_size": d.d_mlp,
+            "ffn_hidden_size": 4 * d.d_model,
             "max_position_embeddings": d.n_ctx,
             "vocab_size": d.vocab_size,
             "multi_query": True,
