@@ -15,6 +15,12 @@ that performs the same operations in the same order and fires the canonical hook
   HookedTransformer); softmax in float32; the module adds the residual to its output.
 * ``falcon`` (Falcon-7B layout): one shared key/value head, rotary on the whole head,
   scores ``q k^T / sqrt(dh)``, softmax in the activations' dtype.
+* ``gptj_legacy``: GPT-J as transformers up to 5.19 writes it (``GPTJAttention._attn``,
+  the rotary table a buffer of the module), which adds the attention mask to the scores
+  and so would read the driver's boolean (or absent) mask as no mask at all. Rotary
+  "every two" on the first ``rotary_dim`` features, scores ``q k^T / sqrt(dh)`` and the
+  softmax in float32. Later versions call ``AttentionInterface`` and need nothing here;
+  ``LEGACY_FORWARDS`` picks this one only where the module still has ``_attn``.
 
 While the driver runs a forward the config names ``tl_hooked``, whose mask builder gives
 boolean masks (``True`` = may attend) or ``None`` (plain causal); a query row with no
@@ -37,7 +43,7 @@ from tl_core import ConfigError, UserError
 from tl_driver_hf._attention import AttentionSite, _allowed, _fire_bhpd
 from tl_driver_hf.adapters import ArchitectureAdapter
 
-__all__ = ["INLINE_FORWARDS", "inline_attention"]
+__all__ = ["INLINE_FORWARDS", "LEGACY_FORWARDS", "inline_attention"]
 
 _MISSING = object()
 
@@ -205,13 +211,74 @@ def _falcon(
     return out, pattern
 
 
+def _rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    pairs = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1)
+    return pairs.flatten(-2)
+
+
+def _gptj_legacy(
+    module: Any,
+    site: AttentionSite,
+    hidden_states: torch.Tensor,
+    layer_past: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    use_cache: bool | None = False,
+    output_attentions: bool | None = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``GPTJAttention.forward`` of transformers <= 5.19 with hooks (partial rotary, fp32 scores)."""
+    assert position_ids is not None
+    q_len = hidden_states.shape[1]
+    heads, d_head = int(module.num_attention_heads), int(module.head_dim)
+    query = torch.unflatten(module.q_proj(hidden_states), -1, (heads, d_head))
+    key = torch.unflatten(module.k_proj(hidden_states), -1, (heads, d_head))
+    value = torch.unflatten(module.v_proj(hidden_states), -1, (heads, d_head)).transpose(1, 2)
+    table = cast(torch.Tensor, module.embed_positions).to(position_ids.device)[position_ids]
+    sin, cos = (t.to(key.dtype).repeat_interleave(2, dim=-1)[:, :, None, :] for t in table.chunk(2, dim=-1))
+    rotary = int(module.rotary_dim or d_head)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        turned = x[..., :rotary] * cos + _rotate_every_two(x[..., :rotary]) * sin
+        return torch.cat((turned, x[..., rotary:]), dim=-1).transpose(1, 2)
+
+    query = _fire_bhpd(site.q, rotate(query))
+    key = _fire_bhpd(site.k, rotate(key))
+    value = _fire_bhpd(site.v, value)
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, module.layer_idx)
+    scores = torch.matmul(query.to(torch.float32), key.to(torch.float32).transpose(-1, -2))
+    scores = scores / module.scale_attn
+    allowed = _allowed(attention_mask, q_len, key.shape[-2], scores.device)
+    scores, row_valid = _masked_scores(scores, allowed, site)
+    pattern = _pattern(scores, row_valid, site, compute=None, out=value.dtype)
+    z = torch.matmul(module.attn_dropout(pattern), value)
+    out = module.resid_dropout(_z_to_output(z, site, module.out_proj))
+    return out, pattern
+
+
 #: Family re-implementations, by ``ArchitectureAdapter.inline_attention`` name. Each takes
 #: ``(module, site, *args, **kwargs)`` as the module's ``forward`` would be called.
 INLINE_FORWARDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gpt_neo": _gpt_neo,
     "bloom": _bloom,
     "falcon": _falcon,
+    "gptj_legacy": _gptj_legacy,
 }
+
+#: Families that call ``AttentionInterface`` in current transformers but computed attention
+#: inline in older 5.x releases: family -> (attribute only the older module has, the
+#: re-implementation to run there).
+LEGACY_FORWARDS: dict[str, tuple[str, str]] = {"gptj": ("_attn", "gptj_legacy")}
+
+
+def _forward_name(sites: Mapping[nn.Module, AttentionSite], adapter: ArchitectureAdapter) -> str | None:
+    if adapter.inline_attention is not None:
+        return adapter.inline_attention
+    legacy = LEGACY_FORWARDS.get(adapter.family)
+    if legacy is not None and any(hasattr(module, legacy[0]) for module in sites):
+        return legacy[1]
+    return None
 
 
 @contextmanager
@@ -225,7 +292,7 @@ def inline_attention(
     Raises:
         ConfigError: The adapter names a re-implementation that does not exist.
     """
-    name = adapter.inline_attention
+    name = _forward_name(sites, adapter)
     if name is None:
         yield
         return
