@@ -163,8 +163,9 @@ def _info(arch: str) -> ModelInfo:
     return ModelInfo(
         n_layers=2, d_model=64, n_heads=2, d_head=32, d_mlp=128, d_vocab=300, n_ctx=64,
         normalization_type="LN" if layout.norm == "ln" else "RMS",
-        positional_embedding_type="standard" if layout.pos_embed else "rotary",
+        positional_embedding_type="standard" if layout.pos_embed else "rotary" if layout.rotary else "none",
         gated_mlp=layout.gated, sandwich_norm=layout.ln1_post is not None,
+        parallel_attn_mlp=layout.parallel, embed_norm=layout.embed_norm is not None,
         qk_norm=layout.qk_norm, n_experts=4 if layout.moe else None,
         experts_per_token=2 if layout.moe else None, architecture=arch,
     )
@@ -183,15 +184,21 @@ def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> No
     assert not namespace.editable & ({"unembed.hook_out"} | INPUT_SITES)
     assert all(namespace.reasons[n] for n in namespace.non_fireable | namespace.read_only)
     # Head- and neuron-level sites are served; rebuilt and derived ones read-only, saying why.
-    heads = {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_in", "ln1.hook_out"}
-    if layout.pos_embed is None:
+    heads = {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_in", "ln2.hook_in"}
+    if layout.ln1 is not None:
+        heads.add("ln1.hook_out")
+    if layout.rotary is not None:
         heads |= {"attn.hook_rot_q", "attn.hook_rot_k"}
     if not layout.moe:
         heads |= {"mlp.hook_pre", "mlp.hook_post"}
     assert {f"blocks.1.{s}" for s in heads} <= namespace.editable
     for site in ("attn.hook_pattern", "attn.hook_attn_scores"):
         assert "rebuilds it after the run" in namespace.reasons[f"blocks.1.{site}"]
-    assert "derived from the norm's input" in namespace.reasons["blocks.0.ln2.hook_scale"]
+    if layout.ln2 is not None:
+        assert "derived from the norm's input" in namespace.reasons["blocks.0.ln2.hook_scale"]
+    else:
+        reason = namespace.non_fireable_reasons["blocks.0.ln2.hook_scale"]
+        assert ("served as ln1.*" if layout.parallel else "no norm before the MLP") in reason
     assert ("blocks.0.attn.hook_result" in namespace.editable) == attn_result
     if not attn_result:
         with pytest.raises(HookNameError, match="use_attn_result=True"):
@@ -205,7 +212,7 @@ def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> No
         assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.ln1_post.hook_out"
     else:
         assert namespace.lookup("blocks.0.hook_attn_out") == "blocks.0.attn.hook_out"
-    with pytest.raises(HookNameError, match=r"rotary kernel|structurally absent"):
+    with pytest.raises(HookNameError, match=r"rotary kernel|rotary table|structurally absent"):
         namespace.lookup("blocks.0.attn.hook_cos")
     with pytest.raises(SpecError, match="last position only"):
         namespace.lookup("unembed.hook_out", edit=True)
@@ -221,14 +228,75 @@ def test_model_info_from_configs_and_unsupported_families() -> None:
     info = model_info(config, max_model_len=100)
     assert (info.n_layers, info.d_model, info.d_head, info.kv_heads, info.n_ctx) == (3, 64, 32, 1, 100)
     assert info.gated_mlp and info.positional_embedding_type == "rotary"
-    with pytest.raises(ConfigError, match="FalconForCausalLM"):
-        layout_for("FalconForCausalLM")
+    with pytest.raises(ConfigError, match="'MambaForCausalLM'.*supported: .*FalconForCausalLM"):
+        layout_for("MambaForCausalLM")
+    with pytest.raises(ConfigError, match="'GPTNeoForCausalLM'.*no GPT-Neo model.*hf driver"):
+        layout_for("GPTNeoForCausalLM")
     stablelm = transformers.StableLmConfig(
         hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=96,
         vocab_size=300, qk_layernorm=True, architectures=["StableLmForCausalLM"],
     )
     with pytest.raises(ConfigError, match="qk_layernorm=True"):
         model_info(stablelm)
+
+
+_ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "opt": "OPTForCausalLM",
+    "bloom": "BloomForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
+_HF_FAMILIES = sorted(_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("family", _HF_FAMILIES)
+def test_model_info_is_the_hf_drivers(family: str) -> None:
+    """Names resolve against the ModelInfo, so both drivers must describe a model alike."""
+    testing = pytest.importorskip("tl_driver_hf.testing")
+    from tl_driver_hf.adapters import find_adapter
+
+    config = testing.tiny_config(family)
+    config.architectures = [_ARCHITECTURES[family]]
+    ours = model_info(config)
+    adapter = find_adapter(config.model_type, config.architectures)
+    assert adapter is not None
+    theirs = adapter.model_info(config)
+    assert ours == theirs, f"{family}: vllm {ours} != hf {theirs}"
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "match"),
+    [
+        ("falcon", {"new_decoder_architecture": True}, "new_decoder_architecture=True"),
+        ("falcon", {"bias": True}, "bias=True .*all-reduce"),
+        ("opt", {"do_layer_norm_before": False}, "post-LN OPT"),
+        ("opt", {"word_embed_proj_dim": 64}, "word_embed_proj_dim=64 .*project_in"),
+        ("bloom", {"apply_residual_connection_post_layernorm": True}, "apply_residual"),
+    ],
+)
+def test_checkpoints_a_layout_cannot_serve_are_refused(family: str, overrides: dict[str, Any], match: str) -> None:
+    testing = pytest.importorskip("tl_driver_hf.testing")
+    config = testing.tiny_config(family, overrides=overrides)
+    config.architectures = [_ARCHITECTURES[family]]
+    with pytest.raises(ConfigError, match=match):
+        model_info(config)
+
+
+def test_gpt_neox_parallel_residual_comes_from_the_checkpoint() -> None:
+    testing = pytest.importorskip("tl_driver_hf.testing")
+    for parallel in (True, False):
+        config = testing.tiny_config("gpt_neox", overrides={"use_parallel_residual": parallel})
+        config.architectures = ["GPTNeoXForCausalLM"]
+        info = model_info(config)
+        assert info.parallel_attn_mlp is parallel
+        names = hook_namespace(info, layout_for("GPTNeoXForCausalLM"))
+        assert "blocks.0.ln2.hook_in" in names.served
 
 
 def test_shards_follow_vllms_head_and_neuron_split() -> None:

@@ -17,7 +17,8 @@ from tl_core.driver_api import (
     NamespaceFacts,
     build_plan,
 )
-from tl_driver_vllm._families import layout_for, model_info
+from tl_driver_vllm._backend import classes_kept
+from tl_driver_vllm._families import layout_for, model_info, served_layout
 from tl_driver_vllm._gguf import gguf_checkpoint
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
@@ -53,7 +54,7 @@ class VLLMDriver(NamespaceFacts):
     ) -> None:
         self._llm: Any | None = llm
         self.tokenizer = tokenizer
-        self._layout = layout_for(info.architecture)
+        self._layout = served_layout(info.architecture, info.parallel_attn_mlp)
         self._namespace = hook_namespace(info, self._layout, attn_result=use_attn_result)
         self._positions = positions
         self._runs = itertools.count()
@@ -138,7 +139,11 @@ class VLLMDriver(NamespaceFacts):
         from vllm import LLM
 
         sockets_before, children_before = socket_files(), children()
-        llm = LLM(**kwargs)
+        if layout_for(info.architecture).backend == "transformers":
+            with classes_kept(config):
+                llm = LLM(**kwargs)
+        else:
+            llm = LLM(**kwargs)
         sockets = socket_files() - sockets_before
         started = children() - children_before
         try:
@@ -336,6 +341,7 @@ def _sizes(info: ModelInfo) -> dict[str, Any]:
         "d_model": info.d_model,
         "d_mlp": info.d_mlp,
         "experts_per_token": info.experts_per_token,
+        "parallel_attn_mlp": info.parallel_attn_mlp,
     }
 
 

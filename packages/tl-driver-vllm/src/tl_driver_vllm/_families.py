@@ -15,7 +15,16 @@ from typing import Any, Literal
 from tl_core import ConfigError, ModelInfo
 from tl_core.driver_api import model_info_from_config
 
-__all__ = ["LAYOUTS", "Layout", "NormKind", "layout_for", "model_info"]
+__all__ = [
+    "LAYOUTS",
+    "NOT_RUN_BY_VLLM",
+    "Layout",
+    "NormKind",
+    "layout_for",
+    "model_info",
+    "resolve",
+    "served_layout",
+]
 
 NormKind = Literal["rms", "gemma_rms", "ln"]
 
@@ -58,8 +67,18 @@ class Layout:
       tuple starting with them): ``mlp.hook_router_logits``, with
       ``hook_expert_weights``/``hook_expert_indices`` derived from them by the family's
       top-k routing (softmax, top ``experts_per_token``, renormalised).
-    * ``ln1``, ``ln2``, ``ln1_post``, ``ln2_post`` input and output: the norms' ``hook_in``
-      and ``hook_out``; ``hook_scale``/``hook_normalized`` are derived from the input.
+    * ``ln1``, ``ln2``, ``ln1_post``, ``ln2_post``, ``embed_norm`` input and output: the
+      norms' ``hook_in`` and ``hook_out``; ``hook_scale``/``hook_normalized`` are derived
+      from the input.
+    * ``ln2.hook_in`` where there is no ``ln2``: the MLP's input, which is the residual
+      stream itself (OLMo 2, edited in place), or, in a ``parallel`` block whose one norm
+      feeds both sublayers (GPT-J, Falcon-7B), the block input re-normalised for the MLP.
+
+    **Transformers backend.** vLLM runs some architectures (GPT-NeoX, OLMo 2) as
+    transformers' own modules with vLLM's linear layers, norms and ``Attention`` inside
+    (``backend="transformers"``). Their tensors carry a leading batch axis of size 1, which
+    every site hides, and their ``Attention`` layer is called through ``forward`` directly,
+    so its inputs are read by wrapping that method for the run.
 
     **Adding a family.** Start from the row of a family with the same module shape
     (``dataclasses.replace``), change the paths and flags that differ, add the row to
@@ -73,10 +92,12 @@ class Layout:
         pos_embed: Learned positional embedding relative to ``inner``, or ``None``.
         layers: The ``ModuleList`` of decoder layers, relative to ``inner``.
         final_norm: The final norm, relative to ``inner``.
-        ln1: The pre-attention norm, relative to a layer.
+        ln1: The pre-attention norm, relative to a layer, or ``None`` (OLMo 2 has none).
         attn: Attention block, relative to a layer.
         mlp: MLP (or mixture-of-experts) block, relative to a layer.
-        ln2: The norm whose input is the residual between attention and MLP.
+        ln2: The pre-MLP norm, relative to a layer: its input is the residual between
+            attention and MLP (or, in a ``parallel`` block, the block input); ``None`` where
+            the MLP reads the residual directly (OLMo 2) or one norm feeds both sublayers.
         ln1_post: Post-attention norm of sandwich-norm families, or ``None``.
         ln2_post: Post-MLP norm of sandwich-norm families, or ``None``.
         residual_pair: Whether layers pass ``(delta, residual)`` pairs and the pre-sublayer
@@ -96,7 +117,9 @@ class Layout:
         attention: vLLM's ``Attention`` layer, relative to ``attn``.
         o_proj: Output projection, relative to ``attn``.
         rotary: The rotary embedding module relative to ``attn``, or ``None`` for families
-            without rotary positions (then ``hook_q``/``hook_k`` are read at attention).
+            without rotary positions (then ``hook_q``/``hook_k`` are read at attention). On
+            the Transformers backend, whose attention code rotates with the table the model
+            hands it, the model's rotary module relative to ``inner``.
         q_norm: Query norm relative to ``attn`` (QK-norm families), or ``None``.
         k_norm: Key norm relative to ``attn``, or ``None``.
         qk_norm_layout: ``"heads"`` or ``"flat"``, see above.
@@ -106,6 +129,21 @@ class Layout:
         router: Router of a mixture-of-experts block relative to ``mlp``, or ``None``.
         config_requires: Config values the layout assumes, with the reason when one differs
             (checked before the engine starts).
+        embed_norm: A norm applied to the embedding before block 0 (BLOOM's
+            ``word_embeddings_layernorm``) relative to ``inner``, served as ``embed_ln.*``.
+        parallel: Whether attention and the MLP read the same block input. With ``ln2`` the
+            MLP's own norm reads it (GPT-NeoX): an ``ln2.hook_in`` edit replaces that norm's
+            input only. Without ``ln2`` one norm (``ln1``) feeds both (GPT-J, Falcon-7B):
+            ``ln2.hook_in`` is the block input as the MLP sees it, and an edit reaches the
+            MLP as ``ln1(edited)`` while attention keeps the unedited norm.
+        parallel_field: Config field that decides ``parallel`` per checkpoint, if any.
+        backend: ``"native"`` (vLLM's own model class) or ``"transformers"`` (vLLM's
+            Transformers backend, ``TransformersForCausalLM``), see above.
+        same_width: ``(config field, reason)``: a width that must equal ``hidden_size``.
+        activation: ``(path relative to mlp, vLLM activation name)`` where vLLM's model
+            computes another activation than the checkpoint defines: the worker installs
+            the checkpoint's at boot (with a log line), so the engine computes the model
+            transformers and the hf driver compute. ``None`` where vLLM's is the checkpoint's.
     """
 
     inner: str
@@ -113,10 +151,10 @@ class Layout:
     pos_embed: str | None
     layers: str
     final_norm: str
-    ln1: str
+    ln1: str | None
     attn: str
     mlp: str
-    ln2: str
+    ln2: str | None
     ln1_post: str | None
     ln2_post: str | None
     residual_pair: bool
@@ -137,6 +175,22 @@ class Layout:
     down: str | None = "down_proj"
     router: str | None = None
     config_requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    embed_norm: str | None = None
+    parallel: bool = False
+    parallel_field: str | None = None
+    backend: Literal["native", "transformers"] = "native"
+    same_width: tuple[str, str] | None = None
+    activation: tuple[str, str] | None = None
+
+    @property
+    def batched(self) -> bool:
+        """Whether tensors inside the model carry a leading batch axis of size 1."""
+        return self.backend == "transformers"
+
+    @property
+    def mlp_inline(self) -> bool:
+        """Whether the MLP's projections sit in the layer itself (``mlp`` is ``""``, OPT)."""
+        return self.mlp == ""
 
     @property
     def gated(self) -> bool:
@@ -155,11 +209,17 @@ class Layout:
 
     def config_problems(self, config: Any) -> list[str]:
         """Why this layout cannot serve ``config`` (empty when it can)."""
-        return [
+        problems = [
             f"{name}={getattr(config, name, None)!r} (expected {want!r}): {why}"
             for name, (want, why) in self.config_requires.items()
             if getattr(config, name, want) != want
         ]
+        if self.same_width is not None:
+            name, why = self.same_width
+            width, hidden = getattr(config, name, None), getattr(config, "hidden_size", None)
+            if width is not None and width != hidden:
+                problems.append(f"{name}={width!r} (expected hidden_size={hidden!r}): {why}")
+        return problems
 
 
 _LLAMA = Layout(
@@ -223,6 +283,135 @@ _GPT2 = Layout(
     down="c_proj",
 )
 
+# The families below pass one residual-stream tensor between layers and use LayerNorm,
+# like GPT-2; their rows start from it.
+_GPTJ = replace(
+    _GPT2,
+    pos_embed=None,
+    ln2=None,
+    layer_input=1,
+    parallel=True,
+    qkv="qkv_proj",
+    o_proj="out_proj",
+    rotary="rotary_emb",
+    fc_in="fc_in",
+    down="fc_out",
+)
+_OPT = replace(
+    _GPT2,
+    inner="model.decoder",
+    embed="embed_tokens",
+    pos_embed="embed_positions",
+    layers="layers",
+    final_norm="final_layer_norm",
+    ln1="self_attn_layer_norm",
+    attn="self_attn",
+    ln2="final_layer_norm",
+    mlp="",
+    qkv="qkv_proj",
+    o_proj="out_proj",
+    fc_in="fc1",
+    down="fc2",
+    config_requires={
+        "do_layer_norm_before": (
+            True,
+            "post-LN OPT (opt-350m) normalises after each sublayer, which the canonical "
+            "pre-norm hooks cannot describe",
+        ),
+        "_remove_final_layer_norm": (False, "the final norm is expected"),
+    },
+    same_width=(
+        "word_embed_proj_dim",
+        "OPT's project_in/project_out around the blocks (word_embed_proj_dim != "
+        "hidden_size) are not mapped",
+    ),
+)
+_BLOOM = replace(
+    _GPT2,
+    embed="word_embeddings",
+    pos_embed=None,
+    embed_norm="word_embeddings_layernorm",
+    ln1="input_layernorm",
+    attn="self_attention",
+    ln2="post_attention_layernorm",
+    layer_input=1,
+    # vLLM repacks BLOOM's per-head fused projection into [q | k | v] when it loads.
+    qkv="query_key_value",
+    o_proj="dense",
+    fc_in="dense_h_to_4h",
+    down="dense_4h_to_h",
+    # BLOOM's GELU is the tanh approximation (transformers' BloomGelu, Megatron's bias-GELU);
+    # vLLM 0.32's BloomMLP uses the exact (erf) GELU, 1e-3 away on the tiny model.
+    activation=("gelu_impl", "gelu_pytorch_tanh"),
+    config_requires={
+        "apply_residual_connection_post_layernorm": (
+            False,
+            "with it the residual stream is the normalised input, which the hook "
+            "vocabulary's residual hooks cannot express",
+        ),
+    },
+)
+_FALCON = replace(
+    _BLOOM,
+    embed_norm=None,
+    activation=None,
+    attn="self_attention",
+    ln1="input_layernorm",
+    ln2=None,
+    parallel=True,
+    rotary="rotary_emb",
+    config_requires={
+        "new_decoder_architecture": (
+            False,
+            "Falcon-40B/180B's grouped layout with two norms is not mapped (nor on the hf "
+            "driver)",
+        ),
+        "multi_query": (True, "only the multi-query (Falcon-7B) layout is mapped"),
+        "alibi": (False, "Falcon-RW's ALiBi attention is not mapped (nor on the hf driver)"),
+        "parallel_attn": (True, "only the parallel attention/MLP block is mapped"),
+        "bias": (
+            False,
+            "vLLM's Falcon adds the projections' biases after the block's single "
+            "all-reduce, outside the attention and MLP modules' outputs",
+        ),
+    },
+)
+_GPT_NEOX = replace(
+    _GPT2,
+    inner="model",
+    embed="embed_in",
+    pos_embed=None,
+    layers="layers",
+    final_norm="final_layer_norm",
+    ln1="input_layernorm",
+    attn="attention",
+    ln2="post_attention_layernorm",
+    parallel=True,
+    parallel_field="use_parallel_residual",
+    # transformers' fused projection, kept per head: [q_h | k_h | v_h].
+    qkv="query_key_value",
+    qkv_layout="heads",
+    o_proj="dense",
+    rotary="rotary_emb",
+    fc_in="dense_h_to_4h",
+    down="dense_4h_to_h",
+    backend="transformers",
+)
+_OLMO2 = replace(
+    _LLAMA,
+    ln1=None,
+    ln2=None,
+    ln1_post="post_attention_layernorm",
+    ln2_post="post_feedforward_layernorm",
+    residual_pair=False,
+    layer_input=0,
+    # vLLM fuses q/k/v into one projection; OLMo 2 normalises all heads of a position at once.
+    q_norm="q_norm",
+    k_norm="k_norm",
+    qk_norm_layout="flat",
+    backend="transformers",
+)
+
 #: vLLM architecture name -> layout. Every entry is covered by the parity tests.
 LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,
@@ -236,6 +425,21 @@ LAYOUTS: dict[str, Layout] = {
     "Gemma3ForCausalLM": _GEMMA3,
     "StableLmForCausalLM": _STABLELM,
     "GPT2LMHeadModel": _GPT2,
+    "GPTJForCausalLM": _GPTJ,
+    "OPTForCausalLM": _OPT,
+    "BloomForCausalLM": _BLOOM,
+    "FalconForCausalLM": _FALCON,
+    "GPTNeoXForCausalLM": _GPT_NEOX,
+    "Olmo2ForCausalLM": _OLMO2,
+}
+
+#: Architectures vLLM 0.32 cannot run at all, with the reason (named when one is refused).
+NOT_RUN_BY_VLLM: dict[str, str] = {
+    "GPTNeoForCausalLM": (
+        "vLLM 0.32 has no GPT-Neo model, and its Transformers backend cannot run one either: "
+        "GPT-Neo computes attention inside its own module instead of calling transformers' "
+        "attention interface"
+    ),
 }
 
 
@@ -249,10 +453,17 @@ def layout_for(architecture: str) -> Layout:
         Its layout.
 
     Raises:
-        ConfigError: The architecture is not supported, naming the supported ones.
+        ConfigError: The architecture is not supported, naming the supported ones (and
+            why, where vLLM itself cannot run it).
     """
     layout = LAYOUTS.get(architecture)
     if layout is None:
+        why = NOT_RUN_BY_VLLM.get(architecture)
+        if why is not None:
+            raise ConfigError(
+                f"the vllm driver cannot serve architecture {architecture!r}: {why}. Use the "
+                "hf driver for it."
+            )
         raise ConfigError(
             f"the vllm driver does not support architecture {architecture!r}; supported: "
             f"{', '.join(sorted(LAYOUTS))}. Each family needs a table of where vLLM keeps "
@@ -262,19 +473,18 @@ def layout_for(architecture: str) -> Layout:
     return layout
 
 
-def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
-    """Build the ``ModelInfo`` of a checkpoint from its ``transformers`` config.
+def resolve(config: Any) -> Layout:
+    """The layout serving one checkpoint: its family's, with per-checkpoint fields settled.
 
     Args:
-        config: A ``transformers.PretrainedConfig`` (text config for multimodal wrappers).
-        max_model_len: The engine's context limit, when known (else the config's).
+        config: The checkpoint's ``transformers`` config (text config for wrappers).
 
     Returns:
-        Sizes from tl-core's config reader, structure from the family's layout.
+        The family layout, ``parallel`` read from ``parallel_field`` where it has one.
 
     Raises:
-        ConfigError: Unsupported architecture, a config the layout cannot serve, or a
-            config missing a size.
+        ConfigError: Unsupported architecture, or a config the layout cannot serve (naming
+            each field, the value expected and why).
     """
     architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
     layout = layout_for(architecture)
@@ -284,16 +494,53 @@ def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
             f"the vllm driver cannot serve this {architecture!r} checkpoint: "
             f"{'; '.join(problems)}. Use the hf driver for it."
         )
-    return model_info_from_config(
+    if layout.parallel_field is not None:
+        parallel = bool(getattr(config, layout.parallel_field, layout.parallel))
+        layout = replace(layout, parallel=parallel)
+    return layout
+
+
+def served_layout(architecture: str, parallel: bool) -> Layout:
+    """The layout of a checkpoint whose ``ModelInfo`` is known (``parallel_attn_mlp``)."""
+    layout = layout_for(architecture)
+    return layout if layout.parallel == parallel else replace(layout, parallel=parallel)
+
+
+def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
+    """Build the ``ModelInfo`` of a checkpoint from its ``transformers`` config.
+
+    The structure flags are the ones the hf driver reports for the same checkpoint, so a
+    name resolves to the same site on both drivers.
+
+    Args:
+        config: A ``transformers.PretrainedConfig`` (text config for multimodal wrappers).
+        max_model_len: The engine's context limit, when known (else the config's).
+
+    Returns:
+        Sizes from tl-core's config reader, structure from the family's layout.
+
+    Raises:
+        ConfigError: Unsupported architecture or config, or a config missing a size.
+    """
+    layout = resolve(config)
+    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
+    info = model_info_from_config(
         config,
         normalization_type="LN" if layout.norm == "ln" else "RMS",
         positional_embedding_type=(
             "standard" if layout.pos_embed else "rotary" if layout.rotary else "none"
         ),
         gated_mlp=layout.gated,
+        parallel_attn_mlp=layout.parallel,
         sandwich_norm=layout.ln1_post is not None,
         qk_norm=layout.qk_norm,
+        embed_norm=layout.embed_norm is not None,
         moe=layout.moe,
         architecture=architecture,
         n_ctx=max_model_len,
     )
+    if getattr(config, "multi_query", False) and info.n_key_value_heads is None:
+        # Falcon-7B names its key/value head count num_kv_heads and ignores it with
+        # multi-query attention: one key/value head.
+        info = replace(info, n_key_value_heads=1)
+    return info

@@ -43,6 +43,17 @@ _SPLIT = (
     "per-head copies of the block input exist only on local drivers (native, hf), which "
     "can run one projection per head; vLLM runs one fused QKV projection"
 )
+_TRANSFORMERS_ROTARY = (
+    "vLLM runs {arch} on its Transformers backend, whose rotary table the vllm driver does "
+    "not hook (hook_rot_q/hook_rot_k hold the rotated values)"
+)
+_NO_LN1 = "{arch} has no norm before attention (attention reads the residual stream directly)"
+_NO_LN2 = "{arch} has no norm before the MLP (the MLP reads the residual stream directly)"
+_SHARED_LN = (
+    "{arch} has one norm per block feeding both attention and the MLP; it is served as "
+    "ln1.* (ln2.hook_in is the block input as the MLP reads it, and an edit there reaches "
+    "the MLP only)"
+)
 _MOE_NEURONS = (
     "{arch} routes each token through a few of its experts, so there is no single layer of "
     "MLP neurons; use mlp.hook_in / mlp.hook_out"
@@ -56,7 +67,10 @@ def _suffix(name: str) -> str:
 
 def _block_sites(info: ModelInfo, layout: Layout, attn_result: bool) -> list[str]:
     """Every per-block hook (``blocks.{i}.`` stripped) the driver serves on this family."""
-    sites = ["hook_in", *(f"ln1.{s}" for s in _NORM), "attn.hook_in"]
+    sites = ["hook_in"]
+    if layout.ln1 is not None:
+        sites += [f"ln1.{s}" for s in _NORM]
+    sites.append("attn.hook_in")
     sites += ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
     if layout.qk_norm:
         sites += [f"attn.{n}.{s}" for n in ("q_norm", "k_norm") for s in _NORM]
@@ -68,7 +82,7 @@ def _block_sites(info: ModelInfo, layout: Layout, attn_result: bool) -> list[str
     sites.append("attn.hook_out")
     if layout.ln1_post is not None:
         sites += [f"ln1_post.{s}" for s in _NORM]
-    sites += [f"ln2.{s}" for s in _NORM]
+    sites += [f"ln2.{s}" for s in _NORM] if layout.ln2 is not None else ["ln2.hook_in"]
     sites.append("mlp.hook_in")
     if layout.moe:
         sites += ["mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices"]
@@ -89,7 +103,7 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
     q, k = ("rot_q", "rot_k") if layout.rotary is not None else ("q", "k")
     pattern = _PATTERN.format(i=i, q=q, k=k)
     out = {p + "attn.hook_attn_scores": pattern, p + "attn.hook_pattern": pattern}
-    norms = [("ln1", "ln1.hook_in or ln1.hook_out"), ("ln2", "ln2.hook_in or ln2.hook_out")]
+    norms = [(n, f"{n}.hook_in or {n}.hook_out") for n, path in (("ln1", layout.ln1), ("ln2", layout.ln2)) if path]
     if layout.ln1_post is not None:
         norms += [("ln1_post", "ln1_post.hook_in or ln1_post.hook_out"),
                   ("ln2_post", "ln2_post.hook_in or ln2_post.hook_out")]  # fmt: skip
@@ -119,6 +133,8 @@ def hook_namespace(info: ModelInfo, layout: Layout, *, attn_result: bool = False
     served = {"embed.hook_out", *_FINAL_SERVED, "embed.hook_in"}
     if layout.pos_embed is not None:
         served |= {"pos_embed.hook_in", "pos_embed.hook_out"}
+    if layout.embed_norm is not None:
+        served.update(f"embed_ln.{s}" for s in _NORM)
     per_block = _block_sites(info, layout, attn_result)
     served.update(f"blocks.{i}.{s}" for i in range(info.n_layers) for s in per_block)
     read_only: dict[str, str] = {
@@ -127,6 +143,9 @@ def hook_namespace(info: ModelInfo, layout: Layout, *, attn_result: bool = False
         "unembed.hook_out": "vLLM samples from logits it computes at the last position only; "
         "the sequence logits are rebuilt for capture",
     }
+    if layout.embed_norm is not None:
+        for site in ("hook_scale", "hook_normalized"):
+            read_only[f"embed_ln.{site}"] = _DERIVED.format(alt="embed_ln.hook_in or embed_ln.hook_out")
     for i in range(info.n_layers):
         read_only.update(_read_only(i, layout))
     reasons: dict[str, str] = {}
@@ -134,8 +153,13 @@ def hook_namespace(info: ModelInfo, layout: Layout, *, attn_result: bool = False
         if name in served:
             continue
         suffix = _suffix(name)
+        arch = info.architecture
         if suffix in ("attn.hook_cos", "attn.hook_sin"):
-            reasons[name] = _ROTARY
+            reasons[name] = _TRANSFORMERS_ROTARY.format(arch=arch) if layout.batched else _ROTARY
+        elif suffix.startswith("ln1.") and layout.ln1 is None:
+            reasons[name] = _NO_LN1.format(arch=arch)
+        elif suffix.startswith("ln2.") and layout.ln2 is None:
+            reasons[name] = (_SHARED_LN if layout.parallel else _NO_LN2).format(arch=arch)
         elif suffix.startswith("attn.hook_") and suffix.endswith("_input"):
             reasons[name] = _SPLIT
         elif layout.moe and suffix in ("mlp.hook_pre", "mlp.hook_post"):

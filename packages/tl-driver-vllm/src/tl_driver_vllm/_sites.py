@@ -3,7 +3,9 @@
 ``install_sites`` walks the family's ``Layout`` (module paths only; no per-family code) and
 puts a hook from ``_site_hooks`` on each module some request captures or edits at. Only
 the sites some request needs are hooked, and the hooks are removed when the run ends, so a
-run without captures or edits runs the bare engine.
+run without captures or edits runs the bare engine. Block shapes other than Llama's use the
+hooks of ``_block_hooks``; on the Transformers backend every hook goes through its
+``Unbatched`` adapter.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tl_driver_vllm._block_hooks import CallThrough, ResidualInput, SharedNormInput, Unbatched
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._patterns import AttentionFacts
 from tl_driver_vllm._run_state import NORMED, RunState
@@ -34,13 +37,13 @@ from tl_driver_vllm._site_hooks import (
 __all__ = ["attention_inputs", "install_sites", "normalized", "rms_scale", "sub", "pattern_needs"]
 
 
-def sub(module: nn.Module | None, path: str) -> nn.Module | None:
+def sub(module: nn.Module | None, path: str | None) -> nn.Module | None:
     """The submodule at dotted ``path`` (``""``: ``module`` itself), or ``None``.
 
     Pipeline stages hold placeholders (``PPMissingLayer``) for other stages' modules; they
-    count as absent.
+    count as absent, and so does a ``None`` path (a module the family does not have).
     """
-    if module is None:
+    if module is None or path is None:
         return None
     for part in path.split(".") if path else ():
         module = getattr(module, part, None)
@@ -76,9 +79,27 @@ def pattern_needs(layout: Layout, n_layers: int) -> dict[str, tuple[str, ...]]:
 
 
 class _Installer:
-    def __init__(self, state: RunState, handles: list[RemovableHandle]) -> None:
-        self.state, self.handles = state, handles
+    def __init__(self, state: RunState, handles: list[RemovableHandle], layout: Layout) -> None:
+        self.state, self.handles, self.layout = state, handles, layout
         self.needed = state.needed()
+
+    def add(self, module: nn.Module, hook: Any, kind: str = "forward") -> None:
+        """Register ``hook`` (``"forward"``, ``"pre"`` or ``"pre_kwargs"``) on ``module``."""
+        if self.layout.batched:
+            hook = Unbatched(hook, kind)
+        if kind == "forward":
+            self.handles.append(module.register_forward_hook(hook))
+        else:
+            self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=kind == "pre_kwargs"))
+
+    def attention_input(self, module: nn.Module, hook: Any) -> None:
+        """A pre-hook on vLLM's ``Attention`` layer, however the model calls it."""
+        if self.layout.batched:
+            # The Transformers backend calls Attention.forward directly (no module hooks);
+            # its query/key/value arrive flat, [tokens, heads * d_head].
+            self.handles.append(CallThrough(module, hook))  # type: ignore[arg-type]
+        else:
+            self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def want(self, *names: str) -> tuple[str, ...]:
         return tuple(n for n in names if n in self.needed)
@@ -89,7 +110,7 @@ class _Installer:
     def output(self, module: nn.Module | None, *names: str) -> None:
         kept = self.want(*names)
         if module is not None and kept:
-            self.handles.append(module.register_forward_hook(OutputSite(self.state, kept)))
+            self.add(module, OutputSite(self.state, kept))
 
     def norm(self, module: nn.Module | None, prefix: str, *, mode: Any, pair: bool, kind: str,
              heads: int | None = None, flat: bool = False) -> None:  # fmt: skip
@@ -100,8 +121,8 @@ class _Installer:
             return
         site = NormSite(self.state, prefix, mode=mode, pair=pair, kind=kind, eps=_eps(module),
                         heads=heads, flat=flat)  # fmt: skip
-        self.handles.append(module.register_forward_pre_hook(site.pre))
-        self.handles.append(module.register_forward_hook(site.post))
+        self.add(module, site.pre, "pre")
+        self.add(module, site.post)
 
 
 def install_sites(
@@ -132,12 +153,14 @@ def install_sites(
     assert inner is not None
     layers = getattr(inner, layout.layers)
     handles: list[RemovableHandle] = []
-    at = _Installer(state, handles)
+    at = _Installer(state, handles, layout)
 
     if not layout.embed_scaled:
         at.output(sub(inner, layout.embed), "embed.hook_out")
     if layout.pos_embed:
         at.output(sub(inner, layout.pos_embed), "pos_embed.hook_out")
+    # BLOOM's norm on the embedding; its input is the embedding's output, edited for it only.
+    at.norm(sub(inner, layout.embed_norm), "embed_ln", mode="norm", pair=False, kind=layout.norm)
     final_norm = sub(inner, layout.final_norm)
     for k in range(n_layers + 1):
         names = [f"blocks.{k - 1}.hook_out"] if k else []
@@ -154,7 +177,7 @@ def install_sites(
         final = (layout.norm, _eps(target)) if k == n_layers else None
         index = 0 if k == n_layers else layout.layer_input
         hook = ResidualSite(state, kept, index, layout.residual_pair, final)
-        handles.append(target.register_forward_pre_hook(hook, with_kwargs=True))
+        at.add(target, hook, "pre_kwargs")
     for i in range(n_layers):
         layer = sub(layers[i], "")
         if layer is not None and i in attention:
@@ -172,39 +195,61 @@ def _install_layer(
     tp_size: int,
     top_k: int | None,
 ) -> None:
-    state, handles, pair, kind = at.state, at.handles, layout.residual_pair, layout.norm
-    at.norm(sub(layer, layout.ln1), p + "ln1", mode="norm", pair=pair, kind=kind)
+    state, pair, kind = at.state, layout.residual_pair, layout.norm
+    ln1 = sub(layer, layout.ln1)
+    at.norm(ln1, p + "ln1", mode="norm", pair=pair, kind=kind)
     attn = sub(layer, layout.attn)
     assert attn is not None
     if at.want(p + "attn.hook_in"):
-        site = InputSite(state, (p + "attn.hook_in",), position=-1)
-        handles.append(attn.register_forward_pre_hook(site, with_kwargs=True))
+        at.add(attn, InputSite(state, (p + "attn.hook_in",), position=-1), "pre_kwargs")
     _install_attention(at, attn, p + "attn.", layout, facts, tp_size)
     at.output(attn, p + "attn.hook_out", p + "ln1_post.hook_in")
-    at.norm(sub(layer, layout.ln1_post) if layout.ln1_post else None, p + "ln1_post", mode=None,
-            pair=False, kind=kind)  # fmt: skip
-    at.norm(sub(layer, layout.ln2), p + "ln2", mode="residual", pair=pair, kind=kind)
+    at.norm(sub(layer, layout.ln1_post), p + "ln1_post", mode=None, pair=False, kind=kind)
     mlp = sub(layer, layout.mlp)
     assert mlp is not None
+    # An MLP whose projections sit in the layer (OPT) starts at its input projection and
+    # ends at its output projection.
+    mlp_in = sub(mlp, layout.fc_in) if layout.mlp_inline else mlp
+    mlp_out = sub(mlp, layout.down) if layout.mlp_inline else mlp
+    assert mlp_in is not None and mlp_out is not None
+    _install_mlp_input(at, layer, ln1, mlp_in, p + "ln2.hook_in", layout)
     if at.want(p + "mlp.hook_in"):
-        handles.append(mlp.register_forward_pre_hook(InputSite(state, (p + "mlp.hook_in",), 0), with_kwargs=True))
+        at.add(mlp_in, InputSite(state, (p + "mlp.hook_in",), 0), "pre_kwargs")
     _install_mlp(at, mlp, p + "mlp.", layout, top_k)
-    at.output(mlp, p + "mlp.hook_out", p + "ln2_post.hook_in")
-    at.norm(sub(layer, layout.ln2_post) if layout.ln2_post else None, p + "ln2_post", mode=None,
-            pair=False, kind=kind)  # fmt: skip
+    at.output(mlp_out, p + "mlp.hook_out", p + "ln2_post.hook_in")
+    at.norm(sub(layer, layout.ln2_post), p + "ln2_post", mode=None, pair=False, kind=kind)
+
+
+def _install_mlp_input(
+    at: _Installer, layer: nn.Module, ln1: nn.Module | None, mlp_in: nn.Module, name: str, layout: Layout
+) -> None:
+    """``ln2``'s sites: the pre-MLP norm's, or ``ln2.hook_in`` where the family has none."""
+    ln2 = sub(layer, layout.ln2)
+    if ln2 is not None:
+        # A parallel block's MLP norm reads the block input: an edit replaces its input only.
+        mode = "norm" if layout.parallel else "residual"
+        at.norm(ln2, name.rsplit(".", 1)[0], mode=mode, pair=layout.residual_pair, kind=layout.norm)
+    elif at.want(name) and layout.parallel:
+        assert ln1 is not None, "a parallel block without ln2 shares ln1 with its MLP"
+        shared = SharedNormInput(at.state, name, ln1, layout.layer_input)
+        # After the residual sites' pre-hook on the layer, so it keeps the edited input.
+        at.add(layer, shared.keep, "pre_kwargs")
+        at.add(mlp_in, shared.mlp, "pre_kwargs")
+    elif at.want(name):
+        at.add(mlp_in, ResidualInput(at.state, name), "pre_kwargs")
 
 
 def _install_attention(
     at: _Installer, attn: nn.Module, a: str, layout: Layout, facts: AttentionFacts, tp_size: int
 ) -> None:
-    state, handles = at.state, at.handles
+    state = at.state
     heads, kv_heads = facts.heads, facts.kv_heads
     if layout.rotary is not None:
         names = (at.one(a + "hook_q"), at.one(a + "hook_k"))
         qkv = sub(attn, layout.qkv)
         if qkv is not None and any(names):
             site = QKVSplit(state, names, heads, kv_heads, facts.head_dim, layout.qkv_layout)
-            handles.append(qkv.register_forward_hook(site))
+            at.add(qkv, site)
         inputs = (at.one(a + "hook_rot_q"), at.one(a + "hook_rot_k"), at.one(a + "hook_v"))
     else:
         inputs = (at.one(a + "hook_q"), at.one(a + "hook_k"), at.one(a + "hook_v"))
@@ -216,31 +261,31 @@ def _install_attention(
     attention = sub(attn, layout.attention)
     if attention is not None and any(inputs):
         received = AttentionInput(state, inputs, heads, kv_heads)
-        handles.append(attention.register_forward_pre_hook(received, with_kwargs=True))
+        at.attention_input(attention, received)
     o_proj = sub(attn, layout.o_proj)
     z, result = at.one(a + "hook_z"), at.one(a + "hook_result")
     if o_proj is not None and (z or result):
         proj = OutputProjection(state, z, result, heads, tp_size)
         if z:
-            handles.append(o_proj.register_forward_pre_hook(proj.pre))
+            at.add(o_proj, proj.pre, "pre")
         if result:
-            handles.append(o_proj.register_forward_hook(proj.post))
+            at.add(o_proj, proj.post)
 
 
 def _install_mlp(at: _Installer, mlp: nn.Module, m: str, layout: Layout, top_k: int | None) -> None:
-    state, handles = at.state, at.handles
+    state = at.state
     pre, linear, post = at.one(m + "hook_pre"), at.one(m + "hook_pre_linear"), at.one(m + "hook_post")
     gate_up = sub(mlp, layout.gate_up) if layout.gate_up else None
     if gate_up is not None and (pre or linear):
-        handles.append(gate_up.register_forward_hook(GateUpSplit(state, (pre, linear))))
+        at.add(gate_up, GateUpSplit(state, (pre, linear)))
     fc_in = sub(mlp, layout.fc_in) if layout.fc_in else None
     if fc_in is not None and pre:
-        handles.append(fc_in.register_forward_hook(OutputSite(state, (pre,))))
+        at.add(fc_in, OutputSite(state, (pre,)))
     down = sub(mlp, layout.down) if layout.down else None
     if down is not None and post:
-        handles.append(down.register_forward_pre_hook(InputSite(state, (post,), 0), with_kwargs=True))
+        at.add(down, InputSite(state, (post,), 0), "pre_kwargs")
     router = sub(mlp, layout.router) if layout.router else None
     routing = at.want(m + "hook_router_logits", m + "hook_expert_weights", m + "hook_expert_indices")
     if router is not None and routing:
         assert top_k is not None
-        handles.append(router.register_forward_hook(RouterSite(state, m[:-1], top_k)))
+        at.add(router, RouterSite(state, m[:-1], top_k))

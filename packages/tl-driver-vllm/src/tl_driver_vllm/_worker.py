@@ -8,13 +8,15 @@ worker's own. This module is imported in every worker process and is safe to imp
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from tl_driver_vllm._families import Layout, layout_for
+from tl_driver_vllm._block_hooks import install_activations
+from tl_driver_vllm._families import Layout, served_layout
 from tl_driver_vllm._patterns import AttentionFacts, attention_facts, rebuild
 from tl_driver_vllm._run_state import NORMED, TAG_KEY, RunState, Step
 from tl_driver_vllm._shards import Shard, layer_shards
@@ -22,6 +24,8 @@ from tl_driver_vllm._sites import attention_inputs, install_sites, pattern_needs
 from tl_driver_vllm._wire import pack
 
 __all__ = ["TLWorkerExtension"]
+
+_log = logging.getLogger("tl_driver_vllm")
 
 
 def _ranks() -> tuple[int, int, int, int]:
@@ -47,15 +51,18 @@ class TLWorkerExtension:
         neurons; report this worker's process and parallel ranks.
 
         ``sizes`` holds the model's global ``n_heads``, ``n_kv_heads``, ``d_model`` and
-        ``experts_per_token`` (from the driver's ``ModelInfo``).
+        ``experts_per_token`` and whether its blocks are parallel (from the driver's
+        ``ModelInfo``). Where vLLM's model computes another MLP activation than the
+        checkpoint (``Layout.activation``), the checkpoint's is installed here, once.
         """
-        self._tl_layout = layout_for(architecture)
+        sizes = sizes or {}
+        self._tl_layout = served_layout(architecture, bool(sizes.get("parallel_attn_mlp", False)))
         self._tl_n_layers = n_layers
         self._tl_state = None
         self._tl_handles = []
         tp_rank, tp_size, pp_rank, pp_size = _ranks()
         model = self._tl_model()
-        sizes = sizes or {}
+        self._tl_fix_activations(architecture, tp_rank)
         self._tl_top_k = sizes.get("experts_per_token")
         self._tl_attention, self._tl_shards = self._tl_layer_facts(sizes, tp_rank, tp_size)
         return {
@@ -131,9 +138,8 @@ class TLWorkerExtension:
     def tl_readout(self) -> dict[str, Any]:
         """Final norm and unembedding weights (this rank's vocabulary shard), as plain data."""
         model = self._tl_model()
-        inner = getattr(model, self._tl_layout.inner)
-        norm = getattr(inner, self._tl_layout.final_norm, None)
-        if norm is None or type(norm).__name__ == "PPMissingLayer":
+        norm = sub(sub(model, self._tl_layout.inner), self._tl_layout.final_norm)
+        if norm is None:
             return {}
         weight = norm.weight.detach().float()
         if self._tl_layout.norm == "gemma_rms":
@@ -150,6 +156,18 @@ class TLWorkerExtension:
             "eps": float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-5))),
             "softcap": getattr(processor, "soft_cap", None),
         }
+
+    def _tl_fix_activations(self, architecture: str, tp_rank: int) -> None:
+        layout = self._tl_layout
+        layers = getattr(sub(self._tl_model(), layout.inner), layout.layers)
+        changed = install_activations(layers, layout, self._tl_n_layers)
+        if changed and tp_rank == 0 and layout.activation is not None:
+            path, name = layout.activation
+            _log.warning(
+                "tl: vLLM's %s computes another MLP activation than the checkpoint defines; "
+                "%d MLPs now use %r at %r, as transformers and the hf driver do",
+                architecture, changed, name, path,
+            )  # fmt: skip
 
     def _tl_layer_facts(
         self, sizes: dict[str, Any], tp_rank: int, tp_size: int
@@ -206,7 +224,7 @@ class TLWorkerExtension:
         model = self._tl_model()
         if self._tl_layout.lm_head == "lm_head":
             return model.lm_head
-        return getattr(getattr(model, self._tl_layout.inner), self._tl_layout.embed)
+        return sub(sub(model, self._tl_layout.inner), self._tl_layout.embed)
 
     def _tl_step(self, module: Any, args: Any, kwargs: Any) -> None:
         """Top-level pre-hook: map this step's rows to (request, position)."""
