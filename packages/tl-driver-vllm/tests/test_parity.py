@@ -2,7 +2,8 @@
 
 The reference is the project's hf driver, through the same ``Driver.forward`` call (its
 sites fix the tensor, layout and convention of every name); greedy generation is checked
-against plain transformers with the specs hooked in (``_tlv_reference``). One engine per
+against plain transformers with the specs hooked in (``_tlv_reference``), or prompt by
+prompt on the hf driver for the families that reference does not map (``_tlv_hf_reference``). One engine per
 family (module scope), float32, a 32-token step so the 70-token prompt is prefilled in
 chunks across steps, next to shorter prompts that finish earlier. Mistral and Gemma 3 get a
 16-token sliding window (the prompts are longer, so the window cuts), StableLM qkv biases.
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from _tlv_hf_reference import DriverReference  # noqa: E402
 from _tlv_reference import Reference  # noqa: E402
 from _tlv_support import ENGINE_OPTIONS, RESIDUAL_SITES, check, diff, prompt_part  # noqa: E402
 
@@ -40,7 +42,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": {},
     "mixtral": {},
     "stablelm": {"use_qkv_bias": True},
+    # Block shapes beyond Llama's: parallel blocks with one norm (GPT-J, Falcon-7B) or two
+    # (GPT-NeoX), learned positions with an offset (OPT), ALiBi and an embedding norm
+    # (BLOOM), no pre-norms and flat QK-norms (OLMo 2); GPT-NeoX and OLMo 2 run on vLLM's
+    # Transformers backend.
+    "gptj": {},
+    "opt": {},
+    "bloom": {},
+    "falcon": {},
+    "gpt_neox": {},
+    "olmo2": {},
 }
+#: Families whose generation reference is plain transformers hooked by ``_tlv_reference``.
+TRANSFORMERS_REFERENCE = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gpt2", "phi3", "mixtral", "stablelm"}
+)
 TOL = 1e-4
 LENGTHS = [9, 70, 3, 17, 33, 1, 24]
 
@@ -51,7 +67,7 @@ class Engines:
 
     vllm: Any
     hf: Any
-    ref: Reference
+    ref: Reference | DriverReference
     prompts: list[list[int]]
 
 
@@ -65,10 +81,22 @@ def family(request: pytest.FixtureRequest, checkpoint: Any) -> Iterator[Engines]
     folder = checkpoint(request.param, **FAMILIES[request.param])
     bridge = RemoteBridge.boot_vllm(folder, dtype="float32", use_attn_result=True, **ENGINE_OPTIONS)
     try:
+        _transformers_class_untouched(folder)
         hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32, use_attn_result=True)
-        yield Engines(bridge.driver, hf.driver, Reference(folder), _prompts(bridge.cfg.d_vocab))
+        ref = Reference(folder) if request.param in TRANSFORMERS_REFERENCE else DriverReference(hf.driver)
+        yield Engines(bridge.driver, hf.driver, ref, _prompts(bridge.cfg.d_vocab))
     finally:
         bridge.close()
+
+
+def _transformers_class_untouched(folder: Any) -> None:
+    """vLLM's Transformers backend decorates transformers' own class; the driver undoes it."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = MODEL_MAPPING[type(AutoConfig.from_pretrained(folder))]
+    assert not any(base.__module__.startswith("vllm") for base in cls.__mro__), cls.__mro__
+    assert "__call__" not in vars(cls), f"{cls.__name__}.__call__ was replaced"
 
 
 def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture: list[str]) -> dict[str, float]:
@@ -101,7 +129,7 @@ def test_every_served_hook_ragged_batch_with_chunked_prefill(family: Engines) ->
     check(report, TOL, f"{family.vllm.info.architecture} ragged batch")
 
 
-def _per_prompt_specs(d: int, arch: str) -> list[dict[str, Any] | None]:
+def _per_prompt_specs(d: int, served: frozenset[str]) -> list[dict[str, Any] | None]:
     gen = torch.Generator().manual_seed(7)
     vec = torch.randn(d, generator=gen).tolist()
     rows = torch.randn(2, d, generator=gen).tolist()
@@ -132,19 +160,24 @@ def _per_prompt_specs(d: int, arch: str) -> list[dict[str, Any] | None]:
     ]
     extra = specs[3]
     assert extra is not None
-    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+    # The sites only some block shapes have (sandwich norms, learned positions, an
+    # embedding norm) get edits of their own.
+    if "blocks.0.ln1_post.hook_out" in served:
         extra["blocks.0.ln1_post.hook_out"] = {"op": "scale", "factor": 3.0, "pos": [0, 5]}
         extra["blocks.1.ln2_post.hook_in"] = {"op": "add", "value": vec}
-    elif arch == "GPT2LMHeadModel":
+    elif "pos_embed.hook_out" in served:
         extra["pos_embed.hook_out"] = {"op": "set", "value": 0.0, "pos": [1, 2]}
     else:
         extra["blocks.1.attn.hook_out"] = {"op": "set", "value": vec, "pos": 10}
+    if "embed_ln.hook_out" in served:
+        extra["embed_ln.hook_in"] = {"op": "scale", "factor": 2.0, "pos": [0, 1]}
+        extra["embed_ln.hook_out"] = {"op": "add", "value": vec, "pos": -1}
     return specs
 
 
 def test_every_spec_op_per_prompt_in_a_batch(family: Engines) -> None:
     driver, prompts = family.vllm, family.prompts
-    specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
+    specs = _per_prompt_specs(driver.info.d_model, driver.supported_hook_points)
     capture = ["blocks.0.hook_out", "blocks.1.attn.hook_out", "blocks.1.hook_out", "ln_final.hook_normalized",
                "blocks.1.attn.hook_pattern", "blocks.1.ln2.hook_scale"]  # fmt: skip
     report = _compare(family, prompts, specs, capture)

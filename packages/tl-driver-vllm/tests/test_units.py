@@ -228,9 +228,9 @@ def test_model_info_from_configs_and_unsupported_families() -> None:
     info = model_info(config, max_model_len=100)
     assert (info.n_layers, info.d_model, info.d_head, info.kv_heads, info.n_ctx) == (3, 64, 32, 1, 100)
     assert info.gated_mlp and info.positional_embedding_type == "rotary"
-    with pytest.raises(ConfigError, match="'MambaForCausalLM'.*supported: .*FalconForCausalLM"):
+    with pytest.raises(ConfigError, match=r"'MambaForCausalLM'.*supported: .*FalconForCausalLM"):
         layout_for("MambaForCausalLM")
-    with pytest.raises(ConfigError, match="'GPTNeoForCausalLM'.*no GPT-Neo model.*hf driver"):
+    with pytest.raises(ConfigError, match=r"'GPTNeoForCausalLM'.*no GPT-Neo model.*hf driver"):
         layout_for("GPTNeoForCausalLM")
     stablelm = transformers.StableLmConfig(
         hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=96,
