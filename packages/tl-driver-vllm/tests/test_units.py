@@ -313,3 +313,20 @@ def test_shards_follow_vllms_head_and_neuron_split() -> None:
     assert got[3]["blocks.0.attn.hook_pattern"].axis == 0
     assert layer_shards(0, tp_rank=0, tp_size=1, heads=8, kv_heads=2, total_kv_heads=2,
                         head_dim=32, d_model=256, neurons=64) == {}  # fmt: skip
+
+
+def test_falcon_partial_sublayer_outputs_under_tensor_parallelism() -> None:
+    layout = layout_for("FalconForCausalLM")
+    info = _info("FalconForCausalLM")
+    one = hook_namespace(info, layout, attn_result=True)
+    assert {"blocks.1.attn.hook_out", "blocks.1.mlp.hook_out", "blocks.1.attn.hook_result"} <= one.editable
+    two = hook_namespace(info, layout, attn_result=True, tp_size=2)
+    for name in ("blocks.1.attn.hook_out", "blocks.1.mlp.hook_out"):
+        assert name not in two.served
+        assert "partial sums" in two.non_fireable_reasons[name] and "blocks.1.hook_out" in two.non_fireable_reasons[name]
+    assert "blocks.1.attn.hook_result" in two.read_only
+    with pytest.raises(SpecError, match=r"edit attn\.hook_z instead"):
+        two.lookup("blocks.0.attn.hook_result", edit=True)
+    # Families whose sublayers all-reduce their own outputs serve them under TP too.
+    gptj = hook_namespace(_info("GPTJForCausalLM"), layout_for("GPTJForCausalLM"), tp_size=2)
+    assert "blocks.1.attn.hook_out" in gptj.editable

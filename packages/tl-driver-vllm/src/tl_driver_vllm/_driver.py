@@ -55,7 +55,6 @@ class VLLMDriver(NamespaceFacts):
         self._llm: Any | None = llm
         self.tokenizer = tokenizer
         self._layout = served_layout(info.architecture, info.parallel_attn_mlp)
-        self._namespace = hook_namespace(info, self._layout, attn_result=use_attn_result)
         self._positions = positions
         self._runs = itertools.count()
         self._readout: ModelReadout | None = None
@@ -66,6 +65,7 @@ class VLLMDriver(NamespaceFacts):
         )
         self._raw = all(w["pid"] == os.getpid() for w in self.workers)
         self._tp = max(int(w["tp_size"]) for w in self.workers)
+        self._namespace = hook_namespace(info, self._layout, attn_result=use_attn_result, tp_size=self._tp)
         self._ranks_checked = self._tp == 1
 
     @classmethod

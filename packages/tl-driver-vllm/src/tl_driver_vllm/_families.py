@@ -140,6 +140,11 @@ class Layout:
         backend: ``"native"`` (vLLM's own model class) or ``"transformers"`` (vLLM's
             Transformers backend, ``TransformersForCausalLM``), see above.
         same_width: ``(config field, reason)``: a width that must equal ``hidden_size``.
+        partial_outputs: Whether vLLM leaves each tensor-parallel rank's attention and MLP
+            outputs as partial sums and all-reduces them once, after adding them (Falcon's
+            parallel block). Under tensor parallelism ``attn.hook_out`` and ``mlp.hook_out``
+            are then not served and ``attn.hook_result`` is read-only; with one rank the
+            outputs are whole and everything is served.
         activation: ``(path relative to mlp, vLLM activation name)`` where vLLM's model
             computes another activation than the checkpoint defines: the worker installs
             the checkpoint's at boot (with a log line), so the engine computes the model
@@ -180,6 +185,7 @@ class Layout:
     parallel_field: str | None = None
     backend: Literal["native", "transformers"] = "native"
     same_width: tuple[str, str] | None = None
+    partial_outputs: bool = False
     activation: tuple[str, str] | None = None
 
     @property
@@ -360,6 +366,7 @@ _FALCON = replace(
     ln2=None,
     parallel=True,
     rotary="rotary_emb",
+    partial_outputs=True,
     config_requires={
         "new_decoder_architecture": (
             False,

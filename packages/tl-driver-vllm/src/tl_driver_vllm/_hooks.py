@@ -54,6 +54,16 @@ _SHARED_LN = (
     "ln1.* (ln2.hook_in is the block input as the MLP reads it, and an edit there reaches "
     "the MLP only)"
 )
+_PARTIAL = (
+    "under tensor parallelism vLLM's {arch} keeps each rank's attention and MLP outputs as "
+    "partial sums and all-reduces them once, after adding them to each other, so no rank "
+    "holds this value; capture blocks.{{i}}.hook_out (or boot with tensor_parallel_size=1)"
+)
+_PARTIAL_RESULT = (
+    "under tensor parallelism vLLM's {arch} all-reduces the attention output only after "
+    "adding the MLP's, so an edit of the per-head results cannot be placed on one rank; "
+    "served for capture (edit attn.hook_z instead, or boot with tensor_parallel_size=1)"
+)
 _MOE_NEURONS = (
     "{arch} routes each token through a few of its experts, so there is no single layer of "
     "MLP neurons; use mlp.hook_in / mlp.hook_out"
@@ -119,13 +129,17 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
     return out
 
 
-def hook_namespace(info: ModelInfo, layout: Layout, *, attn_result: bool = False) -> HookNamespace:
+def hook_namespace(
+    info: ModelInfo, layout: Layout, *, attn_result: bool = False, tp_size: int = 1
+) -> HookNamespace:
     """The namespace of a model served by vLLM.
 
     Args:
         info: The model's structure.
         layout: Where vLLM keeps its sites.
         attn_result: Also serve the opt-in ``attn.hook_result``.
+        tp_size: Tensor-parallel ranks (``Layout.partial_outputs`` families serve less
+            under tensor parallelism).
 
     Returns:
         The served, editable and non-fireable hooks, every one with its reason.
@@ -149,8 +163,15 @@ def hook_namespace(info: ModelInfo, layout: Layout, *, attn_result: bool = False
     for i in range(info.n_layers):
         read_only.update(_read_only(i, layout))
     reasons: dict[str, str] = {}
+    if layout.partial_outputs and tp_size > 1:
+        for i in range(info.n_layers):
+            for site in ("attn.hook_out", "mlp.hook_out"):
+                served.discard(f"blocks.{i}.{site}")
+                reasons[f"blocks.{i}.{site}"] = _PARTIAL.format(arch=info.architecture).replace("{i}", str(i))
+            if attn_result:
+                read_only[f"blocks.{i}.attn.hook_result"] = _PARTIAL_RESULT.format(arch=info.architecture)
     for name in canonical_hook_names(info, include_attn_result=attn_result, include_split_qkv_input=True):
-        if name in served:
+        if name in served or name in reasons:
             continue
         suffix = _suffix(name)
         arch = info.architecture
