@@ -99,6 +99,9 @@ def _restore(value: Any, squeezed: bool) -> Any:
 class Unbatched:
     """Adapter showing a site hook tensors without the Transformers backend's batch axis.
 
+    A forward hook sees its module's arguments and output that way, a pre-hook its
+    arguments (and ``hidden_states=``).
+
     Args:
         hook: A forward hook ``(module, args, output)`` (``kind="forward"``) or pre-hook
             ``(module, args)`` (``"pre"``) or ``(module, args, kwargs)`` (``"pre_kwargs"``).
@@ -114,7 +117,7 @@ class Unbatched:
             first = output[0] if isinstance(output, tuple) else output
             value, squeezed = _squeeze(first)
             shown = (value, *output[1:]) if isinstance(output, tuple) else value
-            new = self.hook(module, args, shown)
+            new = self.hook(module, tuple(_squeeze(a)[0] for a in args), shown)
             if new is None:
                 return None
             head = _restore(new[0] if isinstance(new, tuple) else new, squeezed)

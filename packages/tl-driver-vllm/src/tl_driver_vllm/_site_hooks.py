@@ -322,8 +322,10 @@ class OutputProjection:
     """Hooks on the attention output projection: ``hook_z`` (its input), ``hook_result``.
 
     ``hook_result`` is each head's ``z_h @ W_O[h]``, without the projection's bias, computed
-    from this rank's weight shard. An edit of it adds ``sum_h (edited_h - result_h)`` to the
-    projection's (already all-reduced) output, summed across tensor-parallel ranks first.
+    from this rank's weight shard. An edited request's rows of the projection's output are
+    rebuilt as ``sum_h edited_h`` (summed across tensor-parallel ranks) plus the bias, as the
+    hf driver rebuilds them, so a suppressed head sum is exactly zero there; other rows keep
+    the projection's own output.
 
     Args:
         state: The run.
@@ -363,14 +365,25 @@ class OutputProjection:
         edited = self.state.visit((self.result,), result)
         if edited is result:
             return None
-        delta = (edited - result).sum(dim=1)
+        # Adding sum_h (edited_h - result_h) to the output instead would leave rounding
+        # residue where a spec zeroes the sum, which a following norm (OLMo 2's post-norm)
+        # amplifies by 1/sqrt(eps).
+        total = edited.sum(dim=1)
         if self.tp_size > 1:
             from vllm.distributed import tensor_model_parallel_all_reduce
 
             # Every rank runs this hook with the same rows: the collective stays in step.
-            delta = tensor_model_parallel_all_reduce(delta)
+            total = tensor_model_parallel_all_reduce(total)
         value = _first(output)
-        return _with_first(output, value + delta.to(value.dtype))
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and not getattr(module, "skip_bias_add", False):
+            total = total + bias
+        step = self.state.step
+        assert step is not None
+        rows, _ = step.edit_rows(self.result, self.state.plans, value.device)
+        new = value.clone()
+        new[rows] = total[rows].to(value.dtype)
+        return _with_first(output, new)
 
 
 _WEIGHTS: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
