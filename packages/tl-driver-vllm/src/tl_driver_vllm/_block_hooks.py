@@ -5,9 +5,11 @@ the Transformers backend's batch axis and its ``Attention`` calls, and activatio
   reads the residual stream itself, which the block also keeps as its ``residual``, so an
   edit happens in place, as on the other unfused families.
 * ``SharedNormInput``: ``ln2.hook_in`` where one norm feeds attention and the MLP (GPT-J,
-  Falcon-7B). The value is the block input as the MLP's norm reads it; an edit reaches the
-  MLP only, as ``norm(edited)`` computed by the norm module's own ``forward``, while
-  attention keeps the norm of the unedited input.
+  Falcon-7B). The value is the block input as the MLP's norm reads it. In a run that reads
+  or edits it, the MLP reads its own copy of the shared norm, ``norm(ln2.hook_in)``
+  computed by the norm module's own ``forward`` (bit for bit the shared norm's output when
+  nothing is edited), as the hf driver does: an edit there reaches the MLP only, and edits
+  of ``ln1.*`` reach attention only.
 * ``Unbatched``: vLLM's Transformers backend hands tensors on as ``[1, tokens, ...]``; this
   adapter shows a site hook ``[tokens, ...]`` views (in-place edits reach the original) and
   puts the axis back on values it replaces.
@@ -73,12 +75,10 @@ class SharedNormInput:
         self.block_input = _hidden(args, kwargs, self.index)
 
     def mlp(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """MLP pre-hook: read (and edit) the block input, re-normalised for the MLP only."""
+        """MLP pre-hook: read (and edit) the block input; the MLP gets its norm."""
         x, self.block_input = self.block_input, None
         assert x is not None, "the layer's pre-hook did not run before its MLP"
         edited = self.state.visit(self.names, x)
-        if edited is x:
-            return None
         # forward(), not __call__: the norm's own hooks (ln1.*) fire once, for attention.
         normed = self.norm.forward(edited)
         if args:
