@@ -13,6 +13,7 @@ back into exactly ``edited``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -56,6 +57,20 @@ def normalized(x: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
 def _scale(x: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
     scale = layer_norm_scale(x, eps) if norm == "ln" else rms_scale(x, eps)
     return scale.to(x.dtype)
+
+
+def _visit_views(state: RunState, names: Sequence[str | None], views: Sequence[torch.Tensor]) -> None:
+    """Capture and edit views of one module output, one hook per view (``None``: not served).
+
+    The views alias a projection's fresh output, so an edit written into a view reaches
+    every later use of that output.
+    """
+    for name, view in zip(names, views, strict=True):
+        if name is None:
+            continue
+        edited = state.visit((name,), view)
+        if edited is not view:
+            view.copy_(edited)
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -272,13 +287,7 @@ class QKVSplit:
             parts = (fused[:, :, 0], fused[:, :, 1])
         else:
             parts = (qkv[:, : h * dh].view(n, h, dh), qkv[:, h * dh : (h + kv) * dh].view(n, kv, dh))
-        for name, part in zip(self.names, parts, strict=True):
-            if name is None:
-                continue
-            edited = self.state.visit((name,), part)
-            if edited is not part:
-                # The projection's fresh output: writing into it reaches every later split.
-                part.copy_(edited)
+        _visit_views(self.state, self.names, parts)
         return None
 
 
@@ -419,12 +428,7 @@ class GateUpSplit:
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         fused = _first(output)
         half = fused.shape[-1] // 2
-        for name, part in zip(self.names, (fused[:, :half], fused[:, half:]), strict=True):
-            if name is None:
-                continue
-            edited = self.state.visit((name,), part)
-            if edited is not part:
-                part.copy_(edited)
+        _visit_views(self.state, self.names, (fused[:, :half], fused[:, half:]))
         return None
 
 
