@@ -1,7 +1,9 @@
 """What attribution patching costs, as ratios to one forward + backward of the same batch.
 
-Node attribution is two forwards (clean, corrupt) and one backward, so its floor is about
-1.5x a forward + backward; the issue's target is <= 3.5x on a GPT-2-small shape. Edge
+Node attribution is two forwards (clean, corrupt) and one backward; the parameters are
+frozen and the clean pass runs without autograd, so it can come in under 1.5x the
+baseline, whose backward also computes the weights' gradients. The issue's target is
+<= 3.5x on a GPT-2-small shape. Edge
 attribution adds the split per-head inputs and the writer x reader products; it is timed
 on a 2-layer model, against that model's own forward + backward. All variants run in one
 process, in interleaved rounds (see ``_harness.time_interleaved``).
