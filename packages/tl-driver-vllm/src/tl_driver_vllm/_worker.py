@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -141,7 +141,7 @@ class TLWorkerExtension:
         norm = sub(sub(model, self._tl_layout.inner), self._tl_layout.final_norm)
         if norm is None:
             return {}
-        weight = norm.weight.detach().float()
+        weight = cast(torch.Tensor, norm.weight).detach().float()
         if self._tl_layout.norm == "gemma_rms":
             weight = weight + 1.0
         head = self._tl_head()
