@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENTRY", "TemplateDriver", "__version__"]
 
+#: The driver's entry, named by this distribution's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(
     name="template",
     distribution="tl-driver-template",

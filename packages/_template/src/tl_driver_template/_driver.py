@@ -48,7 +48,13 @@ def _sites(info: ModelInfo) -> dict[str, Any]:
 
 
 class TemplateDriver(NamespaceFacts):
-    """A remote-kind driver: the engine runs the model, the driver reads and edits sites."""
+    """A remote-kind driver: the engine runs the model, the driver reads and edits sites.
+
+    Attributes:
+        name: The entry-point name users type (``"template"``; a copy picks its own).
+        provides_sequence_logits: True: the engine returns logits at every position.
+        tokenizer: The engine's tokenizer (anything with the ``Tokenizer`` protocol).
+    """
 
     name = "template"
     provides_sequence_logits = True

@@ -44,6 +44,7 @@ __all__ = [
     "register_adapter",
 ]
 
+#: The ``hf`` driver's entry, named by this distribution's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(
     name="hf",
     distribution="tl-driver-hf",

@@ -14,6 +14,7 @@ from tl_core.driver_api import detect_bos_eos
 
 __all__ = ["MissingTokenizer", "detect_tokenizer_bos_eos"]
 
+#: tl-core's ``tl_core.driver_api.detect_bos_eos`` under its TransformerLens name.
 detect_tokenizer_bos_eos = detect_bos_eos
 
 

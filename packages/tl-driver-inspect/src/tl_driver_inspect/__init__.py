@@ -52,6 +52,7 @@ __all__ = [
 #: The tested inspect_ai window (the providers subclass its ``ModelAPI``).
 ENGINE = EngineRequirement(("inspect-ai",), ">=0.3.285,<0.4")
 
+#: The ``inspect`` driver's entry, named by this distribution's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(
     name="inspect",
     distribution="tl-driver-inspect",

@@ -55,6 +55,11 @@ class InspectDriver(NamespaceFacts):
     Every hook, spec and tensor comes from the tl driver the provider runs; this class adds
     the remote contract on top (no callables, no partial forwards, no gradients) and
     serialises its calls with the provider's own.
+
+    Attributes:
+        name: ``"inspect"``, the entry-point name users type.
+        provides_sequence_logits: Whether the provider's tl driver returns logits at every
+            position (so ``loss`` works).
     """
 
     name = "inspect"

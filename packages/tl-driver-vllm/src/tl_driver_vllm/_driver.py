@@ -38,6 +38,14 @@ class VLLMDriver(NamespaceFacts):
 
     Captures and declarative interventions run inside the engine's workers, at every step
     of prefill and decoding, for batches of ragged prompts with per-prompt specs.
+
+    Attributes:
+        name: ``"vllm"``, the entry-point name users type.
+        provides_sequence_logits: True: prompt-position logits are rebuilt from the final
+            norm's output and the unembedding (vLLM itself computes them only at the end).
+        tokenizer: The model's tokenizer (a ``tl_core.driver_api.HFTokenizer``).
+        workers: What each worker's tl extension reported when it was installed (one dict
+            per worker: its process id, tensor-parallel size and rank, ...).
     """
 
     name = "vllm"

@@ -97,6 +97,7 @@ class ParityReport:
         non_fireable: Hooks the candidate declares it cannot serve, with the reason.
         error: Set when a driver crashed or could not boot; the rows may then be empty.
         schema_version: Version of this structure's JSON form.
+        extra: Facts about the run outside the comparison (prompt lengths, prompt count, ...).
     """
 
     model: str

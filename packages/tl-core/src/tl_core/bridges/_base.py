@@ -76,6 +76,7 @@ class Bridge:
 
     #: The driver kind this bridge wraps (``DriverEntry.kind``).
     kind: ClassVar[str]
+    #: The booted driver that runs the model (it implements ``tl_core.driver_api.Driver``).
     driver: Any
     _permanent: list[HookHandle]
 

@@ -31,6 +31,7 @@ class TransformerBridge(Bridge, nn.Module):
     def __init__(self, driver: LocalDriver) -> None:
         nn.Module.__init__(self)
         self._adopt(driver)
+        #: The driver's ``nn.Module`` (the HF or native model itself), for weights and gradients.
         self.model = driver.module
 
     # -- construction -----------------------------------------------------------------

@@ -47,7 +47,9 @@ class CaptureStore:
     """
 
     def __init__(self, path: str | Path, *, verify: bool = True, allow_incomplete: bool = False) -> None:
+        #: The store's folder.
         self.folder = Path(path)
+        #: The store's manifest: hooks, dtypes, shards, progress and the run's settings.
         self.manifest = Manifest.load(self.folder)
         manifest = self.manifest
         if not allow_incomplete:

@@ -16,6 +16,7 @@ from tl_core._version import __version__
 
 __all__ = ["CLI_ENTRY_POINT_GROUP", "build_parser", "main"]
 
+#: The entry-point group whose ``register(subparsers)`` functions add ``tl`` subcommands.
 CLI_ENTRY_POINT_GROUP = "tl_core.cli"
 
 

@@ -129,7 +129,15 @@ class DriverEntry:
 
 @dataclass(frozen=True)
 class InstalledDriver:
-    """One row of the driver listing; ``error`` says why a broken driver cannot load."""
+    """One row of the driver listing; ``error`` says why a broken driver cannot load.
+
+    Attributes:
+        name: The entry-point name (what users type).
+        distribution: The distribution that registers it.
+        version: That distribution's version.
+        entry: The loaded ``DriverEntry``, or ``None`` when the entry point is broken.
+        error: Why the driver cannot load, or ``None`` when it can.
+    """
 
     name: str
     distribution: str

@@ -48,6 +48,7 @@ class LocalDriver(NamespaceFacts, ABC):
 
     #: The name users type to get this driver.
     name: ClassVar[str] = ""
+    #: Local drivers return logits at every position.
     provides_sequence_logits: bool = True
     #: Features this driver has; local drivers have all of them unless they say otherwise.
     features: ClassVar[frozenset[str]] = FEATURES

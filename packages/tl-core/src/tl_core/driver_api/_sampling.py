@@ -41,6 +41,7 @@ class SamplingOptions:
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p
+        #: The private generator seeded with ``seed``; ``None`` (the global RNG) without one.
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)

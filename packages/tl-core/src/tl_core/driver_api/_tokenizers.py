@@ -13,8 +13,11 @@ __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "detect_bos_eos", "paddi
 class Tokenizer(Protocol):
     """What tl needs from a tokenizer. Drivers wrap their engine's tokenizer in this."""
 
+    #: The id bridges prepend with ``prepend_bos``, or ``None`` when the model has none.
     bos_token_id: int | None
+    #: The id that ends generation (with ``stop_at_eos``), or ``None``.
     eos_token_id: int | None
+    #: The id ragged batches are padded with, or ``None`` (then EOS, see ``padding_id``).
     pad_token_id: int | None
 
     def encode(self, text: str) -> list[int]:
@@ -45,11 +48,15 @@ class ByteTokenizer:
     ``d_vocab >= 259``.
     """
 
+    #: 256 byte ids and the three special tokens.
     vocab_size = 259
 
     def __init__(self) -> None:
+        #: BOS is id 256.
         self.bos_token_id: int | None = 256
+        #: EOS is id 257.
         self.eos_token_id: int | None = 257
+        #: PAD is id 258.
         self.pad_token_id: int | None = 258
 
     def encode(self, text: str) -> list[int]:
@@ -133,6 +140,7 @@ class HFTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.hf_tokenizer = tokenizer
         self.bos_token_id, self.eos_token_id = detect_bos_eos(tokenizer)
+        #: The wrapped tokenizer's own pad id (``None`` when it has none).
         self.pad_token_id: int | None = _as_id(getattr(tokenizer, "pad_token_id", None))
         self._specials = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
 

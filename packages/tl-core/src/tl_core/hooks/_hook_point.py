@@ -190,6 +190,7 @@ class HookPoint(nn.Module):
         )
 
     def extra_repr(self) -> str:
+        """The hook's name, shown inside ``repr(model)``."""
         return repr(self.name)
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tl_core.native._driver import NativeDriver as NativeDriver
     from tl_core.native._model import NativeTransformer as NativeTransformer
 
+#: The ``native`` driver's entry, named by tl-core's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(
     name="native",
     distribution="tl-core",

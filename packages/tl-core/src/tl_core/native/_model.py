@@ -122,6 +122,11 @@ class NativeTransformer(nn.Module):
         cfg: The configuration.
         info: The ``ModelInfo`` derived from ``cfg``.
         hook_points: Canonical name to ``HookPoint`` (each ``HookPoint.name`` set).
+        embed: The token embedding.
+        pos_embed: The learned position embedding, or ``None`` (rotary or no positions).
+        blocks: The transformer blocks, in order.
+        ln_final: The final norm.
+        unembed: The unembedding.
     """
 
     def __init__(self, cfg: NativeConfig) -> None:
