@@ -1,0 +1,175 @@
+"""Run the tutorials in docs/tutorials/ and check (or rewrite) the output and figures they show.
+
+A tutorial is a Markdown page whose ```python blocks run in order in one fresh interpreter,
+sharing their variables like notebook cells, in an empty temporary folder. A python block
+followed (after one blank line) by a plain ``` block shows what it prints; a python block
+without one must print nothing. Outputs compare as in ``check_doc_examples.py`` (a decimal
+may be off by one unit in its last shown digit); ``--write`` rewrites stale outputs.
+
+Figures: every image the page shows from ``figures/`` (``![...](figures/NAME.png)``) must be
+written by the run into its own ``figures/`` folder, must not be blank, and is then copied
+over ``docs/tutorials/figures/NAME.png``, so the site built after this run shows the figures
+this run drew. A figure the run writes that the page does not show is an error too.
+
+Usage: ``python scripts/run_tutorials.py [--write] [NAME ...]`` (names without ``.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_doc_examples import same_up_to_last_digit
+
+ROOT = Path(__file__).resolve().parent.parent
+TUTORIALS = ROOT / "docs" / "tutorials"
+FIGURES = TUTORIALS / "figures"
+
+_BLOCK = re.compile(r"```python\n(?P<code>(?:(?!```).)*)```\n(?:\n```\n(?P<out>(?:(?!```).)*)```\n)?", re.S)
+_FIGURE = re.compile(r"!\[[^\]]*\]\(figures/(?P<name>[^)\s]+\.png)\)")
+_MARK = "\x1etl-tutorial-block "
+# Runs inside the fresh interpreter: every block in one namespace, a marker line before each.
+_RUNNER = f"""
+import json, sys
+blocks = json.load(open(sys.argv[1]))
+namespace = {{"__name__": "__main__"}}
+for index, code in enumerate(blocks):
+    print({_MARK!r} + str(index), flush=True)
+    exec(compile(code, f"<tutorial block {{index + 1}}>", "exec"), namespace)
+    sys.stdout.flush()
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One python block of a tutorial and the output the page shows for it (``None``: none)."""
+
+    code: str
+    shown: str | None
+
+
+def blocks_of(text: str) -> list[Block]:
+    """The python blocks of a page, in order."""
+    return [Block(m.group("code"), m.group("out")) for m in _BLOCK.finditer(text)]
+
+
+def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
+    """What each block prints, run in order in one interpreter with ``folder`` as its cwd."""
+    (folder / "figures").mkdir()
+    source = folder.parent / "blocks.json"
+    source.write_text(json.dumps([b.code for b in blocks]))
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(source)],
+        cwd=folder, capture_output=True, text=True, timeout=900, env=env,
+    )
+    parts = done.stdout.split(_MARK)[1:]
+    outputs = [part.split("\n", 1)[1] if "\n" in part else "" for part in parts]
+    if done.returncode != 0:
+        failed = len(outputs)
+        raise RuntimeError(
+            f"{path.relative_to(ROOT)}: block {failed} failed (exit {done.returncode}):\n"
+            f"{blocks[failed - 1].code if failed else ''}\n{done.stderr[-4000:]}"
+        )
+    return outputs
+
+
+def blank(png: Path) -> str | None:
+    """Why ``png`` counts as blank, or ``None`` when it shows something."""
+    import numpy as np
+    from matplotlib import image
+
+    try:
+        pixels = image.imread(png)
+    except Exception as error:  # an unreadable file is as good as blank
+        return f"cannot be read as a PNG ({error})"
+    if pixels.ndim < 2 or pixels.shape[0] < 100 or pixels.shape[1] < 100:
+        return f"is only {pixels.shape[:2]} pixels"
+    flat = pixels.reshape(pixels.shape[0] * pixels.shape[1], -1)
+    colours, counts = np.unique(flat, axis=0, return_counts=True)
+    drawn = 1 - counts.max() / counts.sum()
+    if len(colours) < 16 or drawn < 0.02:
+        return f"is nearly blank ({len(colours)} colours, {drawn:.1%} of pixels off the background)"
+    return None
+
+
+def check(path: Path, write: bool) -> list[str]:
+    """Run one tutorial; return its problems (stale outputs rewritten with ``write``)."""
+    text = path.read_text()
+    blocks = blocks_of(text)
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "work"
+        folder.mkdir()
+        started = time.perf_counter()
+        outputs = run(path, blocks, folder)
+        seconds = time.perf_counter() - started
+        drawn = {p.name for p in (folder / "figures").glob("*.png")}
+        shown = {m.group("name") for m in _FIGURE.finditer(text)}
+        for name in sorted(shown - drawn):
+            problems.append(f"{path.name}: shows figures/{name}, which the run did not write")
+        for name in sorted(drawn - shown):
+            problems.append(f"{path.name}: the run writes figures/{name}, which the page does not show")
+        for name in sorted(shown & drawn):
+            why = blank(folder / "figures" / name)
+            if why:
+                problems.append(f"{path.name}: figures/{name} {why}")
+            FIGURES.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / "figures" / name, FIGURES / name)
+    print(f"{path.relative_to(ROOT)}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
+
+    stale: list[str] = []
+    pieces: list[str] = []
+    last = 0
+    for match, block, actual in zip(_BLOCK.finditer(text), blocks, outputs, strict=True):
+        shown_out = block.shown
+        if shown_out is None and actual:
+            stale.append(f"{path.name}: a block prints but the page shows no output after it:\n{block.code}{actual}")
+            kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
+        elif shown_out is None or actual == shown_out or same_up_to_last_digit(shown_out, actual):
+            kept = match.group(0)
+        else:
+            diff = "".join(difflib.unified_diff(shown_out.splitlines(True), actual.splitlines(True), "shown", "actual"))
+            stale.append(f"{path.name}: stale output\n{diff}")
+            kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
+        pieces += [text[last : match.start()], kept]
+        last = match.end()
+    new = "".join(pieces) + text[last:]
+    if write and new != text:
+        path.write_text(new)
+    return problems if write else problems + stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tutorials; return the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite stale outputs")
+    parser.add_argument("names", nargs="*", help="tutorials to run (default: all)")
+    args = parser.parse_args(argv)
+    paths = sorted(p for p in TUTORIALS.glob("*.md") if blocks_of(p.read_text()))
+    if args.names:
+        unknown = set(args.names) - {p.stem for p in paths}
+        if unknown:
+            parser.error(f"no tutorial named {sorted(unknown)}; there are {[p.stem for p in paths]}")
+        paths = [p for p in paths if p.stem in args.names]
+    problems = [problem for path in paths for problem in check(path, args.write)]
+    if problems:
+        print("tutorial problems (run python scripts/run_tutorials.py --write for stale outputs):", file=sys.stderr)
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
