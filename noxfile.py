@@ -290,6 +290,19 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--clean", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
+@nox.session(python=PYTHON, tags=["docs"])
+@_frees_its_env
+def docs_serve(session: nox.Session) -> None:
+    """Serve the site with live reload at http://127.0.0.1:8000 (no checks; not run by default)."""
+    _install(
+        session,
+        f"{ROOT / 'packages' / 'tl-core'}[plots]",
+        *(str(ROOT / "packages" / p) for p in ("tl-driver-hf", "tl-driver-inspect", "tl-driver-vllm", "tl-parity", "_template")),
+        *DOCS_TOOLS,
+    )
+    session.run("mkdocs", "serve", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
 @nox.session(python=PYTHON, tags=["demo"])
 @_frees_its_env
 def demo(session: nox.Session) -> None:
