@@ -59,6 +59,10 @@ class Block:
     shown: str | None
 
 
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def blocks_of(text: str) -> list[Block]:
     """The python blocks of a page, in order."""
     return [Block(m.group("code"), m.group("out")) for m in _BLOCK.finditer(text)]
@@ -79,7 +83,7 @@ def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
     if done.returncode != 0:
         failed = len(outputs)
         raise RuntimeError(
-            f"{path.relative_to(ROOT)}: block {failed} failed (exit {done.returncode}):\n"
+            f"{_shown(path)}: block {failed} failed (exit {done.returncode}):\n"
             f"{blocks[failed - 1].code if failed else ''}\n{done.stderr[-4000:]}"
         )
     return outputs
@@ -127,7 +131,7 @@ def check(path: Path, write: bool) -> list[str]:
                 problems.append(f"{path.name}: figures/{name} {why}")
             FIGURES.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(folder / "figures" / name, FIGURES / name)
-    print(f"{path.relative_to(ROOT)}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
+    print(f"{_shown(path)}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
 
     stale: list[str] = []
     pieces: list[str] = []
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="rewrite stale outputs")
     parser.add_argument("names", nargs="*", help="tutorials to run (default: all)")
     args = parser.parse_args(argv)
-    paths = sorted(p for p in TUTORIALS.glob("*.md") if blocks_of(p.read_text()))
+    paths = sorted(p for p in TUTORIALS.glob("*.md") if blocks_of(p.read_text()))  # index.md has none
     if args.names:
         unknown = set(args.names) - {p.stem for p in paths}
         if unknown:

@@ -1,0 +1,106 @@
+"""The tutorial runner fails on what it promises to catch (run by ``nox -s docs``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import run_tutorials
+
+pytest.importorskip("matplotlib")
+
+_DRAW = """import matplotlib.pyplot as plt
+figure, axes = plt.subplots()
+axes.plot([0, 1, 2], [2, 0, 1], linewidth=4)
+figure.savefig("figures/line.png")
+"""
+
+_PAGE = f"""# A tutorial
+
+```python
+total = 0
+for value in (1.5, 2.25):
+    total += value
+```
+
+Shared state, like notebook cells:
+
+```python
+print(f"{{total:.2f}}", [1, 2])
+```
+
+```
+3.75 [1, 2]
+```
+
+```python
+{_DRAW}```
+
+![a line](figures/line.png)
+"""
+
+
+@pytest.fixture
+def tutorials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "tutorials"
+    folder.mkdir()
+    monkeypatch.setattr(run_tutorials, "TUTORIALS", folder)
+    monkeypatch.setattr(run_tutorials, "FIGURES", folder / "figures")
+    return folder
+
+
+def test_a_current_page_passes_and_its_figure_is_copied(tutorials: Path) -> None:
+    page = tutorials / "ok.md"
+    page.write_text(_PAGE)
+    assert run_tutorials.check(page, write=False) == []
+    assert (tutorials / "figures" / "line.png").stat().st_size > 1000
+
+
+def test_stale_output_is_reported_then_rewritten(tutorials: Path) -> None:
+    page = tutorials / "stale.md"
+    page.write_text(_PAGE.replace("3.75 [1, 2]", "3.70 [1, 2]"))
+    problems = run_tutorials.check(page, write=False)
+    assert len(problems) == 1 and "stale output" in problems[0] and "+3.75 [1, 2]" in problems[0]
+    assert run_tutorials.check(page, write=True) == []
+    assert page.read_text() == _PAGE
+
+
+def test_last_digit_drift_is_tolerated_but_integers_are_not(tutorials: Path) -> None:
+    page = tutorials / "drift.md"
+    page.write_text(_PAGE.replace("3.75 [1, 2]", "3.76 [1, 2]"))
+    assert run_tutorials.check(page, write=False) == []
+    page.write_text(_PAGE.replace("3.75 [1, 2]", "3.75 [1, 3]"))
+    assert len(run_tutorials.check(page, write=False)) == 1
+
+
+def test_a_block_that_prints_needs_its_output_shown(tutorials: Path) -> None:
+    page = tutorials / "unshown.md"
+    page.write_text(_PAGE.replace("total += value\n", "total += value\nprint('hidden')\n"))
+    problems = run_tutorials.check(page, write=False)
+    assert len(problems) == 1 and "shows no output" in problems[0] and "hidden" in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("linewidth=4)\n", "linewidth=4)\naxes.remove()\n"), "nearly blank"),
+        (('figure.savefig("figures/line.png")', 'figure.savefig("figures/other.png")'), "did not write"),
+        (("![a line](figures/line.png)\n", ""), "does not show"),
+    ],
+)
+def test_figure_problems_are_named(tutorials: Path, change: tuple[str, str], message: str) -> None:
+    page = tutorials / "figure.md"
+    page.write_text(_PAGE.replace(*change))
+    problems = run_tutorials.check(page, write=False)
+    assert problems and all(message in p or "figures/" in p for p in problems)
+    assert any(message in p for p in problems)
+
+
+def test_a_failing_block_names_itself(tutorials: Path) -> None:
+    page = tutorials / "broken.md"
+    page.write_text(_PAGE.replace("total = 0", "total = undefined_name"))
+    with pytest.raises(RuntimeError, match=r"block 1 failed(.|\n)*NameError"):
+        run_tutorials.check(page, write=False)
