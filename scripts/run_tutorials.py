@@ -6,12 +6,20 @@ followed (after one blank line) by a plain ``` block shows what it prints; a pyt
 without one must print nothing. Outputs compare as in ``check_doc_examples.py`` (a decimal
 may be off by one unit in its last shown digit); ``--write`` rewrites stale outputs.
 
+Drivers: a page names the drivers it runs on in a comment, ``<!-- tutorial drivers: hf,
+vllm -->``. Its shown output is the hf driver's. ``--driver vllm`` runs the same blocks with
+only the boot line replaced (``BOOTS``) and checks them against the same shown output
+(the boot block's own output, the bridge's repr, excepted); its figures are drawn and
+checked but the hf driver's stay in the docs. A page that does not name the driver is
+reported as skipped, with the drivers it does name.
+
 Figures: every image the page shows from ``figures/`` (``![...](figures/NAME.png)``) must be
 written by the run into its own ``figures/`` folder, must not be blank, and is then copied
 over ``docs/tutorials/figures/NAME.png``, so the site built after this run shows the figures
 this run drew. A figure the run writes that the page does not show is an error too.
 
-Usage: ``python scripts/run_tutorials.py [--write] [NAME ...]`` (names without ``.md``).
+Usage: ``python scripts/run_tutorials.py [--write] [--driver vllm] [NAME ...]`` (names
+without ``.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,17 @@ TUTORIALS = ROOT / "docs" / "tutorials"
 FIGURES = TUTORIALS / "figures"
 
 _BLOCK = re.compile(r"```python\n(?P<code>(?:(?!```).)*)```\n(?:\n```\n(?P<out>(?:(?!```).)*)```\n)?", re.S)
+_DRIVERS = re.compile(r"<!-- tutorial drivers: (?P<names>[a-z_, ]+) -->")
+#: The boot line every tutorial has, and what replaces it on each driver; nothing else changes.
+HF_BOOT = "model = TransformerBridge.boot_transformers(smollm2_gguf())\n"
+BOOTS = {
+    "hf": HF_BOOT,
+    # A small KV cache and context: the CPU build's default asks for ~11 GiB of KV cache.
+    "vllm": (
+        "from tl_core import RemoteBridge\n"
+        "model = RemoteBridge.boot_vllm(smollm2_gguf(), dtype=\"float32\", max_model_len=512, kv_cache_memory_bytes=256 * 2**20)\n"
+    ),
+}
 _FIGURE = re.compile(r"!\[[^\]]*\]\(figures/(?P<name>[^)\s]+\.png)\)")
 _MARK = "\x1etl-tutorial-block "
 # Runs inside the fresh interpreter: every block in one namespace, a marker line before each.
@@ -68,12 +87,38 @@ def blocks_of(text: str) -> list[Block]:
     return [Block(m.group("code"), m.group("out")) for m in _BLOCK.finditer(text)]
 
 
+def drivers_of(text: str) -> list[str]:
+    """The drivers a page says it runs on (``hf`` when it says nothing)."""
+    match = _DRIVERS.search(text)
+    return [n.strip() for n in match.group("names").split(",")] if match else ["hf"]
+
+
+def with_boot(path: Path, blocks: list[Block], driver: str) -> tuple[list[Block], int]:
+    """The blocks with the boot line for ``driver``, and the index of the boot block."""
+    if driver == "hf":
+        return blocks, -1
+    booting = [i for i, b in enumerate(blocks) if HF_BOOT in b.code]
+    if len(booting) != 1:
+        raise RuntimeError(f"{_shown(path)}: {len(booting)} blocks boot with {HF_BOOT.strip()!r}; a tutorial has one")
+    index = booting[0]
+    code = blocks[index].code.replace(HF_BOOT, BOOTS[driver])
+    return [*blocks[:index], Block(code, blocks[index].shown), *blocks[index + 1 :]], index
+
+
 def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
     """What each block prints, run in order in one interpreter with ``folder`` as its cwd."""
     (folder / "figures").mkdir()
     source = folder.parent / "blocks.json"
     source.write_text(json.dumps([b.code for b in blocks]))
-    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
+    env = {
+        **os.environ,
+        "MPLBACKEND": "Agg",
+        "PYTHONHASHSEED": "0",
+        # vLLM: the engine in this process; its caches and sockets in this run's folder.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CACHE_ROOT": str(folder.parent / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": str(folder.parent),
+    }
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(source)],
         cwd=folder, capture_output=True, text=True, timeout=900, env=env,
@@ -108,10 +153,10 @@ def blank(png: Path) -> str | None:
     return None
 
 
-def check(path: Path, write: bool) -> list[str]:
+def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
     """Run one tutorial; return its problems (stale outputs rewritten with ``write``)."""
     text = path.read_text()
-    blocks = blocks_of(text)
+    blocks, boot = with_boot(path, blocks_of(text), driver)
     problems: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "work"
@@ -129,16 +174,19 @@ def check(path: Path, write: bool) -> list[str]:
             why = blank(folder / "figures" / name)
             if why:
                 problems.append(f"{path.name}: figures/{name} {why}")
-            FIGURES.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(folder / "figures" / name, FIGURES / name)
-    print(f"{_shown(path)}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
+            if driver == "hf":
+                FIGURES.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(folder / "figures" / name, FIGURES / name)
+    print(f"{_shown(path)} on {driver}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
 
     stale: list[str] = []
     pieces: list[str] = []
     last = 0
-    for match, block, actual in zip(_BLOCK.finditer(text), blocks, outputs, strict=True):
+    for index, (match, block, actual) in enumerate(zip(_BLOCK.finditer(text), blocks, outputs, strict=True)):
         shown_out = block.shown
-        if shown_out is None and actual:
+        if driver != "hf" and index == boot:
+            kept = match.group(0)  # it prints the hf bridge's repr
+        elif shown_out is None and actual:
             stale.append(f"{path.name}: a block prints but the page shows no output after it:\n{block.code}{actual}")
             kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
         elif shown_out is None or actual == shown_out or same_up_to_last_digit(shown_out, actual):
@@ -159,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the tutorials; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="rewrite stale outputs")
+    parser.add_argument("--driver", choices=sorted(BOOTS), default="hf", help="the driver to boot (default: hf)")
     parser.add_argument("names", nargs="*", help="tutorials to run (default: all)")
     args = parser.parse_args(argv)
     paths = sorted(p for p in TUTORIALS.glob("*.md") if blocks_of(p.read_text()))  # index.md has none
@@ -167,7 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"no tutorial named {sorted(unknown)}; there are {[p.stem for p in paths]}")
         paths = [p for p in paths if p.stem in args.names]
-    problems = [problem for path in paths for problem in check(path, args.write)]
+    if args.write and args.driver != "hf":
+        parser.error("--write rewrites the hf driver's outputs; run it without --driver")
+    problems: list[str] = []
+    for path in paths:
+        named = drivers_of(path.read_text())
+        if args.driver not in named:
+            print(f"{_shown(path)}: skipped on {args.driver} (the page runs on {', '.join(named)})")
+            continue
+        problems += check(path, args.write, args.driver)
     if problems:
         print("tutorial problems (run python scripts/run_tutorials.py --write for stale outputs):", file=sys.stderr)
         print("\n".join(problems), file=sys.stderr)
