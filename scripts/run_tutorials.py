@@ -158,6 +158,8 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
     text = path.read_text()
     blocks, boot = with_boot(path, blocks_of(text), driver)
     problems: list[str] = []
+    if driver != "hf" and BOOTS[driver] not in text:
+        problems.append(f"{path.name}: runs on {driver} but does not show its boot line:\n{BOOTS[driver]}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "work"
         folder.mkdir()
