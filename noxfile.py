@@ -258,6 +258,7 @@ DOCS_TOOLS = (
     "griffe-sphinx==0.3.1",
     "griffe-inherited-docstrings==1.1.4",
     "pymdown-extensions==13.1",
+    "ruff==0.17.6",  # mkdocstrings formats the rendered signatures with it
 )
 
 
