@@ -11,7 +11,7 @@ vllm -->``. Its shown output is the hf driver's. ``--driver vllm`` runs the same
 only the boot line replaced (``BOOTS``) and checks them against the same shown output
 (the boot block's own output, the bridge's repr, excepted); its figures are drawn and
 checked but the hf driver's stay in the docs. A page that does not name the driver is
-reported as skipped, with the drivers it does name.
+reported as skipped, with the drivers it does name, unless it is named on the command line.
 
 Figures: every image the page shows from ``figures/`` (``![...](figures/NAME.png)``) must be
 written by the run into its own ``figures/`` folder, must not be blank, and is then copied
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     for path in paths:
         named = drivers_of(path.read_text())
-        if args.driver not in named:
+        if args.driver not in named and not args.names:  # a page named on the command line runs
             print(f"{_shown(path)}: skipped on {args.driver} (the page runs on {', '.join(named)})")
             continue
         problems += check(path, args.write, args.driver)

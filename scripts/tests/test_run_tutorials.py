@@ -104,3 +104,20 @@ def test_a_failing_block_names_itself(tutorials: Path) -> None:
     page.write_text(_PAGE.replace("total = 0", "total = undefined_name"))
     with pytest.raises(RuntimeError, match=r"block 1 failed(.|\n)*NameError"):
         run_tutorials.check(page, write=False)
+
+
+def test_another_driver_changes_only_the_boot_line() -> None:
+    page = (
+        "<!-- tutorial drivers: hf, vllm -->\n\n```python\nimport torch\n"
+        f"{run_tutorials.HF_BOOT}print(model)\n```\n\n```\nshown\n```\n\n```python\nx = 1\n```\n"
+    )
+    assert run_tutorials.drivers_of(page) == ["hf", "vllm"]
+    assert run_tutorials.drivers_of("# no comment") == ["hf"]
+    blocks = run_tutorials.blocks_of(page)
+    same, index = run_tutorials.with_boot(Path("page.md"), blocks, "hf")
+    assert same == blocks and index == -1
+    swapped, index = run_tutorials.with_boot(Path("page.md"), blocks, "vllm")
+    assert index == 0 and swapped[1:] == blocks[1:]
+    assert swapped[0].code == blocks[0].code.replace(run_tutorials.HF_BOOT, run_tutorials.BOOTS["vllm"])
+    with pytest.raises(RuntimeError, match="0 blocks boot with"):
+        run_tutorials.with_boot(Path("page.md"), blocks[1:], "vllm")
