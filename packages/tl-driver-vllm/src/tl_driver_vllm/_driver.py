@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,14 +26,19 @@ from tl_driver_vllm._gguf import gguf_checkpoint
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
 from tl_driver_vllm._lifecycle import children, shutdown, socket_files
+from tl_driver_vllm._memory import available_memory, cpu_kv_cache
 from tl_driver_vllm._merge import edit_table, merge_batched, merge_results, pad_rows
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
 from tl_driver_vllm._run_state import TAG_KEY
+from tl_driver_vllm._spawn import check_main_guard
 from tl_driver_vllm._wire import unpack
 
 __all__ = ["VLLMDriver"]
 
 _FEATURES = frozenset({"generation", "batching", "position_interventions"})
+# A child of vLLM's logger: the driver's boot decisions print with vLLM's own boot lines,
+# under its format and level (VLLM_LOGGING_LEVEL), where a user looks for memory sizing.
+_LOG = logging.getLogger("vllm.tl_driver_vllm")
 
 
 class VLLMDriver(NamespaceFacts):
@@ -99,6 +107,15 @@ class VLLMDriver(NamespaceFacts):
         Prefix caching is always off (cached positions would have no activations) and the
         engine runs eagerly (hooks are Python code; see the README's "Compilation").
 
+        On vLLM's CPU build with no memory option (``kv_cache_memory_bytes``,
+        ``gpu_memory_utilization``, ``VLLM_CPU_KVCACHE_SPACE``), the KV cache is sized for
+        ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at a quarter of the
+        memory available now, and one log line says what was chosen; explicit options win
+        and GPU builds keep vLLM's default. A script that boots at its top level, outside
+        ``if __name__ == "__main__":``, gets the engine in this process when one process
+        suffices (a spawned engine process would re-run the script), else a
+        ``ConfigError`` naming the line.
+
         Args:
             model: A local checkpoint folder or a hub id vLLM can load, or a GGUF file
                 (``"model.gguf"``, or a folder plus ``gguf_file=``; needs
@@ -123,7 +140,8 @@ class VLLMDriver(NamespaceFacts):
             The driver (wrap it in ``RemoteBridge``; ``RemoteBridge.boot_vllm`` does).
 
         Raises:
-            ConfigError: Unsupported architecture or option, before the engine starts.
+            ConfigError: Unsupported architecture or option, a default KV cache that cannot
+                fit, or a boot that spawned processes would re-run, before the engine starts.
         """
         from transformers import AutoConfig, AutoTokenizer
 
@@ -143,15 +161,35 @@ class VLLMDriver(NamespaceFacts):
             pipeline_parallel_size=pipeline_parallel_size,
             vllm_kwargs=dict(vllm_kwargs),
         )
+        from vllm.platforms import current_platform
+
+        is_cpu = bool(current_platform.is_cpu())
+        notes: list[tuple[int, str]] = []
+        if is_cpu:
+            choice = cpu_kv_cache(
+                info, kwargs, config_dtype=_config_dtype(config), available=available_memory()
+            )
+            if choice is not None:
+                kwargs = choice.kwargs
+                notes.append((logging.INFO, choice.message))
+        moved = check_main_guard(
+            is_cpu=is_cpu, workers=tensor_parallel_size * pipeline_parallel_size, frame=sys._getframe()
+        )
+        if moved is not None:
+            notes.append((logging.WARNING, moved))
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
         from vllm import LLM
 
         sockets_before, children_before = socket_files(), children()
-        if layout_for(info.architecture).backend == "transformers":
-            with classes_kept(config):
+        kept = classes_kept(config) if layout_for(info.architecture).backend == "transformers" else nullcontext()
+        try:
+            with kept:
                 llm = LLM(**kwargs)
-        else:
-            llm = LLM(**kwargs)
+        finally:
+            # vLLM sets its logging up inside LLM(): logged earlier, these lines would have
+            # no handler. They also explain a boot that fails.
+            for level, note in notes:
+                _LOG.log(level, note)
         sockets = socket_files() - sockets_before
         started = children() - children_before
         try:
@@ -351,6 +389,11 @@ def _sizes(info: ModelInfo) -> dict[str, Any]:
         "experts_per_token": info.experts_per_token,
         "parallel_attn_mlp": info.parallel_attn_mlp,
     }
+
+
+def _config_dtype(config: Any) -> Any:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
 
 
 def _input_sites(
