@@ -120,10 +120,14 @@ def test_tensor_parallel_2_multiprocess(checkpoint: Any, vllm_tmp: Path, monkeyp
         want = hf.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
         assert steered.new_tokens is not None and want.new_tokens is not None
         assert steered.new_tokens.tolist() == want.new_tokens.tolist()
+        # Both ranks' results crossed through the driver's shared-memory folder, now empty.
+        shared = driver._shared.folder
+        assert shared is not None and os.listdir(shared) == ["probe"]
     finally:
         bridge.close()
     assert _engine_processes() == []
     assert _sockets(vllm_tmp / "rpc") == []
+    assert not Path(shared).exists()
 
 
 #: bfloat16 band: engine kernels and transformers round at different places, so

@@ -22,7 +22,7 @@ from tl_core.driver_api import get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
 from tl_driver_vllm._families import LAYOUTS, layout_for, model_info  # noqa: E402
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace  # noqa: E402
-from tl_driver_vllm._merge import edit_table, merge_results, pad_rows  # noqa: E402
+from tl_driver_vllm._merge import edit_table, merge_batched, pad_rows  # noqa: E402
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs  # noqa: E402
 from tl_driver_vllm._shards import Shard, layer_shards  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
@@ -69,59 +69,60 @@ def test_edit_table_of_a_head_site_is_head_major() -> None:
     assert Shard(1, 1, 1, 3).columns == slice(3, 6)
 
 
-def _result(tp: int, requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {"tp_rank": tp, "tp_size": 2, "pp_rank": 0, "requests": requests}
+def _result(tp: int, batched: dict[str, Any]) -> dict[str, Any]:
+    return {"tp_rank": tp, "tp_size": 2, "pp_rank": 0, "batched": batched}
 
 
 def test_merge_concatenates_vocab_shards_and_takes_rank_0() -> None:
-    resid = torch.randn(4, 8)
-    shards = [torch.randn(4, 6), torch.randn(4, 6)]
+    resid = torch.randn(2, 4, 8)  # [batch, width, d_model]
+    shards = [torch.randn(2, 4, 6), torch.randn(2, 4, 6)]  # vocabulary 10, padded to 12
     results = [
-        _result(1, {"a": {"logits": pack(shards[1]), "blocks.0.hook_out": pack(resid)}}),
-        _result(0, {"a": {"logits": pack(shards[0]), "blocks.0.hook_out": pack(resid)}}),
+        _result(1, {"logits": pack(shards[1]), "blocks.0.hook_out": pack(resid)}),
+        _result(0, {"logits": pack(shards[0]), "blocks.0.hook_out": pack(resid)}),
     ]
-    merged = merge_results(results, vocab=10, check_ranks=True)
-    assert torch.equal(merged["a"]["logits"], torch.cat(shards, dim=-1)[:, :10])
-    assert torch.equal(merged["a"]["blocks.0.hook_out"], resid)
+    merged = merge_batched(results, vocab=10, check_ranks=True)
+    assert torch.equal(merged["logits"], torch.cat(shards, dim=-1)[..., :10])
+    assert torch.equal(merged["blocks.0.hook_out"], resid)
 
 
 def test_rank_disagreement_fails_loudly() -> None:
-    resid = torch.randn(4, 8)
+    resid = torch.randn(2, 4, 8)
     results = [
-        _result(0, {"a": {"blocks.0.hook_out": pack(resid)}}),
-        _result(1, {"a": {"blocks.0.hook_out": pack(resid + 0.1)}}),
+        _result(0, {"blocks.0.hook_out": pack(resid)}),
+        _result(1, {"blocks.0.hook_out": pack(resid + 0.1)}),
     ]
     with pytest.raises(TLError, match=r"ranks disagree on replicated hook 'blocks.0.hook_out'"):
-        merge_results(results, vocab=10, check_ranks=True)
-    merge_results(results, vocab=10, check_ranks=False)  # only the first forward checks
+        merge_batched(results, vocab=10, check_ranks=True)
+    merge_batched(results, vocab=10, check_ranks=False)  # only the first forward checks
 
 
-def _placed(tp: int, shards: dict[str, list[int]], requests: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {**_result(tp, requests), "shards": shards}
+def _placed(tp: int, shards: dict[str, list[int]], batched: dict[str, Any]) -> dict[str, Any]:
+    return {**_result(tp, batched), "shards": shards}
 
 
 def test_merge_puts_head_shards_in_global_order_and_dedupes_replicated_kv_heads() -> None:
-    q = torch.randn(5, 4, 3)  # [pos, heads, d_head]: heads 0-1 on rank 0, 2-3 on rank 1
-    kv = torch.randn(5, 1, 3)  # one key/value head, replicated on both ranks
-    pattern = torch.rand(4, 5, 5)
+    q = torch.randn(2, 5, 4, 3)  # [batch, pos, heads, d_head]: heads 0-1 on rank 0, 2-3 on rank 1
+    kv = torch.randn(2, 5, 1, 3)  # one key/value head, replicated on both ranks
+    pattern = torch.rand(2, 4, 5, 5)
+    # Shard axes are those of one prompt's tensor; the batch axis comes first here.
     places = [
         {"q": [1, 0, 2], "k": [1, 0, 1], "p": [0, 0, 2]},
         {"q": [1, 2, 2], "k": [1, 0, 1], "p": [0, 2, 2]},
     ]
     results = [
-        _placed(r, places[r], {"a": {"q": pack(q[:, 2 * r : 2 * r + 2]), "k": pack(kv),
-                                      "p": pack(pattern[2 * r : 2 * r + 2])}})
+        _placed(r, places[r], {"q": pack(q[:, :, 2 * r : 2 * r + 2]), "k": pack(kv),
+                               "p": pack(pattern[:, 2 * r : 2 * r + 2])})
         for r in (1, 0)
     ]  # fmt: skip
-    merged = merge_results(results, vocab=10, check_ranks=True)
-    assert torch.equal(merged["a"]["q"], q) and torch.equal(merged["a"]["k"], kv)
-    assert torch.equal(merged["a"]["p"], pattern)
-    results[0]["requests"]["a"]["k"] = pack(kv + 1)
+    merged = merge_batched(results, vocab=10, check_ranks=True)
+    assert torch.equal(merged["q"], q) and torch.equal(merged["k"], kv)
+    assert torch.equal(merged["p"], pattern)
+    results[0]["batched"]["k"] = pack(kv + 1)
     with pytest.raises(TLError, match="ranks disagree on replicated hook 'k'"):
-        merge_results(results, vocab=10, check_ranks=True)
+        merge_batched(results, vocab=10, check_ranks=True)
     results[0]["shards"]["q"] = [1, 3, 2]
     with pytest.raises(TLError, match=r"no slice 2\.\.2 of hook 'q'"):
-        merge_results(results, vocab=10, check_ranks=False)
+        merge_batched(results, vocab=10, check_ranks=False)
 
 
 def test_pad_rows_right_pads_and_checks_lengths() -> None:

@@ -8,11 +8,11 @@ import os
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from tl_core import ModelInfo, UserError
+from tl_core import ModelInfo, TLError, UserError
 from tl_core.driver_api import (
     ForwardResult,
     HFTokenizer,
@@ -27,11 +27,11 @@ from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
 from tl_driver_vllm._lifecycle import children, shutdown, socket_files
 from tl_driver_vllm._memory import available_memory, cpu_kv_cache
-from tl_driver_vllm._merge import edit_table, merge_batched, merge_results, pad_rows
+from tl_driver_vllm._merge import edit_table, merge_batched, pad_rows
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
 from tl_driver_vllm._run_state import TAG_KEY
 from tl_driver_vllm._spawn import check_main_guard
-from tl_driver_vllm._wire import unpack
+from tl_driver_vllm._wire import SharedFiles, unpack
 
 __all__ = ["VLLMDriver"]
 
@@ -80,6 +80,8 @@ class VLLMDriver(NamespaceFacts):
             "tl_install", args=(info.architecture, info.n_layers, _sizes(info))
         )
         self._raw = all(w["pid"] == os.getpid() for w in self.workers)
+        # Workers in other processes hand results over through shared memory.
+        self._shared = SharedFiles(enabled=not self._raw)
         self._tp = max(int(w["tp_size"]) for w in self.workers)
         self._namespace = hook_namespace(info, self._layout, attn_result=use_attn_result, tp_size=self._tp)
         self._ranks_checked = self._tp == 1
@@ -247,7 +249,7 @@ class VLLMDriver(NamespaceFacts):
         capture: Sequence[str] = (),
         intervene: Any = None,
         max_new_tokens: int = 1,
-        return_logits: bool = True,
+        return_logits: bool | Literal["last"] = True,
         **kwargs: Any,
     ) -> ForwardResult:
         """Run prompts in the engine with captures and interventions.
@@ -258,7 +260,10 @@ class VLLMDriver(NamespaceFacts):
             intervene: Specs for every prompt (a mapping) or per prompt (a list).
             max_new_tokens: Tokens to generate (0 = prefill only); specs stay active at
                 every step (specs with ``pos`` edit prompt positions only).
-            return_logits: Return ``[batch, pos, vocab]`` logits of the prompts.
+            return_logits: ``True``: ``[batch, pos, vocab]`` logits of the prompts;
+                ``"last"``: ``[batch, 1, vocab]``, each prompt's last position (what
+                predicts the next token), computed only there; ``False``: none (no
+                logits are computed or sent). Logits come in the engine's dtype.
             **kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
                 ``stop_at_eos`` (default ``True``).
 
@@ -280,6 +285,11 @@ class VLLMDriver(NamespaceFacts):
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not (isinstance(return_logits, bool) or return_logits == "last"):
+            raise UserError(
+                f"return_logits must be True (every prompt position), 'last' (each prompt's "
+                f"last position) or False, got {return_logits!r}"
+            )
         rows = token_rows(input_ids)
         lengths = tuple(len(r) for r in rows)
         check_tokens(rows, max_new_tokens, vocab=self.info.d_vocab, limit=self.info.n_ctx)
@@ -297,7 +307,7 @@ class VLLMDriver(NamespaceFacts):
         names: list[str],
         plan: Any,
         max_new_tokens: int,
-        return_logits: bool,
+        return_logits: bool | str,
         sampling: dict[str, Any],
         stop_at_eos: bool,
     ) -> ForwardResult:
@@ -321,7 +331,10 @@ class VLLMDriver(NamespaceFacts):
                 },
             }
         check = not self._ranks_checked
-        config = {"raw": self._raw, "all_ranks": check, "width": max(lengths), "requests": requests}
+        config = {
+            "raw": self._raw, "all_ranks": check, "width": max(lengths), "requests": requests,
+            "shared": self._shared.offer(),
+        }  # fmt: skip
         params = [
             SamplingParams(
                 max_tokens=max(1, max_new_tokens),
@@ -336,20 +349,18 @@ class VLLMDriver(NamespaceFacts):
         llm.collective_rpc("tl_begin", args=(config,))
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            results = llm.collective_rpc("tl_collect")
+            results = self._shared.receive(llm.collective_rpc("tl_collect"))
         except BaseException:
             llm.collective_rpc("tl_abort")
             raise
-        merged = merge_results(results, vocab=self.info.d_vocab, check_ranks=check)
-        batched = merge_batched(results, check_ranks=check)
+        batched = merge_batched(results, vocab=self.info.d_vocab, check_ranks=check)
         self._ranks_checked = True
-        per_tag = [merged.get(tag, {}) for tag in tags]
-        captured = {
-            n: batched[n] if n in batched else pad_rows([m.get(n) for m in per_tag], lengths)
-            for n in engine_names
-        }
+        missing = [n for n in engine_names + (["logits"] if return_logits else []) if n not in batched]
+        if missing:
+            raise TLError(f"the engine returned no values for {missing}; see the worker logs")
+        captured = {n: batched[n] for n in engine_names}
         captured.update(_input_sites(inputs, rows, lengths))
-        logits = pad_rows([m.get("logits") for m in per_tag], lengths) if return_logits else None
+        logits = batched["logits"] if return_logits else None
         new_tokens = None
         if max_new_tokens >= 1:
             new_tokens = self._new_tokens(outputs, max_new_tokens)
@@ -376,7 +387,10 @@ class VLLMDriver(NamespaceFacts):
         """Shut the engine down (worker processes, sockets); safe to call twice."""
         llm, self._llm = self._llm, None
         if llm is not None:
-            shutdown(llm, self._sockets, self._processes)
+            try:
+                shutdown(llm, self._sockets, self._processes)
+            finally:
+                self._shared.close()
 
 
 def _sizes(info: ModelInfo) -> dict[str, Any]:

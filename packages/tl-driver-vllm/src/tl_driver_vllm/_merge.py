@@ -1,10 +1,10 @@
-"""Driver side: compile specs to edit tables, and merge the workers' results per prompt.
+"""Driver side: compile specs to edit tables, and merge the workers' batched results.
 
 Edit tables: one prompt's specs on one hook become rows of ``x * scale + bias``: one row
 per prompt position when any spec lists positions (else one row for every prompt
 position), then one row for generated tokens, where only specs without ``pos`` apply.
 
-Merging: replicated sites (residual-stream and module-output sites, after tensor-parallel
+Merging: every worker returns one ``[batch, width, ...]`` tensor per hook. Replicated sites (residual-stream and module-output sites, after tensor-parallel
 all-reduce) come from tensor-parallel rank 0 of whichever pipeline stage holds them;
 vocabulary shards of the logits are concatenated in rank order; head- and neuron-level
 sites come from every rank with the place of its piece (``_shards.Shard``) and are put
@@ -25,7 +25,7 @@ from tl_core import InterventionSpec, TLError
 from tl_core.driver_api import compile_specs
 from tl_driver_vllm._wire import pack, unpack
 
-__all__ = ["edit_table", "merge_batched", "merge_results", "pad_rows"]
+__all__ = ["edit_table", "merge_batched", "pad_rows"]
 
 _SHARDED = ("logits", "unembed.hook_out")
 
@@ -64,64 +64,27 @@ def edit_table(
     return {"scale": pack(scale), "bias": pack(bias), "positional": positional}
 
 
-def merge_results(
+def merge_batched(
     results: Sequence[dict[str, Any]], *, vocab: int, check_ranks: bool
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Per request tag, per name: one tensor, merged across workers.
+) -> dict[str, torch.Tensor]:
+    """Per hook (and ``"logits"``): the whole batch's tensor, merged across workers.
 
     Args:
-        results: What ``tl_collect`` returned on every worker.
+        results: What ``tl_collect`` returned on every worker (shared-memory references
+            already read by ``SharedFiles.receive``).
         vocab: Vocabulary size (padding of sharded vocabularies is cut off).
         check_ranks: Compare replicated captures across tensor-parallel ranks.
 
-    Returns:
-        ``{tag: {hook or "logits": tensor}}``.
-
-    Raises:
-        TLError: Ranks disagree on a replicated capture.
-    """
-    merged: dict[str, dict[str, torch.Tensor]] = {}
-    shards: dict[tuple[str, str], list[tuple[int, torch.Tensor]]] = {}
-    pieces: dict[tuple[str, str], list[tuple[int, int, int, int, torch.Tensor]]] = {}
-    others: list[tuple[int, int, str, str, torch.Tensor]] = []
-    for result in results:
-        tp_rank, pp_rank = int(result["tp_rank"]), int(result["pp_rank"])
-        placed = result.get("shards", {})
-        for tag, items in result["requests"].items():
-            for name, packed in items.items():
-                tensor = unpack(packed)
-                if name in placed:
-                    axis, start, count = (int(v) for v in placed[name])
-                    pieces.setdefault((tag, name), []).append((start, tp_rank, axis, count, tensor))
-                elif name in _SHARDED:
-                    shards.setdefault((tag, name), []).append((tp_rank, tensor))
-                elif tp_rank == 0:
-                    merged.setdefault(tag, {})[name] = tensor
-                else:
-                    others.append((tp_rank, pp_rank, tag, name, tensor))
-    for (tag, name), parts in shards.items():
-        parts.sort(key=lambda item: item[0])
-        full = torch.cat([t for _, t in parts], dim=-1) if len(parts) > 1 else parts[0][1]
-        merged.setdefault(tag, {})[name] = full[..., :vocab]
-    for (tag, name), found in pieces.items():
-        merged.setdefault(tag, {})[name] = _assemble(name, found, check_ranks)
-    if check_ranks:
-        for tp_rank, pp_rank, tag, name, tensor in others:
-            _check_rank(merged.get(tag, {}).get(name), tensor, tp_rank, pp_rank, name)
-    return merged
-
-
-def merge_batched(results: Sequence[dict[str, Any]], *, check_ranks: bool) -> dict[str, torch.Tensor]:
-    """Per hook: the whole batch's ``[batch, width, ...]`` capture, merged across workers.
-
     Replicated hooks come from tensor-parallel rank 0 (the others' copies compared when
-    ``check_ranks``); sharded hooks are put together along their head (or neuron) axis.
+    ``check_ranks``); sharded hooks are put together along their head (or neuron) axis;
+    vocabulary shards are concatenated in rank order.
 
     Raises:
         TLError: Ranks disagree on a replicated hook, or a shard is missing.
     """
     merged: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[tuple[int, int, int, int, torch.Tensor]]] = {}
+    shards: dict[str, list[tuple[int, torch.Tensor]]] = {}
     others: list[tuple[int, int, str, torch.Tensor]] = []
     for result in results:
         tp_rank, pp_rank = int(result["tp_rank"]), int(result["pp_rank"])
@@ -132,12 +95,18 @@ def merge_batched(results: Sequence[dict[str, Any]], *, check_ranks: bool) -> di
                 axis, start, count = (int(v) for v in placed[name])
                 # The batch axis comes first here.
                 pieces.setdefault(name, []).append((start, tp_rank, axis + 1, count, tensor))
+            elif name in _SHARDED:
+                shards.setdefault(name, []).append((tp_rank, tensor))
             elif tp_rank == 0:
                 merged[name] = tensor
             else:
                 others.append((tp_rank, pp_rank, name, tensor))
     for name, found in pieces.items():
         merged[name] = _assemble(name, found, check_ranks)
+    for name, parts in shards.items():
+        parts.sort(key=lambda item: item[0])
+        full = torch.cat([t for _, t in parts], dim=-1) if len(parts) > 1 else parts[0][1]
+        merged[name] = full if full.shape[-1] == vocab else full[..., :vocab]
     if check_ranks:
         for tp_rank, pp_rank, name, tensor in others:
             _check_rank(merged.get(name), tensor, tp_rank, pp_rank, name)

@@ -9,7 +9,7 @@ captures and edits land on the right request whatever the scheduler does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +19,19 @@ import torch
 from tl_core import TLError
 from tl_driver_vllm._wire import unpack
 
-__all__ = ["NORMED", "RequestPlan", "RunState", "Step", "copy_rows"]
+__all__ = ["NORMED", "Allocate", "RequestPlan", "RunState", "Step", "copy_rows"]
 
 #: Internal capture of the final norm's output, from which logits are computed.
 NORMED = "__normed__"
 #: The SamplingParams.extra_args key that tags a request with its run-local id.
 TAG_KEY = "tl_request"
+
+
+#: ``(shape, dtype, device) -> tensor``: where a run's result buffers are made (``_wire.Outbox``).
+Allocate = Callable[[Sequence[int], torch.dtype, torch.device], torch.Tensor]
+
+def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -57,7 +64,8 @@ class RequestPlan:
     tag: str
     length: int
     capture: frozenset[str]
-    logits: bool
+    #: ``False``, ``True`` (every prompt position) or ``"last"`` (the last one only).
+    logits: bool | str
     #: hook -> (first row in that hook's stacked table, whether rows follow positions)
     edits: dict[str, tuple[int, bool]] = field(default_factory=dict)
     returned: frozenset[str] = frozenset()
@@ -84,6 +92,8 @@ class RunState:
         columns: Per sharded hook, the columns of its (flattened, full-width) edit table
             that this tensor-parallel rank holds; other hooks use the whole table.
         needs: Per hook, the hooks its value is rebuilt from (recorded, not returned).
+        allocate: Makes the ``[batch, width, ...]`` buffers (default: ``torch.empty``);
+            the worker passes its ``Outbox``, so captures land where they are sent from.
     """
 
     def __init__(
@@ -94,7 +104,9 @@ class RunState:
         *,
         columns: Mapping[str, slice] | None = None,
         needs: Mapping[str, tuple[str, ...]] | None = None,
+        allocate: Allocate | None = None,
     ) -> None:
+        self.allocate: Allocate = allocate or _empty
         columns = columns or {}
         needs = needs or {}
         self.raw = bool(config.get("raw", False))
@@ -104,9 +116,10 @@ class RunState:
         rows: dict[str, int] = {}
         for position, (tag, request) in enumerate(config["requests"].items()):
             wanted = frozenset(request["capture"])
+            logits = request["logits"]
             plan = RequestPlan(
-                tag, int(request["length"]), wanted, bool(request["logits"]), returned=wanted,
-                index=int(request.get("index", position)),
+                tag, int(request["length"]), wanted, "last" if logits == "last" else bool(logits),
+                returned=wanted, index=int(request.get("index", position)),
             )  # fmt: skip
             plan.capture = wanted | {n for name in wanted for n in needs.get(name, ())}
             if plan.logits or "unembed.hook_out" in plan.capture:
@@ -176,7 +189,7 @@ class RunState:
             # A normal tensor, though the engine runs under inference mode: callers may
             # edit what they get back in place.
             with torch.inference_mode(False):
-                buffer = taken.new_empty((self.batch, self.width, *taken.shape[1:]))
+                buffer = self.allocate((self.batch, self.width, *taken.shape[1:]), taken.dtype, taken.device)
             self.buffers[name] = buffer
         # Segments that sit end to end in the flat buffer (whole prompts in batch order, the
         # usual prefill) go in one copy: each torch op costs a thread hand-off on the CPU.
@@ -226,20 +239,16 @@ class RunState:
 
     # -- collection --------------------------------------------------------------------
 
-    def gathered(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Per request tag, per hook: the prompt's captured rows in position order (views).
+    def check_written(self) -> None:
+        """Make sure every captured hook holds every position of every prompt.
 
         Raises:
             TLError: Some prompt positions were not computed (nothing else skips them).
         """
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for name, buffer in self.buffers.items():
-            for tag, plan in self.plans.items():
-                if name not in plan.capture:
-                    continue
-                self._check_written(name, plan)
-                out.setdefault(tag, {})[name] = buffer[plan.index, : plan.length]
-        return out
+        for name in self.buffers:
+            for plan in self.plans.values():
+                if name in plan.capture:
+                    self._check_written(name, plan)
 
     def batched(self, name: str) -> torch.Tensor:
         """Hook ``name`` for the whole batch, ``[batch, width, ...]``, zero-padded."""

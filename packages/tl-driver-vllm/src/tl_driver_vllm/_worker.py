@@ -15,13 +15,14 @@ from typing import Any, cast
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from tl_core import TLError
 from tl_driver_vllm._block_hooks import install_activations
 from tl_driver_vllm._families import Layout, served_layout
 from tl_driver_vllm._patterns import AttentionFacts, attention_facts, rebuild
-from tl_driver_vllm._run_state import NORMED, TAG_KEY, RunState, Step
+from tl_driver_vllm._run_state import NORMED, TAG_KEY, RequestPlan, RunState, Step
 from tl_driver_vllm._shards import Shard, layer_shards
 from tl_driver_vllm._sites import attention_inputs, install_sites, pattern_needs, sub
-from tl_driver_vllm._wire import pack
+from tl_driver_vllm._wire import Outbox, pack
 
 __all__ = ["TLWorkerExtension"]
 
@@ -45,6 +46,7 @@ class TLWorkerExtension:
     _tl_attention: dict[int, AttentionFacts]
     _tl_shards: dict[str, Shard]
     _tl_top_k: int | None
+    _tl_outbox: Outbox | None
 
     def tl_install(self, architecture: str, n_layers: int, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
         """Remember the family layout and this rank's share of every layer's heads and
@@ -59,6 +61,7 @@ class TLWorkerExtension:
         self._tl_layout = served_layout(architecture, bool(sizes.get("parallel_attn_mlp", False)))
         self._tl_n_layers = n_layers
         self._tl_state = None
+        self._tl_outbox = None
         self._tl_handles = []
         tp_rank, tp_size, pp_rank, pp_size = _ranks()
         model = self._tl_model()
@@ -76,13 +79,19 @@ class TLWorkerExtension:
         }
 
     def tl_begin(self, config: dict[str, Any]) -> None:
-        """Set up one run: build its edit tables and hook the sites it needs."""
+        """Set up one run: build its edit tables and hook the sites it needs.
+
+        The run's result buffers are made by its ``Outbox``: in the driver's shared-memory
+        folder when this worker is another process on the driver's machine.
+        """
         self.tl_abort()
         model = self._tl_model()
         param = next(model.parameters())
         columns = {name: shard.columns for name, shard in self._tl_shards.items()}
         needs = pattern_needs(self._tl_layout, self._tl_n_layers)
-        state = RunState(config, param.device, param.dtype, columns=columns, needs=needs)
+        outbox = Outbox(raw=bool(config.get("raw", False)), offer=config.get("shared"))
+        self._tl_outbox = outbox
+        state = RunState(config, param.device, param.dtype, columns=columns, needs=needs, allocate=outbox.empty)
         self._tl_state = state
         _, tp_size, _, _ = _ranks()
         handles = install_sites(
@@ -94,46 +103,52 @@ class TLWorkerExtension:
         self._tl_handles = handles
 
     def tl_collect(self) -> dict[str, Any]:
-        """End the run: unhook, and return captures (and logits shards) as plain data."""
-        state = self._tl_state
-        self.tl_abort()
+        """End the run: unhook, and return every result as one ``[batch, width, ...]``
+        tensor per hook (logits included), carried as the ``Outbox`` decides."""
+        state, outbox = self._tl_state, self._tl_outbox
+        self._tl_unhook()
+        self._tl_state = self._tl_outbox = None
         tp_rank, tp_size, pp_rank, _ = _ranks()
-        result: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank}
-        if state is None:
-            result["requests"] = {}
+        result: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank, "batched": {}}
+        if state is None or outbox is None:
             return result
         keep_replicated = tp_rank == 0 or state.all_ranks
         shards = self._tl_shards
-        requests: dict[str, dict[str, Any]] = {}
-        returned: set[str] = set()
-        with torch.no_grad():
-            for tag, captured in state.gathered().items():
-                plan = state.plans[tag]
-                returned |= plan.returned
-                out: dict[str, Any] = {}
-                normed = captured.pop(NORMED, None)
-                if normed is not None:
-                    out.update(self._tl_logits(normed, plan.logits, "unembed.hook_out" in plan.capture, state.raw))
-                requests[tag] = out
-            self._tl_patterns(state)
-            batched = {
-                name: pack(state.batched(name), raw=state.raw)
-                for name in state.buffers
-                if name in returned and (keep_replicated or name in shards)
-            }
-        result["requests"] = requests
-        # Every captured hook as one [batch, width, ...] tensor, prompts in the driver's order.
-        result["batched"] = batched
+        returned = {name for plan in state.plans.values() for name in plan.returned}
+        try:
+            with torch.no_grad():
+                state.check_written()
+                self._tl_patterns(state)
+                values = {
+                    name: state.batched(name)
+                    for name in state.buffers
+                    if name in returned and (keep_replicated or name in shards)
+                }
+                # Every rank sends its vocabulary shard of the logits.
+                values.update(self._tl_logits(state))
+                # Prompts in the driver's order.
+                result["batched"] = {name: outbox.send(value) for name, value in values.items()}
+        except BaseException:
+            outbox.discard()
+            raise
+        outbox.finish()
         # Where this rank's piece of each head- or neuron-level hook sits in the full tensor.
         result["shards"] = {name: [s.axis, s.start, s.count] for name, s in shards.items()}
         return result
 
     def tl_abort(self) -> None:
-        """Remove this run's hooks and forget its state (safe to call at any time)."""
+        """Remove this run's hooks, files and state (safe to call at any time)."""
+        self._tl_unhook()
+        outbox = getattr(self, "_tl_outbox", None)
+        if outbox is not None:
+            outbox.discard()
+        self._tl_outbox = None
+        self._tl_state = None
+
+    def _tl_unhook(self) -> None:
         for handle in getattr(self, "_tl_handles", []):
             handle.remove()
         self._tl_handles = []
-        self._tl_state = None
 
     def tl_readout(self) -> dict[str, Any]:
         """Final norm and unembedding weights (this rank's vocabulary shard), as plain data."""
@@ -255,23 +270,70 @@ class TLWorkerExtension:
                 entries.append((plan, int(starts[i]), count, int(computed[i])))
         state.step = Step(entries, positions.device)
 
-    def _tl_logits(self, normed: torch.Tensor, logits: bool, unembed: bool, raw: bool) -> dict[str, Any]:
-        """Sequence logits of one prompt on this rank's vocabulary shard."""
-        model = self._tl_model()
+    def _tl_logits(self, state: RunState) -> dict[str, torch.Tensor]:
+        """``unembed.hook_out`` and logits on this rank's vocabulary shard, batched, in the
+        engine's dtype, from the captured final-norm output.
+
+        Only the rows asked for go through the unembedding: each prompt's positions for
+        ``unembed.hook_out`` and sequence logits (``[batch, width, vocab]``), each prompt's
+        last position for ``"last"`` (``[batch, 1, vocab]``).
+        """
+        normed = state.buffers.get(NORMED)
+        plans = list(state.plans.values())
+        if normed is None or not plans:
+            return {}
+        modes = {plan.logits for plan in plans if plan.logits}
+        if len(modes) > 1:
+            raise TLError(f"one run asked for logits in several forms {sorted(map(str, modes))}")
         head = self._tl_head()
+        weight = head.weight.t()
         bias = getattr(head, "bias", None)
-        raw_logits = torch.nn.functional.linear(normed, head.weight, bias)
-        out: dict[str, Any] = {}
-        if unembed:
-            out["unembed.hook_out"] = pack(raw_logits, raw=raw)
-        if logits:
-            processor = getattr(model, "logits_processor", None)
-            cap = getattr(processor, "soft_cap", None)
-            value = raw_logits
-            if cap is not None:
-                value = torch.tanh(value / cap) * cap
-            scale = getattr(processor, "scale", 1.0)
-            if scale != 1.0:
-                value = value * scale
-            out["logits"] = pack(value, raw=raw)
+        width, vocab = normed.shape[1], weight.shape[1]
+
+        def unembed(dst: torch.Tensor, src: torch.Tensor) -> None:
+            if bias is None:
+                torch.mm(src, weight, out=dst)
+            else:
+                torch.addmm(bias, src, weight, out=dst)
+
+        def sequence(taken: list[RequestPlan]) -> torch.Tensor:
+            out = state.allocate((state.batch, width, vocab), normed.dtype, normed.device)
+            if all(p.length == width for p in taken) and len(taken) == state.batch:
+                unembed(out.view(-1, vocab), normed.view(-1, normed.shape[-1]))
+                return out
+            out.zero_()
+            for plan in taken:
+                unembed(out[plan.index, : plan.length], normed[plan.index, : plan.length])
+            return out
+
+        out: dict[str, torch.Tensor] = {}
+        if any("unembed.hook_out" in plan.capture for plan in plans):
+            out["unembed.hook_out"] = sequence([p for p in plans if "unembed.hook_out" in p.capture])
+        if not modes:
+            return out
+        taken = [p for p in plans if p.logits]
+        if modes == {"last"}:
+            logits = state.allocate((state.batch, 1, vocab), normed.dtype, normed.device)
+            if len(taken) == state.batch:
+                ends = [p.length - 1 for p in sorted(taken, key=lambda p: p.index)]
+                rows = torch.arange(state.batch, device=normed.device)
+                last = normed[rows, torch.tensor(ends, device=normed.device)]
+                unembed(logits.view(state.batch, vocab), last)
+            else:
+                logits.zero_()
+                for plan in taken:
+                    unembed(logits[plan.index], normed[plan.index, plan.length - 1 : plan.length])
+        elif "unembed.hook_out" in out and len(taken) == len(plans):
+            logits = state.allocate(out["unembed.hook_out"].shape, normed.dtype, normed.device)
+            logits.copy_(out["unembed.hook_out"])
+        else:
+            logits = sequence(taken)
+        processor = getattr(self._tl_model(), "logits_processor", None)
+        cap = getattr(processor, "soft_cap", None)
+        if cap is not None:
+            logits.div_(cap).tanh_().mul_(cap)  # zero padding stays zero
+        scale = getattr(processor, "scale", 1.0)
+        if scale != 1.0:
+            logits.mul_(scale)
+        out["logits"] = logits
         return out
