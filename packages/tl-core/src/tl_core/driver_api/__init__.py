@@ -43,6 +43,11 @@ if TYPE_CHECKING:
         NamespaceFacts as NamespaceFacts,
         validate_driver as validate_driver,
     )
+    from tl_core.driver_api._rounding import (
+        DEFAULT_ERROR_FACTOR as DEFAULT_ERROR_FACTOR,
+        RoundingCheck as RoundingCheck,
+        check_rounding as check_rounding,
+    )
     from tl_core.driver_api._sampling import (
         SamplingOptions as SamplingOptions,
         next_tokens as next_tokens,
@@ -99,6 +104,9 @@ __getattr__, __dir__, __all__ = attach(
         "ForwardResult": "tl_core.driver_api._protocol",
         "NamespaceFacts": "tl_core.driver_api._protocol",
         "validate_driver": "tl_core.driver_api._protocol",
+        **dict.fromkeys(
+            ("DEFAULT_ERROR_FACTOR", "RoundingCheck", "check_rounding"), "tl_core.driver_api._rounding"
+        ),
         "SamplingOptions": "tl_core.driver_api._sampling",
         "next_tokens": "tl_core.driver_api._sampling",
         "ByteTokenizer": "tl_core.driver_api._tokenizers",
