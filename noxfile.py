@@ -46,6 +46,7 @@ PACKAGES: dict[str, list[str]] = {
         str(FIXTURES / "tl-fake-broken"),
         "jsonschema",
         "matplotlib>=3.6",  # the plots extra: figures are drawn and opened in the tests
+        "hypothesis",  # property tests (check_rounding)
     ],
     # The accelerate and gguf extras; installing them runs the device_map and GGUF tests
     # (the GGUF tests also need the real model file, installed by _install_smollm2).

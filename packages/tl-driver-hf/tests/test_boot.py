@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, BertConfig
 
 from tl_core import ConfigError, TransformerBridge, UserError, boot
+from tl_core.driver_api import check_rounding
 from tl_driver_hf import HFDriver, build_bridge_from_module
 from tl_driver_hf._checkpoints import checkpoint_revision
 from tl_driver_hf.testing import write_tiny_checkpoint
@@ -111,6 +112,22 @@ def test_bfloat16_equals_eager_transformers_with_or_without_hooks(family: str, c
     assert logits.dtype == torch.bfloat16 and cache["blocks.0.hook_out"].dtype == torch.bfloat16
     assert cache["blocks.0.ln1.hook_scale"].dtype == torch.float32  # the norm's compute dtype
     torch.testing.assert_close(logits.float(), expected.float(), atol=0.0, rtol=0.0)
+
+
+def test_float64_runs_mixture_of_experts_as_transformers_does(checkpoint: Callable[[str], Path]) -> None:
+    """The exact run parity tests measure float32 against: transformers' default grouped
+    expert kernel refuses float64, so the driver selects its per-expert loop, and the result
+    is closer to transformers' own float64 run than any float32 run is."""
+    path = checkpoint("mixtral")
+    bridge = TransformerBridge.boot_transformers(str(path), dtype=torch.float64)
+    single = TransformerBridge.boot_transformers(str(path), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+    reference.set_experts_implementation("eager")
+    ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
+    with torch.no_grad():
+        logits = bridge(ids)
+        check = check_rounding(logits, single(ids), reference(ids).logits, factor=1.0)
+    assert logits.dtype == torch.float64 and check.ok, str(check)
 
 
 def test_n_ctx_writes_the_config_and_guards_learned_positions(checkpoint: Callable[[str], Path]) -> None:

@@ -146,6 +146,18 @@ def _checks(got: tuple[torch.Tensor, list[torch.Tensor]], peer: tuple[torch.Tens
     return [*checks, check_rounding(got[0], peer[0], exact[0], name=f"logits {label}")]
 
 
+def test_first_boot_dequantises_once_and_says_so(first_boot: tuple[TransformerBridge, list[str], float], cache_dir: Path, gguf_path: Path) -> None:
+    bridge, warnings, _ = first_boot
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"tl: {gguf_path.name}: transformers parses a GGUF file anew")
+    folders = [p for p in cache_dir.iterdir()]
+    assert len(folders) == 1 and folders[0].name.endswith("-float32") and str(folders[0]) in warnings[0]
+    record = json.loads((folders[0] / GGUF_RECORD).read_text())
+    assert record["dtype"] == "float32" and record["size"] == gguf_path.stat().st_size
+    info = bridge.cfg
+    assert (info.n_layers, info.d_model, info.n_heads, info.kv_heads) == (30, 576, 9, 3)
+
+
 def test_bridge_matches_plain_transformers_on_the_same_file(
     first_boot: tuple[TransformerBridge, list[str], float], reference: tuple[Any, Any], exact: Any
 ) -> None:

@@ -16,6 +16,13 @@ ENGINE_OPTIONS: dict[str, Any] = {
 }
 
 
+#: How many times the float32 hf driver's error (against the same checkpoint in float64) vLLM
+#: may show (tl_core.driver_api.check_rounding): its CPU kernels (fused projections, its own
+#: attention and norms) compute in other orders and forms than transformers'. Measured on the
+#: 17 tiny families: up to 15x (Gemma 2's ln2.hook_scale; most hooks within 4x); a hook
+#: served from the wrong site or layer is off by 10^4-10^6x.
+VLLM_FACTOR = 32.0
+
 #: Residual-stream and sublayer-output sites (``blocks.{i}.`` stripped): what
 #: ``_tlv_reference`` reads; the hf driver is the reference for every other hook.
 RESIDUAL_SITES = REFERENCE_SITES = (

@@ -151,6 +151,16 @@ def _n_devices_map(adapter: ArchitectureAdapter, config: Any, n: int) -> dict[st
     return placement
 
 
+def _experts_for(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Mixture-of-experts layers in float64 run transformers' per-expert loop: its default
+    grouped matrix multiply takes float32 and half precision only (and fails at the forward)."""
+    setter = getattr(model, "set_experts_implementation", None)
+    if dtype != torch.float64 or not callable(setter):
+        return
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        setter("eager")
+
+
 def load_model(opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter) -> nn.Module:
     """Load (or, with ``load_weights=False``, build on the meta device) the model."""
     cls = _model_class(opts)
@@ -182,6 +192,7 @@ def load_model(opts: BootOptions, config: PretrainedConfig, adapter: Architectur
     model = cls.from_pretrained(opts.model_name, **kwargs)
     if move_to is not None:
         model.to(move_to)
+    _experts_for(model, opts.dtype)
     model.eval()
     return model  # type: ignore[no-any-return]
 
