@@ -41,6 +41,42 @@ def test_bad_options_fail_before_anything_loads(options: dict[str, object], matc
         HFDriver.boot(NOWHERE, **options)
 
 
+@pytest.mark.parametrize(
+    ("family", "overrides", "match"),
+    [
+        ("gpt2", {"n_layerz": 1}, r"key 'n_layerz' is not a field of the 'gpt2' config.*did you mean 'n_layer'\?"),
+        ("llama", {"hidden_sise": 64}, r"key 'hidden_sise' .*did you mean 'hidden_size'\?"),
+        ("llama", {"zzzzzzzz": 1}, r"key 'zzzzzzzz' .*see its config.json for the fields"),
+        ("gpt2", {"n_layer": -1}, r"\['n_layer'\] = -1, but 'n_layer' is a size or count .*now 2.*int >= 1"),
+        ("gpt2", {"n_embd": 0}, r"\['n_embd'\] = 0, but 'n_embd' is a size"),
+        # Through the config's attribute map (GPT-2 calls it n_layer).
+        ("gpt2", {"num_hidden_layers": 0}, r"\['num_hidden_layers'\] = 0"),
+        ("llama", {"num_attention_heads": 2.0}, r"\['num_attention_heads'\] = 2.0"),
+        ("llama", {"vocab_size": True}, r"\['vocab_size'\] = True"),
+    ],
+    ids=["typo", "typo-llama", "no-close-field", "negative", "zero", "aliased", "float", "bool"],
+)
+def test_bad_config_overrides_fail_before_weights_load(
+    family: str,
+    overrides: dict[str, object],
+    match: str,
+    checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr("tl_driver_hf._driver.load_model", no_loading)
+    with pytest.raises(ConfigError, match=match):
+        HFDriver.boot(str(checkpoint(family)), hf_config_overrides=overrides)
+
+
+def test_valid_config_overrides_take_effect(checkpoint: Callable[[str], Path]) -> None:
+    overrides = {"num_hidden_layers": 1, "resid_pdrop": 0.0}
+    driver = HFDriver.boot(str(checkpoint("gpt2")), hf_config_overrides=overrides)
+    assert driver.info.n_layers == 1
+
+
 def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(checkpoint: Callable[[str], Path]) -> None:
     assert checkpoint_revision("EleutherAI/pythia-70m", 0, None) == "step0"
     assert checkpoint_revision("EleutherAI/pythia-70m", 4, None) == "step8"

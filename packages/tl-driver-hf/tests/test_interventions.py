@@ -155,6 +155,65 @@ def test_normalized_and_scale_edits_rebuild_the_norm_output(paths: dict[str, Any
     )
 
 
+def _norm_value_sites(bridge: TransformerBridge) -> list[str]:
+    """Every served ``hook_scale`` / ``hook_normalized`` in block 0 and outside the blocks."""
+    return [
+        n
+        for n in bridge.hook_dict
+        if n.endswith((".hook_scale", ".hook_normalized"))
+        and (not n.startswith("blocks.") or n.startswith("blocks.0."))
+    ]
+
+
+def test_in_place_norm_edits_equal_returned_and_spec_edits(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+    """TransformerLens's in-place idiom (``x[:, -1] *= 2``) takes effect at every norm site."""
+
+    def in_place(x: torch.Tensor, hook: HookPoint) -> None:
+        x[:, -1] *= 2
+
+    def in_place_returning_x(x: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+        x[:, -1] *= 2
+        return x
+
+    def returning_new(x: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+        out = x.clone()
+        out[:, -1] *= 2
+        return out
+
+    sites = _norm_value_sites(bridge)
+    assert "ln_final.hook_scale" in sites and "ln_final.hook_normalized" in sites
+    with torch.no_grad():
+        clean = bridge(ids)
+        for name in sites:
+            by_spec = bridge(ids, intervene={name: {"op": "scale", "factor": 2.0, "pos": -1}})
+            assert (by_spec - clean).abs().max() > 1e-4, f"editing {name} did not change the logits"
+            for fn in (returning_new, in_place, in_place_returning_x):
+                logits = bridge.run_with_hooks(ids, fwd_hooks=[(name, fn)])
+                torch.testing.assert_close(
+                    logits, by_spec, atol=1e-6, rtol=1e-6, msg=lambda m, n=name, f=fn: f"{n}, {f.__name__}: {m}"
+                )
+
+
+def test_in_place_scale_edits_keep_the_gradient(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+    """The scale is saved for the backward pass, so the driver hands hooks a copy to edit."""
+
+    def in_place(x: torch.Tensor, hook: HookPoint) -> None:
+        x[:, -1] *= 2
+
+    def returning_new(x: torch.Tensor, hook: HookPoint) -> torch.Tensor:
+        return torch.cat([x[:, :-1], 2 * x[:, -1:]], dim=1)
+
+    grads: list[torch.Tensor] = []
+    for fn in (in_place, returning_new):
+        with bridge.hooks(
+            fwd_hooks=[(n, fn) for n in _norm_value_sites(bridge) if n.endswith(".hook_scale")],
+            bwd_hooks=[("embed.hook_out", lambda g, hook: grads.append(g))],
+        ):
+            bridge.loss(ids).backward()
+        bridge.zero_grad()
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-6)
+
+
 def test_gradients_reach_every_hook(bridge: TransformerBridge, ids: torch.Tensor) -> None:
     grads: dict[str, torch.Tensor] = {}
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import os
+import re
 import warnings
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -59,9 +62,45 @@ def load_config(opts: BootOptions) -> PretrainedConfig:
     except OSError as exc:
         where = "folder" if os.path.isdir(opts.model_name) else "hub id"
         raise UserError(f"cannot read the config of {where} {opts.model_name!r}: {exc}") from exc
+    _check_overrides(config, opts.hf_config_overrides, opts.model_name)
     for key, value in opts.hf_config_overrides.items():
         setattr(config, key, value)
     return cast(PretrainedConfig, config)
+
+
+# Config fields named like a size or count (num_hidden_layers, n_embd, head_dim, vocab_size,
+# max_position_embeddings, ...): where the config holds a positive int, so must an override.
+_SIZE_NAME = re.compile(r"^(num|n)_|_(size|dim|positions|embeddings)$")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_overrides(config: Any, overrides: Mapping[str, Any], model_name: str) -> None:
+    """Refuse overrides that would be ignored or break the model, before any weight loads.
+
+    Raises:
+        ConfigError: A key the config does not have (with the closest field), or a size or
+            count set to anything but a positive int.
+    """
+    model_type = getattr(config, "model_type", None)
+    for key, value in overrides.items():
+        if not hasattr(config, key) or callable(getattr(config, key)):
+            fields = sorted({*config.to_dict(), *getattr(config, "attribute_map", {})})
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see its config.json for the fields"
+            raise ConfigError(
+                f"hf_config_overrides key {key!r} is not a field of the {model_type!r} config "
+                f"of {model_name!r}, so setting it would change nothing; {hint}"
+            )
+        current = getattr(config, key)
+        if _SIZE_NAME.search(key) and _positive_int(current) and not _positive_int(value):
+            raise ConfigError(
+                f"hf_config_overrides[{key!r}] = {value!r}, but {key!r} is a size or count of "
+                f"the {model_type!r} config of {model_name!r} (now {current!r}); pass an int "
+                f">= 1"
+            )
 
 
 def adapter_for_config(config: Any) -> ArchitectureAdapter:

@@ -35,6 +35,7 @@ def normalize(
     ``scale`` is ``sqrt(var + eps)`` (``[..., 1]``); ``normalized`` is computed as the
     module does (multiplying by ``rsqrt``), so it matches the module bit for bit on RMS
     norms. The centred input (``x`` itself for RMS norms) lets an edited scale be applied.
+    ``scale`` and ``normalized`` are fresh tensors that hooks may edit in place.
     """
     if kind == "layernorm":
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
@@ -44,7 +45,11 @@ def normalize(
         centred = x.float()
         var = centred.pow(2).mean(dim=-1, keepdim=True)
     inv = torch.rsqrt(var + eps)
-    return centred, (var + eps).sqrt(), centred * inv
+    scale = (var + eps).sqrt()
+    if scale.requires_grad:
+        # sqrt keeps its output for the backward pass, and hooks may edit the scale in place.
+        scale = scale.clone()
+    return centred, scale, centred * inv
 
 
 def apply_weight(

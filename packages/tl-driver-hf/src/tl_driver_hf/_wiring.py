@@ -4,7 +4,10 @@ Only hooks whose HookPoint has something attached are wired, and only for one fo
 ``Wiring.install`` returns the torch handles and the driver removes them afterwards, so
 between runs the transformers model carries nothing of ours and an unhooked forward runs
 at the model's own speed. Every hook passes the value through its HookPoint and, when a
-hook returned a different tensor, hands that one downstream so edits propagate.
+hook returned a different tensor, hands that one downstream so edits propagate. An in-place
+edit reaches the model by itself where the hook saw the model's own tensor; where it saw a
+value the driver recomputed (a norm's scale and normalized value), the tensor's version
+counter reveals the edit.
 """
 
 from __future__ import annotations
@@ -312,14 +315,15 @@ def _norm_hook(
             centred, s, n = normalize(x, kind, norm_eps(module))
             if view is not None:
                 centred, s, n = view.to_tl(centred), view.scale_to_tl(s), view.to_tl(n)
-            new_s = scale(s) if scale is not None and scale.has_hooks else s
-            if new_s is not s or _has_bwd(scale):
+            new_s, s_in_place = _fire(scale, s)
+            s_edited = s_in_place or new_s is not s
+            if s_edited or _has_bwd(scale):
                 n = centred / new_s
-            new_n = normed(n) if normed is not None and normed.has_hooks else n
-            if new_n is not n or new_s is not s or _has_bwd(scale, normed):
+            new_n, n_in_place = _fire(normed, n)
+            if s_edited or n_in_place or new_n is not n or _has_bwd(scale, normed):
                 weighted = new_n if view is None else view.to_model(new_n)
                 result = apply_weight(weighted, module, kind, x.dtype)
-                if _same(new_n, n) and _same(new_s, s):
+                if not (s_in_place or n_in_place) and _same(new_n, n) and _same(new_s, s):
                     # Only the gradient changes (backward hooks, relevance rules, probes that
                     # add zero): keep the module's own bits, route the gradient through the
                     # rebuilt value, which differs from a fused LayerNorm by rounding.
@@ -332,6 +336,20 @@ def _norm_hook(
         return None if result is output else result
 
     return hook
+
+
+def _fire(point: HookPoint | None, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``point(value)``, and whether its hooks wrote into ``value`` in place.
+
+    ``value`` is the norm's recomputed scale or normalized value, the driver's own tensor, so
+    hooks may edit it in place as TransformerLens's ``x[:, -1] = 0`` idiom does; the version
+    counter, which every in-place write bumps (views share it), detects that at no cost.
+    """
+    if point is None or not point.has_hooks:
+        return value, False
+    version = value._version
+    out = point(value)
+    return out, value._version != version
 
 
 def _same(edited: torch.Tensor, original: torch.Tensor) -> bool:
