@@ -686,13 +686,108 @@ def test_config_coerce_and_round_trip() -> None:
         ({"use_attn_result": "yes"}, r"'use_attn_result' must be a bool"),
         ({"use_bias": 0}, r"'use_bias' must be a bool"),
         ({"eps": 0}, r"'eps' must be a positive number"),
-        ({"rotary_base": -1.0}, r"'rotary_base' must be a positive number"),
+        ({"rotary_base": -1.0}, r"'rotary_base' must be a number from 1 to"),
         ({"seed": -1}, r"'seed' must be a non-negative int"),
     ],
 )
 def test_config_rejects_bad_values(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         NativeConfig.from_dict(overrides)
+
+
+F32_MAX = 3.4028234663852886e38
+
+
+BAD_FLOATS = [
+    pytest.param(math.nan, "got nan", id="nan"),
+    pytest.param(math.inf, "got inf", id="inf"),
+    pytest.param(-math.inf, "got -inf", id="-inf"),
+    pytest.param(-1.0, "got -1.0", id="negative"),
+    pytest.param(0.0, "got 0.0", id="zero"),
+    pytest.param(1e39, "got 1e+39", id="overflows-float32"),
+    pytest.param(10**400, "got 100000000000...(401 characters)", id="overflows-float64"),
+]
+
+
+@pytest.mark.parametrize(
+    ("value", "got"), [*BAD_FLOATS, pytest.param(1e-50, "got 1e-50", id="rounds-to-0")]
+)
+def test_config_rejects_eps_that_is_not_a_positive_float32(value: float, got: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        NativeConfig.llama_style(eps=value)
+    message = str(info.value)
+    assert "NativeConfig field 'eps' must be a positive number" in message
+    assert "from 1.4012985e-45 to 3.4028235e+38" in message
+    assert got in message
+
+
+@pytest.mark.parametrize(
+    ("value", "got"), [*BAD_FLOATS, pytest.param(0.5, "got 0.5", id="below-1")]
+)
+def test_config_rejects_rotary_base_outside_1_to_float32_max(value: float, got: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        NativeConfig.llama_style(rotary_base=value)
+    message = str(info.value)
+    assert "NativeConfig field 'rotary_base' must be a number from 1 to 3.4028235e+38" in message
+    assert got in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("eps", F32_MAX),
+        ("eps", 1.5e-45),
+        ("eps", 1),
+        ("rotary_base", 1),
+        ("rotary_base", F32_MAX),
+        ("rotary_base", 500_000),
+    ],
+)
+def test_config_accepts_the_ends_of_the_float_ranges(field: str, value: float) -> None:
+    cfg = NativeConfig.llama_style(**{field: value})
+    assert getattr(cfg, field) == value
+    ids = random_ids(1, 4)
+    assert bool(torch.isfinite(NativeTransformer(cfg)(ids)).all())
+
+
+@pytest.mark.parametrize("seed", [2**64, -1, 1.0, True])
+def test_config_rejects_seeds_the_generator_cannot_take(seed: object) -> None:
+    with pytest.raises(ConfigError, match=r"'seed' must be a non-negative int below 2\*\*64"):
+        NativeConfig.llama_style(seed=seed)
+    assert NativeConfig.llama_style(seed=2**64 - 1).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"eps": math.nan}, r"'eps' must be a positive number.*got nan"),
+        ({"eps": math.inf}, r"'eps'.*got inf"),
+        ({"rotary_base": -math.inf}, r"'rotary_base'.*got -inf"),
+        ({"eps": 1e-9, "dtype": torch.float16}, r"'eps' \(1e-09\) rounds to 0 in torch\.float16"),
+        ({"eps": 1e30, "dtype": torch.float16}, r"'eps' \(1e\+30\) overflows torch\.float16"),
+        ({"dtype": torch.int64}, r"dtype must be a floating-point torch\.dtype.*got torch\.int64"),
+        ({"dtype": "float16"}, r"dtype must be a floating-point torch\.dtype.*got 'float16'"),
+    ],
+)
+def test_boot_native_refuses_bad_numeric_options_before_building(
+    options: dict[str, Any], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tl_core import TransformerBridge
+
+    def no_build(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the model was built before the options were checked")
+
+    monkeypatch.setattr(NativeTransformer, "__init__", no_build)
+    with pytest.raises(ConfigError, match=message):
+        TransformerBridge.boot_native("llama", n_layers=2, **options)
+
+
+def test_boot_native_half_precision_keeps_a_representable_eps() -> None:
+    from tl_core import TransformerBridge
+
+    bridge = TransformerBridge.boot_native("llama", n_layers=2, dtype=torch.bfloat16, eps=1e-6)
+    logits = bridge("Finite", intervene={"blocks.0.hook_out": {"op": "suppress"}})
+    assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
 
 
 def test_model_rejects_non_config() -> None:

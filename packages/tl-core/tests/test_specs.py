@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
+from tl_core import TransformerBridge
 from tl_core._errors import HookNameError, SpecError, TLError
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
@@ -180,7 +182,7 @@ EXAMPLES = [
     {"op": "add", "value": 0.5},
     {"op": "add", "value": [0.1, -0.2, 0.3, 1e-9], "pos": [4]},
     {"op": "set", "value": [[1, 2], [3, 4], [5, 6]], "pos": [0, 1, -1]},
-    {"op": "set", "value": -math.inf, "pos": 2},
+    {"op": "set", "value": -3.4028234663852886e38, "pos": 2},
 ]
 
 
@@ -215,6 +217,10 @@ def test_to_dict_output_satisfies_published_schema(raw: dict[str, Any]) -> None:
         {"op": "mute"},
         {"op": "suppress", "factr": 2},
         {"factor": 2},
+        {"op": "scale", "factor": math.inf},
+        {"op": "add", "value": 1e39},
+        {"op": "set", "value": [0.0, -math.inf]},
+        {"op": "add", "value": [[0.0], [-3.5e38]], "pos": [0, 1]},
     ],
 )
 def test_schema_and_validator_reject_the_same_specs(raw: dict[str, Any]) -> None:
@@ -324,6 +330,139 @@ def test_non_mapping_spec() -> None:
 
 def test_integral_float_positions_are_accepted_like_json_integers() -> None:
     assert parse_spec({"op": "suppress", "pos": [2.0, -1.0]}, hook=HOOK).pos == (2, -1)
+
+
+# --------------------------------------------------------------------------- non-finite numbers
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragments"),
+    [
+        ({"op": "add", "value": math.inf}, ["key 'value' expects a finite number, found inf"]),
+        ({"op": "set", "value": -math.inf}, ["key 'value' expects a finite number, found -inf"]),
+        ({"op": "scale", "factor": math.inf}, ["key 'factor' expects a finite number, found inf"]),
+        ({"op": "scale", "factor": -math.inf}, ["key 'factor'", "found -inf"]),
+        ({"op": "add", "value": [0.5, 1.0, math.inf, 2.0]}, ["key 'value'", "inf at index [2]"]),
+        ({"op": "add", "value": [0.0, math.nan]}, ["key 'value'", "found NaN at index [1]"]),
+        (
+            {"op": "set", "value": [[1, 2], [3, -math.inf]], "pos": [0, 1]},
+            ["key 'value'", "found -inf at index [1][1]"],
+        ),
+        ({"op": "add", "value": 1e39}, ["key 'value' is 1e+39", "overflows float32"]),
+        ({"op": "set", "value": -1e39}, ["key 'value' is -1e+39", "overflows float32"]),
+        ({"op": "scale", "factor": 3.5e38}, ["key 'factor' is 3.5e+38", "overflows float32"]),
+        ({"op": "scale", "factor": -1e300}, ["key 'factor'", "overflows float32"]),
+        (
+            {"op": "add", "value": [1.0, 1e39, math.inf]},
+            ["key 'value' has 1e+39 at index [1]", "overflows float32"],
+        ),
+        (
+            {"op": "add", "value": [[1.0, 2.0], [2e38, 2e38 * 2]], "pos": [0, 1]},
+            ["key 'value' has 4e+38 at index [1][1]", "overflows float32"],
+        ),
+        ({"op": "add", "value": 10**400}, ["key 'value'", "overflows float32"]),
+        ({"op": "add", "value": [0, -(10**400)]}, ["index [1]", "overflows float32"]),
+        ({"op": "add", "value": torch.tensor([0.0, math.inf])}, ["found inf at index [1]"]),
+        (
+            {"op": "add", "value": np.array([[0.0], [1e39]]), "pos": [0, 1]},
+            ["key 'value' has 1e+39 at index [1][0]", "overflows float32"],
+        ),
+    ],
+)
+def test_non_finite_and_float32_overflowing_numbers_are_refused(
+    raw: dict[str, Any], fragments: list[str]
+) -> None:
+    message = spec_error(raw, hook="blocks.3.mlp.hook_post")
+    assert message.startswith("intervention on 'blocks.3.mlp.hook_post': ")
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_overflow_message_names_float32_and_its_limit() -> None:
+    message = spec_error({"op": "add", "value": 1e39})
+    assert "overflows float32 (the model's dtype" in message
+    assert "3.4028235e+38" in message
+
+
+def test_constructors_refuse_non_finite_numbers() -> None:
+    with pytest.raises(SpecError, match=r"InterventionSpec: key 'factor' expects a finite"):
+        InterventionSpec.scale(-math.inf)
+    with pytest.raises(SpecError, match=r"InterventionSpec: key 'value' .*overflows float32"):
+        InterventionSpec.add(1e39)
+    with pytest.raises(SpecError, match=r"InterventionSpec: .*found inf at index \[3\]"):
+        InterventionSpec.set(torch.tensor([0.0, 1.0, 2.0, math.inf]))
+
+
+@pytest.mark.parametrize("number", [F32_MAX, -F32_MAX, 1e38, -3e38, 1e-45, 0.0])
+def test_every_float32_magnitude_is_accepted(number: float) -> None:
+    assert parse_spec({"op": "scale", "factor": number}, hook=HOOK).factor == number
+    assert parse_spec({"op": "set", "value": [number, 1.0]}, hook=HOOK).value == (number, 1.0)
+
+
+def test_non_finite_specs_fail_before_running() -> None:
+    bridge = TransformerBridge.boot_native("llama", n_layers=2)
+    calls: list[int] = []
+    with bridge.hooks([("embed.hook_out", lambda x, hook: calls.append(1))]):
+        for spec in (
+            {"op": "add", "value": math.inf},
+            {"op": "scale", "factor": -math.inf},
+            {"op": "set", "value": 1e39},
+            {"op": "add", "value": [0.0] * 63 + [math.inf]},
+        ):
+            with pytest.raises(SpecError, match=r"'blocks\.0\.hook_out'"):
+                bridge("Finite edits only", intervene={"blocks.0.hook_out": spec})
+    assert calls == []
+
+
+_HUGE = st.sampled_from(
+    [1e39, -1e39, 1e300, -1e300, 3.5e38, F32_MAX, -F32_MAX, 3.4028236e38, 10**400]
+)
+_NUMBERS = st.floats(allow_nan=True, allow_infinity=True) | _HUGE
+
+
+@st.composite
+def _numeric_specs(draw: st.DrawFn, width: int) -> dict[str, Any]:
+    """One spec with its numeric fields drawn from any floats, huge ones included."""
+
+    def vector() -> list[Any]:
+        base = draw(st.floats(-10.0, 10.0))
+        out: list[Any] = [base] * width
+        out[draw(st.integers(0, width - 1))] = draw(_NUMBERS)
+        return out
+
+    kind = draw(st.sampled_from(["factor", "scalar", "vector", "per-position"]))
+    if kind == "factor":
+        return {"op": "scale", "factor": draw(_NUMBERS)}
+    op = draw(st.sampled_from(["add", "set"]))
+    if kind == "scalar":
+        return {"op": op, "value": draw(_NUMBERS)}
+    if kind == "vector":
+        return {"op": op, "value": vector()}
+    return {"op": op, "value": [vector(), vector()], "pos": [0, -1]}
+
+
+@pytest.fixture(scope="module")
+def llama_bridge() -> TransformerBridge:
+    return TransformerBridge.boot_native("llama", n_layers=2)
+
+
+@given(data=st.data())
+@settings(max_examples=50, deadline=None)
+def test_any_numeric_spec_is_refused_or_gives_finite_logits(
+    llama_bridge: TransformerBridge, data: st.DataObject
+) -> None:
+    spec = data.draw(_numeric_specs(llama_bridge.cfg.d_model))
+    calls: list[int] = []
+    with llama_bridge.hooks([("embed.hook_out", lambda x, hook: calls.append(1))]):
+        try:
+            logits = llama_bridge("Finite edits only", intervene={"blocks.0.hook_out": spec})
+        except SpecError as error:
+            assert calls == [], f"{spec} was refused only after the forward started"
+            assert "'blocks.0.hook_out'" in str(error)
+            return
+    assert bool(torch.isfinite(logits).all()), f"{spec} was accepted but gave non-finite logits"
 
 
 # --------------------------------------------------------------------------- plans

@@ -22,6 +22,24 @@ _POS_TYPES = ("standard", "rotary")
 _INIT_MODES = ("gpt2", "xavier_normal")
 _POSITIVE_INTS = ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")
 _BOOLS = ("gated_mlp", "use_attn_result", "use_split_qkv_input", "tie_word_embeddings")
+# Native models compute in float32 unless booted with another dtype, so the float fields
+# must survive float32: an eps that rounds to 0 divides a zero vector by 0, one that
+# overflows zeroes every norm, and NaN turns every logit into NaN. A rotary base below 1
+# makes the frequencies base**(-2i/d_head) grow, past float32's range for tiny bases.
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.401298464324817e-45  # the smallest positive (subnormal) float32
+_FLOAT_RANGES = {
+    "eps": (
+        _FLOAT32_TINY,
+        "a positive number that float32 holds, from 1.4012985e-45 to 3.4028235e+38 "
+        "(smaller ones round to 0, larger ones overflow)",
+    ),
+    "rotary_base": (
+        1.0,
+        "a number from 1 to 3.4028235e+38 (float32's largest); usual bases are 10000 to 1000000",
+    ),
+}
+_SEED_LIMIT = 2**64  # torch's generators take seeds in 0 .. 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -51,9 +69,11 @@ class NativeConfig:
         gated_mlp: Whether the MLP has a gate projection (``hook_pre_linear`` fires).
         init_mode: ``"gpt2"`` (normal, std 0.02) or ``"xavier_normal"`` for weights;
             biases start at zero and norm weights at one in both modes.
-        seed: Seed of the private generator that initialises the weights.
-        eps: Epsilon added to the variance (LN) or mean square (RMS) in every norm.
-        rotary_base: Base of the rotary frequencies.
+        seed: Seed of the private generator that initialises the weights, from 0 to
+            ``2**64 - 1``.
+        eps: Epsilon added to the variance (LN) or mean square (RMS) in every norm; a
+            positive number that float32 holds (``1.4e-45`` to ``3.4e38``).
+        rotary_base: Base of the rotary frequencies, from 1 to float32's largest number.
         use_attn_result: Whether ``attn.hook_result`` (per-head output) exists and fires.
         use_split_qkv_input: Whether each attention head reads its own copy of the block
             input (``attn.hook_q_input``/``hook_k_input``/``hook_v_input``) at boot; the
@@ -118,15 +138,22 @@ class NativeConfig:
                 f"NativeConfig field 'd_head' must be even for rotary embeddings, got "
                 f"{self.d_head}; use an even d_head or positional_embedding_type='standard'."
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
             raise ConfigError(
-                f"NativeConfig field 'seed' must be a non-negative int, got {self.seed!r}."
+                "NativeConfig field 'seed' must be a non-negative int below 2**64 (what "
+                f"torch's generator takes), got {_shown(seed)}."
             )
-        for name in ("eps", "rotary_base"):
+        for name, (low, allowed) in _FLOAT_RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            # One chained comparison refuses NaN, infinities and ints beyond float64 alike.
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not low <= value <= _FLOAT32_MAX
+            ):
                 raise ConfigError(
-                    f"NativeConfig field {name!r} must be a positive number, got {value!r}."
+                    f"NativeConfig field {name!r} must be {allowed}, got {_shown(value)}."
                 )
 
     @property
@@ -260,6 +287,11 @@ class NativeConfig:
         if self.normalization_type == "RMS" and self.positional_embedding_type == "rotary":
             return "native-llama"
         return "native"
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 30 else f"{text[:12]}...({len(text)} characters)"
 
 
 def _check_positive_int(name: str, value: object) -> None:

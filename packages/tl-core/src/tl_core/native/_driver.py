@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -52,9 +53,13 @@ class NativeDriver(LocalDriver):
             **overrides: Config fields that replace the config's values.
 
         Raises:
-            ConfigError: Unknown keys or invalid values, naming the key.
+            ConfigError: Unknown keys or invalid values, naming the key; a ``dtype`` that
+                is not a floating-point ``torch.dtype``, or one in which ``eps`` rounds to
+                0 or overflows.
         """
         cfg = _config(config, overrides)
+        if dtype is not None:
+            _check_dtype(dtype, cfg.eps)
         model = NativeTransformer(cfg)
         if device is not None or dtype is not None:
             model = model.to(device=device, dtype=dtype)
@@ -126,3 +131,25 @@ def _config(config: NativeConfig | Mapping[str, Any] | str | None, overrides: Ma
     raise ConfigError(
         f"native config must be a NativeConfig, a dict or a preset name, got {type(config).__name__}"
     )
+
+
+def _check_dtype(dtype: object, eps: float) -> None:
+    """Refuse a non-float ``dtype``, and an ``eps`` the norms would hold as 0 or inf in it."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(
+            "native boot option dtype must be a floating-point torch.dtype (torch.float32, "
+            f"torch.bfloat16, torch.float16 or torch.float64), got {dtype!r}."
+        )
+    info = torch.finfo(dtype)
+    allowed = f"choose eps from {info.tiny * info.eps:.8g} to {info.max:.8g}, or another dtype"
+    held = float(torch.tensor(eps, dtype=dtype))
+    if held == 0:
+        raise ConfigError(
+            f"native boot option 'eps' ({eps!r}) rounds to 0 in {dtype}, so a norm of an "
+            f"all-zero vector would divide 0 by 0; {allowed}."
+        )
+    if math.isinf(held):
+        raise ConfigError(
+            f"native boot option 'eps' ({eps!r}) overflows {dtype}, which would zero every "
+            f"norm's output; {allowed}."
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast
@@ -46,6 +47,16 @@ _OP_KEYS: dict[str, tuple[str, ...]] = {
     "set": ("op", "value", "pos"),
 }
 
+# The largest finite float32. The parser does not know the model's dtype, and tl's engines
+# compute in float32 or narrower, where a larger number becomes an infinity (and every
+# logit NaN), so spec numbers of greater magnitude are refused.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+_OVERFLOWS = (
+    "which overflows float32 (the model's dtype: tl's engines compute in float32 or "
+    f"narrower); expected a magnitude of at most {_FLOAT32_MAX:.8g}"
+)
+
 SpecValue: TypeAlias = "float | tuple[float, ...] | tuple[tuple[float, ...], ...]"
 """A normalised ``value``: a scalar, one flat vector, or one flat vector per position."""
 
@@ -54,7 +65,7 @@ SpecValueLike: TypeAlias = (
 )
 """What ``value`` may be given as; tensors and arrays are converted to tuples."""
 
-_NUMBER = {"type": "number"}
+_NUMBER = {"type": "number", "minimum": -_FLOAT32_MAX, "maximum": _FLOAT32_MAX}
 _VECTOR = {"type": "array", "items": _NUMBER, "minItems": 1}
 _POS = {
     "oneOf": [
@@ -71,7 +82,8 @@ _VALUE = {
         {"type": "array", "items": _VECTOR, "minItems": 1},
     ],
     "description": "A scalar, a flat vector of the hook's feature width, or one such "
-    "vector per listed position (then 'pos' is required).",
+    "vector per listed position (then 'pos' is required). Every number is finite and fits "
+    "float32.",
 }
 _PER_POSITION_NEEDS_POS = {
     "if": {
@@ -117,7 +129,8 @@ class InterventionSpec:
 
     Construct with the class methods (``InterventionSpec.scale(0.5, pos=[3])``), from a
     mapping with ``parse_spec``, or directly; every route validates and normalises the
-    fields (numbers become floats, vectors tuples, a single position a 1-tuple).
+    fields (numbers become floats, vectors tuples, a single position a 1-tuple). Every
+    number must be finite and of magnitude at most float32's largest (3.4028235e38).
 
     Attributes:
         op: ``"suppress"`` (x -> 0), ``"scale"`` (x -> factor * x), ``"add"``
@@ -204,7 +217,8 @@ def parse_spec(raw: object, *, hook: str) -> InterventionSpec:
 
     Raises:
         SpecError: If the spec is not a mapping, has an unknown or missing key, an unknown
-            op, or a key whose value has the wrong type or form.
+            op, or a key whose value has the wrong type or form, or holds a NaN, an
+            infinity or a number that overflows float32.
     """
     return _parse(raw, f"intervention on {hook!r}")
 
@@ -315,9 +329,43 @@ def _real(raw: object, where: str, key: str) -> float:
     raw = _plain(raw)
     if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
         raise _error(f"{where}: key {key!r} expects a real number, found {_describe(raw)}")
-    number = float(raw)
+    number = _float(raw)
     if math.isnan(number):
         raise _error(f"{where}: key {key!r} expects a real number, found NaN")
+    if math.isinf(number):
+        raise _error(
+            f"{where}: key {key!r} expects a finite number, found {number}; an infinite "
+            "edit turns the model's outputs into NaN"
+        )
+    if abs(number) > _FLOAT32_MAX:
+        raise _error(f"{where}: key {key!r} is {_short(raw)}, {_OVERFLOWS}")
+    return number
+
+
+def _float(raw: numbers.Real) -> float:
+    """``float(raw)``, or float64's largest magnitude for a number beyond float64 (a huge
+    int), which the float32 range check then refuses."""
+    try:
+        return float(raw)
+    except OverflowError:
+        return -sys.float_info.max if raw < 0 else sys.float_info.max
+
+
+def _short(raw: object) -> str:
+    text = repr(raw)
+    return text if len(text) <= 30 else f"{text[:12]}...({len(text)} characters)"
+
+
+def _check_element(raw: numbers.Real, where: str, key: str, index: str) -> float:
+    number = _float(raw)
+    if math.isnan(number) or math.isinf(number):
+        found = "NaN" if math.isnan(number) else str(number)
+        raise _error(
+            f"{where}: key {key!r} expects finite numbers, found {found} at index {index}; "
+            "a non-finite edit turns the model's outputs into NaN"
+        )
+    if abs(number) > _FLOAT32_MAX:
+        raise _error(f"{where}: key {key!r} has {_short(raw)} at index {index}, {_OVERFLOWS}")
     return number
 
 
@@ -331,7 +379,7 @@ def _value(raw: object, where: str) -> SpecValue:
     if len(raw) == 0:
         raise _error(f"{where}: key 'value' expects {expected}, found an empty list")
     if all(isinstance(_plain(row), Sequence) for row in raw):
-        rows = tuple(_vector(_plain(row), where, f"value[{i}]") for i, row in enumerate(raw))
+        rows = tuple(_vector(_plain(row), where, "value", i) for i, row in enumerate(raw))
         for i, row in enumerate(rows):
             if len(row) != len(rows[0]):
                 raise _error(
@@ -343,22 +391,21 @@ def _value(raw: object, where: str) -> SpecValue:
     return _vector(raw, where, "value")
 
 
-def _vector(raw: object, where: str, key: str) -> tuple[float, ...]:
+def _vector(raw: object, where: str, key: str, row: int | None = None) -> tuple[float, ...]:
+    prefix = "" if row is None else f"[{row}]"
     if not isinstance(raw, Sequence) or isinstance(raw, str | bytes) or len(raw) == 0:
         raise _error(
-            f"{where}: key {key!r} expects a non-empty list of numbers, found {_describe(raw)}"
+            f"{where}: key {key + prefix!r} expects a non-empty list of numbers, found "
+            f"{_describe(raw)}"
         )
     out = []
-    for item in raw:
+    for i, item in enumerate(raw):
         if isinstance(item, bool) or not isinstance(item, numbers.Real):
             raise _error(
-                f"{where}: key {key!r} expects a list of numbers (or of lists of numbers), "
-                f"found element {_describe(item)}"
+                f"{where}: key {key + prefix!r} expects a list of numbers (or of lists of "
+                f"numbers), found element {_describe(item)}"
             )
-        number = float(item)
-        if math.isnan(number):
-            raise _error(f"{where}: key {key!r} expects numbers, found NaN")
-        out.append(number)
+        out.append(_check_element(item, where, key, f"{prefix}[{i}]"))
     return tuple(out)
 
 
