@@ -56,13 +56,18 @@ def family_of(checkpoint: str) -> str:
 MODES = {"plain": False, "compatibility_mode": True}
 
 
-def boot_theirs(folder: Path, compat: bool) -> Any:
+def boot_theirs(folder: Path, compat: bool, dtype: torch.dtype = torch.float32) -> Any:
     """TransformerLens 4.3's bridge on ``folder``, after its compatibility mode if asked."""
     from transformer_lens.model_bridge import TransformerBridge as TLBridge
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        bridge = TLBridge.boot_transformers(str(folder), device="cpu")
+        bridge = TLBridge.boot_transformers(str(folder), device="cpu", dtype=dtype)
+        if dtype == torch.float64:
+            # transformers' grouped expert kernel takes no float64: use its per-expert loop.
+            for module in bridge.modules():
+                if callable(getattr(module, "set_experts_implementation", None)):
+                    module.set_experts_implementation("eager")
         if compat:
             bridge.enable_compatibility_mode(disable_warnings=True)
     return bridge
