@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,3 +225,120 @@ def test_a_missing_or_foreign_shard_and_an_edited_manifest_are_refused(
     (out / MANIFEST).write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         CaptureStore(out)
+
+
+def _edit_manifest(out: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    manifest = json.loads((out / MANIFEST).read_text())
+    edit(manifest)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _info_refuses(out: Path, capsys: pytest.CaptureFixture[str], *pieces: str) -> str:
+    from tl_core.cli import main
+
+    assert main(["capture", "info", str(out), "--no-verify"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "", "info printed a summary of an edited store"
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    for piece in pieces:
+        assert piece in captured.err, (piece, captured.err)
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [("tokens", 1000), ("first_context", 1), ("contexts", -1), ("first_document", -1), ("last_document", 3)],
+)
+def test_an_edited_shard_record_is_refused_naming_the_field_and_both_values(
+    field: str, change: int, source: Path, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _damaged_copy(reference, tmp_path)
+    recorded = json.loads((out / MANIFEST).read_text())["shards"][2][field]
+    _edit_manifest(out, lambda m: m["shards"][2].__setitem__(field, recorded + change))
+    message = (
+        rf"shard 2 \(shard-000002\.safetensors\): the manifest records {field}={recorded + change} "
+        rf"but the shard's own header records {field}={recorded}: .*--repair"
+    )
+    with pytest.raises(UserError, match=message):
+        CaptureStore(out, verify=False)  # a cheap check: no checksums needed
+    _info_refuses(out, capsys, "shard 2", f"{field}={recorded + change}", f"{field}={recorded}", "--repair")
+    _resume_refuses(source, out, f"records {field}=")
+
+
+def test_a_repair_rewrites_an_edited_shard_record(source: Path, reference: Path, tmp_path: Path) -> None:
+    from tl_core.cli import main
+
+    out = _damaged_copy(reference, tmp_path)
+    _edit_manifest(out, lambda m: m["shards"][1].__setitem__("tokens", 5))
+    assert main(_command(source, out, "--repair")) == 0
+    _same_store(out, reference)
+    assert Manifest.load(out).tokens == Manifest.load(reference).tokens
+
+
+def test_two_swapped_shard_entries_are_refused(
+    reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _damaged_copy(reference, tmp_path)
+
+    def swap_contents(manifest: dict[str, Any]) -> None:  # shard 0 now describes shard 1's file
+        first, second = manifest["shards"][0], manifest["shards"][1]
+        first["index"], second["index"] = second["index"], first["index"]
+        manifest["shards"][0], manifest["shards"][1] = second, first
+
+    _edit_manifest(out, swap_contents)
+    with pytest.raises(UserError, match=r"shard 0 \(shard-000001\.safetensors\): the manifest records file="):
+        CaptureStore(out, verify=False)
+    _info_refuses(out, capsys, "shard 0", "shard-000001.safetensors", "shard-000000.safetensors")
+
+    # The same file names, renamed on disk too: the shard numbers in the headers disagree.
+    out = _damaged_copy(reference, tmp_path / "renamed")
+    _edit_manifest(out, swap_contents)
+    _edit_manifest(out, lambda m: [s.__setitem__("file", f"shard-{s['index']:06d}.safetensors") for s in m["shards"]])
+    (out / "shard-000000.safetensors").rename(out / "swap")
+    (out / "shard-000001.safetensors").rename(out / "shard-000000.safetensors")
+    (out / "swap").rename(out / "shard-000001.safetensors")
+    with pytest.raises(UserError, match=r"shard 0 \(shard-000000\.safetensors\): the manifest records index=0 but the shard's own header records index=1"):
+        CaptureStore(out, verify=False)
+
+    out = _damaged_copy(reference, tmp_path / "reordered")  # entries moved, each one intact
+    _edit_manifest(out, lambda m: m["shards"].insert(0, m["shards"].pop(1)))
+    with pytest.raises(UserError, match=r"lists shard 1 before shard 0, but tl writes the entries in index order"):
+        CaptureStore(out, verify=False)
+    _edit_manifest(out, lambda m: m["shards"].__setitem__(0, dict(m["shards"][1])))
+    with pytest.raises(UserError, match=r"lists shard 0 twice"):
+        CaptureStore(out, verify=False)
+
+
+def test_edited_totals_and_hooks_in_the_manifest_are_refused(
+    source: Path, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tl_core.cli import main
+
+    out = _damaged_copy(reference, tmp_path)
+    tokens = Manifest.load(reference).tokens
+    _edit_manifest(out, lambda m: m.__setitem__("tokens", tokens + 1))
+    with pytest.raises(UserError, match=rf"records tokens={tokens + 1}, its shards add up to {tokens}.*--repair"):
+        CaptureStore(out, verify=False)
+    _resume_refuses(source, out, rf"records tokens={tokens + 1}")
+    assert main(_command(source, out, "--repair")) == 0
+    assert "repair: rewrote the manifest's totals" in capsys.readouterr().out
+    _same_store(out, reference)
+    assert json.loads((out / MANIFEST).read_text())["tokens"] == tokens
+    shutil.copy(reference / MANIFEST, out / MANIFEST)
+    _edit_manifest(out, lambda m: m["hooks"]["blocks.1.attn.hook_z"].__setitem__("dtype", "float16"))
+    with pytest.raises(UserError, match=r"hooks.*blocks\.1\.attn\.hook_z.*float16.*identity"):
+        CaptureStore(out, verify=False)
+
+
+def test_a_shard_without_a_record_in_its_header_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from tl_core.capture._shards import HEADER_KEY, ShardRecord, check_shard, file_sha256
+
+    path = tmp_path / "shard-000000.safetensors"
+    header = {"format": "tl-capture", "fingerprint": "f" * 8, "shard": "0"}  # as written before records
+    save_file({"tokens": torch.zeros(3, dtype=torch.int32)}, str(path), metadata={HEADER_KEY: json.dumps(header)})
+    record = ShardRecord(index=0, file=path.name, rows=3, first_context=0, contexts=1, first_document=0,
+                         last_document=0, tokens=3, bytes=path.stat().st_size, sha256=file_sha256(path))  # fmt: skip
+    with pytest.raises(UserError, match=r"shard 0 .* header records no first_context.*--repair"):
+        check_shard(tmp_path, record, "f" * 8, checksum=True)

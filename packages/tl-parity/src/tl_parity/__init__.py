@@ -11,6 +11,7 @@ self-contained report page.
 from __future__ import annotations
 
 from tl_parity._aliases import GENERATIONS, AliasReport, AliasRow, alias_report, alias_reports
+from tl_parity._blocks import LayerRangeError
 from tl_parity._diagnose import diagnose
 from tl_parity._format import format_markdown, format_table
 from tl_parity._html import render_html
@@ -31,6 +32,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Band",
     "HookComparison",
+    "LayerRangeError",
     "ParityReport",
     "__version__",
     "band_for",

@@ -33,7 +33,8 @@ def register(sub: Any) -> None:
     p.add_argument("--reference", default="hf", help="reference driver (default: hf)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--prompts", help="file with one prompt a line (default: a built-in ragged batch)")
-    p.add_argument("--layers", default="all", help="'all' or block indices, e.g. 0,1")
+    p.add_argument("--layers", default="all",
+                   help="'all' or block indices, e.g. 0,1; negative ones count from the end (--layers=-1)")
     p.add_argument("--candidate-option", "-C", action="append", type=_option, default=[],
                    metavar="KEY=VALUE", help="candidate boot option (VALUE parsed as JSON if it can be)")
     p.add_argument("--reference-option", "-R", action="append", type=_option, default=[],

@@ -12,11 +12,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from tl_parity._blocks import LayerRangeError, declared_blocks, layers_text, resolve_layers
 from tl_parity._compare import argmax_agreement, compare, reference_mapping
 from tl_parity._tolerance import band_for
 from tl_parity._types import HookComparison, ParityReport
 
-__all__ = ["DEFAULT_PROMPTS", "Progress", "WorkerError", "run_parity", "run_parity_many", "run_workers"]
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "LayerRangeError",
+    "Progress",
+    "WorkerError",
+    "run_parity",
+    "run_parity_many",
+    "run_workers",
+]
 
 #: A ragged batch: different lengths exercise padding, masks and per-prompt splitting.
 DEFAULT_PROMPTS: tuple[str, ...] = (
@@ -180,6 +189,23 @@ def _layers(layers: str | Sequence[int] | None) -> list[int] | None:
     return sorted({int(x) for x in layers})
 
 
+def _check_layers(models: Sequence[Any], layers: list[int],
+                  drivers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """Refuse blocks a model lacks, wherever its block count is known without booting it."""
+    for model in models:
+        for driver, options in drivers:
+            n_blocks = declared_blocks(str(model), driver, options)
+            if n_blocks is not None:
+                resolve_layers(layers, n_blocks, str(model))
+
+
+def _no_block_compared(layers: list[int], ref_meta: Mapping[str, Any]) -> str:
+    n_blocks = (ref_meta.get("info") or {}).get("n_layers")
+    count = f"{n_blocks} blocks" if isinstance(n_blocks, int) else "an unknown number of blocks"
+    return (f"layers {layers_text(layers)!r} selected no block hook to compare (the model has {count}), "
+            f"so the run checked nothing in the blocks; choose blocks the candidate serves or use 'all'")
+
+
 def _read_prompts(prompts: str | os.PathLike[str] | Sequence[str] | None) -> list[str]:
     if prompts is None:
         return list(DEFAULT_PROMPTS)
@@ -245,8 +271,9 @@ def run_parity(
         reference: The driver whose numbers count as right (default ``hf``).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; chooses the tolerance band.
         prompts: Texts, a file with one prompt a line, or ``None`` for a built-in ragged batch.
-        layers: ``"all"``, ``"0,1"`` or a list of block indices; hooks outside blocks are
-            always compared.
+        layers: ``"all"``, ``"0,1"`` or a list of block indices (``-1`` is the last block);
+            hooks outside blocks are always compared. A selection that compares no block
+            hook is an error, never a pass.
         candidate_options: Boot options of the candidate (JSON-serialisable).
         reference_options: Boot options of the reference (JSON-serialisable).
         quiet: No progress lines on stderr.
@@ -257,6 +284,9 @@ def run_parity(
 
     Raises:
         ValueError: A bad ``dtype``, ``layers`` or prompts file.
+        LayerRangeError: ``layers`` names a block the model does not have (a
+            ``ValueError``), when the block count is known without booting; otherwise
+            the driver process reports it in ``report.error``.
     """
     return run_parity_many(
         [model], candidate=candidate, reference=reference, dtype=dtype, prompts=prompts,
@@ -285,9 +315,15 @@ def run_parity_many(
 
     Returns:
         One report per model, in order.
+
+    Raises:
+        ValueError: As ``run_parity``; ``layers`` is checked for every model before any
+            driver process starts.
     """
     show = progress if progress is not None else Progress(quiet=quiet)
     layer_list = _layers(layers)
+    if layer_list is not None:
+        _check_layers(models, layer_list, [(reference, reference_options or {}), (candidate, candidate_options or {})])
     texts = _read_prompts(prompts)
     band = band_for(dtype, reference, candidate, reference_options, candidate_options)
     common = {"dtype": dtype, "layers": layer_list}
@@ -308,6 +344,8 @@ def run_parity_many(
             show.step(f"{model}: {outcome}")
         else:
             _fill(report, *outcome, band=band, n_prompts=len(texts))
+            if layer_list is not None and not any(row.layer is not None for row in report.hooks):
+                report.error = _no_block_compared(layer_list, outcome[0])
             failed = len(report.failures)
             show.step(f"{model}: {len(report.hooks)} hooks compared, "
                       + ("all pass" if report.passed else f"{failed} rows not PASS"))

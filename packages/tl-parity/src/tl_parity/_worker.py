@@ -55,9 +55,19 @@ def _encode(bridge: Any, texts: list[str]) -> list[list[int]]:
     return rows
 
 
-def _select(served: list[str], layers: list[int] | None) -> list[str]:
+def _select(served: list[str], layers: list[int] | None, n_layers: int | None = None,
+            model: str = "the model") -> list[str]:
+    """The served names in the selected blocks, and every name outside the blocks.
+
+    Raises:
+        LayerRangeError: With ``n_layers`` known, a block the model does not have.
+    """
     if layers is None:
         return served
+    if n_layers is not None:
+        from tl_parity._blocks import resolve_layers
+
+        layers = resolve_layers(layers, n_layers, model)
     keep = set(layers)
     out = []
     for name in served:
@@ -122,11 +132,14 @@ def run_job(request: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     try:
         driver = bridge.driver
         namespace = driver.namespace
+        served = [n for n in namespace.ordered if n in namespace.served]
+        # Checked against the booted model: the parent could not always count its blocks.
+        n_layers = getattr(driver.info, "n_layers", None)
+        names = _select(served, request.get("layers"), n_layers if isinstance(n_layers, int) else None,
+                        job["model"])
         if ids is None:
             ids = _encode(bridge, job["prompts"])
             _write(out.with_suffix(".ids.json"), {"ids": ids})
-        served = [n for n in namespace.ordered if n in namespace.served]
-        names = _select(served, request.get("layers"))
         result = driver.forward(ids, capture=names, max_new_tokens=0, return_logits=True)
         tensors: dict[str, torch.Tensor] = {}
         for name, value in result.captured.items():

@@ -138,11 +138,12 @@ def open_store(
 
     Leftovers of an interrupted run are removed: partial files, and shard files the manifest
     does not list (written, but not recorded before the interruption). Every recorded shard
-    is checked in full (size, header, checksum).
+    is checked in full (its entry against its size and header, and its checksum), then the
+    manifest's totals against the entries.
 
     Raises:
         UserError: Another job's store (naming the differences), another part, or a
-            damaged shard (unless ``repair``).
+            damaged shard or edited entry or total (unless ``repair``).
     """
     notes: list[str] = []
     if (folder / MANIFEST).exists():
@@ -171,6 +172,7 @@ def open_store(
         if stray.name not in listed:
             stray.unlink()
             notes.append(f"{stray.name} was written but not recorded before an interruption; redoing it")
+    redone = False
     for index in sorted(manifest.shards):
         try:
             check_shard(folder, manifest.shards[index], manifest.fingerprint, checksum=True)
@@ -180,6 +182,11 @@ def open_store(
             del manifest.shards[index]
             (folder / shard_name(index)).unlink(missing_ok=True)
             notes.append(f"repair: redoing shard {index}: {error}")
+            redone = True
+    if not repair:
+        manifest.check_totals(folder)
+    elif manifest.edited_totals() and not redone:  # a removed shard changes them anyway
+        notes.append(f"repair: rewrote the manifest's totals ({'; '.join(manifest.edited_totals())})")
     if notes:
         manifest.save(folder)
     return manifest, notes

@@ -6,6 +6,7 @@ so after any interruption it lists exactly the shards that were completely writt
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -22,6 +23,9 @@ __all__ = ["FORMAT", "MANIFEST", "HookRecord", "Manifest", "identity_differences
 FORMAT = "tl-capture"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+
+#: Totals the manifest records for readers of the JSON; tl derives them from the entries.
+_TOTALS = ("rows", "tokens", "complete")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class Manifest:
         part: ``(index, count)`` of this part of a sharded job (``(0, 1)``: the whole job).
         shards: Complete shards by number.
         total_shards: How many shards the whole job has, once a run reached the input's end.
+        recorded_totals: The totals a loaded manifest recorded, to check against the entries.
     """
 
     identity: dict[str, Any]
@@ -51,6 +56,8 @@ class Manifest:
     part: tuple[int, int] = (0, 1)
     shards: dict[int, ShardRecord] = field(default_factory=dict)
     total_shards: int | None = None
+    #: ``rows``, ``tokens`` and ``complete`` as the file recorded them (see ``check_totals``).
+    recorded_totals: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def fingerprint(self) -> str:
@@ -99,17 +106,24 @@ class Manifest:
 
     def save(self, folder: Path) -> None:
         """Write ``manifest.json`` atomically."""
+        data = self.to_json()
         temporary = folder / f".{MANIFEST}.partial"
         with temporary.open("w") as handle:
-            json.dump(self.to_json(), handle, indent=1)
+            json.dump(data, handle, indent=1)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, folder / MANIFEST)
         fsync_folder(folder)
+        self.recorded_totals = {name: data[name] for name in _TOTALS}
 
     @classmethod
     def load(cls, folder: Path) -> Manifest:
         """Read and check a store's manifest.
+
+        Checks what needs no shard file: the identity against its fingerprint, the hooks
+        against the identity, the shard entries (once each, in index order, each one of this
+        part's). ``check_shard`` checks each entry against its file, then ``check_totals``
+        the recorded totals against the entries.
 
         Raises:
             UserError: No manifest, not a tl capture manifest, or one edited by hand (its
@@ -130,6 +144,7 @@ class Manifest:
                 f"version {FORMAT_VERSION}"
             )
         try:
+            listed = [int(s["index"]) for s in data["shards"]]
             manifest = cls(
                 identity=dict(data["identity"]),
                 hooks={
@@ -147,11 +162,63 @@ class Manifest:
                 f"{path} was edited: its identity no longer hashes to its fingerprint "
                 f"{data.get('fingerprint')!r}; restore it or start a new store"
             )
+        _check_entries(path, listed)
         for index in manifest.shards:
             beyond = manifest.total_shards is not None and index >= manifest.total_shards
             if not manifest.owns(index) or beyond:
                 raise UserError(f"{path} was edited: it lists shard {index}, which is not one of this part's shards")
+        _check_hooks(path, manifest)
+        manifest.recorded_totals = {name: data.get(name) for name in _TOTALS}
         return manifest
+
+    def edited_totals(self) -> list[str]:
+        """``"name=recorded, its shards add up to actual"`` for each total that does not fit
+        the shard entries as loaded (empty for a manifest built in memory)."""
+        return [
+            f"{name}={value!r}, its shards add up to {getattr(self, name)!r}"
+            for name, value in self.recorded_totals.items()
+            if value != getattr(self, name)
+        ]
+
+    def check_totals(self, folder: Path) -> None:
+        """Refuse totals that do not fit the entries; call it once the entries are checked
+        against their shards (``check_shard``), whose messages name the edited entry.
+
+        Raises:
+            UserError: A total was edited.
+        """
+        edited = self.edited_totals()
+        if edited:
+            raise UserError(
+                f"{folder / MANIFEST} was edited: it records {'; '.join(edited)}; restore it, or "
+                f"rerun the capture with --repair to rewrite it"
+            )
+
+
+def _check_entries(path: Path, listed: list[int]) -> None:
+    """Refuse shard entries out of index order or listed twice (the writer lists each once, in order)."""
+    for before, after in itertools.pairwise(listed):
+        if after == before:
+            raise UserError(f"{path} was edited: it lists shard {after} twice; restore the manifest")
+        if after < before:
+            raise UserError(
+                f"{path} was edited: it lists shard {before} before shard {after}, but tl writes the "
+                f"entries in index order; restore the manifest"
+            )
+
+
+def _check_hooks(path: Path, manifest: Manifest) -> None:
+    """Refuse hook records that differ from the identity (which the fingerprint covers)."""
+    wanted = manifest.identity.get("hooks")
+    if not isinstance(wanted, dict):
+        return
+    recorded = {name: [h.requested, list(h.shape), h.dtype] for name, h in manifest.hooks.items()}
+    for name in sorted(set(wanted) | set(recorded)):
+        if recorded.get(name) != wanted.get(name):
+            raise UserError(
+                f"{path} was edited: hooks.{name} records {recorded.get(name)!r}, the identity "
+                f"{wanted.get(name)!r}; restore the manifest"
+            )
 
 
 def identity_differences(recorded: Mapping[str, Any], requested: Mapping[str, Any], prefix: str = "") -> list[str]:

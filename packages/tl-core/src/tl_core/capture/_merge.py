@@ -77,6 +77,7 @@ def merge_stores(parts: Sequence[str | Path], output: str | Path) -> Manifest:
         for record in manifest.shards.values():
             check_shard(folder, record, manifest.fingerprint, checksum=True)
             merged.shards[record.index] = record
+        manifest.check_totals(folder)
     gaps = [i for i in range(total) if i not in merged.shards]
     if gaps:
         raise UserError(f"no part holds shards {gaps}")

@@ -1,9 +1,9 @@
 """``CaptureStore``: read a capture store as torch tensors, for SAE and probe training loops.
 
-Opening a store checks it whole (manifest, every shard's size, header and checksum), so a
-training run never starts on a damaged or mixed store. Rows are read from memory-mapped
-shard files: in order, through a shuffle buffer, or at random through a
-``torch.utils.data.Dataset``.
+Opening a store checks it whole (manifest, every shard's entry against the shard's size and
+header, and its checksum), so a training run never starts on a damaged, edited or mixed
+store. Rows are read from memory-mapped shard files: in order, through a shuffle buffer, or
+at random through a ``torch.utils.data.Dataset``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class CaptureStore:
 
     Args:
         path: The store folder.
-        verify: Check every shard's checksum on open (reads the store once; size, header
-            and fingerprint are always checked).
+        verify: Check every shard's checksum on open (reads the store once; size, header,
+            fingerprint and every field of each shard's manifest entry are always checked).
         allow_incomplete: Open a store whose capture has not finished (or one part of a
             sharded job) and read its complete shards.
 
@@ -66,6 +66,7 @@ class CaptureStore:
                 )
         for record in manifest.shards.values():
             check_shard(self.folder, record, manifest.fingerprint, checksum=verify)
+        manifest.check_totals(self.folder)
         self._order = sorted(manifest.shards)
         self._starts = [0]
         for index in self._order:

@@ -21,6 +21,7 @@ import torch
 from tl_core._errors import UserError
 
 __all__ = [
+    "RECORD_FIELDS",
     "ROW_FIELDS",
     "ShardRecord",
     "check_shard",
@@ -36,6 +37,10 @@ HEADER_KEY = "tl-capture"
 #: Per-row arrays every shard holds next to the hooks: token id, document index (-1 for
 #: inserted tokens), context number and position in the context.
 ROW_FIELDS = ("tokens", "documents", "contexts", "positions")
+
+#: Fields of a ``ShardRecord`` that the shard's header repeats (the shard number is under
+#: ``"shard"``), so an edited manifest entry is caught without reading the shard's data.
+RECORD_FIELDS = ("first_context", "contexts", "first_document", "last_document", "tokens")
 
 
 def shard_name(index: int) -> str:
@@ -139,11 +144,13 @@ def write_shard(
         folder: The store folder.
         index: The shard's number.
         tensors: Hook tensors and ``ROW_FIELDS`` arrays, all with the same number of rows.
-        metadata: Stored in the file's header as one JSON string under ``"tl-capture"``.
+        metadata: Stored in the file's header as one JSON string under ``"tl-capture"``,
+            together with ``summary``.
         summary: ``first_context``, ``contexts``, ``first_document``, ``last_document``,
-            ``tokens`` of the shard.
+            ``tokens`` of the shard (``RECORD_FIELDS``).
     """
-    buffers = _encode(tensors, {HEADER_KEY: json.dumps(metadata, sort_keys=True)})
+    header = {**metadata, **{name: int(summary[name]) for name in RECORD_FIELDS}}
+    buffers = _encode(tensors, {HEADER_KEY: json.dumps(header, sort_keys=True)})
     name = shard_name(index)
     temporary = folder / f".{name}.partial"
     sha = hashlib.sha256()
@@ -176,21 +183,42 @@ def file_sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
+def _edited(where: str, field: str, recorded: Any, actual: Any) -> UserError:
+    return UserError(
+        f"{where}: the manifest records {field}={recorded!r} but the shard's own header records "
+        f"{field}={actual!r}: the manifest was edited; restore it, or rerun the capture with "
+        f"--repair to redo the shard"
+    )
+
+
 def check_shard(folder: Path, record: ShardRecord, fingerprint: str, *, checksum: bool) -> None:
-    """Refuse a shard that is missing, truncated, altered or from another store.
+    """Refuse a shard that is missing, truncated, altered or from another store, or a manifest
+    entry that does not describe it.
+
+    Every field of ``record`` is checked: the file name against the shard number; the shard
+    number, row count and ``RECORD_FIELDS`` against the file's header; the size against the
+    file; the checksum only when ``checksum`` (it reads the whole file). The header is part
+    of the checksummed bytes, so with ``checksum`` nothing in the entry is taken on trust.
 
     Raises:
-        UserError: What is wrong with the shard, and how to recover.
+        UserError: What is wrong with the shard or its entry, and how to recover.
     """
     from safetensors import safe_open
 
     path = folder / record.file
     where = f"store {folder}: shard {record.index} ({record.file})"
+    if record.file != shard_name(record.index):
+        raise UserError(
+            f"{where}: the manifest records file={record.file!r}, but shard {record.index}'s file is "
+            f"{shard_name(record.index)!r}: the manifest was edited (entries swapped?); restore it, or "
+            f"rerun the capture with --repair to redo the shard"
+        )
     if not path.is_file():
         raise UserError(f"{where} is listed in the manifest but missing; rerun the capture with --repair to redo it")
     try:
         with safe_open(str(path), framework="pt") as handle:
-            found = json.loads((handle.metadata() or {}).get(HEADER_KEY, "{}")).get("fingerprint")
+            header = json.loads((handle.metadata() or {}).get(HEADER_KEY, "{}"))
+            found = header.get("fingerprint")
             rows = handle.get_slice("tokens").get_shape()[0]
     except Exception as error:  # safetensors raises its own error types for a damaged header
         raise UserError(
@@ -203,11 +231,23 @@ def check_shard(folder: Path, record: ShardRecord, fingerprint: str, *, checksum
             f"{fingerprint}): a shard from another model or configuration was copied in; "
             f"rerun the capture with --repair to redo it"
         )
+    number = header.get("shard")
+    if str(number) != str(record.index):
+        raise _edited(where, "index", record.index, int(number) if str(number).isdigit() else number)
     if rows != record.rows:
         raise UserError(
             f"{where} holds {rows} rows, the manifest says {record.rows}: the manifest was "
             f"edited; restore it, or rerun the capture with --repair to redo the shard"
         )
+    for name in RECORD_FIELDS:
+        if name not in header:
+            raise UserError(
+                f"{where}: its header records no {name} (an earlier tl-core wrote it), so the "
+                f"manifest's {name}={getattr(record, name)!r} cannot be checked; rerun the capture "
+                f"with --repair to rewrite the shard"
+            )
+        if header[name] != getattr(record, name):
+            raise _edited(where, name, getattr(record, name), header[name])
     size = path.stat().st_size
     if size != record.bytes:
         raise UserError(

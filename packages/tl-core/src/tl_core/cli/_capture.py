@@ -50,7 +50,7 @@ def register(sub: Any) -> None:
 
     info = actions.add_parser("info", help="check a store and summarise it")
     info.add_argument("store", type=Path)
-    info.add_argument("--no-verify", action="store_true", help="skip the checksums (sizes and headers are still checked)")
+    info.add_argument("--no-verify", action="store_true", help="skip the checksums (sizes, headers and every manifest entry are still checked)")
     info.set_defaults(run=_info)
 
     export = actions.add_parser("export-sae-lens", help="write sae-lens's cached-activations dataset")
