@@ -6,8 +6,10 @@ per family (every served hook, head- and neuron-level sites and rebuilt patterns
 and the logits of a ragged batch with chunked prefill: plain, with every residual spec op
 per prompt, and with per-prompt specs on every head/neuron/norm site; steered greedy
 generation), then tensor parallelism 2 and pipeline parallelism 2 when the machine has two
-GPUs. Float32 against the hf driver on the CPU (generation against plain transformers),
-tolerance 1e-4. Budget: under 8 minutes on one GPU.
+GPUs. Float32, each result measured against the hf driver on the CPU in float64 and
+required within the parity suite's ``VLLM_FACTOR`` times the float32 hf driver's own error
+(``tl_core.driver_api.check_rounding``: a band that holds on any processor, GPU included);
+generation against plain transformers. Budget: under 8 minutes on one GPU.
 
 Usage (a GPU machine with tl-core, tl-driver-hf and tl-driver-vllm[cuda] installed)::
 
@@ -31,7 +33,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "packages" / "tl-driver-vllm" / "tests"
 FAMILIES = ("llama", "qwen3", "gemma2", "gpt2")
-TOL = 1e-4
 
 
 def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
@@ -39,11 +40,18 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
     import torch
     from _tlv_reference import Reference  # the test suite's transformers reference
-    from _tlv_support import diff, prompt_part
+    from _tlv_support import VLLM_FACTOR, prompt_part
     from test_parity import _per_prompt_specs, _prompts, _site_specs
 
     from tl_core import RemoteBridge, TransformerBridge
+    from tl_core.driver_api import check_rounding
     from tl_driver_hf.testing import write_tiny_checkpoint
+
+    def ratio(got: Any, peer: Any, exact: Any) -> float:
+        """The error against float64 as a multiple of the allowed one (<= 1 passes)."""
+        if got.shape != peer.shape:
+            return float("inf")
+        return check_rounding(got.cpu(), peer, exact, factor=VLLM_FACTOR).ratio
 
     folder = write_tiny_checkpoint(family, tmp / f"{family}-{name}")
     options: dict[str, Any] = {
@@ -62,24 +70,26 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     report: dict[str, float] = {}
     try:
         driver, ref = bridge.driver, Reference(folder)
-        hf = TransformerBridge.boot_transformers(
-            str(folder), dtype=torch.float32, use_attn_result=True, device="cpu"
-        ).driver
+        hf, exact = (
+            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True, device="cpu").driver
+            for dtype in (torch.float32, torch.float64)
+        )
         prompts = _prompts(driver.info.d_vocab)
         served = sorted(driver.supported_hook_points)
-        specs = _per_prompt_specs(driver.info.d_model, driver.info.architecture)
+        specs = _per_prompt_specs(driver.info.d_model, driver.supported_hook_points)
         site_specs, _ = _site_specs(driver.namespace, seed=11)
         for label, intervene in (("plain", None), ("specs", specs), ("site specs", site_specs)):
             result = driver.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
             want = hf.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
+            truth = exact.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
             for b, ids in enumerate(prompts):
                 n = len(ids)
                 for hook in served:
                     key = f"{label}:{hook}"
-                    got = prompt_part(result.captured[hook].cpu(), b, n)
-                    report[key] = max(report.get(key, 0.0), diff(got, prompt_part(want.captured[hook], b, n)))
+                    got, peer, sure = (prompt_part(r.captured[hook], b, n) for r in (result, want, truth))
+                    report[key] = max(report.get(key, 0.0), ratio(got, peer, sure))
                 key = f"{label}:logits"
-                report[key] = max(report.get(key, 0.0), diff(result.logits[b, :n].cpu(), want.logits[b, :n]))
+                report[key] = max(report.get(key, 0.0), ratio(result.logits[b, :n], want.logits[b, :n], truth.logits[b, :n]))
         steer = [{"blocks.0.hook_out": {"op": "add", "value": 2.0}}, None]
         chosen = prompts[:2]
         out = driver.forward(chosen, intervene=steer, max_new_tokens=6, stop_at_eos=False)
@@ -91,7 +101,7 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     worst = max(report, key=lambda k: report[k])
     return {
         "stage": f"{family}/{name}", "boot_s": round(boot, 1), "checks": len(report),
-        "worst": worst, "worst_diff": report[worst], "ok": report[worst] <= TOL,
+        "worst": worst, "worst_ratio": report[worst], "ok": report[worst] <= 1.0,
     }
 
 
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tensor/pipeline parallelism 2: skipped (needs two GPUs)")
     for r in results:
         status = "PASS" if r["ok"] else "FAIL"
-        detail = r.get("error") or f"{r['checks']} checks, worst {r['worst']} = {r['worst_diff']:.2e}, boot {r['boot_s']}s"
+        detail = r.get("error") or f"{r['checks']} checks, worst {r['worst']} at {r['worst_ratio']:.2f}x the allowed error, boot {r['boot_s']}s"
         print(f"{status}  {r['stage']:14s} {detail}")
     print(f"total {time.perf_counter() - started:.0f}s")
     return 0 if all(r["ok"] for r in results) else 1
