@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -39,6 +40,133 @@ def test_bad_options_fail_before_anything_loads(options: dict[str, object], matc
     # raise a different error.
     with pytest.raises(UserError, match=match):
         HFDriver.boot(NOWHERE, **options)
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading a config or loading weights fails the test: every error must come first."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the config or weights were loaded")
+
+    monkeypatch.setattr("tl_driver_hf._driver.load_config", refuse)
+    monkeypatch.setattr("tl_driver_hf._driver.load_model", refuse)
+    monkeypatch.setattr("tl_driver_hf._driver.gguf_folder", refuse)
+
+
+@pytest.mark.parametrize(
+    ("where", "match"),
+    [
+        ("absolute", r"model_name='{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'\. Fix the path, or pass a hub id"),
+        ("dot", r"model_name='\./missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("dotdot", r"model_name='\.\./missing' is a path, but folder '{parent}/missing' does not exist"),
+        ("home", r"model_name='~/missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("pathlike", r"model_name='models/missing' is a path, but folder '{tmp}/models/missing' does not exist"),
+        ("file", r"model_name='{tmp}/config.json' is a file, but the hf driver reads a checkpoint folder .*: pass the folder that holds it, '{tmp}'"),
+        ("tokenizer", r"tokenizer='{tmp}/missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("tokenizer-file", r"tokenizer='{tmp}/tokenizer.json' is a file, .*tokenizer files.*: pass the folder that holds it, '{tmp}'"),
+        ("wrapped-tokenizer", r"tokenizer='\./missing' is a path, but folder '{tmp}/missing' does not exist"),
+    ],
+)
+def test_bad_paths_are_not_taken_for_hub_ids(
+    where: str,
+    match: str,
+    tmp_path: Path,
+    checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    no_loading: None,
+) -> None:
+    tmp = tmp_path.resolve()
+    monkeypatch.chdir(tmp)
+    monkeypatch.setenv("HOME", str(tmp))
+    (tmp / "config.json").write_text("{}")
+    (tmp / "tokenizer.json").write_text("{}")
+    folder = str(checkpoint("gpt2"))
+    calls: dict[str, tuple[object, dict[str, object]]] = {
+        "absolute": (str(tmp / "missing" / "model"), {}),
+        "dot": ("./missing", {}),
+        "dotdot": ("../missing", {}),
+        "home": ("~/missing", {}),
+        "pathlike": (Path("models/missing"), {}),
+        "file": (str(tmp / "config.json"), {}),
+        "tokenizer": (folder, {"tokenizer": str(tmp / "missing")}),
+        "tokenizer-file": (folder, {"tokenizer": str(tmp / "tokenizer.json")}),
+        "wrapped-tokenizer": (None, {"hf_model": torch.nn.Linear(1, 1), "tokenizer": "./missing"}),
+    }
+    model_name, options = calls[where]
+    pattern = match.format(tmp=re.escape(str(tmp)), parent=re.escape(str(tmp.parent)))
+    with pytest.raises(UserError, match=pattern):
+        TransformerBridge.boot_transformers(model_name, **options)
+
+
+def test_paths_expand_the_home_folder_and_hub_ids_stay_hub_ids(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    folder = checkpoint("llama")
+    monkeypatch.setenv("HOME", str(folder.parent))
+    bridge = TransformerBridge.boot_transformers(f"~/{folder.name}", load_weights=False, tokenizer=f"~/{folder.name}")
+    assert bridge.driver.hf_model.config.model_type == "llama"
+    assert bridge.to_string(bridge.to_tokens("the keeper", prepend_bos=False)[0]) == "the keeper"
+    # A missing GGUF file is still named as one (gguf_source), after "~" is expanded.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(UserError, match=rf"GGUF file '{re.escape(str(tmp_path))}/x.gguf' does not exist"):
+        HFDriver.boot("~/x.gguf")
+    # A hub id is still a hub id: offline, the loader says it cannot be read.
+    with pytest.raises(UserError, match="cannot read the config of hub id 'no-such-org/no-such-model'"):
+        HFDriver.boot(NOWHERE)
+
+
+_NO_CUDA = r"needs CUDA, but this torch build \({version}\) has no CUDA support\. Use device='cpu', or install a CUDA build of torch"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"device": "cuda"}, "device='cuda' " + _NO_CUDA),
+        ({"device": "cuda:1"}, "device='cuda:1' " + _NO_CUDA),
+        ({"device": torch.device("cuda", 0)}, r"device=device\(type='cuda', index=0\) " + _NO_CUDA),
+        ({"n_devices": 2}, r"n_devices=2 needs 2 CUDA devices, but this torch build \({version}\) has no CUDA support"),
+        ({"device_map": "cuda:0"}, "device_map='cuda:0' " + _NO_CUDA),
+        (
+            {"device_map": {"model.embed_tokens": 0, "lm_head": "cpu"}},
+            r"device_map\['model.embed_tokens'\]=0 puts 'model.embed_tokens' on a CUDA device, but this torch build \({version}\) has no CUDA support",
+        ),
+        ({"device": "mps"}, r"device='mps' needs MPS \(Apple Metal\), but this torch build \({version}\) has no MPS support\. Use device='cpu'"),
+    ],
+    ids=["cuda", "cuda-index", "torch-device", "n_devices", "device_map-name", "device_map-dict", "mps"],
+)
+def test_devices_this_torch_lacks_are_refused_before_weights_load(
+    options: dict[str, object],
+    match: str,
+    checkpoint: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    no_loading: None,
+) -> None:
+    # As on a CPU-only build of torch, whatever this machine has.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: False)
+    with pytest.raises(ConfigError, match=match.format(version=re.escape(torch.__version__))):
+        TransformerBridge.boot_transformers(str(checkpoint("gpt2")), **options)
+
+
+def test_cuda_that_is_built_but_not_visible_is_told_apart(
+    checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, no_loading: None
+) -> None:
+    path = str(checkpoint("gpt2"))
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"device='cuda' needs CUDA, but torch .* sees no CUDA device .*CUDA_VISIBLE_DEVICES"):
+        HFDriver.boot(path, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"device='cuda:3' needs CUDA, but CUDA device 3 does not exist: torch sees 1 \(cuda:0 to cuda:0"):
+        HFDriver.boot(path, device="cuda:3")
+    with pytest.raises(ConfigError, match=r"device_map\['lm_head'\]=2 .*CUDA device 2 does not exist"):
+        HFDriver.boot(path, device_map={"transformer": 0, "lm_head": 2})
 
 
 @pytest.mark.parametrize(
@@ -186,8 +314,11 @@ def test_model_class_and_tokenizer_options(checkpoint: Callable[[str], Path], tm
     assert bridge.to_string(bridge.to_tokens("the keeper", prepend_bos=False)[0]) == "the keeper"
     with pytest.raises(UserError, match="not a class in transformers"):
         TransformerBridge.boot_transformers(path, model_class="NoSuchForCausalLM")
-    with pytest.raises(UserError, match="cannot load tokenizer"):
+    with pytest.raises(UserError, match=r"tokenizer=.* is a path, but folder .* does not exist"):
         TransformerBridge.boot_transformers(path, tokenizer=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="cannot load tokenizer"):
+        TransformerBridge.boot_transformers(path, tokenizer=str(tmp_path / "empty"))
     # A folder with weights but no tokenizer still runs ids; text fails clearly.
     AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / "bare")
     bare = TransformerBridge.boot_transformers(str(tmp_path / "bare"))

@@ -49,6 +49,11 @@ def test_check_model_support_answers_offline(no_network: None, checkpoint: Calla
     assert not local_bert.supported and local_bert.model_type == "bert"
     with pytest.raises(UserError):
         check_model_support(3)
+    # A mistyped path is reported as one, not judged as a hub id by its name.
+    missing = check_model_support(str(tmp_path / "missing"))
+    assert not missing and "is a path, but folder" in missing.reason and "does not exist" in missing.reason
+    config_file = check_model_support(str(tmp_path / "config.json"))
+    assert not config_file and f"pass the folder that holds it, {str(tmp_path)!r}" in config_file.reason
 
 
 def test_list_supported_models() -> None:

@@ -127,7 +127,8 @@ class HFDriver(LocalDriver):
         Args:
             model_name: A hub id, a local folder, or a GGUF file (``"model.gguf"``, or a
                 folder plus ``gguf_file=``; needs ``tl-driver-hf[gguf]``), or ``None`` with
-                ``hf_model``.
+                ``hf_model``. A name written as a path (absolute, ``./``/``../``, ``~``;
+                ``~`` is expanded) must exist: it is never looked up on the hub.
             **options: ``hf_config_overrides`` (config fields to change),
                 ``device`` or ``device_map`` (``"auto"``, a dict, ...; mutually exclusive),
                 ``offload_folder`` and ``max_memory`` (with ``device_map``),
@@ -147,8 +148,10 @@ class HFDriver(LocalDriver):
             The driver.
 
         Raises:
-            UserError: Unknown or conflicting options, a model without checkpoints, an
-                unsupported architecture (``ConfigError``), all before any weight loads.
+            UserError: Unknown or conflicting options, a model without checkpoints, a
+                path that does not exist or a file that is no folder (for ``model_name``
+                and ``tokenizer``), an unsupported architecture or a CUDA/MPS device this
+                torch cannot use (``ConfigError``), all before any weight loads.
         """
         opts = BootOptions.parse(model_name, options)
         if opts.hf_model is not None:

@@ -15,6 +15,7 @@ import torch
 from tl_core import ConfigError, UserError
 from tl_core.driver_api import gguf_source, require_gguf_packages
 from tl_driver_hf._checkpoints import checkpoint_revision
+from tl_driver_hf._model_paths import checked_path
 
 __all__ = ["BOOT_OPTIONS", "GGUF_EXTRA", "BootOptions", "parse_dtype"]
 
@@ -147,7 +148,12 @@ class BootOptions:
                 f"model_name must be a hub id or a folder path, got {type(model_name).__name__}: "
                 f"{model_name!r}; pass an already loaded model as hf_model=..."
             )
-        name: str | None = os.fspath(model_name) if model_name is not None else None
+        name: str | None = (
+            checked_path(model_name, "model_name", gguf=True) if model_name is not None else None
+        )
+        tokenizer = opts.get("tokenizer")
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = checked_path(tokenizer, "tokenizer", gguf=False)
         load_weights = opts.get("load_weights", True)
         if not isinstance(load_weights, bool):
             raise UserError(f"load_weights must be True or False, got {load_weights!r}")
@@ -196,7 +202,7 @@ class BootOptions:
             max_memory=placement["max_memory"],
             n_devices=placement["n_devices"],
             dtype=parse_dtype(opts["dtype"]) if opts.get("dtype") is not None else torch.float32,
-            tokenizer=opts.get("tokenizer"),
+            tokenizer=tokenizer,
             load_weights=load_weights,
             trust_remote_code=bool(opts.get("trust_remote_code", False)),
             model_class=opts.get("model_class"),
@@ -245,12 +251,15 @@ def _placement(opts: Mapping[str, Any]) -> dict[str, Any]:
                 "n_devices splits the layers over the first n CUDA devices itself; drop "
                 "device/device_map, or drop n_devices"
             )
+        plural = "s" if n_devices > 1 else ""
+        _require_backend(f"n_devices={n_devices} needs {n_devices} CUDA device{plural}", "cuda", None)
         available = torch.cuda.device_count()
         if n_devices > available:
             raise UserError(
                 f"n_devices={n_devices} needs {n_devices} CUDA devices, but {available} are "
                 f"visible"
             )
+    _check_backends(device, device_map)
     spreads = device_map is not None or n_devices is not None
     if spreads and importlib.util.find_spec("accelerate") is None:
         raise UserError(
@@ -276,3 +285,87 @@ def _placement(opts: Mapping[str, Any]) -> dict[str, Any]:
         "max_memory": opts.get("max_memory"),
         "n_devices": n_devices,
     }
+
+
+def _check_backends(device: Any, device_map: Any) -> None:
+    """Refuse ``device`` or any device of ``device_map`` that this torch cannot use."""
+    if device is not None:
+        _require_backend(f"device={device!r} needs {{backend}}", _device_type(device), device)
+    if isinstance(device_map, Mapping):
+        for module, where in device_map.items():
+            _require_backend(
+                f"device_map[{module!r}]={where!r} puts {module!r} on a {{backend}} device",
+                _device_type(where),
+                where,
+            )
+    elif device_map is not None:
+        _require_backend(
+            f"device_map={device_map!r} needs {{backend}}", _device_type(device_map), device_map
+        )
+
+
+def _device_type(device: Any) -> str | None:
+    """The torch device type ``device`` names, ``None`` for anything else ("auto", "disk").
+
+    A bare int is a CUDA device index, as in accelerate's device maps.
+    """
+    if isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return "cuda"
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, str):
+        try:
+            return torch.device(device).type
+        except (RuntimeError, ValueError):
+            return None
+    return None
+
+
+def _require_backend(what: str, kind: str | None, device: Any) -> None:
+    """Refuse a CUDA or MPS device this torch build or machine cannot use.
+
+    Args:
+        what: The request, for the message; ``{backend}`` is replaced by the backend's name.
+        kind: The device type asked for (``"cuda"``, ``"mps"``, ...).
+        device: The device itself, whose CUDA index is checked against the visible count.
+
+    Raises:
+        ConfigError: The backend is missing (names torch's version and the fix), or the
+            CUDA index is past the visible devices.
+    """
+    version = torch.__version__
+    if kind == "cuda":
+        what = what.replace("{backend}", "CUDA")
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+                raise ConfigError(
+                    f"{what}, but this torch build ({version}) has no CUDA support. Use "
+                    "device='cpu', or install a CUDA build of torch"
+                )
+            raise ConfigError(
+                f"{what}, but torch {version} sees no CUDA device (no GPU, no driver, or "
+                f"CUDA_VISIBLE_DEVICES hides them; check nvidia-smi). Use device='cpu', or run "
+                f"where a GPU is visible"
+            )
+        index = device if isinstance(device, int) and not isinstance(device, bool) else None
+        if isinstance(device, (str, torch.device)):
+            index = torch.device(device).index
+        count = torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise ConfigError(
+                f"{what}, but CUDA device {index} does not exist: torch sees {count} "
+                f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES may hide others). Pick "
+                f"one of those"
+            )
+    elif kind == "mps":
+        what = what.replace("{backend}", "MPS (Apple Metal)")
+        if not torch.backends.mps.is_available():
+            why = (
+                f"this torch build ({version}) has no MPS support"
+                if not torch.backends.mps.is_built()
+                else f"torch {version} cannot use MPS on this machine (it needs macOS 12.3+ on "
+                f"Apple silicon)"
+            )
+            raise ConfigError(f"{what}, but {why}. Use device='cpu'")

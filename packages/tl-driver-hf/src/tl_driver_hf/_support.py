@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tl_core import ModelInfo, UserError
 from tl_driver_hf._checkpoints import series_for
+from tl_driver_hf._model_paths import checked_path
 from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def check_model_support(model_name_or_config: Any) -> SupportReport:
     Accepts a local folder (its ``config.json`` is read), a transformers config object, an
     architecture class name (``"LlamaForCausalLM"``), a ``model_type`` (``"llama"``) or a
     hub id, which is matched against known id patterns of each family (a hub id no pattern
-    matches is reported unsupported, saying the answer came from its name).
+    matches is reported unsupported, saying the answer came from its name). A path that
+    does not exist, or a file that is no folder, is reported unsupported with the fix.
 
     Args:
         model_name_or_config: What to check.
@@ -104,7 +106,10 @@ def check_model_support(model_name_or_config: Any) -> SupportReport:
             f"check_model_support takes a hub id, a folder, an architecture name or a config, "
             f"got {type(value).__name__}"
         )
-    name = os.fspath(value)
+    try:
+        name = checked_path(value, "model_name_or_config", gguf=True)
+    except UserError as exc:  # a mistyped path is no hub id: say so rather than guess
+        return SupportReport(os.fspath(value), False, None, None, None, False, False, str(exc))
     if os.path.isdir(name):
         path = os.path.join(name, "config.json")
         if not os.path.isfile(path):
