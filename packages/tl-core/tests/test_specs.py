@@ -915,3 +915,25 @@ def test_specs_and_plans_pickle_for_worker_processes() -> None:
     assert again.specs_for(HOOK)[0][0].pos == (2,)
 
 
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"op": "suppress"},
+        {"op": "scale", "factor": 0.0, "pos": -1},
+        {"op": "set", "value": 0.0},
+        {"op": "set", "value": -1.0, "pos": [0]},
+        {"op": "set", "value": [[2.0], [0.0]], "pos": [0, 1]},
+    ],
+)
+def test_an_edit_that_zeroes_a_norm_divisor_is_refused(spec: dict[str, Any]) -> None:
+    """hook_scale divides the norm's input: zero (or a sign flip) is refused before running."""
+    bridge = TransformerBridge.boot_native("gpt2", n_layers=2)
+    calls: list[int] = []
+    with bridge.hooks([("embed.hook_out", lambda x, hook: calls.append(1))]):
+        with pytest.raises(SpecError, match=r"hook_scale is the divisor .* edit hook_normalized instead"):
+            bridge("Divide by what?", intervene={"blocks.0.ln2.hook_scale": spec})
+    assert calls == []
+    kept = bridge("Divide by what?", intervene={"blocks.0.ln2.hook_scale": {"op": "scale", "factor": 2.0}})
+    assert bool(torch.isfinite(kept).all())

@@ -177,8 +177,35 @@ def _read_mapping(
             fns.setdefault(canonical, []).extend(callables)
         else:
             namespace.lookup(name, edit=True)
-            specs.setdefault(canonical, []).extend((name, _parse(i, where)) for i in items)
+            parsed = [_parse(i, where) for i in items]
+            if canonical.endswith(".hook_scale"):
+                for spec in parsed:
+                    _check_divisor(spec, where)
+            specs.setdefault(canonical, []).extend((name, spec) for spec in parsed)
     return specs, {name: tuple(f) for name, f in fns.items()}
+
+
+def _check_divisor(spec: InterventionSpec, where: str) -> None:
+    """A norm's ``hook_scale`` divides its input: an edit that makes it 0 turns the output
+    into infinities (and the logits into NaN), so ``suppress``, ``scale`` by 0 and ``set`` to
+    a value <= 0 are refused there."""
+    values: list[float] = []
+    if isinstance(spec.value, tuple):
+        values = [v for row in spec.value for v in (row if isinstance(row, tuple) else (row,))]
+    elif spec.value is not None:
+        values = [spec.value]
+    zero = (
+        spec.op == "suppress"
+        or (spec.op == "scale" and spec.factor == 0)
+        or (spec.op == "set" and any(v <= 0 for v in values))
+    )
+    if zero:
+        raise _error(
+            f"{where}: a norm's hook_scale is the divisor sqrt(var + eps), so {spec.to_dict()} "
+            "would divide by zero or flip the sign and make the outputs infinite or NaN; "
+            "scale it by a positive factor, set it to a positive value, or edit "
+            "hook_normalized instead"
+        )
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
