@@ -1,14 +1,18 @@
-"""The `tl` command: drivers listing, resolve, demo."""
+"""The `tl` command: drivers listing, resolve, hooks, demo, and what --model means."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tl_core import UserError
 from tl_core.cli import main
+from tl_core.cli._model_arg import default_driver
 
 
 def test_drivers_lists_native(capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,3 +87,152 @@ def test_demo_options_of_the_other_mode_are_refused(capsys: pytest.CaptureFixtur
 def test_console_script_is_installed() -> None:
     result = subprocess.run([sys.executable, "-m", "tl_core.cli", "--version"], capture_output=True, text=True)
     assert result.returncode == 0 and "tl-core" in result.stdout
+
+
+class _FakeEntryPoint:
+    """A ``tl_core.cli`` entry point whose ``load()`` returns ``register`` (or raises ``error``)."""
+
+    def __init__(self, name: str, register: object = None, error: Exception | None = None) -> None:
+        self.name = name
+        self._register = register
+        self._error = error
+
+    def load(self) -> object:
+        if self._error is not None:
+            raise self._error
+        return self._register
+
+
+def test_a_known_plugin_that_is_not_installed_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tl_core.cli
+
+    monkeypatch.setattr(tl_core.cli, "plugin_entry_points", lambda: [])
+    assert main(["parity", "--model", "m", "--candidate", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "tl: error: 'tl parity' needs the tl-parity package, which is not installed; "
+        "install it with: pip install tl-parity"
+    ]
+    assert "invalid choice" not in err
+
+
+def test_a_known_plugin_that_fails_to_load_says_how_to_repair_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tl_core.cli
+
+    broken = _FakeEntryPoint("parity", error=ImportError("no module named 'tl_parity._cli'"))
+    monkeypatch.setattr(tl_core.cli, "plugin_entry_points", lambda: [broken])
+    assert main(["parity", "--help"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "installed but failed to load (ImportError: no module named 'tl_parity._cli')" in last
+    assert last.endswith("pip install --force-reinstall tl-parity")
+
+
+def test_an_unknown_subcommand_is_still_argparses_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tl_core.cli
+
+    monkeypatch.setattr(tl_core.cli, "plugin_entry_points", lambda: [])
+    with pytest.raises(SystemExit) as exc:
+        main(["parrot"])
+    assert exc.value.code == 2 and "invalid choice: 'parrot'" in capsys.readouterr().err
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    import tl_core.cli
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt
+
+    def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+        sub.add_parser("wait").set_defaults(run=interrupted)
+
+    monkeypatch.setattr(tl_core.cli, "plugin_entry_points", lambda: [_FakeEntryPoint("wait", register)])
+    assert main(["wait"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "tl: interrupted\n" and captured.out == ""
+
+
+# -- which driver --model means ----------------------------------------------------------
+
+
+@pytest.fixture
+def booted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, str]]:
+    """Stands in for ``boot``: records (model, driver) and stops there, with no driver loaded."""
+    from tl_core.bridges import _boot
+
+    calls: list[tuple[object, str]] = []
+
+    def fake_boot(model: object = None, *, driver: str = "hf", **options: object) -> None:
+        calls.append((model, driver))
+        raise UserError("stopped before booting")
+
+    monkeypatch.setattr(_boot, "boot", fake_boot)
+    return calls
+
+
+def test_default_driver_follows_one_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert default_driver(str(tmp_path / "folder")) == "hf"
+    assert default_driver("folder") == "hf"  # an existing folder, even without a "/"
+    assert default_driver("m.gguf") == "hf"
+    assert default_driver("org/name") == "hf"
+    assert default_driver("gpt2") == "native"
+    assert default_driver("llama") == "native"
+    with pytest.raises(UserError, match=r"'distilgpt2' is no folder, .gguf file, 'org/name' hub id or native preset \('gpt2', 'llama'\).*add --driver hf"):
+        default_driver("distilgpt2")
+
+
+@pytest.mark.parametrize("command", ["hooks", "resolve"])
+def test_a_folder_without_driver_boots_hf(command: str, tmp_path: Path, booted: list[tuple[object, str]], capsys: pytest.CaptureFixture[str]) -> None:
+    names = ["hook_embed"] if command == "resolve" else []
+    assert main([command, *names, "--model", str(tmp_path)]) == 1
+    assert booted == [(str(tmp_path), "hf")]
+    assert main([command, *names, "--model", "gpt2"]) == 1
+    assert main([command, *names, "--model", str(tmp_path), "--driver", "vllm"]) == 1
+    assert booted[1:] == [("gpt2", "native"), (str(tmp_path), "vllm")]
+    assert main([command, *names]) == 1  # no --model: the native default
+    assert booted[-1] == ("gpt2", "native")
+    assert "stopped before booting" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("model", "driver", "match"),
+    [
+        ("{tmp}/missing/model", None, "--model '{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'"),
+        ("./missing", None, "--model './missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("~/missing", "hf", "--model '~/missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("./missing.gguf", None, "--model './missing.gguf' is a path, but file '{tmp}/missing.gguf' does not exist"),
+        ("{tmp}/config.json", None, "--model '{tmp}/config.json' is a file; .* pass the folder that holds it, --model '{tmp}'"),
+        ("distilgpt2", None, "no folder, .gguf file, 'org/name' hub id or native preset"),
+    ],
+)
+def test_bad_models_fail_before_any_driver_boots(
+    model: str,
+    driver: str | None,
+    match: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    booted: list[tuple[object, str]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tmp = tmp_path.resolve()
+    monkeypatch.chdir(tmp)
+    monkeypatch.setenv("HOME", str(tmp))
+    (tmp / "config.json").write_text("{}")
+    extra = ["--driver", driver] if driver else []
+    for argv in (["hooks"], ["resolve", "hook_embed"]):
+        assert main([*argv, "--model", model.format(tmp=tmp), *extra]) == 1
+        err = capsys.readouterr().err
+        assert re.search(match.format(tmp=re.escape(str(tmp))), err), err
+    assert booted == []

@@ -45,6 +45,7 @@ __all__ = [
     "Generation",
     "alias_report",
     "alias_reports",
+    "check_generation",
 ]
 
 AliasStatus = Literal[
@@ -199,11 +200,26 @@ def _line(cells: tuple[str, ...], widths: list[int]) -> str:
     return "  ".join(c.ljust(w) for c, w in zip(cells[:3], widths, strict=True)) + "  " + cells[3]
 
 
+def check_generation(generation: str) -> Generation:
+    """The generation ``generation`` names (a key of ``GENERATIONS`` or a synonym of one).
+
+    Raises:
+        ValueError: An unknown name; the message lists the choices and the closest one.
+    """
+    return _generation(generation)
+
+
 def _generation(generation: str) -> Generation:
     key = _SYNONYMS.get(generation, generation)
     if key not in GENERATIONS:
-        choices = ", ".join([*GENERATIONS, *_SYNONYMS])
-        raise ValueError(f"unknown naming generation {generation!r}; expected one of {choices}")
+        import difflib
+
+        names = [*GENERATIONS, *_SYNONYMS]
+        close = difflib.get_close_matches(generation, names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(
+            f"unknown naming generation {generation!r}; {hint}expected one of {', '.join(names)}"
+        )
     return key  # type: ignore[return-value]
 
 

@@ -4,6 +4,10 @@ Each driver but the reference runs on a tiny random checkpoint of every family
 ``tl_driver_hf.testing`` can write (cached in a folder). The native driver loads no
 checkpoints, so it is compared with itself (two processes) on each of its presets: a
 determinism and batching check in the same-engine band, not a cross-engine one.
+
+A candidate that refuses a family at boot (``ConfigError``, ``UnsupportedFeatureError``) is
+a SKIP only when it does not declare that family's architecture (``tl_parity._declared``);
+refusing a declared architecture, or failing in any other way, is a FAIL.
 """
 
 from __future__ import annotations
@@ -22,8 +26,6 @@ NATIVE_PRESETS: tuple[str, ...] = ("gpt2", "llama")
 VLLM_TINY_OPTIONS: dict[str, Any] = {"max_model_len": 256, "kv_cache_memory_bytes": 32 * 2**20}
 #: Distributions whose drivers are deliberately wrong (tl-parity's own test fixtures).
 FIXTURE_DISTRIBUTIONS: frozenset[str] = frozenset({"tl-parity-faults"})
-# An error of these types at boot means "this driver does not serve this family": SKIP.
-_SKIP_ERRORS = ("ConfigError", "UnsupportedFeatureError", "UnsupportedModelError", "NotImplementedError")
 
 
 @dataclass(frozen=True)
@@ -68,18 +70,60 @@ def tiny_checkpoints(families: list[str] | None, cache: Path) -> tuple[dict[str,
 
 def _row(driver: str, family: str, report: Any) -> CardRow:
     if report.error:
-        err = report.error
-        kind = err.split("failed: ", 1)[-1].split(":", 1)[0]
-        if err.startswith("reference"):
-            return CardRow(driver, family, "SKIP", f"reference cannot run it: {err}")
-        if kind in _SKIP_ERRORS:
-            return CardRow(driver, family, "SKIP", err.split("failed: ", 1)[-1])
-        return CardRow(driver, family, "FAIL", err)
+        return _error_row(driver, family, report.error, report.extra.get("failure") or {})
     if report.passed:
         agree = "" if report.argmax_agreement is None else f", argmax {report.argmax_agreement:.0%}"
         return CardRow(driver, family, "PASS", f"{len(report.hooks)} hooks{agree}")
     bad = report.failures
     return CardRow(driver, family, "FAIL", f"{len(bad)} rows not PASS: " + ", ".join(r.hook for r in bad[:4]))
+
+
+def _error_row(driver: str, family: str, err: str, failure: dict[str, Any]) -> CardRow:
+    """SKIP a reference failure and a refusal of an undeclared architecture; FAIL the rest."""
+    if failure.get("side") == "reference" or err.startswith("reference"):
+        return CardRow(driver, family, "SKIP", f"reference cannot run it: {err}")
+    if failure.get("side") != "candidate" or not failure.get("refusal"):
+        return CardRow(driver, family, "FAIL", err)
+    detail = err.split("failed: ", 1)[-1]
+    arch = failure.get("architecture")
+    if failure.get("declared") is True:
+        return CardRow(driver, family, "FAIL",
+                       f"refused {arch!r} at boot, although the driver declares it supported: {detail}")
+    if failure.get("declared") is None:
+        why = ("the checkpoint names no architecture" if arch is None
+               else "the driver declares no supported_architectures")
+        detail += f" (not checked against a declaration: {why})"
+    return CardRow(driver, family, "SKIP", detail)
+
+
+def _check_args(args: argparse.Namespace, families: list[str] | None, only: set[str] | None) -> None:
+    """Refuse an unknown reference, ``--drivers`` name or ``--families`` name before any run."""
+    from tl_core.driver_api import available_drivers, get_driver_entry
+    from tl_parity._checks import check_driver
+
+    check_driver(args.reference, "reference")
+    installed = available_drivers()
+    for name in sorted(only or ()):
+        if name not in installed:
+            try:
+                get_driver_entry(name)  # raises, naming the installed drivers and the closest one
+            except ValueError as exc:
+                raise type(exc)(f"--drivers: {exc}") from exc
+    if families is not None:
+        try:
+            from tl_driver_hf.testing import TINY_FAMILIES
+        except ImportError:
+            return  # reported as a SKIP row: tiny checkpoints need tl-driver-hf
+        unknown = [f for f in families if f not in TINY_FAMILIES]
+        if unknown:
+            import difflib
+
+            from tl_core._errors import UserError
+
+            close = {f: difflib.get_close_matches(f, TINY_FAMILIES, n=1) for f in unknown}
+            hints = [f"{f!r} (did you mean {c[0]!r}?)" if c else repr(f) for f, c in close.items()]
+            raise UserError(f"--families: unknown tiny families {', '.join(hints)}; "
+                            f"known: {', '.join(TINY_FAMILIES)}")
 
 
 def build_card(args: argparse.Namespace) -> list[CardRow]:
@@ -92,7 +136,8 @@ def build_card(args: argparse.Namespace) -> list[CardRow]:
     rows: list[CardRow] = []
     checkpoints: dict[str, Path] | None = None
     reason: str | None = None
-    only = {d.strip() for d in args.drivers.split(",")} if args.drivers else None
+    only = {d.strip() for d in args.drivers.split(",") if d.strip()} if args.drivers else None
+    _check_args(args, families, only)
     for name, installed in sorted(available_drivers().items()):
         if (name == args.reference and name != "native") or (only is not None and name not in only):
             continue

@@ -106,20 +106,27 @@ def _aliases(args: argparse.Namespace) -> int:
     from tl_core._errors import UserError
 
     try:
-        from tl_parity._aliases import alias_report
+        from tl_parity._aliases import alias_report, check_generation
     except ImportError:
         print("tl parity: the alias report (tl_parity._aliases) is not in this install", file=sys.stderr)
         return 1
     import tl_core
+    from tl_parity._checks import check_driver, check_model
 
+    try:  # everything the command line says is checked before the model boots
+        generation = check_generation(args.aliases)
+    except ValueError as exc:
+        raise UserError(f"--aliases: {exc}") from exc
     driver = args.candidate if args.candidate not in (None, "all") else args.reference
     model = args.model if args.model else ("gpt2" if driver == "native" else None)
     if model is None:
         raise UserError("tl parity --aliases needs --model (and the driver as --candidate)")
+    check_driver(driver, "candidate" if driver == args.candidate else "reference")
+    check_model(model)
     bridge = tl_core.boot(model, driver=driver, **dict(args.candidate_option))
     try:
         try:
-            print(alias_report(bridge, args.aliases))
+            print(alias_report(bridge, generation))
         except ValueError as exc:
             raise UserError(str(exc)) from exc
     finally:

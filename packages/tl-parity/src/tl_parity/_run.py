@@ -9,10 +9,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from tl_parity._blocks import LayerRangeError, declared_blocks, layers_text, resolve_layers
+from tl_parity._checks import check_driver, check_model
 from tl_parity._compare import argmax_agreement, compare, reference_mapping
 from tl_parity._tolerance import band_for
 from tl_parity._types import HookComparison, ParityReport
@@ -22,6 +24,7 @@ __all__ = [
     "LayerRangeError",
     "Progress",
     "WorkerError",
+    "WorkerFailure",
     "run_parity",
     "run_parity_many",
     "run_workers",
@@ -43,7 +46,35 @@ WORKER_TIMEOUT_S = 600.0
 
 
 class WorkerError(RuntimeError):
-    """A driver process failed: it raised (message from the process) or crashed."""
+    """A driver process failed: it raised (message from the process) or crashed.
+
+    Attributes:
+        facts: What the process reported about the failure (``tl_parity._declared``):
+            empty when it crashed or timed out.
+    """
+
+    def __init__(self, message: str, facts: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.facts: dict[str, Any] = dict(facts or {})
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """Why one job has no result.
+
+    Attributes:
+        message: Starts with ``"reference"``, ``"candidate"`` or ``"timeout"``.
+        side: ``"reference"`` or ``"candidate"``; ``None`` for a timeout of both.
+        facts: What the failing process reported (stage, error types, whether the driver
+            refused the model's architecture and whether it declares it).
+    """
+
+    message: str
+    side: str | None = None
+    facts: Mapping[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class Progress:
@@ -109,7 +140,7 @@ def _result(out: Path, worker: _Worker) -> tuple[dict[str, Any], dict[str, Any]]
         raise WorkerError(worker.died())
     meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
     if "error" in meta:
-        raise WorkerError(meta["error"])
+        raise WorkerError(meta["error"], meta.get("facts"))
     return meta, dict(load_file(str(out.with_suffix(".safetensors"))))
 
 
@@ -122,7 +153,7 @@ def run_workers(
     jobs: Sequence[dict[str, Any]],
     workdir: Path,
     timeout: float = WORKER_TIMEOUT_S,
-) -> list[Outcome | str]:
+) -> list[Outcome | WorkerFailure]:
     """Run the reference and candidate processes side by side over ``jobs``.
 
     ``reference``/``candidate`` hold ``driver``, ``dtype``, ``options`` and ``layers``;
@@ -131,8 +162,8 @@ def run_workers(
     candidate imports and boots while the reference runs, then waits for its token ids.
 
     Returns:
-        Per job, ``(ref_meta, ref_tensors, cand_meta, cand_tensors)`` or an error message
-        that starts with ``"reference"`` or ``"candidate"``.
+        Per job, ``(ref_meta, ref_tensors, cand_meta, cand_tensors)`` or a ``WorkerFailure``
+        whose message starts with ``"reference"``, ``"candidate"`` or ``"timeout"``.
     """
     ref_jobs, cand_jobs = [], []
     for i, job in enumerate(jobs):
@@ -158,21 +189,21 @@ def run_workers(
     except WorkerError as exc:
         ref.kill()
         cand.kill()
-        return [f"timeout: {exc}"] * len(jobs)
+        return [WorkerFailure(f"timeout: {exc}")] * len(jobs)
     finally:
         ref.kill()
         cand.kill()
-    outcomes: list[Outcome | str] = []
+    outcomes: list[Outcome | WorkerFailure] = []
     for rj, cj in zip(ref_jobs, cand_jobs, strict=False):
         try:
             ref_meta, ref_t = _result(Path(rj["out"]), ref)
         except WorkerError as exc:
-            outcomes.append(f"reference {reference['driver']!r} failed: {exc}")
+            outcomes.append(WorkerFailure(f"reference {reference['driver']!r} failed: {exc}", "reference", exc.facts))
             continue
         try:
             cand_meta, cand_t = _result(Path(cj["out"]), cand)
         except WorkerError as exc:
-            outcomes.append(f"candidate {candidate['driver']!r} failed: {exc}")
+            outcomes.append(WorkerFailure(f"candidate {candidate['driver']!r} failed: {exc}", "candidate", exc.facts))
             continue
         outcomes.append((ref_meta, ref_t, cand_meta, cand_t))
     return outcomes
@@ -210,6 +241,9 @@ def _read_prompts(prompts: str | os.PathLike[str] | Sequence[str] | None) -> lis
     if prompts is None:
         return list(DEFAULT_PROMPTS)
     if isinstance(prompts, (str, os.PathLike)):
+        if not Path(prompts).is_file():
+            raise ValueError(f"prompts file {str(prompts)!r} does not exist or is not a file; pass a "
+                             f"text file with one prompt a line, or leave prompts out for the built-in batch")
         lines = [ln for ln in Path(prompts).read_text(encoding="utf-8").splitlines() if ln.strip()]
         if not lines:
             raise ValueError(f"prompts file {str(prompts)!r} has no non-empty lines")
@@ -283,10 +317,18 @@ def run_parity(
         The report; ``report.error`` is set when a driver failed and the rows are then empty.
 
     Raises:
-        ValueError: A bad ``dtype``, ``layers`` or prompts file.
+        ValueError: A bad ``dtype``, ``layers`` or prompts file, or a model spelled as a
+            path that does not exist (a ``UserError``).
+        DriverNotFoundError: ``candidate`` or ``reference`` is not installed (a
+            ``ValueError``; the message names the closest installed driver or the
+            ``pip install`` line).
+        DriverLoadError: A driver that is broken, or whose engine is missing or outside
+            its tested range (``EngineVersionError``).
         LayerRangeError: ``layers`` names a block the model does not have (a
             ``ValueError``), when the block count is known without booting; otherwise
             the driver process reports it in ``report.error``.
+
+    Every check above is made before any driver process starts.
     """
     return run_parity_many(
         [model], candidate=candidate, reference=reference, dtype=dtype, prompts=prompts,
@@ -317,10 +359,16 @@ def run_parity_many(
         One report per model, in order.
 
     Raises:
-        ValueError: As ``run_parity``; ``layers`` is checked for every model before any
-            driver process starts.
+        ValueError: As ``run_parity``; the drivers, every model's path and ``layers`` are
+            checked before any driver process starts.
+        DriverLoadError: As ``run_parity``.
     """
     show = progress if progress is not None else Progress(quiet=quiet)
+    check_driver(reference, "reference")
+    if candidate != reference:
+        check_driver(candidate, "candidate")
+    for model in models:
+        check_model(model)
     layer_list = _layers(layers)
     if layer_list is not None:
         _check_layers(models, layer_list, [(reference, reference_options or {}), (candidate, candidate_options or {})])
@@ -339,8 +387,10 @@ def run_parity_many(
     for model, outcome in zip(models, outcomes, strict=False):
         report = ParityReport(model=str(model), reference=reference, candidate=candidate, dtype=dtype,
                               hooks=[], logits=None, argmax_agreement=None, non_fireable={})
-        if isinstance(outcome, str):
-            report.error = outcome
+        if isinstance(outcome, (WorkerFailure, str)):
+            report.error = str(outcome)
+            if isinstance(outcome, WorkerFailure) and outcome.side is not None:
+                report.extra = {"failure": {"side": outcome.side, **outcome.facts}}
             show.step(f"{model}: {outcome}")
         else:
             _fill(report, *outcome, band=band, n_prompts=len(texts))

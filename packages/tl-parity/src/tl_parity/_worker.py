@@ -4,8 +4,10 @@ Run as ``python -m tl_parity._worker REQUEST.json``. The request names the drive
 options and a list of jobs (one model each). A reference job tokenises its prompts and
 writes ``<out>.ids.json`` before its forward pass; a candidate job waits for that file
 (``ids_from``), so both processes import and boot at the same time. Each job writes
-``<out>.safetensors`` and ``<out>.json`` (``{"error": ...}`` when it raised); a crash
-leaves no JSON and the parent reports the exit code and the end of stderr.
+``<out>.safetensors`` and ``<out>.json`` (``{"error": ..., "facts": ...}`` when it raised:
+the facts say whether the driver refused the model at boot and whether it declares the
+model's architecture, see ``tl_parity._declared``); a crash leaves no JSON and the parent
+reports the exit code and the end of stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +24,15 @@ from typing import Any
 __all__ = ["main"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _BootFailed(Exception):
+    """``tl_core.boot`` raised ``error``; ``facts`` say what that means for the report card."""
+
+    def __init__(self, error: Exception, facts: dict[str, Any]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.facts = facts
 
 
 def _boot_options(driver: str, dtype: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +139,13 @@ def run_job(request: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     opts = _boot_options(driver_name, dtype, {**(request.get("options") or {}), **(job.get("options") or {})})
-    bridge = tl_core.boot(job["model"], driver=driver_name, **opts)
+    try:
+        bridge = tl_core.boot(job["model"], driver=driver_name, **opts)
+    except Exception as exc:
+        from tl_parity._declared import boot_failure_facts
+
+        raise _BootFailed(exc, boot_failure_facts(exc, stage="boot", driver=driver_name,
+                                                  model=job["model"], options=opts)) from exc
     try:
         driver = bridge.driver
         namespace = driver.namespace
@@ -170,10 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             meta = run_job(request, job)
         except BaseException as exc:  # reported to the parent, which decides what it means
-            error = f"{type(exc).__name__}: {exc}"
+            cause = exc.error if isinstance(exc, _BootFailed) else exc
+            error = f"{type(cause).__name__}: {cause}"
+            if isinstance(exc, _BootFailed):
+                facts = exc.facts
+            else:
+                from tl_parity._declared import boot_failure_facts
+
+                facts = boot_failure_facts(exc, stage="run", driver=request["driver"], model=job["model"])
             if "ids_from" not in job and not out.with_suffix(".ids.json").exists():
                 _write(out.with_suffix(".ids.json"), {"error": error})
-            _write(out.with_suffix(".json"), {"error": error, "traceback": traceback.format_exc(limit=8)})
+            _write(out.with_suffix(".json"), {"error": error, "facts": facts,
+                                              "traceback": traceback.format_exc(limit=8)})
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             continue

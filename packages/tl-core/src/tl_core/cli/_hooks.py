@@ -9,11 +9,17 @@ __all__ = ["register"]
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--driver", default="native", help="driver to boot (default: native)")
+    parser.add_argument(
+        "--driver",
+        default=None,
+        help="driver to boot (default: from --model: hf for a folder, .gguf file or "
+        "'org/name' hub id, native for a preset; native without --model)",
+    )
     parser.add_argument(
         "--model",
         default=None,
-        help="what the driver loads: a folder or hub id (hf, vllm), a preset (native: gpt2, llama)",
+        help="what the driver loads: a folder, .gguf file or hub id (hf, vllm), a preset "
+        "(native: gpt2, llama; default gpt2)",
     )
 
 
@@ -34,9 +40,14 @@ def register(sub: Any) -> None:
 
 def _boot(args: argparse.Namespace) -> Any:
     from tl_core.bridges._boot import boot
+    from tl_core.cli._model_arg import check_model, default_driver
 
-    model = args.model if args.model is not None or args.driver != "native" else "gpt2"
-    return boot(model, driver=args.driver)
+    if args.model is None:
+        # Without --model the native GPT-2-style preset boots; other drivers say what they need.
+        driver = args.driver or "native"
+        return boot("gpt2" if driver == "native" else None, driver=driver)
+    model = check_model(args.model)  # before any driver is imported
+    return boot(model, driver=args.driver or default_driver(model))
 
 
 def run_hooks(args: argparse.Namespace) -> int:
