@@ -209,11 +209,11 @@ def test_a_folder_without_driver_boots_hf(command: str, tmp_path: Path, booted: 
 @pytest.mark.parametrize(
     ("model", "driver", "match"),
     [
-        ("{tmp}/missing/model", None, "--model '{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'"),
-        ("./missing", None, "--model './missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("~/missing", "hf", "--model '~/missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("./missing.gguf", None, "--model './missing.gguf' is a path, but file '{tmp}/missing.gguf' does not exist"),
-        ("{tmp}/config.json", None, "--model '{tmp}/config.json' is a file; .* pass the folder that holds it, --model '{tmp}'"),
+        ("{tmp}/missing/model", None, "--model='{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'"),
+        ("./missing", None, "--model='./missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("~/missing", "hf", "--model='~/missing' is a path, but folder '{tmp}/missing' does not exist"),
+        ("./missing.gguf", None, "--model='./missing.gguf' is a path, but file '{tmp}/missing.gguf' does not exist"),
+        ("{tmp}/config.json", None, "--model='{tmp}/config.json' is a file, but a model loads from .*: pass the folder that holds it, '{tmp}'"),
         ("distilgpt2", None, "no folder, .gguf file, 'org/name' hub id or native preset"),
     ],
 )

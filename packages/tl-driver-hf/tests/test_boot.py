@@ -62,7 +62,7 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
         ("dotdot", r"model_name='\.\./missing' is a path, but folder '{parent}/missing' does not exist"),
         ("home", r"model_name='~/missing' is a path, but folder '{tmp}/missing' does not exist"),
         ("pathlike", r"model_name='models/missing' is a path, but folder '{tmp}/models/missing' does not exist"),
-        ("file", r"model_name='{tmp}/config.json' is a file, but the hf driver reads a checkpoint folder .*: pass the folder that holds it, '{tmp}'"),
+        ("file", r"model_name='{tmp}/config.json' is a file, but a model loads from a checkpoint folder .*: pass the folder that holds it, '{tmp}'"),
         ("tokenizer", r"tokenizer='{tmp}/missing' is a path, but folder '{tmp}/missing' does not exist"),
         ("tokenizer-file", r"tokenizer='{tmp}/tokenizer.json' is a file, .*tokenizer files.*: pass the folder that holds it, '{tmp}'"),
         ("wrapped-tokenizer", r"tokenizer='\./missing' is a path, but folder '{tmp}/missing' does not exist"),
@@ -107,9 +107,9 @@ def test_paths_expand_the_home_folder_and_hub_ids_stay_hub_ids(
     bridge = TransformerBridge.boot_transformers(f"~/{folder.name}", load_weights=False, tokenizer=f"~/{folder.name}")
     assert bridge.driver.hf_model.config.model_type == "llama"
     assert bridge.to_string(bridge.to_tokens("the keeper", prepend_bos=False)[0]) == "the keeper"
-    # A missing GGUF file is still named as one (gguf_source), after "~" is expanded.
+    # A missing GGUF file is named as a file, after "~" is expanded.
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(UserError, match=rf"GGUF file '{re.escape(str(tmp_path))}/x.gguf' does not exist"):
+    with pytest.raises(UserError, match=rf"model_name='~/x.gguf' is a path, but file '{re.escape(str(tmp_path))}/x.gguf' does not exist"):
         HFDriver.boot("~/x.gguf")
     # A hub id is still a hub id: offline, the loader says it cannot be read.
     with pytest.raises(UserError, match="cannot read the config of hub id 'no-such-org/no-such-model'"):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tl_core import ModelInfo, UserError
+from tl_core.driver_api import checked_path
 from tl_driver_hf._checkpoints import series_for
-from tl_driver_hf._model_paths import checked_path
 from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
 
 if TYPE_CHECKING:

@@ -8,12 +8,12 @@ outside its tested range, and a model path that does not exist, in one line, up 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from tl_core._errors import DriverLoadError, DriverNotFoundError, UserError
+from tl_core._errors import DriverLoadError, DriverNotFoundError
+from tl_core.driver_api import checked_path
 
-__all__ = ["check_driver", "check_model", "looks_like_path"]
+__all__ = ["check_driver", "check_model"]
 
 
 def check_driver(name: str, role: str) -> None:
@@ -39,46 +39,15 @@ def check_driver(name: str, role: str) -> None:
         raise type(exc)(f"the {role} driver {name!r} cannot run: {exc}") from exc
 
 
-def looks_like_path(model: str) -> bool:
-    """Whether ``model`` is spelled as a file-system path rather than a hub id or preset.
-
-    Hub ids are ``name`` or ``org/name``; a path starts with ``/``, ``~`` or ``.``, has more
-    than one ``/``, uses the platform's separator, or names a ``.gguf`` file.
-    """
-    if model.startswith(("/", "~", ".")) or os.path.isabs(model):
-        return True
-    return model.count("/") > 1 or (os.sep != "/" and os.sep in model) or model.endswith(".gguf")
-
-
 def check_model(model: Any) -> None:
-    """Refuse a model spelled as a path that does not exist on this machine.
+    """Refuse a model written as a path that cannot load (``tl_core.driver_api.checked_path``).
 
     Args:
         model: What the drivers will load: a folder, a ``.gguf`` file, a hub id or preset.
 
     Raises:
-        UserError: ``model`` looks like a path (see ``looks_like_path``) and nothing is there,
-            or it is an existing file that is no ``.gguf`` file.
+        UserError: ``model`` is written as a path and nothing is there, or it is an existing
+            file that is no ``.gguf`` file.
     """
-    if not isinstance(model, (str, os.PathLike)):
-        return
-    text = os.fspath(model)
-    if isinstance(text, bytes) or not (isinstance(model, os.PathLike) or looks_like_path(text)):
-        return
-    path = Path(text).expanduser()
-    if path.is_file() and not text.endswith(".gguf"):
-        raise UserError(
-            f"model {text!r} is a file; drivers load a checkpoint folder (config.json, weights, "
-            f"tokenizer files) or a .gguf file: pass the folder that holds it, {str(path.absolute().parent)!r}"
-        )
-    if path.exists():
-        return
-    what = "GGUF file" if text.endswith(".gguf") else "folder"
-    parent = next((p for p in path.absolute().parents if p.is_dir()), None)
-    # Name the deepest folder that does exist when the typo is further up than the last part.
-    useful = parent is not None and parent not in (path.parent.absolute(), Path(parent.anchor))
-    near = f"; the deepest folder that exists is {str(parent)!r}" if useful else ""
-    raise UserError(
-        f"model {what} {text!r} does not exist (looked for {str(path.absolute())!r}{near}); "
-        f"pass an existing checkpoint {what}, or a hub id such as 'org/name'"
-    )
+    if isinstance(model, (str, os.PathLike)) and not isinstance(os.fspath(model), bytes):
+        checked_path(model, "model")

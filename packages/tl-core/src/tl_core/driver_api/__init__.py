@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     )
     from tl_core.driver_api._hf_config import model_info_from_config as model_info_from_config
     from tl_core.driver_api._local import LocalDriver as LocalDriver
+    from tl_core.driver_api._paths import (
+        checked_path as checked_path,
+        looks_like_path as looks_like_path,
+    )
     from tl_core.driver_api._protocol import (
         FEATURES as FEATURES,
         Driver as Driver,
@@ -104,6 +108,8 @@ __getattr__, __dir__, __all__ = attach(
         "ForwardResult": "tl_core.driver_api._protocol",
         "NamespaceFacts": "tl_core.driver_api._protocol",
         "validate_driver": "tl_core.driver_api._protocol",
+        "checked_path": "tl_core.driver_api._paths",
+        "looks_like_path": "tl_core.driver_api._paths",
         **dict.fromkeys(
             ("DEFAULT_ERROR_FACTOR", "RoundingCheck", "check_rounding"), "tl_core.driver_api._rounding"
         ),

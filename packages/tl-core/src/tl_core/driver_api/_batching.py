@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from tl_core._errors import UserError
 
-__all__ = ["TokenBatch", "pad_batch"]
+__all__ = ["TokenBatch", "check_token_range", "describe_value", "pad_batch"]
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,26 @@ def pad_batch(
     """Pad prompts into one tensor.
 
     A 1-D tensor or flat list is one prompt; a 2-D tensor is a batch of full-length prompts;
-    a list of lists is a ragged batch.
+    a list of lists (or of 1-D tensors) is a ragged batch.
 
     Raises:
-        UserError: Empty prompts, non-integer ids, or tensors of the wrong rank.
+        UserError: Empty prompts, ids that are not ints (naming the prompt and position),
+            rows that are not lists, or tensors of the wrong dtype or rank.
     """
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise UserError(f"input_ids must hold integer token ids, found dtype {input_ids.dtype}")
+        if _bad_dtype(input_ids):
+            raise UserError(
+                f"token ids must be an integer tensor, found dtype {input_ids.dtype}; convert "
+                f"real token ids with ids.long(), or pass text to the bridge (it tokenizes)"
+            )
         ids = input_ids[None] if input_ids.ndim == 1 else input_ids
         if ids.ndim != 2:
-            raise UserError(f"input_ids must be [pos] or [batch, pos], found shape {tuple(input_ids.shape)}")
+            raise UserError(
+                f"token ids must be a [pos] or [batch, pos] tensor, found shape "
+                f"{tuple(input_ids.shape)}"
+            )
         if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise UserError(f"input_ids is empty (shape {tuple(ids.shape)}); pass at least one token")
+            raise UserError(f"the token-id tensor is empty (shape {tuple(ids.shape)}); pass at least one token")
         ids = ids.long().to(device) if device is not None else ids.long()
         batch, width = ids.shape
         return TokenBatch(ids, (width,) * batch, (0,) * batch)
@@ -83,28 +91,96 @@ def pad_batch(
     return TokenBatch(tensor, tuple(len(r) for r in rows), tuple(offsets))
 
 
+def check_token_range(batch: TokenBatch, d_vocab: int) -> None:
+    """Refuse token ids outside ``0..d_vocab-1`` (padding is not checked).
+
+    An id outside the embedding would fail inside the model with an index error, or on a
+    GPU with a device-side assert that poisons the process.
+
+    Raises:
+        UserError: Naming the first bad id, its prompt and its position.
+    """
+    ids = batch.ids
+    bad = ((ids < 0) | (ids >= d_vocab)) & batch.attention_mask().bool()
+    if not bool(bad.any()):
+        return
+    row, col = (int(i) for i in bad.nonzero()[0])
+    value = int(ids[row, col])
+    count = int(bad.sum())
+    why = (
+        "token ids are never negative (a -100 label mask or a -1 pad marker is not an input id)"
+        if value < 0
+        else "were these ids made by another model's tokenizer?"
+    )
+    more = f" ({count} ids are out of range in all)" if count > 1 else ""
+    raise UserError(
+        f"prompt {row}, position {col - batch.offsets[row]}: token id {value} is outside "
+        f"this model's vocabulary, ids 0 to {d_vocab - 1} (d_vocab={d_vocab}){more}; {why}"
+    )
+
+
 def _as_rows(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
     if isinstance(input_ids, (str, bytes)):
-        raise UserError("input_ids must be token ids; pass text to the bridge (it tokenizes)")
-    items = list(input_ids)
+        raise UserError("token ids must be ints, not text; pass text to the bridge (it tokenizes)")
+    if not isinstance(input_ids, Sequence):
+        hint = " (convert an array with torch.as_tensor(ids))" if hasattr(input_ids, "__array__") else ""
+        raise UserError(
+            f"token ids must be a list of ints, a list of such lists, or a tensor; got "
+            f"{describe_value(input_ids)}{hint}"
+        )
+    items: list[Any] = list(input_ids)
     if not items:
-        raise UserError("input_ids is empty; pass at least one prompt")
-    nested = [items] if all(_is_int(i) for i in items) else items
+        raise UserError("the list of token ids is empty; pass at least one prompt")
+    # Any list (or 1-D tensor) among the items makes this a batch; else it is one prompt.
+    nested = any(_is_row(item) for item in items)
     rows: list[list[int]] = []
-    for index, row in enumerate(nested):
+    for index, row in enumerate(items if nested else [items]):
         if isinstance(row, torch.Tensor):
+            if row.ndim != 1 or _bad_dtype(row):
+                raise UserError(
+                    f"prompt {index} is {describe_value(row)}; a prompt of token ids is a 1-D "
+                    f"integer tensor or a list of ints"
+                )
             row = row.tolist()
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
-            raise UserError(f"prompt {index} of input_ids is {type(row).__name__}, not a list of ids")
+        elif not _is_row(row):
+            raise UserError(
+                f"prompt {index} is {describe_value(row)}, not a list of token ids; a batch of "
+                f"token ids is a list of lists of ints, e.g. [[1, 2, 3], [4, 5]]"
+            )
         if not row:
-            raise UserError(f"prompt {index} of input_ids is empty; every prompt needs a token")
-        if not all(_is_int(t) for t in row):
-            raise UserError(f"prompt {index} of input_ids holds non-integer values")
+            raise UserError(f"prompt {index} is an empty list of token ids; every prompt needs a token")
+        for position, token in enumerate(row):
+            if not _is_int(token):
+                raise UserError(
+                    f"prompt {index}, position {position}: {describe_value(token)} is not a token "
+                    f"id; token ids are ints (not floats, bools or None)"
+                )
         rows.append([int(t) for t in row])
     return rows
 
 
+def _is_row(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.ndim >= 1  # a row, or a tensor of the wrong rank refused as one
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _bad_dtype(tensor: torch.Tensor) -> bool:
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool
+
+
 def _is_int(value: object) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, torch.Tensor) and value.ndim == 0 and not value.dtype.is_floating_point
-    )
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and not _bad_dtype(value)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def describe_value(value: object) -> str:
+    """``None``, a tensor's shape and dtype, or a value's type and short repr (for messages)."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"{type(value).__name__} {text}"

@@ -251,6 +251,7 @@ class LocalDriver(NamespaceFacts, ABC):
         if max_new_tokens < 0:
             raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         batch = self.batch(input_ids)
+        self._check_context(batch, max_new_tokens)
         names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
         plan = self.plan(intervene, batch.lengths)
         if max_new_tokens > 1 or (max_new_tokens == 1 and sampling.do_sample):
@@ -277,6 +278,36 @@ class LocalDriver(NamespaceFacts, ABC):
             new_tokens=new,
             raw_output=None,
             lengths=batch.lengths,
+        )
+
+    def _check_context(self, batch: TokenBatch, max_new_tokens: int) -> None:
+        """Refuse work that would run the model on more than ``n_ctx`` positions.
+
+        Models with learned positions fail there anyway, but rotary ones would run past
+        their context without a word, and generation would fail only at the limit, its
+        tokens lost. (Bridges check prompt plus ``max_new_tokens`` before this.)
+        """
+        n_ctx = self.info.n_ctx
+        longest = max(batch.lengths)
+        # The last generated token is never fed back, so n new tokens run n - 1 more.
+        run = longest + max(max_new_tokens - 1, 0)
+        if n_ctx <= 0 or run <= n_ctx:
+            return
+        index = batch.lengths.index(longest)
+        steps = (
+            f" and generating {max_new_tokens} tokens runs the model on {run} positions"
+            if max_new_tokens > 1
+            else ""
+        )
+        fewer = f", or lower max_new_tokens to {n_ctx - longest + 1}" if longest < n_ctx else ""
+        longer = (
+            "its positions are learned, so it takes no longer inputs"
+            if self.info.positional_embedding_type == "standard" and self.name != "native"
+            else "a model that supports longer contexts can be booted with a larger n_ctx="
+        )
+        raise UserError(
+            f"prompt {index} is {longest} tokens long{steps}, which exceeds n_ctx={n_ctx}, "
+            f"the longest input this model takes; shorten it{fewer} ({longer})"
         )
 
     @contextmanager
