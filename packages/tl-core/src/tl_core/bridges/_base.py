@@ -18,7 +18,7 @@ import torch
 from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.bridges._loss import next_token_loss
 from tl_core.cache._cache import ActivationCache
-from tl_core.driver_api._batching import TokenBatch, pad_batch
+from tl_core.driver_api._batching import TokenBatch, check_token_range, describe_value, pad_batch
 from tl_core.driver_api._discovery import get_driver_entry
 from tl_core.driver_api._protocol import ForwardResult, validate_driver
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
@@ -172,8 +172,15 @@ class Bridge:
             padding_side: Where shorter texts are padded.
             move_to_device: Put the ids on ``device`` (else on the CPU).
             truncate: Cut texts to the model's context length ``cfg.n_ctx``.
+
+        Raises:
+            UserError: ``None``, an empty list, a list mixing texts with other values, or
+                text the tokenizer cannot encode (a lone surrogate); the message names the
+                prompt.
         """
-        batch = self._token_batch(text, prepend_bos=prepend_bos, padding_side=padding_side)
+        batch = self._token_batch(
+            text, prepend_bos=prepend_bos, padding_side=padding_side, check_vocab=False
+        )
         ids = batch.ids
         if truncate and ids.shape[1] > self.cfg.n_ctx > 0:
             ids = ids[:, : self.cfg.n_ctx]
@@ -222,17 +229,124 @@ class Bridge:
         *,
         prepend_bos: bool = True,
         padding_side: Literal["right", "left"] = "right",
+        check_vocab: bool = True,
     ) -> TokenBatch:
-        """Tokenize text (or take ids as they are) into a right- or left-padded batch."""
+        """Tokenize text (or take ids as they are) into a right- or left-padded batch.
+
+        Every malformed input is refused here, before any engine work, with the prompt (and
+        position) at fault; ``check_vocab`` also refuses ids outside ``0..d_vocab-1``.
+        """
+        rows = self._prompt_rows(inputs, prepend_bos)
+        batch = pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
+        if check_vocab:
+            check_token_range(batch, self.driver.info.d_vocab)
+        return batch
+
+    def _prompt_rows(self, inputs: object, prepend_bos: bool) -> Any:
+        """Texts encoded to id lists; ids (lists, tensors) passed on for ``pad_batch``."""
         if isinstance(inputs, str):
-            rows: Any = [self._encode(inputs, prepend_bos)]
-        elif _is_texts(inputs):
-            rows = [self._encode(t, prepend_bos) for t in inputs]  # type: ignore[arg-type]
-        else:
-            rows = inputs
-        if isinstance(rows, list) and any(len(r) == 0 for r in rows):
-            raise UserError("an input text is empty and prepend_bos=False: nothing to run")
-        return pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
+            return [self._encode_prompt(inputs, 0, prepend_bos)]
+        if isinstance(inputs, torch.Tensor):
+            return inputs
+        if inputs is None or not isinstance(inputs, Sequence) or isinstance(inputs, bytes):
+            hint = ""
+            if isinstance(inputs, int) and not isinstance(inputs, bool):
+                hint = f"; a single token id goes in a list: [{inputs!r}]"
+            elif hasattr(inputs, "__array__"):
+                hint = "; convert an array of token ids with torch.as_tensor(ids)"
+            raise UserError(
+                f"the input is {describe_value(inputs)}; expected a text, a list of texts, "
+                f"or token ids (a list of ints, a list of such lists, or a [pos] or "
+                f"[batch, pos] integer tensor){hint}"
+            )
+        items = list(inputs)
+        if not items:
+            raise UserError(
+                "the input is an empty list, so there is no prompt to run; pass a text, a "
+                "non-empty list of texts, or token ids"
+            )
+        if not any(isinstance(item, str) for item in items):
+            return items  # token ids: pad_batch names the prompt and position at fault
+        for index, item in enumerate(items):
+            if not isinstance(item, str):
+                raise UserError(
+                    f"prompt {index} is {describe_value(item)}, but the input is a list of "
+                    f"texts; every prompt in it must be a str (drop or replace that entry)"
+                )
+        return [self._encode_prompt(text, index, prepend_bos) for index, text in enumerate(items)]
+
+    def _encode_prompt(self, text: str, index: int, prepend_bos: bool) -> list[int]:
+        """One prompt's ids, refusing text no tokenizer can encode and empty results."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UserError(
+                f"prompt {index} holds {text[exc.start:exc.end]!r} at character {exc.start}, "
+                f"a lone surrogate: it is not valid Unicode, so the tokenizer cannot encode "
+                f"it; remove it, or clean the text with "
+                f"text.encode('utf-8', errors='replace').decode('utf-8')"
+            ) from None
+        ids = self._encode(text, prepend_bos)
+        if not ids:
+            what = "is an empty text" if not text else f"({text!r}) encodes to no tokens"
+            why = "prepend_bos=False" if not prepend_bos else "this tokenizer has no BOS token"
+            fix = " or pass prepend_bos=True" if not prepend_bos else ""
+            raise UserError(
+                f"prompt {index} {what} and {why}, so it has nothing to run; give it some "
+                f"text{fix}"
+            )
+        return ids
+
+    def _check_context(self, batch: TokenBatch, max_new_tokens: int = 0) -> None:
+        """Refuse prompts (plus new tokens) longer than the model's context ``cfg.n_ctx``.
+
+        Every driver refuses the same inputs before any engine work: rotary models would
+        otherwise run past their context without a word, and generation would decode up
+        to the limit, fail there and lose the text.
+        """
+        n_ctx = self.driver.info.n_ctx
+        if n_ctx <= 0:
+            return
+        lengths = batch.lengths
+        longest = max(lengths)
+        if longest + max_new_tokens <= n_ctx:
+            return
+        index = lengths.index(longest)
+        over = sum(1 for n in lengths if n + max_new_tokens > n_ctx)
+        others = f" ({over} of the {len(lengths)} prompts are too long)" if over > 1 else ""
+        shorten = "Shorten it (to_tokens(..., truncate=True) cuts text to n_ctx tokens), or"
+        if not max_new_tokens:
+            raise UserError(
+                f"prompt {index} is {longest} tokens long, which exceeds n_ctx={n_ctx}, the "
+                f"longest input this model takes{others}. {shorten} "
+                f"{self._longer_context_hint()}"
+            )
+        if longest >= n_ctx:
+            raise UserError(
+                f"generate: prompt {index} is {longest} tokens long and this model's context "
+                f"is n_ctx={n_ctx}, so there is no room for new tokens{others}. Nothing was "
+                f"generated. {shorten} {self._longer_context_hint()}"
+            )
+        raise UserError(
+            f"generate: prompt {index} is {longest} tokens and max_new_tokens="
+            f"{max_new_tokens}, {longest + max_new_tokens} tokens in all, which exceeds "
+            f"n_ctx={n_ctx}, this model's context{others}; the largest max_new_tokens that "
+            f"fits is {n_ctx - longest}. Nothing was generated. Pass max_new_tokens="
+            f"{n_ctx - longest} or less, shorten the prompt, or {self._longer_context_hint()}"
+        )
+
+    def _longer_context_hint(self) -> str:
+        """How to boot this model with a longer context, where that can work."""
+        info = self.driver.info
+        if self._name != "native" and info.positional_embedding_type == "standard":
+            return (
+                f"use another model: this one has {info.n_ctx} learned positions, so it "
+                f"cannot take longer inputs"
+            )
+        how = _CONTEXT_OPTIONS.get(
+            self._name, "boot it with the driver's context-length option (n_ctx=N on hf)"
+        )
+        return f"if the model supports longer contexts, {how}"
 
     def _generated(
         self, inputs: ModelInput, new_tokens: torch.Tensor, return_type: str | None
@@ -380,7 +494,10 @@ class Bridge:
         """
         _check_return_type(return_type)
         if input is None and tokens is None and residual is None:
-            raise UserError("forward needs input (text or ids), or residual with start_at_layer")
+            raise UserError(
+                "the input is None; expected a text, a list of texts, or token ids (or "
+                "residual= with start_at_layer= to start from a block's input)"
+            )
         if residual is not None and start_at_layer is None:
             raise UserError("residual is the input of a block: also pass start_at_layer")
         source = input if input is not None else tokens
@@ -389,6 +506,7 @@ class Bridge:
             batch = pad_batch(torch.zeros(residual.shape[:2], dtype=torch.long), pad_id=0)
         else:
             batch = self._token_batch(source, prepend_bos=prepend_bos)
+        self._check_context(batch)
         wants_loss = stop_at_layer is None and return_type in ("loss", "both")
         if wants_loss and source is None:
             raise UserError("a loss needs the token ids: pass input or tokens")
@@ -464,6 +582,7 @@ class Bridge:
             stop = _layer_index(stop_at_layer, self.cfg.n_layers)
             names = [n for n in names if _reached(n, stop)]
         batch = self._token_batch(input, prepend_bos=prepend_bos)
+        self._check_context(batch)
         grads: dict[str, torch.Tensor] = {}
         bwd: list[HookSpec] = []
         if incl_bwd:
@@ -523,11 +642,14 @@ class Bridge:
             overrides). Sequences that hit EOS are padded with EOS afterwards.
 
         Raises:
-            UserError: ``max_new_tokens < 1``, bad sampling options, names or specs.
+            UserError: ``max_new_tokens < 1``, a prompt plus ``max_new_tokens`` longer than
+                ``cfg.n_ctx`` (the message gives the largest ``max_new_tokens`` that fits),
+                bad inputs, sampling options, names or specs; all before decoding starts.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         batch = self._token_batch(input, prepend_bos=prepend_bos)
+        self._check_context(batch, max_new_tokens)
         sampling = {
             "do_sample": do_sample,
             "temperature": temperature,
@@ -589,6 +711,14 @@ class Bridge:
             f"{type(self).__name__}(driver={self._name!r}, arch={info.architecture!r}, "
             f"n_layers={info.n_layers}, d_model={info.d_model}, hooks={len(self.hook_dict)})"
         )
+
+
+#: How to boot each driver with a longer context (shown when a prompt exceeds ``n_ctx``).
+_CONTEXT_OPTIONS = {
+    "hf": "boot it with a larger n_ctx: TransformerBridge.boot_transformers(model, n_ctx=N)",
+    "native": "boot a model with a larger n_ctx: TransformerBridge.boot_native(config, n_ctx=N)",
+    "vllm": "boot it with a larger max_model_len: RemoteBridge.boot_vllm(model, max_model_len=N)",
+}
 
 
 def _is_texts(inputs: object) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -38,6 +40,85 @@ class RuleHook:
 
 def _stage(fn: object) -> str | None:
     return fn.stage if isinstance(fn, RuleHook) else None
+
+
+def _hook_label(fn: object) -> str:
+    """A hook's name for messages: its function name, else its class name."""
+    name = getattr(fn, "__name__", None)
+    return str(name) if name else type(fn).__name__
+
+
+_EXPECTED = {
+    "fwd": "def fn(activation, hook): ...  (return a tensor of the same shape to replace "
+    "the value, or None to keep it)",
+    "bwd": "def fn(grad, hook): ...  (the return value is ignored)",
+}
+
+# Classes whose __call__ is plain Python have one signature per class: checking it once
+# keeps the capture and edit hooks that drivers attach on every forward cheap.
+_CALL_STYLE_BY_TYPE: dict[type, Literal["keyword", "positional"]] = {}
+
+
+def _call_style(
+    fn: Callable[..., Any], site: str, dir: Literal["fwd", "bwd"]
+) -> Literal["keyword", "positional"]:
+    """How a hook can be called: ``fn(x, hook=point)`` or ``fn(x, point)``.
+
+    TransformerLens calls hooks as ``fn(x, hook=hook_point)``; a hook that cannot take that
+    call would fail deep inside the forward, so it is refused when it is attached.
+
+    Raises:
+        UserError: ``fn`` takes neither call (it has no ``hook`` parameter, ``**kwargs`` or
+            second positional parameter, or more required parameters than those).
+    """
+    if isinstance(fn, RuleHook):
+        return "keyword"
+    kind = type(fn)
+    cacheable = not isinstance(fn, (types.FunctionType, types.MethodType)) and isinstance(
+        kind.__call__, types.FunctionType
+    )
+    if cacheable and kind in _CALL_STYLE_BY_TYPE:
+        return _CALL_STYLE_BY_TYPE[kind]
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return "keyword"  # a builtin without a signature: nothing to check
+    style: Literal["keyword", "positional"]
+    if _binds(signature, None, hook=None):
+        style = "keyword"
+    elif _binds(signature, None, None):
+        style = "positional"
+    else:
+        value = "activation" if dir == "fwd" else "grad"
+        raise UserError(
+            f"hook {_hook_label(fn)!r} on {site!r} has the signature {signature}, but tl "
+            f"calls every {'forward' if dir == 'fwd' else 'backward'} hook as "
+            f"fn({value}, hook=hook_point), as TransformerLens does, and this function "
+            f"cannot take that call. Define it as `{_EXPECTED[dir]}`; a lambda needs both "
+            f"parameters too: `lambda {value}, hook: ...`"
+        )
+    if cacheable:
+        _CALL_STYLE_BY_TYPE[kind] = style
+    return style
+
+
+def _binds(signature: inspect.Signature, *args: Any, **kwargs: Any) -> bool:
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+class _PositionalHook:
+    """Calls a hook whose second parameter is positional, not named ``hook``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.__name__ = _hook_label(fn)
+
+    def __call__(self, tensor: torch.Tensor, /, *, hook: HookPoint) -> Any:
+        return self.fn(tensor, hook)
 
 
 class HookHandle:
@@ -112,18 +193,32 @@ class HookPoint(nn.Module):
         """Attach ``fn(tensor, hook=self)``.
 
         Args:
-            fn: The hook. A forward hook may return a tensor to replace the value; a
-                backward hook's return value is ignored (gradients are read-only). A
-                ``RuleHook`` goes to its stage's end of the forward list.
+            fn: The hook, ``fn(tensor, hook)``: it is called with ``hook=self`` when it
+                has a ``hook`` parameter or ``**kwargs``, else with the hook point as its
+                second positional argument. A forward hook may return a tensor of the
+                same shape to replace the value; a backward hook's return value is
+                ignored (gradients are read-only). A ``RuleHook`` goes to its stage's end
+                of the forward list.
             dir: ``"fwd"`` for the forward value, ``"bwd"`` for its gradient.
             is_permanent: Permanent hooks survive ``remove_hooks(including_permanent=False)``.
             prepend: Run before the hooks already attached (after any ``"first"`` rule hook).
 
         Returns:
             A handle whose ``remove()`` detaches exactly this hook.
+
+        Raises:
+            UserError: ``fn`` is not callable, or takes neither call (it needs a
+                parameter named ``hook``, ``**kwargs`` or a second positional parameter).
         """
         if dir not in ("fwd", "bwd"):
             raise ValueError(f"dir must be 'fwd' or 'bwd', got {dir!r}")
+        if not callable(fn):
+            raise UserError(
+                f"the hook for {self.name!r} is {type(fn).__name__} {fn!r}, not a function; "
+                f"pass `{_EXPECTED[dir]}`"
+            )
+        if _call_style(fn, self.name, dir) == "positional":
+            fn = _PositionalHook(fn)
         hooks = self._fwd if dir == "fwd" else self._bwd
         entry = (fn, is_permanent)
         stage = _stage(fn)
@@ -158,22 +253,43 @@ class HookPoint(nn.Module):
             ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the forward hooks in order, then arm the backward hooks on the result."""
+        """Run the forward hooks in order, then arm the backward hooks on the result.
+
+        Raises:
+            UserError: A hook returned something other than ``None`` or a tensor of the
+                value's shape (raised at that hook, naming it and the site).
+        """
         for fn, _ in self._fwd:
             out = fn(x, hook=self)
-            if out is not None:
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(
-                        f"hook {getattr(fn, '__name__', fn)!r} on {self.name!r} returned "
-                        f"{type(out).__name__}; a forward hook returns a tensor or None"
-                    )
-                if out is not x and self.edit_refusal is not None:
+            if out is not None and out is not x:
+                self._check_returned(fn, x, out)
+                if self.edit_refusal is not None:
                     self._check_edit(fn, x, out)
                 x = out
         if self._bwd and x.requires_grad:
             for fn, _ in self._bwd:
                 x.register_hook(_BackwardCall(fn, self))  # type: ignore[no-untyped-call]
         return x
+
+    def _check_returned(self, fn: Callable[..., Any], x: torch.Tensor, out: object) -> None:
+        """Refuse a forward hook's return value that cannot replace ``x``.
+
+        A wrong shape would otherwise fail (or silently broadcast) somewhere downstream,
+        far from the hook that caused it.
+        """
+        if not isinstance(out, torch.Tensor):
+            raise UserError(
+                f"hook {_hook_label(fn)!r} on {self.name!r} returned {type(out).__name__} "
+                f"{_short(out)}; a forward hook returns a tensor of shape {tuple(x.shape)} "
+                f"(the value it was given, edited) or None to keep the value"
+            )
+        if out.shape != x.shape:
+            raise UserError(
+                f"hook {_hook_label(fn)!r} on {self.name!r} returned a tensor of shape "
+                f"{tuple(out.shape)}, but the value there has shape {tuple(x.shape)}; a "
+                f"forward hook must return a tensor of the same shape (edit the value it was "
+                f"given and return it), or None to keep the value"
+            )
 
     def _check_edit(self, fn: Callable[..., Any], x: torch.Tensor, out: torch.Tensor) -> None:
         """Refuse a user hook's new value while ``edit_refusal`` is set.
@@ -185,13 +301,18 @@ class HookPoint(nn.Module):
         ):
             return
         raise UserError(
-            f"hook {getattr(fn, '__name__', type(fn).__name__)!r} on {self.name!r} returned "
+            f"hook {_hook_label(fn)!r} on {self.name!r} returned "
             f"a new value, but {self.name!r} cannot be edited now: {self.edit_refusal}"
         )
 
     def extra_repr(self) -> str:
         """The hook's name, shown inside ``repr(model)``."""
         return repr(self.name)
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _BackwardCall:
