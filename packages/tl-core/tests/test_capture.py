@@ -169,7 +169,7 @@ def test_bad_jobs_fail_before_the_model_boots(source: Path, tmp_path: Path) -> N
     with pytest.raises(UserError, match="0 <= i < N"):
         capture(config(source), tmp_path / "c", part="3/3", progress=False)
     (tmp_path / "empty.txt").write_text("\n\n")
-    with pytest.raises(UserError, match="no tokens"):
+    with pytest.raises(UserError, match="holds no document to capture: its 2 lines are all empty"):
         capture(config(tmp_path / "empty.txt"), tmp_path / "d", progress=False)
 
 

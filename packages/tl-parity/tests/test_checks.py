@@ -10,8 +10,8 @@ import pytest
 
 from tl_core._errors import DriverNotFoundError, UserError
 from tl_core.cli import main
-from tl_parity import _run, run_parity
 from tl_core.driver_api import looks_like_path
+from tl_parity import _run, run_parity
 from tl_parity._checks import check_model
 
 

@@ -3,6 +3,8 @@ checks that let a rerun continue a store (same job, intact shards) or refuse it.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,11 +20,20 @@ from tl_core.capture._shards import check_shard, shard_name
 from tl_core.driver_api._discovery import available_drivers
 from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
 
-__all__ = ["HookPlan", "identity", "open_store", "plan_hooks", "shard_contexts", "stop_layer"]
+__all__ = [
+    "HookPlan",
+    "check_resumable",
+    "identity",
+    "open_store",
+    "plan_hooks",
+    "shard_contexts",
+    "stop_layer",
+]
 
 #: Bytes of one row's per-row fields (int32 token, int64 document, int64 context, int32 position).
 _ROW_FIELD_BYTES = 4 + 8 + 8 + 4
 _SHARD_BYTES = 256 * 2**20
+_LOG = logging.getLogger("tl_core.capture")
 
 
 @dataclass(frozen=True)
@@ -122,19 +133,69 @@ def identity(
 ) -> dict[str, Any]:
     """What decides a store's content; two runs may share a store only when it is equal."""
     info = {k: v for k, v in asdict(bridge.cfg).items() if k != "device"}
-    return {
+    wanted = {
         "config": {**config.to_json(), "shard_contexts": contexts_per_shard},
         "input_digest": input_digest,
         "model": info,
         "hooks": {name: [h.requested, list(h.shape), h.dtype] for name, h in plan.hooks.items()},
         "versions": _versions(config.driver),
     }
+    # As the manifest records it (tuples become lists), so an unchanged job compares equal.
+    return dict(json.loads(json.dumps(wanted)))
+
+
+def check_resumable(folder: Path, config: CaptureConfig, input_digest: str, part: tuple[int, int]) -> None:
+    """Refuse, before the model boots, a store that holds shards of another job or part.
+
+    Compares what needs no model: the config and the input's digest (and the shard size
+    when the config sets it). ``open_store`` compares the whole identity after the boot.
+
+    Raises:
+        UserError: The differences, as ``open_store`` names them.
+    """
+    if not (folder / MANIFEST).is_file():
+        return
+    recorded = Manifest.load(folder)
+    if not recorded.shards:
+        return  # a store without a shard is started over (see open_store)
+    mine: dict[str, Any] = json.loads(json.dumps({"config": config.to_json(), "input_digest": input_digest}))
+    theirs: dict[str, Any] = {
+        "config": dict(recorded.identity.get("config") or {}),
+        "input_digest": recorded.identity.get("input_digest"),
+    }
+    if config.shard_contexts is None:  # sized from the hooks' widths, known after the boot
+        mine["config"].pop("shard_contexts", None)
+        theirs["config"].pop("shard_contexts", None)
+    _refuse_other_job(folder, identity_differences(theirs, mine), recorded.part, part)
+
+
+def _refuse_other_job(
+    folder: Path, differences: list[str], recorded: tuple[int, int], part: tuple[int, int]
+) -> None:
+    if recorded != part and not differences:
+        raise UserError(
+            f"{folder} holds part {recorded[0]}/{recorded[1]} of the job; this run "
+            f"is part {part[0]}/{part[1]}. Give each part its own folder."
+        )
+    if recorded != part:
+        differences = [*differences, f"part: {recorded[0]}/{recorded[1]} -> {part[0]}/{part[1]}"]
+    if differences:
+        raise UserError(
+            f"{folder} holds a capture with another configuration, so this run cannot "
+            f"continue it:\n  " + "\n  ".join(differences) + "\nUse a new output folder, or rerun "
+            "with the recorded settings."
+        )
 
 
 def open_store(
     folder: Path, wanted: dict[str, Any], plan: HookPlan, part: tuple[int, int], *, repair: bool
 ) -> tuple[Manifest, list[str]]:
     """The manifest to continue (checked against this job), or a new one; and what was found.
+
+    A new manifest is not written here: the writer records it with the first shard, so a
+    run that fails before its first shard leaves no store behind. A manifest that records
+    no shard (a run that failed before its first, or one written by an older tl-core) is
+    replaced by this job's, whatever its configuration; the notes say so.
 
     Leftovers of an interrupted run are removed: partial files, and shard files the manifest
     does not list (written, but not recorded before the interruption). Every recorded shard
@@ -146,24 +207,25 @@ def open_store(
             damaged shard or edited entry or total (unless ``repair``).
     """
     notes: list[str] = []
+    fresh = Manifest(identity=wanted, hooks=dict(plan.hooks), part=part)
+    manifest = fresh
     if (folder / MANIFEST).exists():
-        manifest = Manifest.load(folder)
-        differences = identity_differences(manifest.identity, wanted)
-        if differences:
-            raise UserError(
-                f"{folder} holds a capture with another configuration, so this run cannot "
-                f"continue it:\n  " + "\n  ".join(differences) + "\nUse a new output folder, or rerun "
-                "with the recorded settings."
+        recorded = Manifest.load(folder)
+        differences = identity_differences(recorded.identity, wanted)
+        if recorded.shards:
+            _refuse_other_job(folder, differences, recorded.part, part)
+            manifest = recorded
+        elif differences or recorded.part != part:
+            if recorded.part != part:
+                differences.append(f"part: {recorded.part[0]}/{recorded.part[1]} -> {part[0]}/{part[1]}")
+            note = (
+                f"{folder} held the manifest of a capture that wrote no shard, with another "
+                f"configuration ({'; '.join(differences)}); starting over with this one"
             )
-        if manifest.part != part:
-            raise UserError(
-                f"{folder} holds part {manifest.part[0]}/{manifest.part[1]} of the job; this run "
-                f"is part {part[0]}/{part[1]}. Give each part its own folder."
-            )
-    else:
-        folder.mkdir(parents=True, exist_ok=True)
-        manifest = Manifest(identity=wanted, hooks=dict(plan.hooks), part=part)
-        manifest.save(folder)
+            _LOG.warning("tl capture: %s", note)
+            notes.append(note)
+        else:
+            manifest = recorded
     for leftover in sorted(folder.glob(".*.partial")):
         leftover.unlink()
         notes.append(f"removed {leftover.name}, left by an interrupted write")
@@ -187,6 +249,6 @@ def open_store(
         manifest.check_totals(folder)
     elif manifest.edited_totals() and not redone:  # a removed shard changes them anyway
         notes.append(f"repair: rewrote the manifest's totals ({'; '.join(manifest.edited_totals())})")
-    if notes:
+    if notes and manifest is not fresh:
         manifest.save(folder)
     return manifest, notes

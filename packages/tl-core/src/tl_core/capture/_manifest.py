@@ -108,10 +108,14 @@ class Manifest:
         """Write ``manifest.json`` atomically."""
         data = self.to_json()
         temporary = folder / f".{MANIFEST}.partial"
-        with temporary.open("w") as handle:
-            json.dump(data, handle, indent=1)
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with temporary.open("w") as handle:
+                json.dump(data, handle, indent=1)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError:
+            temporary.unlink(missing_ok=True)
+            raise
         os.replace(temporary, folder / MANIFEST)
         fsync_folder(folder)
         self.recorded_totals = {name: data[name] for name in _TOTALS}

@@ -8,10 +8,13 @@ and a part of a sharded job (``part=(i, N)``) computes only shards ``i, i + N, .
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,23 +22,36 @@ from typing import Any
 import torch
 
 from tl_core._errors import UserError
+from tl_core.capture._checks import (
+    booted_limit,
+    check_context_size,
+    check_intervene,
+    check_intervene_on,
+    context_limit_before_boot,
+)
 from tl_core.capture._config import CaptureConfig
 from tl_core.capture._contexts import Context, Tokens, contexts
 from tl_core.capture._job import (
     HookPlan,
+    check_resumable,
     identity,
     open_store,
     plan_hooks,
     shard_contexts,
     stop_layer,
 )
-from tl_core.capture._lock import StoreLock
+from tl_core.capture._lock import LOCK, StoreLock
 from tl_core.capture._manifest import FORMAT, MANIFEST, Manifest
 from tl_core.capture._progress import Progress
-from tl_core.capture._shards import write_shard
+from tl_core.capture._shards import shard_name, write_shard
 from tl_core.capture._source import DocumentSource, open_source
 
-__all__ = ["CaptureSummary", "capture", "parse_part"]
+__all__ = ["CaptureSummary", "capture", "disk_full", "parse_part"]
+
+_LOG = logging.getLogger("tl_core.capture")
+
+#: Errors of a write that found no space left (on the disk, or in the user's quota).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -103,13 +119,21 @@ class _Writer:
             if self._error is not None:
                 continue  # drain: the run is failing
             index, tensors, summary = item
+            doing = f"writing shard {index} ({shard_name(index)})"
             try:
                 record = write_shard(
                     self.folder, index, tensors, {**self.metadata, "shard": str(index)}, summary
                 )
+                doing = f"recording shard {index} in the manifest (the shard is redone on the rerun)"
                 self.manifest.shards[index] = record
                 self.manifest.save(self.folder)
                 self.progress.update(shards=1)
+            except OSError as error:
+                self._error = error
+                if error.errno in _NO_SPACE:
+                    self.manifest.shards.pop(index, None)
+                    size = sum(t.numel() * t.element_size() for t in tensors.values())
+                    self._error = disk_full(error, self.folder, doing, len(self.manifest.shards), size)
             except BaseException as error:  # re-raised in the run's thread
                 self._error = error
 
@@ -124,7 +148,13 @@ class _Writer:
         self._raise()
         if total_shards is not None:
             self.manifest.total_shards = total_shards
-            self.manifest.save(self.folder)
+            try:
+                self.manifest.save(self.folder)
+            except OSError as error:
+                if error.errno not in _NO_SPACE:
+                    raise
+                doing = "recording that every shard is written"
+                raise disk_full(error, self.folder, doing, len(self.manifest.shards)) from error
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -194,11 +224,46 @@ def _summary(shard: Sequence[Context]) -> dict[str, int]:
     }
 
 
+def disk_full(error: OSError, folder: Path, doing: str, recorded: int, shard_bytes: int = 0) -> UserError:
+    """The error of a write that found the disk (or the user's quota) full."""
+    kept = (
+        f"{recorded} shard(s) are complete and recorded in {folder / MANIFEST}"
+        if recorded
+        else "no shard is recorded yet"
+    )
+    size = f" (a shard of this job takes about {shard_bytes / 2**20:,.0f} MiB)" if shard_bytes else ""
+    return UserError(
+        f"the disk holding {folder} is full ({error.strerror or error}) while {doing}; {kept}. "
+        f"Free space on that disk{size}, or move the store to a larger one, and rerun the "
+        f"same command: it keeps every recorded shard, removes what this run left half "
+        f"written, and continues after the last complete shard"
+    )
+
+
+#: What a folder without a manifest may hold and still be a new store: the lock, partial
+#: files and at most one shard (a first run stopped while writing its first shard).
+_LEFTOVER_SHARDS = 1
+
+
 def _check_output(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"output {folder} is a file; a capture store is a folder")
-    if folder.is_dir() and not (folder / MANIFEST).exists() and any(p.name != ".lock" for p in folder.iterdir()):
-        raise UserError(f"{folder} is not empty and holds no capture store; choose a new or empty folder")
+        raise UserError(f"output {folder} is a file; a capture store is a folder: choose a folder path")
+    if folder.is_dir() and not (folder / MANIFEST).exists():
+        names = [p.name for p in folder.iterdir()]
+        shards = [n for n in names if n.startswith("shard-") and n.endswith(".safetensors")]
+        other = [n for n in names if n != LOCK and n not in shards and not (n.startswith(".") and n.endswith(".partial"))]
+        if other:
+            shown = ", ".join(sorted(other)[:3]) + (", ..." if len(other) > 3 else "")
+            raise UserError(
+                f"{folder} is not empty and holds no capture store (it holds {shown}); choose a "
+                f"new or empty folder"
+            )
+        if len(shards) > _LEFTOVER_SHARDS:
+            raise UserError(
+                f"{folder} holds {len(shards)} shard files but no {MANIFEST}, so its shards cannot be "
+                f"checked or continued (was the manifest deleted?); restore {folder / MANIFEST}, or "
+                f"choose a new or empty folder"
+            )
     if (folder / MANIFEST).exists():
         Manifest.load(folder)  # a damaged manifest is reported before the model boots
 
@@ -216,7 +281,9 @@ def capture(
 
     Rerunning the same call continues an interrupted store: recorded shards are checked
     and kept, the rest computed. Every check that needs no model runs before the driver
-    boots.
+    boots (the input is read once in full, the specs' structure, the context size where the
+    model's config is readable, the store's configuration, the lock); the rest runs right
+    after the boot. Nothing is written before the first shard is ready.
 
     Args:
         config: The job.
@@ -232,49 +299,110 @@ def capture(
         What the run did.
 
     Raises:
-        UserError: Bad options, a mismatched or damaged store, another writer, an input
-            without tokens; each message says what to change.
+        UserError: Bad options; an empty, binary or non-UTF-8 input, or records without
+            the text field; a context longer than the model takes; a mismatched or damaged
+            store; another writer; a full disk. Each message says what to change.
+        SpecError: Malformed specs in ``intervene``, or specs the model cannot apply.
     """
     started = time.perf_counter()
     part = parse_part(part) if isinstance(part, str) else parse_part(f"{part[0]}/{part[1]}")
     folder = Path(output)
+    # Everything that needs no model is checked before it boots, and nothing is written
+    # before the first shard: a failed run leaves no store to refuse the corrected rerun.
     _check_output(folder)
     source = open_source(config.input, config.input_format, config.text_field)
+    digest = source.digest()  # reads the whole input: empty, binary, not UTF-8, no text field
+    check_intervene(config.intervene, _SPECS)
+    limit = context_limit_before_boot(config)
+    if limit is not None:
+        check_context_size(config, limit, booted=False)
+    check_resumable(folder, config, digest, part)
+    if bridge is not None and getattr(bridge.driver, "name", config.driver) != config.driver:
+        raise UserError(f"the bridge runs driver {bridge.driver.name!r}, the config names {config.driver!r}")
+    created = not folder.exists()
+    try:
+        with _no_space(folder, "taking the store's lock"):
+            folder.mkdir(parents=True, exist_ok=True)
+            lock = StoreLock(folder).acquire()  # a live writer is refused before the boot
+        try:
+            for note in lock.notes:
+                _LOG.warning("tl capture: %s", note)
+            counts, manifest, notes = _boot_and_run(config, folder, source, digest, part, repair, progress, bridge)
+        finally:
+            lock.release()
+    finally:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # a run that failed before its first shard leaves no folder behind
+    return CaptureSummary(
+        store=folder,
+        shards_written=counts[0],
+        shards_before=counts[3],
+        rows_written=counts[1],
+        tokens_written=counts[2],
+        seconds=time.perf_counter() - started,
+        complete=manifest.complete,
+        notes=tuple(lock.notes + notes),
+    )
+
+
+def _boot_and_run(
+    config: CaptureConfig,
+    folder: Path,
+    source: DocumentSource,
+    digest: str,
+    part: tuple[int, int],
+    repair: bool,
+    progress: bool,
+    bridge: Any,
+) -> tuple[tuple[int, int, int, int], Manifest, list[str]]:
+    """Boot (unless given a bridge), check what the model decides, then write the store.
+
+    Returns:
+        (shards, rows, tokens written, shards there before), the manifest, and the notes.
+    """
     owned = bridge is None
     if bridge is None:
         from tl_core.bridges._boot import boot
 
         bridge = boot(config.model, driver=config.driver, **config.boot_options)
-    elif getattr(bridge.driver, "name", config.driver) != config.driver:
-        raise UserError(f"the bridge runs driver {bridge.driver.name!r}, the config names {config.driver!r}")
     try:
+        limit = booted_limit(bridge, config)
+        if limit is not None:
+            check_context_size(config, limit, booted=True)
         Tokens.of(bridge.tokenizer, config)
+        check_intervene_on(bridge, config, _SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
-        wanted = identity(config, plan, bridge, source.digest(), shard_contexts(config, plan))
-        folder.mkdir(parents=True, exist_ok=True)
-        with StoreLock(folder):
+        wanted = identity(config, plan, bridge, digest, shard_contexts(config, plan))
+        with _no_space(folder, "writing the store"):
             manifest, notes = open_store(folder, wanted, plan, part, repair=repair)
             before = len(manifest.shards)
             display = Progress(enabled=progress)
-            if manifest.complete:
-                written = (0, 0, 0)
-            else:
-                written = _run(bridge, config, plan, manifest, folder, source, display)
+            written = (0, 0, 0) if manifest.complete else _run(bridge, config, plan, manifest, folder, source, display)
             display.close()
-        return CaptureSummary(
-            store=folder,
-            shards_written=written[0],
-            shards_before=before,
-            rows_written=written[1],
-            tokens_written=written[2],
-            seconds=time.perf_counter() - started,
-            complete=manifest.complete,
-            notes=tuple(notes),
-        )
+        return (*written, before), manifest, notes
     finally:
         if owned:
             bridge.close()
+
+
+@contextlib.contextmanager
+def _no_space(folder: Path, doing: str) -> Iterator[None]:
+    """Report a full disk (``OSError`` ENOSPC or EDQUOT) as a ``UserError`` saying what to do."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _NO_SPACE:
+            raise
+        try:
+            recorded = len(Manifest.load(folder).shards)
+        except UserError:
+            recorded = 0  # no manifest yet
+        raise disk_full(error, folder, doing, recorded) from error
+
+
+#: Where the specs come from, in messages.
+_SPECS = "intervene (--intervene, the specs applied while capturing)"
 
 
 def _run(
@@ -311,10 +439,13 @@ def _run(
         counts[1] += row
         writer.put(index, tensors, _summary(shard))
 
+    def written() -> int:
+        return len(done) + counts[0]
+
     try:
         index, shard = 0, []
         with torch.no_grad():
-            for context in contexts(source, bridge.tokenizer, config):
+            for context in _guarded(contexts(source, bridge.tokenizer, config), folder, written):
                 shard.append(context)
                 if len(shard) == per_shard:
                     flush(index, shard)
@@ -323,9 +454,33 @@ def _run(
                 flush(index, shard)
                 index += 1
         if index == 0:
-            raise UserError(f"input {config.input} holds no tokens to capture")
+            raise UserError(
+                f"input {config.input} holds no tokens to capture: every document is empty; "
+                f"nothing was written to {folder}. Point input (--input) at a corpus with text"
+            )
         total = index
     finally:
         writer.close(total)
     return counts[0], counts[1], counts[2]
 
+
+def _guarded(items: Iterator[Context], folder: Path, written: Callable[[], int]) -> Iterator[Context]:
+    """``items``, with what becomes of the store added to an input error found mid-run
+    (records past the ones checked before the boot are read only now)."""
+    while True:
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        except UserError as error:
+            shards = written()
+            if shards == 0:
+                after = f"Nothing was written to {folder}; fix the input and rerun the same command."
+            else:
+                after = (
+                    f"{folder} keeps the {shards} shard(s) cut before that line, but a corrected "
+                    f"input is another input (its digest changes), which that store cannot "
+                    f"continue: rerun with a new output folder, or delete {folder} first."
+                )
+            raise UserError(f"{error}. {after}") from None
+        yield item

@@ -155,13 +155,17 @@ def write_shard(
     temporary = folder / f".{name}.partial"
     sha = hashlib.sha256()
     size = 0
-    with temporary.open("wb") as handle:
-        for buffer in buffers:
-            handle.write(buffer)
-            sha.update(buffer)
-            size += len(buffer) if isinstance(buffer, bytes) else buffer.nbytes
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with temporary.open("wb") as handle:
+            for buffer in buffers:
+                handle.write(buffer)
+                sha.update(buffer)
+                size += len(buffer) if isinstance(buffer, bytes) else buffer.nbytes
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        temporary.unlink(missing_ok=True)  # give the space back (a full disk, most likely)
+        raise
     os.replace(temporary, folder / name)
     fsync_folder(folder)
     return ShardRecord(

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from tl_core._errors import UserError
 from tl_core.capture._config import InputFormat
 
-__all__ = ["Document", "DocumentSource", "open_source"]
+__all__ = ["CHECKED_RECORDS", "Document", "DocumentSource", "open_source"]
+
+#: JSONL records (and dataset rows) parsed in full before the model boots; every later
+#: JSONL line is checked for the text field's name only.
+CHECKED_RECORDS = 1000
+
+_EXPECTED = {
+    "text": "a text input holds one document per line, in UTF-8",
+    "jsonl": "a JSONL input holds one JSON object per line, in UTF-8, its text under --text-field",
+}
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,7 @@ class DocumentSource:
     def __init__(self, path: Path, fmt: InputFormat, field: str) -> None:
         self.path, self.format, self.field = path, fmt, field
         self._dataset: Any = None
+        self._digest: str | None = None
         if fmt == "datasets":
             self._dataset = _load_dataset(path)
             if field not in self._dataset.column_names:
@@ -44,20 +55,60 @@ class DocumentSource:
                 )
 
     def digest(self) -> str:
-        """A hash of the input's content (the dataset's fingerprint for a ``datasets`` folder)."""
+        """A hash of the input's content (the dataset's fingerprint for a ``datasets`` folder),
+        computed in the pass of ``check``."""
+        if self._digest is None:
+            self._digest = self.check()
+        return self._digest
+
+    def check(self) -> str:
+        """Read the whole input once, refuse one that cannot be captured, and return its digest.
+
+        A file must be non-empty UTF-8 text without NUL bytes, with at least one document;
+        a JSONL file's first ``CHECKED_RECORDS`` records are parsed in full, and every later
+        line must hold the text field's name (a line without it is parsed to make sure).
+        A dataset must have rows, and its first rows text in the text column.
+
+        Raises:
+            UserError: What is wrong, where (line, byte offset or row), and how to fix it.
+        """
         if self._dataset is not None:
+            rows = len(self._dataset)
+            if rows == 0:
+                raise UserError(
+                    f"the dataset at {self.path} has no rows, so there is nothing to capture; "
+                    f"point input at a split that holds documents"
+                )
+            for index in range(min(rows, CHECKED_RECORDS)):
+                _text(self._dataset[index].get(self.field), f"the dataset at {self.path}, row {index}", self.field)
             return f"datasets:{self._dataset._fingerprint}"
-        sha = hashlib.sha256()
-        with self.path.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 22), b""):
-                sha.update(chunk)
-        return f"sha256:{sha.hexdigest()}"
+        if self.path.stat().st_size == 0:
+            raise UserError(
+                f"input {self.path} is empty (0 bytes), so there is nothing to capture; "
+                f"{_EXPECTED[self.format]}. Point input (--input) at the corpus file"
+            )
+        scan = _Scan(self.path, self.format, self.field)
+        try:
+            with self.path.open("rb") as handle:
+                if self.format == "jsonl":
+                    for raw in handle:
+                        scan.line(raw)
+                else:
+                    for chunk in iter(lambda: handle.read(1 << 22), b""):
+                        scan.chunk(chunk)
+        except OSError as error:
+            raise UserError(
+                f"cannot read input {self.path}: {error.strerror or error}; make it readable "
+                f"by this user, or copy it somewhere that is"
+            ) from None
+        return scan.finish()
 
     def __iter__(self) -> Iterator[Document]:
         if self._dataset is not None:
             rows = len(self._dataset)
             for index, row in enumerate(self._dataset):
-                yield Document(index, _text(row.get(self.field), self.path, index, self.field), (index + 1) / rows)
+                where = f"the dataset at {self.path}, row {index}"
+                yield Document(index, _text(row.get(self.field), where, self.field), (index + 1) / rows)
             return
         size = max(self.path.stat().st_size, 1)
         read = 0
@@ -67,7 +118,10 @@ class DocumentSource:
                 try:
                     line = raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as error:
-                    raise UserError(f"{self.path}, line {index + 1}: not UTF-8 ({error.reason})") from None
+                    raise UserError(
+                        f"input {self.path}, line {index + 1}: not UTF-8 ({error.reason}); "
+                        f"{_EXPECTED[self.format]}. Convert it to UTF-8"
+                    ) from None
                 if self.format == "jsonl":
                     text = _json_text(line, self.path, index, self.field)
                 else:
@@ -75,10 +129,87 @@ class DocumentSource:
                 yield Document(index, text, read / size)
 
 
-def _text(value: object, path: Path, index: int, field: str) -> str:
+class _Scan:
+    """One pass over an input file: its SHA-256, and the checks ``DocumentSource.check`` makes."""
+
+    def __init__(self, path: Path, fmt: InputFormat, field: str) -> None:
+        self.path, self.format, self.field = path, fmt, field
+        self.sha = hashlib.sha256()
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.offset = 0  # bytes before the current chunk or line
+        self.lines = 0  # line breaks before it
+        self.content = False  # whether a document with text was seen
+        self.needles = {json.dumps(field).encode(), json.dumps(field, ensure_ascii=False).encode()}
+
+    def chunk(self, data: bytes) -> None:
+        """A block of a text file."""
+        self.sha.update(data)
+        self._binary(data)
+        try:
+            self.decoder.decode(data)
+        except UnicodeDecodeError as error:
+            # The decoder prepends the incomplete sequence it kept from the previous chunk.
+            at = self.offset - (len(error.object) - len(data)) + error.start
+            self._not_utf8(at, data[: max(at - self.offset, 0)].count(b"\n"), error.reason)
+        if not self.content and data.strip(b"\r\n"):
+            self.content = True
+        self.offset += len(data)
+        self.lines += data.count(b"\n")
+
+    def line(self, raw: bytes) -> None:
+        """One line of a JSONL file (with its line break)."""
+        self.sha.update(raw)
+        self._binary(raw)
+        try:
+            line = raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as error:
+            self._not_utf8(self.offset + error.start, 0, error.reason)
+        if self.lines < CHECKED_RECORDS or not any(n in raw for n in self.needles):
+            # Parsed in full; a later line without the field's name is parsed to name the problem.
+            if _json_text(line, self.path, self.lines, self.field):
+                self.content = True
+        elif line.strip():
+            self.content = True
+        self.offset += len(raw)
+        self.lines += 1
+
+    def finish(self) -> str:
+        """The digest, once the whole file was read."""
+        try:
+            self.decoder.decode(b"", final=True)
+        except UnicodeDecodeError as error:
+            self._not_utf8(self.offset - len(error.object) + error.start, 0, error.reason)
+        if not self.content:
+            what = "lines are all empty" if self.format == "text" else f"records hold no text in {self.field!r}"
+            raise UserError(
+                f"input {self.path} holds no document to capture: its {self.lines} {what}; "
+                f"{_EXPECTED[self.format]}"
+            )
+        return f"sha256:{self.sha.hexdigest()}"
+
+    def _binary(self, data: bytes) -> None:
+        at = data.find(b"\0")
+        if at >= 0:
+            line = self.lines + data[:at].count(b"\n") + 1
+            raise UserError(
+                f"input {self.path} is not text: byte {self.offset + at:,} (line {line}) is a NUL "
+                f"byte, as in a binary or compressed file; {_EXPECTED[self.format]}. Decompress "
+                f"or convert it, or point input (--input) at the text"
+            )
+
+    def _not_utf8(self, at: int, breaks: int, reason: str) -> NoReturn:
+        raise UserError(
+            f"input {self.path}, line {self.lines + breaks + 1} (byte {at:,}): not UTF-8 "
+            f"({reason}); {_EXPECTED[self.format]}. Convert it, e.g. iconv -f latin1 -t utf-8 "
+            f"{self.path.name} > {self.path.stem}.utf8{self.path.suffix}, and capture that"
+        ) from None
+
+
+def _text(value: object, where: str, field: str) -> str:
     if not isinstance(value, str):
         raise UserError(
-            f"{path}: document {index} has {type(value).__name__} in field {field!r}, not text"
+            f"{where}: field {field!r} holds {type(value).__name__} {str(value)[:40]!r}, not text; "
+            f"make it a string, or pass text_field= (--text-field) naming the text field"
         )
     return value
 
@@ -86,17 +217,21 @@ def _text(value: object, path: Path, index: int, field: str) -> str:
 def _json_text(line: str, path: Path, index: int, field: str) -> str:
     if not line.strip():
         return ""
+    where = f"input {path}, line {index + 1}"
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise UserError(f"{path}, line {index + 1}: not JSON ({error.msg}); JSONL needs one object per line") from None
+        raise UserError(
+            f"{where}: not JSON ({error.msg} at column {error.colno}); JSONL needs one JSON "
+            f"object per line, its text under --text-field {field!r}"
+        ) from None
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
         raise UserError(
-            f"{path}, line {index + 1}: no field {field!r} (found {keys}); pass text_field= "
-            f"(--text-field) naming the text field"
+            f"{where}: the record has no field {field!r} (found {keys}); give every record "
+            f"its text under {field!r}, or pass text_field= (--text-field) naming the text field"
         )
-    return _text(record[field], path, index, field)
+    return _text(record[field], where, field)
 
 
 def _load_dataset(path: Path) -> Any:
@@ -124,7 +259,7 @@ def open_source(path: str | Path, fmt: InputFormat | None, field: str) -> Docume
     """
     path = Path(path)
     if not path.exists():
-        raise UserError(f"input {path} does not exist")
+        raise UserError(f"input {path} does not exist; check the path given as input (--input)")
     if fmt is None:
         fmt = "datasets" if path.is_dir() else "jsonl" if path.suffix == ".jsonl" else "text"
     if fmt != "datasets" and path.is_dir():

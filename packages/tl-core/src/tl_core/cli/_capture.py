@@ -20,7 +20,7 @@ def register(sub: Any) -> None:
 
     run = actions.add_parser("run", help="capture hooks over an input (rerun to continue an interrupted store)")
     run.add_argument("--model", required=True, help="what the driver loads: a folder, hub id or native preset")
-    run.add_argument("--driver", default="hf", help="a driver from `tl drivers` (default: hf)")
+    run.add_argument("--driver", default=None, help="a driver from `tl drivers` (default: hf for a folder, .gguf file or org/name, native for a native preset)")
     run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a driver boot option (VALUE as JSON when it parses), repeatable")
     run.add_argument("--hooks", required=True, nargs="+", help="hook names (aliases allowed)")
     run.add_argument("--input", required=True, help="a text file (one document per line), a .jsonl file, or a datasets folder")
@@ -71,22 +71,40 @@ def _option(text: str) -> tuple[str, Any]:
 
 
 def _specs(path: Path | None) -> Any:
+    """The specs of ``--intervene FILE``, their structure checked (before any model boots)."""
+    from tl_core.capture._checks import check_intervene
+
     if path is None:
         return None
+    example = '{"blocks.0.hook_resid_post": {"op": "add", "value": 1.0}}'
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"--intervene {path}: {error}") from None
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--intervene {path}: no such file; pass a JSON file of specs, e.g. {example}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.reason if isinstance(error, UnicodeDecodeError) else error.strerror or error
+        raise UserError(f"--intervene {path}: cannot read it as UTF-8 text ({reason}); pass a JSON file of specs, e.g. {example}") from None
+    try:
+        specs = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(
+            f"--intervene {path}, line {error.lineno} column {error.colno}: not JSON ({error.msg}); "
+            f"the file holds one JSON object of hook name to specs, e.g. {example}"
+        ) from None
+    check_intervene(specs, f"--intervene {path}")
+    return specs
 
 
 def _run(args: argparse.Namespace) -> int:
     from tl_core.capture import CaptureConfig, capture
+    from tl_core.cli._model_arg import check_model, default_driver
 
+    model = check_model(args.model)  # before any driver is imported, as tl hooks does
     config = CaptureConfig(
-        model=args.model,
+        model=model,
         hooks=tuple(args.hooks),
         input=args.input,
-        driver=args.driver,
+        driver=args.driver or default_driver(model),
         boot_options=dict(_option(o) for o in args.option),
         input_format=args.format,
         text_field=args.text_field,
