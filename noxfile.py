@@ -46,11 +46,11 @@ PACKAGES: dict[str, list[str]] = {
         str(FIXTURES / "tl-fake-broken"),
         "jsonschema",
         "matplotlib>=3.6",  # the plots extra: figures are drawn and opened in the tests
-        "hypothesis",  # property tests (check_rounding)
+        "hypothesis",  # property tests (check_rounding, the input surface)
     ],
     # The accelerate and gguf extras; installing them runs the device_map and GGUF tests
     # (the GGUF tests also need the real model file, installed by _install_smollm2).
-    "tl-driver-hf": ["accelerate>=1.1", "gguf>=0.10"],
+    "tl-driver-hf": ["accelerate>=1.1", "gguf>=0.10", "hypothesis"],
     # inspect evals on the hf driver; pandas and pyarrow are the `analysis` extra.
     "tl-driver-inspect": [str(ROOT / "packages" / "tl-driver-hf"), "pandas", "pyarrow"],
     # Alone with tl-core: the tests that need a driver skip (the parity session runs them all).
@@ -136,6 +136,7 @@ def vllm(session: nox.Session) -> None:
     _install(
         session,
         "pytest",
+        "hypothesis",  # the input-surface property tests
         f"{ROOT / 'packages' / 'tl-core'}[plots]",  # the tutorials draw figures
         *(str(ROOT / "packages" / p) for p in ("tl-driver-hf", "tl-driver-inspect", "tl-parity")),
         f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py, the tutorials
