@@ -58,6 +58,17 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(gap.masked_fill(gap.isnan(), float("inf")).max())
 
 
+def rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor, name: str = "") -> float:
+    """vLLM's error against the hf driver in float64, as a multiple of the allowed
+    ``VLLM_FACTOR`` x the float32 hf driver's own error (<= 1 passes); inf on a shape
+    mismatch. The processor-independent band of every vLLM-vs-hf comparison."""
+    from tl_core.driver_api import check_rounding
+
+    if ours.shape != theirs.shape or ours.shape != exact.shape:
+        return float("inf")
+    return check_rounding(ours.cpu(), theirs, exact, name=name, factor=VLLM_FACTOR).ratio
+
+
 def check(report: Mapping[str, float], tol: float, what: str) -> None:
     """Fail naming every entry over ``tol``, with its difference."""
     bad = {k: v for k, v in report.items() if not v <= tol}

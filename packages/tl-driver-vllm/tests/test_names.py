@@ -16,30 +16,33 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS, check, diff  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, check, diff, rounding_ratio  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+#: Within one engine (an edit against the same engine's clean run).
 TOL = 1e-4
 POST, MODULE = "blocks.0.ln1_post.hook_out", "blocks.0.attn.hook_out"
 
 
 @pytest.fixture(scope="module")
-def gemma2(checkpoint: Any) -> Iterator[tuple[RemoteBridge, TransformerBridge]]:
+def gemma2(checkpoint: Any) -> Iterator[tuple[RemoteBridge, TransformerBridge, TransformerBridge]]:
+    """vLLM, the hf driver, and the hf driver in float64 (the exact run)."""
     folder = checkpoint("gemma2")
     remote = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
     try:
-        yield remote, TransformerBridge.boot_transformers(str(folder))
+        hf, exact = (TransformerBridge.boot_transformers(str(folder), dtype=d) for d in (torch.float32, torch.float64))
+        yield remote, hf, exact
     finally:
         remote.close()
 
 
 def test_hook_attn_out_edits_the_post_norm_output_on_both_drivers(
-    gemma2: tuple[RemoteBridge, TransformerBridge],
+    gemma2: tuple[RemoteBridge, TransformerBridge, TransformerBridge],
 ) -> None:
-    remote, local = gemma2
+    remote, local, exact = gemma2
     prompts = ["a sandwich norm", "keeps the residual small"]
     spec = {"blocks.0.hook_attn_out": {"op": "scale", "factor": 0.25}}
     report: dict[str, float] = {}
@@ -57,6 +60,11 @@ def test_hook_attn_out_edits_the_post_norm_output_on_both_drivers(
         # The cache answers to the alias with the same tensor.
         assert edited["blocks.0.hook_attn_out"] is edited[POST]
         assert float((clean[POST] - clean[MODULE]).abs().max()) > 1e-3, "the two sites must differ"
-    for b, n in enumerate(edited.lengths or ()):  # padding positions carry no meaning
-        report[f"edited logits of prompt {b}, vllm vs hf"] = diff(logits["vllm"][b, :n], logits["hf"][b, :n])
     check(report, TOL, "gemma2 blocks.0.hook_attn_out")
+    with torch.no_grad():
+        truth = exact(prompts, intervene=spec)
+    ratios = {
+        f"edited logits of prompt {b}, vllm vs hf": rounding_ratio(logits["vllm"][b, :n], logits["hf"][b, :n], truth[b, :n])
+        for b, n in enumerate(edited.lengths or ())  # padding positions carry no meaning
+    }
+    check(ratios, 1.0, "gemma2 blocks.0.hook_attn_out, error / allowed against float64")

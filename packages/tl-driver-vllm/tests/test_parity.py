@@ -23,10 +23,9 @@ torch = pytest.importorskip("torch")
 
 from _tlv_hf_reference import DriverReference  # noqa: E402
 from _tlv_reference import Reference  # noqa: E402
-from _tlv_support import ENGINE_OPTIONS, RESIDUAL_SITES, VLLM_FACTOR, check, prompt_part  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, RESIDUAL_SITES, check, prompt_part, rounding_ratio  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
-from tl_core.driver_api import check_rounding  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -105,13 +104,6 @@ def _transformers_class_untouched(folder: Any) -> None:
     assert "__call__" not in vars(cls), f"{cls.__name__}.__call__ was replaced"
 
 
-def _error_ratio(ours: Any, theirs: Any, exact: Any, name: str) -> float:
-    """vLLM's error against the float64 run as a multiple of what is allowed (<= 1 passes)."""
-    if ours.shape != theirs.shape:
-        return float("inf")
-    return check_rounding(ours, theirs, exact, name=name, factor=VLLM_FACTOR).ratio
-
-
 def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture: list[str]) -> dict[str, float]:
     """Per prompt and hook (and the logits): vLLM's error against the float64 hf driver as a
     multiple of the allowed ``VLLM_FACTOR`` x the float32 hf driver's error."""
@@ -122,10 +114,10 @@ def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture
     report: dict[str, float] = {}
     for b, n in enumerate(ours.lengths):
         for name in capture:
-            report[f"p{b}:{name}"] = _error_ratio(
+            report[f"p{b}:{name}"] = rounding_ratio(
                 *(prompt_part(r.captured[name], b, n) for r in (ours, theirs, exact)), name
             )
-        report[f"p{b}:logits"] = _error_ratio(ours.logits[b, :n], theirs.logits[b, :n], exact.logits[b, :n], "logits")
+        report[f"p{b}:logits"] = rounding_ratio(ours.logits[b, :n], theirs.logits[b, :n], exact.logits[b, :n], "logits")
     return report
 
 
@@ -281,9 +273,9 @@ def test_greedy_generation_with_steering(family: Engines) -> None:
         exact = family.exact.forward([ids], capture=["blocks.1.hook_out"], intervene=intervene[b], max_new_tokens=0)
         n = len(ids)
         check(
-            {"capture": _error_ratio(result.captured["blocks.1.hook_out"][b, :n], prompt_capture["blocks.1.hook_out"],
+            {"capture": rounding_ratio(result.captured["blocks.1.hook_out"][b, :n], prompt_capture["blocks.1.hook_out"],
                                      exact.captured["blocks.1.hook_out"][0], "capture"),
-             "logits": _error_ratio(result.logits[b, :n], logits, exact.logits[0], "logits")},
+             "logits": rounding_ratio(result.logits[b, :n], logits, exact.logits[0], "logits")},
             WITHIN,
             f"prompt {b} during generation",
         )
