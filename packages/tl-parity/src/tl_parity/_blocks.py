@@ -78,14 +78,11 @@ def declared_blocks(model: str, driver: str, options: Mapping[str, Any]) -> int 
 
 
 def _native_blocks(model: str, options: Mapping[str, Any]) -> int | None:
-    from tl_core.native._config import NativeConfig
+    from tl_core.native import NativeConfig
 
-    presets = {"gpt2": NativeConfig.gpt2_style, "llama": NativeConfig.llama_style}
-    if model not in presets:
-        return None
     fields = {k: v for k, v in options.items() if k not in ("device", "dtype")}
     try:
-        return presets[model](**fields).n_layers
+        return NativeConfig.preset(model, **fields).n_layers
     except (UserError, TypeError):
         return None  # a bad option is the booting driver's error to report
 

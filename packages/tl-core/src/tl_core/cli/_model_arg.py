@@ -34,9 +34,9 @@ def check_model(model: str) -> str:
 
 
 def _native_presets() -> list[str]:
-    from tl_core.native._driver import _PRESETS
+    from tl_core.native._config import PRESETS
 
-    return sorted(_PRESETS)
+    return sorted(PRESETS)
 
 
 def default_driver(model: str) -> str:

@@ -21,6 +21,8 @@ _NORMS = ("LN", "RMS")
 _POS_TYPES = ("standard", "rotary")
 _INIT_MODES = ("gpt2", "xavier_normal")
 _POSITIVE_INTS = ("n_layers", "d_model", "n_heads", "d_head", "d_mlp", "d_vocab", "n_ctx")
+#: The native presets' names: ``NativeConfig.preset(name)`` builds each.
+PRESETS: tuple[str, ...] = ("gpt2", "llama")
 _BOOLS = ("gated_mlp", "use_attn_result", "use_split_qkv_input", "tie_word_embeddings")
 # Native models compute in float32 unless booted with another dtype, so the float fields
 # must survive float32: an eps that rounds to 0 divides a zero vector by 0, one that
@@ -212,6 +214,27 @@ class NativeConfig:
             "use_bias": False,
         }
         return cls.from_dict({**base, **overrides})
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> NativeConfig:
+        """The config of a named preset (``PRESETS``: ``"gpt2"``, ``"llama"``).
+
+        Args:
+            name: The preset's name.
+            **overrides: Fields to change; unknown names raise ``ConfigError``.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: An unknown preset, field or value.
+        """
+        if name not in PRESETS:
+            raise ConfigError(
+                f"unknown native preset {name!r}; choose one of {sorted(PRESETS)} or pass "
+                f"a NativeConfig / dict"
+            )
+        return cls.gpt2_style(**overrides) if name == "gpt2" else cls.llama_style(**overrides)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NativeConfig:

@@ -21,7 +21,6 @@ from tl_core.native._model import NativeTransformer
 
 __all__ = ["NativeDriver"]
 
-_PRESETS = {"gpt2": NativeConfig.gpt2_style, "llama": NativeConfig.llama_style}
 
 
 class NativeDriver(LocalDriver):
@@ -116,12 +115,7 @@ class NativeDriver(LocalDriver):
 
 def _config(config: NativeConfig | Mapping[str, Any] | str | None, overrides: Mapping[str, Any]) -> NativeConfig:
     if isinstance(config, str):
-        if config not in _PRESETS:
-            raise ConfigError(
-                f"unknown native preset {config!r}; choose one of {sorted(_PRESETS)} or pass "
-                f"a NativeConfig / dict"
-            )
-        return _PRESETS[config](**overrides)
+        return NativeConfig.preset(config, **overrides)
     if config is None:
         return NativeConfig.gpt2_style(**overrides)
     if isinstance(config, NativeConfig):
