@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BertConfig
+from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel
 
 from tl_core import ConfigError, TransformerBridge, UserError, boot
 from tl_core.driver_api import check_rounding
@@ -223,9 +223,12 @@ def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(checkpoint: Ca
         HFDriver.boot(str(checkpoint("llama")), checkpoint_index=1)
 
 
-def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
-    BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"'BertForMaskedLM'|bert.*not supported.*supported families: .*llama"):
+def test_an_encoder_is_refused_as_not_causal(tmp_path: Path) -> None:
+    # No adapter describes BERT, so its architecture is inferred; certification then finds
+    # that an earlier position's logits depend on a later token, and refuses the model.
+    config = BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    BertLMHeadModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"(?s)BertLMHeadModel.*causal"):
         TransformerBridge.boot_transformers(str(tmp_path))
 
 

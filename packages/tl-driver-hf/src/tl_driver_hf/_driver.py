@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
@@ -11,10 +12,19 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tl_core import HookPoint, ModelInfo, UserError
-from tl_core.driver_api import LocalDriver, ModelReadout, Tokenizer, canonical_hook_names
+from tl_core import ConfigError, HookPoint, ModelInfo, UserError
+from tl_core.driver_api import (
+    Certification,
+    CertificationCheck,
+    LocalDriver,
+    ModelReadout,
+    Tokenizer,
+    canonical_hook_names,
+)
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
+from tl_driver_hf._certify import certify_driver
 from tl_driver_hf._compat import CompatState, enable_compatibility
+from tl_driver_hf._infer import InferredArchitecture, infer_architecture
 from tl_driver_hf._inline_attention import inline_attention
 from tl_driver_hf._loading import (
     adapter_for_config,
@@ -34,7 +44,9 @@ from tl_driver_hf._wiring import (
     _input_of,
     _with_input,
 )
-from tl_driver_hf.adapters import ArchitectureAdapter
+from tl_driver_hf.adapters import ArchitectureAdapter, find_adapter
+
+_LOG = logging.getLogger("tl_driver_hf")
 
 __all__ = ["HFDriver"]
 
@@ -72,6 +84,7 @@ class HFDriver(LocalDriver):
         *,
         use_attn_result: bool = False,
         n_ctx: int | None = None,
+        info: ModelInfo | None = None,
     ) -> None:
         """Wrap a loaded model (see ``boot`` for the usual entry point).
 
@@ -81,15 +94,19 @@ class HFDriver(LocalDriver):
             tokenizer: The tokenizer (a tl ``Tokenizer``).
             use_attn_result: Also serve ``attn.hook_result``.
             n_ctx: The longest input to accept (default: the config's).
+            info: The model's ``ModelInfo`` (default: ``adapter``'s reading of the config;
+                inferred architectures pass theirs).
 
         Raises:
             ConfigError: The model lacks a module the adapter names.
         """
         config = hf_model.config
-        info = adapter.model_info(config)
+        info = info if info is not None else adapter.model_info(config)
         if n_ctx is not None:
             info = dataclasses.replace(info, n_ctx=n_ctx)
-        modules = resolve_modules(hf_model, adapter)
+        self._hf_model = hf_model
+        self._info = info
+        self._modules = resolve_modules(hf_model, adapter)
         self._absent = {
             t.format(i=i) if "{i}" in t else t: reason
             for t, reason in adapter.absent_templates().items()
@@ -100,25 +117,118 @@ class HFDriver(LocalDriver):
             for n in canonical_hook_names(info, include_attn_result=use_attn_result, include_split_qkv_input=True)
             if n not in self._absent
         ]
-        self._model = HFHookedModel(hf_model, adapter, info, modules, names)
         self._tokenizer = tokenizer
         self._adapter = adapter
-        self._wiring = Wiring(
-            modules,
-            self._model.hook_points,
-            adapter,
-            n_heads=info.n_heads,
-            n_kv_heads=info.kv_heads,
-            d_head=info.d_head,
-            parallel=info.parallel_attn_mlp,
-        )
-        self._sites = self._wiring.attention_sites()
+        #: Whether forwards route attention through tl's hooked attention function (off
+        #: for an inferred architecture whose attention that function cannot reproduce).
+        self._hooked_attention = True
+        self._certification: Certification | None = None
+        self._inferred: InferredArchitecture | None = None
+        self._build(names)
         self._configs = _configs_of(hf_model)
         # Meta parameters without accelerate's offload hooks mean load_weights=False; with
         # them (disk offload) the weights are brought in module by module as it runs.
         self._meta = any(p.is_meta for p in hf_model.parameters()) and not any(
             hasattr(m, "_hf_hook") for m in hf_model.modules()
         )
+
+    def _build(self, names: list[str]) -> None:
+        """The HookPoint tree and its wiring for ``names`` (rebuilt after certification)."""
+        info = self._info
+        self._model = HFHookedModel(self._hf_model, self._adapter, info, self._modules, names)
+        self._wiring = Wiring(
+            self._modules,
+            self._model.hook_points,
+            self._adapter,
+            n_heads=info.n_heads,
+            n_kv_heads=info.kv_heads,
+            d_head=info.d_head,
+            parallel=info.parallel_attn_mlp,
+        )
+        self._sites = self._wiring.attention_sites()
+
+    @property
+    def certification(self) -> Certification | None:
+        """The certification report of the boot (``None`` when booted with ``certify=False``
+        or without weights); ``certify()`` runs it again on demand."""
+        return self._certification
+
+    def certify(self) -> Certification:
+        """Run the certification checks now on the booted model and return the report.
+
+        Serves nothing new and hides nothing: the served hooks stay as they are (at boot,
+        only certified hooks were served).
+
+        Raises:
+            UserError: The model was booted without weights.
+        """
+        self._check_runnable()
+        return certify_driver(self, model=self._name, inferred=self._inferred is not None, description=self._describe())
+
+    _name: str = "<model>"
+
+    def _describe(self) -> dict[str, str]:
+        if self._inferred is not None:
+            return dict(self._inferred.description)
+        a, info = self._adapter, self._info
+        form = "parallel" if info.parallel_attn_mlp else "sequential"
+        if info.sandwich_norm:
+            form += " with sandwich norms"
+        return {
+            "layers": f"{a.layers} ({info.n_layers} blocks)",
+            "blocks": f"{form}; norms {a.norm}" + ("; mixture of experts" if a.moe else ""),
+            "positions": info.positional_embedding_type,
+        }
+
+    def _certify_at_boot(self, name: str) -> None:
+        """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
+        self._name = name
+        inferred = self._inferred is not None
+        try:
+            cert: Certification | None = self.certify()
+        except Exception:
+            if not inferred:
+                raise
+            cert = None  # the family's code does not run with tl's attention function
+        if cert is None or (inferred and not _residual_holds(cert)):
+            # tl's hooked attention may not reproduce this family's (sinks, extra inputs):
+            # keep the model's own attention and serve what certifies without it.
+            self._hooked_attention = False
+            self._build(list(self._model.hook_points))
+            cert = self.certify()
+        if not _residual_holds(cert):
+            first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not _on_residual(c)))
+            failed = "; ".join(c.line() for c in first[:3])
+            if inferred:
+                raise ConfigError(
+                    f"architecture {self._info.architecture!r} has no hand-written description "
+                    f"and the one inferred from its modules does not reproduce the model "
+                    f"({failed}); tl refuses to serve it rather than serve a wrong tensor. "
+                    f"Describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
+                )
+            raise ConfigError(
+                f"the {self._adapter.family!r} description does not hold for {name}: its "
+                f"residual stream fails certification ({failed}); tl refuses to serve it rather "
+                f"than serve a wrong tensor. Fix the adapter (docs/adding-a-family.md)."
+            )
+        dropped = [n for n in self._model.hook_points if cert.statuses.get(n) is None or cert.statuses[n].status != "real"]
+        if dropped:
+            for n in dropped:
+                cert_n = cert.statuses.get(n)
+                self._absent[n] = f"uncertified: {cert_n.reason if cert_n else 'not checked'}"
+            self._build([n for n in self._model.hook_points if n not in dropped])
+            if not inferred:
+                _LOG.warning(
+                    "%d hooks of %s failed certification and are not served (first: %s); see "
+                    "bridge.certification", len(dropped), name, dropped[0],
+                )  # fmt: skip
+        self._certification = cert
+        if inferred:
+            _LOG.warning(
+                "%s: architecture %s inferred from its modules (no hand-written description); "
+                "%d hooks certified and served at level %r (tl certify %s shows the report)",
+                name, self._info.architecture, len(cert.served), cert.level, name,
+            )  # fmt: skip
 
     @classmethod
     def boot(cls, model_name: Any = None, **options: Any) -> HFDriver:
@@ -139,10 +249,18 @@ class HFDriver(LocalDriver):
                 in transformers), ``hf_model`` (wrap a loaded model as is), ``n_ctx``,
                 ``revision``, ``checkpoint_index``/``checkpoint_value`` (Pythia and
                 stanford-crfm training checkpoints), ``use_attn_result``,
-                ``gguf_file`` (the GGUF file's name inside the ``model_name`` folder). A
+                ``gguf_file`` (the GGUF file's name inside the ``model_name`` folder),
+                ``certify`` (default True: prove every hook on the booted model before
+                serving it, see ``certification``; False skips it for a described family and
+                is refused for an inferred one). A
                 GGUF file is dequantised once, in ``dtype``, into a cached safetensors
                 folder (``tl_core.driver_api.gguf_cache_dir``) that later boots reuse; to
                 load one through transformers alone, pass ``hf_model=`` and ``tokenizer=``.
+
+        An architecture no adapter describes is inferred from its module tree, certified,
+        and served as far as certification proves it (at least the residual stream), with
+        one log line saying so; one whose inferred description does not reproduce the model
+        is refused.
 
         Returns:
             The driver.
@@ -156,18 +274,19 @@ class HFDriver(LocalDriver):
         opts = BootOptions.parse(model_name, options)
         if opts.hf_model is not None:
             model = opts.hf_model
-            adapter = adapter_for_config(getattr(model, "config", None))
+            adapter = _adapter_or_none(getattr(model, "config", None), opts)
             source = opts.tokenizer
             if source is None:
                 source = getattr(model, "name_or_path", None) or None
             tokenizer = load_tokenizer(
                 source, model.config, local_only=True, required=isinstance(opts.tokenizer, str)
             )
-            return cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result)
+            name = str(getattr(model, "name_or_path", "") or type(model).__name__)
+            return cls._assemble(model, adapter, tokenizer, opts, name)
         opts = gguf_folder(opts)
         config = load_config(opts)
-        adapter = adapter_for_config(config)
-        if opts.n_ctx is not None:
+        adapter = _adapter_or_none(config, opts)
+        if opts.n_ctx is not None and adapter is not None:
             apply_n_ctx(config, adapter, opts.n_ctx)
         model = load_model(opts, config, adapter)
         tokenizer = load_tokenizer(
@@ -177,8 +296,25 @@ class HFDriver(LocalDriver):
             trust_remote_code=opts.trust_remote_code,
             required=opts.tokenizer is not None,
         )
-        driver = cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result, n_ctx=opts.n_ctx)
+        driver = cls._assemble(model, adapter, tokenizer, opts, str(opts.model_name))
         driver._owns_model = True
+        return driver
+
+    @classmethod
+    def _assemble(
+        cls, model: nn.Module, adapter: ArchitectureAdapter | None, tokenizer: Tokenizer, opts: BootOptions, name: str
+    ) -> HFDriver:
+        """The driver over a loaded model: described, or inferred; certified unless turned off."""
+        inferred = None
+        if adapter is None:
+            inferred = infer_architecture(model)
+            adapter = inferred.adapter
+        info = inferred.info if inferred is not None else None
+        driver = cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result, n_ctx=opts.n_ctx, info=info)
+        driver._inferred = inferred
+        driver._name = name
+        if (opts.certify or inferred is not None) and not driver._meta:
+            driver._certify_at_boot(name)
         return driver
 
     def enable_compatibility_mode(self, **options: Any) -> None:
@@ -231,6 +367,11 @@ class HFDriver(LocalDriver):
     @property
     def module(self) -> nn.Module:
         """The ``HFHookedModel`` (HookPoint tree, weights, and ``hf_model``)."""
+        return self._model
+
+    @property
+    def hooked_model(self) -> HFHookedModel:
+        """The ``HFHookedModel`` (as ``module``, typed)."""
         return self._model
 
     @property
@@ -326,6 +467,9 @@ class HFDriver(LocalDriver):
             batch, seq = residual.shape[:2]
             device = residual.device
         mask = attention_mask.to(device) if attention_mask is not None else None
+        if mask is None and self._inferred is not None and start is None:
+            # Some families build their masks from it unconditionally (MPT).
+            mask = torch.ones((batch, seq), dtype=torch.long, device=device)
         if position_ids is None:
             # Explicit [batch, pos] ids: left padding needs them from the mask, and learned
             # position embeddings then fire with the batch axis like every other hook.
@@ -389,7 +533,8 @@ class HFDriver(LocalDriver):
         handles = []
         try:
             for cfg, _ in saved:
-                setattr(cfg, _IMPL_ATTR, ATTN_IMPLEMENTATION)
+                if self._hooked_attention:
+                    setattr(cfg, _IMPL_ATTR, ATTN_IMPLEMENTATION)
             with attention_sites(self._sites), inline_attention(self._sites, self._adapter):
                 if wire:
                     handles = self._wiring.install(state)
@@ -481,3 +626,45 @@ def _configs_of(model: nn.Module) -> list[PretrainedConfig]:
                 if isinstance(sub, PretrainedConfig):
                     found.setdefault(id(sub), sub)
     return list(found.values())
+
+
+def _adapter_or_none(config: Any, opts: BootOptions) -> ArchitectureAdapter | None:
+    """The described family of ``config``, or ``None`` when its architecture is to be inferred.
+
+    Raises:
+        ConfigError: A described family with a layout it does not serve, or an architecture
+            to infer with options inference cannot honour (no weights, ``certify=False``,
+            ``n_devices``).
+    """
+    try:
+        return adapter_for_config(config)
+    except ConfigError:
+        if find_adapter(getattr(config, "model_type", None), tuple(getattr(config, "architectures", None) or ())):
+            raise  # a described family whose checkpoint it cannot serve: keep that reason
+    what = (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
+    if not opts.load_weights:
+        raise ConfigError(
+            f"architecture {what!r} has no hand-written description, and inferring one runs the "
+            f"model, which load_weights=False cannot; boot with its weights"
+        )
+    if not opts.certify:
+        raise UserError(
+            f"certify=False turns certification off for described families only; {what!r} is "
+            f"inferred from its modules, and tl never serves an inferred hook it has not certified"
+        )
+    if opts.n_devices is not None:
+        raise ConfigError(
+            f"n_devices splits the layers of described families only; {what!r} is inferred "
+            f"from its modules after loading: use device_map instead"
+        )
+    return None
+
+
+def _on_residual(check: CertificationCheck) -> bool:
+    """Whether a check vouches for a residual-stream hook (``blocks.i.hook_in``/``hook_out``)."""
+    return any(h.endswith((".hook_in", ".hook_out")) and h.count(".") == 2 for h in check.hooks)
+
+
+def _residual_holds(cert: Certification) -> bool:
+    """Whether the run reproduces the model (logits, causality) and the residual stream certified."""
+    return not any(c.equation.startswith("logits") or _on_residual(c) for c in cert.failed)

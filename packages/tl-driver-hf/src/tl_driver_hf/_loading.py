@@ -200,7 +200,7 @@ def _experts_for(model: nn.Module, dtype: torch.dtype | None) -> None:
         setter("eager")
 
 
-def load_model(opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter) -> nn.Module:
+def load_model(opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter | None) -> nn.Module:
     """Load (or, with ``load_weights=False``, build on the meta device) the model."""
     cls = _model_class(opts)
     if not opts.load_weights:
@@ -220,7 +220,7 @@ def load_model(opts: BootOptions, config: PretrainedConfig, adapter: Architectur
             kwargs["device_map"] = opts.device
         else:
             move_to = opts.device  # without accelerate: load on the CPU, then move
-    elif opts.n_devices is not None:
+    elif opts.n_devices is not None and adapter is not None:
         kwargs["device_map"] = _n_devices_map(adapter, config, opts.n_devices)
     elif opts.device_map is not None:
         kwargs["device_map"] = opts.device_map

@@ -37,6 +37,7 @@ BOOT_OPTIONS: tuple[str, ...] = (
     "checkpoint_value",
     "use_attn_result",
     "gguf_file",
+    "certify",
 )
 
 #: What installs the packages transformers needs to read GGUF files.
@@ -110,6 +111,7 @@ class BootOptions:
     revision: str | None = None
     use_attn_result: bool = False
     gguf_path: Path | None = None
+    certify: bool = True
 
     @property
     def is_local_folder(self) -> bool:
@@ -188,6 +190,9 @@ class BootOptions:
                 f"revision={revision!r} picks a hub revision, but {str(gguf_path)!r} is a local "
                 f"GGUF file; drop the revision/checkpoint option"
             )
+        certify = opts.get("certify", True)
+        if not isinstance(certify, bool):
+            raise UserError(f"certify must be True or False, got {certify!r}")
         n_ctx = opts.get("n_ctx")
         if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
             raise UserError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
@@ -209,6 +214,7 @@ class BootOptions:
             revision=revision,
             use_attn_result=bool(opts.get("use_attn_result", False)),
             gguf_path=gguf_path,
+            certify=certify,
         )
 
 

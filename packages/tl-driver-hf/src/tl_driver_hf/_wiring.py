@@ -233,7 +233,7 @@ def _rotary_hook(cos: HookPoint | None, sin: HookPoint | None) -> Callable[..., 
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         table = kwargs.get("position_embeddings")
-        if table is None:
+        if not isinstance(table, (tuple, list)) or len(table) != 2:
             return None
         old = tuple(table)
         new = tuple(
@@ -402,10 +402,11 @@ class Wiring:
             sites[layer.attn] = AttentionSite(
                 q=self._point(p + qk[0]) if at_attention else None,
                 k=self._point(p + qk[1]) if at_attention else None,
-                v=self.points[p + "hook_v"],
-                scores=self.points[p + "hook_attn_scores"],
-                pattern=self.points[p + "hook_pattern"],
-                z=self.points[p + "hook_z"],
+                # A site certification did not serve gets a point nothing attaches to.
+                v=self._point(p + "hook_v") or HookPoint(p + "hook_v"),
+                scores=self._point(p + "hook_attn_scores") or HookPoint(p + "hook_attn_scores"),
+                pattern=self._point(p + "hook_pattern") or HookPoint(p + "hook_pattern"),
+                z=self._point(p + "hook_z") or HookPoint(p + "hook_z"),
                 softmax_fp32=self.adapter.softmax_fp32,
             )
         return sites

@@ -19,6 +19,7 @@ from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.bridges._loss import next_token_loss
 from tl_core.cache._cache import ActivationCache
 from tl_core.driver_api._batching import TokenBatch, check_token_range, describe_value, pad_batch
+from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
 from tl_core.driver_api._protocol import ForwardResult, validate_driver
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
@@ -126,6 +127,14 @@ class Bridge:
     def namespace(self) -> HookNamespace:
         """The model's hook names as this driver serves them."""
         return self.driver.namespace  # type: ignore[no-any-return]
+
+    @property
+    def certification(self) -> Certification | None:
+        """The driver's certification report of the booted model (which hooks are served,
+        with what status, and the equations that proved them), or ``None`` when the driver
+        does not certify or was booted with ``certify=False``."""
+        report = getattr(self.driver, "certification", None)
+        return report if isinstance(report, Certification) else None
 
     @property
     def device(self) -> torch.device:

@@ -47,14 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _build_parser(failed: dict[str, str]) -> tuple[argparse.ArgumentParser, set[str]]:
     """``build_parser`` and its subcommand names; ``failed`` gets each plugin that did not load."""
-    from tl_core.cli import _capture, _demo, _drivers, _hooks
+    from tl_core.cli import _capture, _certify, _demo, _drivers, _hooks
 
     parser = argparse.ArgumentParser(
         prog="tl", description="One hook vocabulary, cache and intervention language for every engine."
     )
     parser.add_argument("--version", action="version", version=f"tl-core {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for register in (_drivers.register, _demo.register, _hooks.register, _capture.register):
+    for register in (_drivers.register, _demo.register, _hooks.register, _capture.register, _certify.register):
         register(sub)
     for ep in plugin_entry_points():
         try:

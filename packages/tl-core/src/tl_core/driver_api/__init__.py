@@ -15,6 +15,16 @@ from tl_core._lazy import attach
 if TYPE_CHECKING:
     from tl_core.cache._readout import ModelReadout as ModelReadout
     from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
+    from tl_core.driver_api._certification import (
+        CERTIFIED_STATUSES as CERTIFIED_STATUSES,
+        Certification as Certification,
+        CertificationCheck as CertificationCheck,
+        CertifiedStatus as CertifiedStatus,
+        HookCertificate as HookCertificate,
+        compare as compare,
+        equation_checks as equation_checks,
+        statuses_from_checks as statuses_from_checks,
+    )
     from tl_core.driver_api._conformance import check_driver as check_driver
     from tl_core.driver_api._discovery import (
         DriverEntry as DriverEntry,
@@ -81,6 +91,19 @@ __getattr__, __dir__, __all__ = attach(
         "ModelReadout": "tl_core.cache._readout",
         "TokenBatch": "tl_core.driver_api._batching",
         "pad_batch": "tl_core.driver_api._batching",
+        **dict.fromkeys(
+            (
+                "CERTIFIED_STATUSES",
+                "Certification",
+                "CertificationCheck",
+                "CertifiedStatus",
+                "HookCertificate",
+                "compare",
+                "equation_checks",
+                "statuses_from_checks",
+            ),
+            "tl_core.driver_api._certification",
+        ),
         "check_driver": "tl_core.driver_api._conformance",
         "DriverEntry": "tl_core.driver_api._discovery",
         "EngineRequirement": "tl_core.driver_api._discovery",

@@ -185,6 +185,9 @@ def _read_mapping(
     return specs, {name: tuple(f) for name, f in fns.items()}
 
 
+_FLOAT32_TINY = 1.1754943508222875e-38
+
+
 def _check_divisor(spec: InterventionSpec, where: str) -> None:
     """A norm's ``hook_scale`` divides its input: an edit that makes it 0 turns the output
     into infinities (and the logits into NaN), so ``suppress``, ``scale`` by 0 and ``set`` to
@@ -196,7 +199,8 @@ def _check_divisor(spec: InterventionSpec, where: str) -> None:
         values = [spec.value]
     zero = (
         spec.op == "suppress"
-        or (spec.op == "scale" and spec.factor == 0)
+        # A factor below float32's smallest normal number is 0 once the model multiplies by it.
+        or (spec.op == "scale" and spec.factor is not None and abs(spec.factor) < _FLOAT32_TINY)
         or (spec.op == "set" and any(v <= 0 for v in values))
     )
     if zero:

@@ -1,0 +1,585 @@
+"""Certification: proof, on the booted model, that each served hook holds what its name promises.
+
+A driver runs a few token ids through its model, captures its canonical hooks and checks
+equations that hold for every transformer whatever its engine (the residual stream is a
+chain, a block adds what its sublayers return, ``z`` is the pattern applied to the values,
+the pattern is a softmax of the scores, a norm divides by its scale). Engine-specific
+facts (the engine's own logits and hidden states, an edit made by a plain torch hook) come
+in as references. A hook is served only when every check that covers it passes; the
+report says, for each hook, its status and why.
+
+Everything here is pure tensor arithmetic over a ``{canonical name: tensor}`` mapping, so
+any driver (hf, vllm, a third-party one) can certify with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+    from tl_core.hooks._model_info import ModelInfo
+
+__all__ = [
+    "CERTIFIED_STATUSES",
+    "Certification",
+    "CertificationCheck",
+    "CertifiedStatus",
+    "HookCertificate",
+    "compare",
+    "equation_checks",
+    "statuses_from_checks",
+]
+
+#: What a hook is on a certified model: ``real`` (a tensor of the running model, vouched
+#: for by an equation or by the family's hand-checked parity test), ``derived`` (computed
+#: by tl from real tensors), ``reconstructed_read_only``, ``structurally_absent`` (the
+#: architecture has no such tensor) or ``uncertified`` (not served: no equation could
+#: vouch for it, or one failed).
+CertifiedStatus = Literal["real", "derived", "reconstructed_read_only", "structurally_absent", "uncertified"]
+CERTIFIED_STATUSES: tuple[CertifiedStatus, ...] = (
+    "real",
+    "derived",
+    "reconstructed_read_only",
+    "structurally_absent",
+    "uncertified",
+)
+"""Every ``CertifiedStatus``, in report order."""
+
+
+@dataclass(frozen=True)
+class CertificationCheck:
+    """One equation checked on the booted model.
+
+    Attributes:
+        equation: The equation, in canonical hook names (``"blocks.0.hook_out ==
+            blocks.1.hook_in"``).
+        hooks: The hooks this equation vouches for (they are served only if it passes).
+        passed: Whether both sides agreed within ``allowed``.
+        error: Largest absolute difference of the two sides (``inf`` when a side is
+            missing or not finite).
+        allowed: The tolerance used.
+        detail: Why it failed (a hook that never fired, mismatched shapes), or ``""``.
+    """
+
+    equation: str
+    hooks: tuple[str, ...]
+    passed: bool
+    error: float
+    allowed: float
+    detail: str = ""
+
+    def line(self) -> str:
+        """One line for reports: ``ok``/``FAIL``, the equation, the error against the tolerance."""
+        mark = "ok  " if self.passed else "FAIL"
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{mark} {self.equation}  [err {self.error:.2e} <= {self.allowed:.2e}]{extra}"
+
+
+@dataclass(frozen=True)
+class HookCertificate:
+    """The status of one canonical hook and the reason.
+
+    Attributes:
+        status: One of ``CERTIFIED_STATUSES``.
+        reason: Why: the equation that failed, what makes it absent, or what vouches for it.
+    """
+
+    status: CertifiedStatus
+    reason: str
+
+
+@dataclass(frozen=True)
+class Certification:
+    """The certification report of one booted model.
+
+    Attributes:
+        model: What was booted (name or folder).
+        driver: The driver's name.
+        family: The described family, or ``"inferred"`` (then ``inferred`` is true).
+        inferred: Whether the architecture was inferred from the module tree (no
+            hand-written description).
+        level: ``"full"`` (attention and MLP sites certified), ``"sublayers"`` (attention
+            and MLP outputs but not their insides) or ``"residual"`` (the residual stream,
+            embedding, final norm and unembedding only).
+        description: What the architecture is, as facts (``{"layers": "model.layers",
+            "block": "sequential", ...}``): inferred ones say how they were found.
+        checks: Every equation checked, in order.
+        statuses: Canonical hook name -> its status and reason, for every name the
+            model's structure suggests.
+    """
+
+    model: str
+    driver: str
+    family: str
+    inferred: bool
+    level: Literal["full", "sublayers", "residual"]
+    description: Mapping[str, str]
+    checks: tuple[CertificationCheck, ...]
+    statuses: Mapping[str, HookCertificate] = field(default_factory=dict)
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Hooks served (status ``real`` or ``derived``), in forward order."""
+        return tuple(n for n, c in self.statuses.items() if c.status in ("real", "derived"))
+
+    @property
+    def failed(self) -> tuple[CertificationCheck, ...]:
+        """The checks that failed."""
+        return tuple(c for c in self.checks if not c.passed)
+
+    def by_status(self) -> dict[CertifiedStatus, list[str]]:
+        """Hook names grouped by status (every status present, possibly empty)."""
+        groups: dict[CertifiedStatus, list[str]] = {s: [] for s in CERTIFIED_STATUSES}
+        for name, cert in self.statuses.items():
+            groups[cert.status].append(name)
+        return groups
+
+    def format(self, *, verbose: bool = False) -> str:
+        """The report as text: what the architecture is, hooks by status, failed checks.
+
+        Args:
+            verbose: Also list every passed check and every hook name (not only counts
+                and templates).
+        """
+        how = "inferred from the module tree" if self.inferred else f"described ({self.family})"
+        lines = [
+            f"certification of {self.model} on the {self.driver} driver",
+            f"architecture: {how}; served at level {self.level!r}",
+        ]
+        lines += [f"  {key}: {value}" for key, value in self.description.items()]
+        lines.append(f"checks: {len(self.checks) - len(self.failed)} of {len(self.checks)} passed")
+        for check in self.checks:
+            if verbose or not check.passed:
+                lines.append(f"  {check.line()}")
+        lines.append("hooks:")
+        for status, names in self.by_status().items():
+            if not names:
+                continue
+            lines.append(f"  {status}: {len(names)}")
+            shown = names if verbose else _templates(names)
+            reasons = {_template(n): self.statuses[n].reason for n in names}
+            for name in shown:
+                reason = self.statuses[name].reason if verbose else reasons.get(name, "")
+                lines.append(f"    {name}" + (f"  ({reason})" if reason and status != "real" else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _template(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit():
+        parts[1] = "{i}"
+    return ".".join(parts)
+
+
+def _templates(names: Iterable[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    for name in names:
+        seen.setdefault(_template(name), None)
+    return list(seen)
+
+
+def compare(
+    equation: str,
+    hooks: Iterable[str],
+    got: torch.Tensor | None,
+    want: torch.Tensor | None,
+    *,
+    rtol: float,
+    mask: torch.Tensor | None = None,
+) -> CertificationCheck:
+    """Check ``got == want`` within ``rtol`` of the larger of 1 and ``max |want|``.
+
+    Args:
+        equation: The equation's text.
+        hooks: The hooks it vouches for.
+        got: One side (``None``: a hook that never fired).
+        want: The other side.
+        rtol: Relative tolerance.
+        mask: Where to compare (broadcast to both sides), or everywhere.
+    """
+    hooks = tuple(hooks)
+    if got is None or want is None:
+        return CertificationCheck(equation, hooks, False, math.inf, 0.0, "a hook on one side never fired")
+    if tuple(got.shape) != tuple(want.shape):
+        detail = f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
+        return CertificationCheck(equation, hooks, False, math.inf, 0.0, detail)
+    a, b = got.detach().double(), want.detach().double()
+    if mask is not None:
+        a, b = a[mask.expand_as(a)], b[mask.expand_as(b)]
+    if a.numel() == 0:
+        return CertificationCheck(equation, hooks, True, 0.0, 0.0, "nothing to compare")
+    scale = max(1.0, float(b.abs().max()))
+    allowed = rtol * scale
+    if not bool(a.isfinite().all() and b.isfinite().all()):
+        return CertificationCheck(equation, hooks, False, math.inf, allowed, "a side is not finite")
+    error = float((a - b).abs().max())
+    return CertificationCheck(equation, hooks, error <= allowed, error, allowed)
+
+
+#: Activations whose name in a model config tl can evaluate (``act_fn`` of ``ModelInfo``).
+def _activation(name: str | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    import torch.nn.functional as F
+
+    table: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    }
+    return table.get(name or "")
+
+
+def equation_checks(
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    *,
+    rtol: float = 1e-4,
+    hidden_states: Iterable[torch.Tensor] | None = None,
+    logits: torch.Tensor | None = None,
+    reference_logits: torch.Tensor | None = None,
+    W_O: torch.Tensor | None = None,
+    b_O: torch.Tensor | None = None,
+    attn_softcap: float | None = None,
+    score_bias: bool = False,
+) -> list[CertificationCheck]:
+    """The engine-independent equations over a capture of canonical hooks.
+
+    Only equations whose hooks the model's structure has are checked; a hook the structure
+    has but the capture lacks fails its equations (it never fired).
+
+    Args:
+        cache: Canonical name -> captured tensor (one forward of a few token ids, one
+            sequence, no padding).
+        info: The model's structure (parallel, sandwich norms, norm type, gated MLP).
+        rtol: Relative tolerance of every comparison.
+        hidden_states: The engine's own residual stream, one tensor per block input
+            (``hidden_states[i]`` of transformers), to vouch for ``blocks.i.hook_in``.
+        logits: The driver's logits for the same forward.
+        reference_logits: The engine's own logits without tl, to vouch for the whole run.
+        W_O: ``[n_layers, n_heads, d_head, d_model]``: then ``attn.hook_out`` is checked
+            as ``z`` through ``W_O`` (plus ``b_O``).
+        b_O: ``[n_layers, d_model]`` or ``None``.
+        attn_softcap: Attention-logit soft-cap of the model, if any.
+        score_bias: Whether the scores hold an additive position bias (ALiBi): then they
+            are not checked against ``q . k``.
+
+    Returns:
+        The checks, in forward order.
+    """
+    checks: list[CertificationCheck] = []
+    names = set(cache)
+
+    def get(name: str) -> torch.Tensor | None:
+        return cache.get(name)
+
+    def has(name: str) -> bool:
+        return name in names
+
+    def check(equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None, **kw: object) -> None:
+        checks.append(compare(equation, hooks, got, want, rtol=rtol, **kw))  # type: ignore[arg-type]
+
+    n = info.n_layers
+    if logits is not None and reference_logits is not None:
+        check("logits == the engine's own logits", ("unembed.hook_out",), logits, reference_logits)
+    hidden = list(hidden_states or ())[:n]
+    by_input = [compare(f"blocks.{i}.hook_in == the engine's hidden_states[{i}]", (f"blocks.{i}.hook_in",), get(f"blocks.{i}.hook_in"), h, rtol=rtol) for i, h in enumerate(hidden)]
+    # Some families (Mamba) report each block's output where others report its input.
+    by_output = [
+        compare(f"blocks.{i}.hook_out == the engine's hidden_states[{i}] (it reports block outputs)", (f"blocks.{i}.hook_out",), get(f"blocks.{i}.hook_out"), h, rtol=rtol)
+        for i, h in enumerate(hidden[: n - 1])
+    ]
+    if not all(c.passed for c in by_input) and by_output and all(c.passed for c in by_output):
+        checks.extend(by_output)
+    else:
+        checks.extend(by_input)
+    if has("embed.hook_out") and not has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
+        check("embed.hook_out == blocks.0.hook_in", ("embed.hook_out",), get("embed.hook_out"), get("blocks.0.hook_in"))
+    for i in range(n - 1):
+        a, b = f"blocks.{i}.hook_out", f"blocks.{i + 1}.hook_in"
+        check(f"{a} == {b}", (a, b), get(a), get(b))
+    if n and has("ln_final.hook_in"):
+        a = f"blocks.{n - 1}.hook_out"
+        check(f"{a} == ln_final.hook_in", (a, "ln_final.hook_in"), get(a), get("ln_final.hook_in"))
+    for i in range(n):
+        checks.extend(_block_checks(i, cache, info, rtol, W_O, b_O, attn_softcap, score_bias))
+    for prefix in ("ln_final", "embed_ln"):
+        checks.extend(_norm_checks(prefix, cache, info, rtol))
+    return checks
+
+
+def _block_checks(
+    i: int,
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    rtol: float,
+    W_O: torch.Tensor | None,
+    b_O: torch.Tensor | None,
+    attn_softcap: float | None,
+    score_bias: bool,
+) -> list[CertificationCheck]:
+
+    b = f"blocks.{i}."
+    out: list[CertificationCheck] = []
+
+    def get(name: str) -> torch.Tensor | None:
+        return cache.get(b + name)
+
+    def add(*parts: str) -> torch.Tensor | None:
+        values = [get(p) for p in parts]
+        if any(v is None for v in values):
+            return None
+        return sum((v.double() for v in values[1:]), values[0].double())  # type: ignore[union-attr]
+
+    def check(equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+        hooks = tuple(hooks)
+        if not any(b + h in cache for h in hooks):
+            return  # none of its sites is served (an opaque block): nothing to vouch for
+        text = equation.replace("@", b)
+        out.append(compare(text, (b + h for h in hooks), got, want, rtol=rtol))
+
+    attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
+    mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
+    if info.sandwich_norm:
+        check("@attn.hook_out == @ln1_post.hook_in", ("attn.hook_out", "ln1_post.hook_in"), get("attn.hook_out"), get("ln1_post.hook_in"))
+        check("@mlp.hook_out == @ln2_post.hook_in", ("mlp.hook_out", "ln2_post.hook_in"), get("mlp.hook_out"), get("ln2_post.hook_in"))
+    if info.parallel_attn_mlp:
+        check(
+            f"@hook_out == @hook_in + @{attn_out} + @{mlp_out}",
+            (attn_out, mlp_out),
+            add("hook_in", attn_out, mlp_out),
+            get("hook_out"),
+        )
+    else:
+        check(
+            f"@ln2.hook_in == @hook_in + @{attn_out}",
+            ("ln2.hook_in", attn_out),
+            add("hook_in", attn_out),
+            get("ln2.hook_in"),
+        )
+        check(
+            f"@hook_out == @ln2.hook_in + @{mlp_out}",
+            ("ln2.hook_in", mlp_out),
+            add("ln2.hook_in", mlp_out),
+            get("hook_out"),
+        )
+    if b + "ln1.hook_in" in cache:
+        check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
+    if b + "ln1.hook_out" in cache and b + "attn.hook_in" in cache:
+        check("@attn.hook_in == @ln1.hook_out", ("attn.hook_in", "ln1.hook_out"), get("attn.hook_in"), get("ln1.hook_out"))
+    if b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
+        check("@mlp.hook_in == @ln2.hook_out", ("mlp.hook_in", "ln2.hook_out"), get("mlp.hook_in"), get("ln2.hook_out"))
+    for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
+        out.extend(_norm_checks(b + norm, cache, info, rtol))
+    out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias))
+    out.extend(_mlp_checks(b, cache, info, rtol))
+    out.extend(_router_checks(b, cache, info))
+    return out
+
+
+def _router_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo) -> list[CertificationCheck]:
+    """The chosen experts are the top-k of the router logits, and only they carry weight."""
+    import torch
+
+    m = b + "mlp."
+    logits, weights, indices = (cache.get(m + s) for s in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices"))
+    if logits is None and weights is None and indices is None:
+        return []
+    names = (m + "hook_router_logits", m + "hook_expert_indices")
+    if logits is None or indices is None:
+        return [compare(f"{m}hook_expert_indices == top-k({m}hook_router_logits)", names, None, None, rtol=0.0)]
+    k = indices.shape[-1]
+    top = torch.topk(logits.double(), k, dim=-1).indices.sort(dim=-1).values
+    chosen = indices.long().sort(dim=-1).values
+    check = compare(f"{m}hook_expert_indices == top-k({m}hook_router_logits)", names, top.double(), chosen.double(), rtol=0.0)
+    out = [check]
+    if weights is not None:
+        picked = torch.zeros_like(weights, dtype=torch.bool).scatter(-1, indices.long(), True)
+        stray = weights.double().masked_fill(picked, 0.0)
+        out.append(
+            compare(
+                f"{m}hook_expert_weights is zero off {m}hook_expert_indices",
+                (m + "hook_expert_weights",), stray, torch.zeros_like(stray), rtol=0.0,
+            )
+        )
+    del info
+    return out
+
+
+def _norm_checks(prefix: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+    """``hook_normalized * hook_scale`` gives back the (centred, for LayerNorm) input."""
+    x, scale, normed = (cache.get(f"{prefix}.{s}") for s in ("hook_in", "hook_scale", "hook_normalized"))
+    if normed is None and scale is None:
+        return []
+    if x is None or scale is None or normed is None:
+        hooks = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized"]
+        return [compare(f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.hook_in", hooks, None, None, rtol=rtol)]
+    centred = x.double()
+    if info.normalization_type == "LN":
+        centred = centred - centred.mean(dim=-1, keepdim=True)
+    rebuilt = normed.double() * scale.double()
+    what = "hook_in - mean" if info.normalization_type == "LN" else "hook_in"
+    return [
+        compare(
+            f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.{what}",
+            (f"{prefix}.hook_scale", f"{prefix}.hook_normalized"),
+            rebuilt,
+            centred,
+            rtol=rtol,
+        )
+    ]
+
+
+def _attention_checks(
+    b: str,
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    rtol: float,
+    W_O: torch.Tensor | None,
+    b_O: torch.Tensor | None,
+    attn_softcap: float | None,
+    layer: int,
+    score_bias: bool = False,
+) -> list[CertificationCheck]:
+    import torch
+
+    a = b + "attn."
+    pattern, v, z = cache.get(a + "hook_pattern"), cache.get(a + "hook_v"), cache.get(a + "hook_z")
+    if pattern is None and z is None and v is None:
+        return []
+    out: list[CertificationCheck] = []
+    if pattern is not None:
+        rows = pattern.double().sum(dim=-1)
+        out.append(compare(f"{a}hook_pattern sums to 1 over keys", (a + "hook_pattern",), rows, torch.ones_like(rows), rtol=rtol))
+    if pattern is not None and v is not None and z is not None:
+        # pattern [b h q k], v [b k h_kv dh], z [b q h dh]
+        rep = pattern.shape[1] // max(1, v.shape[2])
+        values = v.double().repeat_interleave(rep, dim=2) if rep > 1 else v.double()
+        rebuilt = torch.einsum("bhqk,bkhd->bqhd", pattern.double(), values)
+        out.append(compare(f"{a}hook_z == {a}hook_pattern @ {a}hook_v", (a + "hook_z", a + "hook_v", a + "hook_pattern"), rebuilt, z, rtol=rtol))
+    else:
+        out.append(compare(f"{a}hook_z == {a}hook_pattern @ {a}hook_v", (a + "hook_z", a + "hook_v", a + "hook_pattern"), None, None, rtol=rtol))
+    scores = cache.get(a + "hook_attn_scores")
+    if scores is not None and pattern is not None:
+        allowed = torch.isfinite(scores)
+        rebuilt = torch.softmax(scores.double().masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
+        out.append(compare(f"{a}hook_pattern == softmax({a}hook_attn_scores)", (a + "hook_attn_scores",), rebuilt, pattern, rtol=rtol))
+        q = cache.get(a + ("hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q"))
+        k = cache.get(a + ("hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"))
+        if q is not None and k is not None and not score_bias:
+            out.append(_scores_check(a, q, k, scores, allowed, info, rtol, attn_softcap))
+    if W_O is not None and z is not None and a + "hook_out" in cache:
+        result = torch.einsum("bqhd,hde->bqe", z.double(), W_O[layer].double())
+        if b_O is not None:
+            result = result + b_O[layer].double()
+        out.append(compare(f"{a}hook_out == {a}hook_z @ W_O + b_O", (a + "hook_out", a + "hook_z"), result, cache[a + "hook_out"], rtol=rtol))
+    return out
+
+
+def _scores_check(
+    a: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scores: torch.Tensor,
+    allowed: torch.Tensor,
+    info: ModelInfo,
+    rtol: float,
+    softcap: float | None,
+) -> CertificationCheck:
+    """Scores are ``q . k`` times one scale per model (fitted), soft-capped if the model caps."""
+    import torch
+
+    qn = "hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q"
+    kn = "hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"
+    rep = q.shape[2] // max(1, k.shape[2])
+    keys = k.double().repeat_interleave(rep, dim=2) if rep > 1 else k.double()
+    dots = torch.einsum("bqhd,bkhd->bhqk", q.double(), keys)
+    target = scores.double()
+    if softcap is not None:
+        target = torch.atanh((target / softcap).clamp(-1 + 1e-12, 1 - 1e-12)) * softcap
+    mask = allowed.expand_as(target)
+    x, y = dots[mask], target[mask]
+    scale = float((x * y).sum() / (x * x).sum().clamp(min=1e-300)) if x.numel() else 1.0
+    return compare(
+        f"{a}hook_attn_scores == {a}{qn} . {a}{kn} * scale (fitted {scale:.4g})",
+        (a + qn, a + kn),
+        dots * scale,
+        target,
+        rtol=rtol,
+        mask=allowed,
+    )
+
+
+def _mlp_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+    m = b + "mlp."
+    pre, lin, post = (cache.get(m + s) for s in ("hook_pre", "hook_pre_linear", "hook_post"))
+    if pre is None or post is None:
+        return []
+    act = _activation(info.act_fn)
+    hooks = [m + "hook_pre", m + "hook_post"] + ([m + "hook_pre_linear"] if info.gated_mlp else [])
+    if act is None:
+        return []  # an activation tl cannot evaluate: other checks (an edit at hook_post) decide
+    rebuilt = act(pre.double())
+    if info.gated_mlp:
+        if lin is None:
+            return [compare(f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear", hooks, None, None, rtol=rtol)]
+        rebuilt = rebuilt * lin.double()
+        return [compare(f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear", hooks, rebuilt, post, rtol=rtol)]
+    return [compare(f"{m}hook_post == act({m}hook_pre)", hooks, rebuilt, post, rtol=rtol)]
+
+
+def statuses_from_checks(
+    names: Iterable[str],
+    checks: Iterable[CertificationCheck],
+    *,
+    described: bool,
+    absent: Mapping[str, str] | None = None,
+    read_only: Mapping[str, str] | None = None,
+) -> dict[str, HookCertificate]:
+    """Each hook's status from the checks that cover it.
+
+    A hook covered by a failed check is ``uncertified`` (the failed equation is the
+    reason). A hook covered only by passed checks is ``real``. A hook no check covers is
+    ``real`` on a described family (its parity test checks it by hand) and ``uncertified``
+    on an inferred one.
+
+    Args:
+        names: Every canonical name the structure suggests, in forward order.
+        checks: The checks run.
+        described: Whether the family has a hand-checked description.
+        absent: Names the architecture lacks, with the reason (``structurally_absent``).
+        read_only: Served names that take no edit, with the reason (still ``real``).
+    """
+    checks = list(checks)
+    failed: dict[str, str] = {}
+    passed: set[str] = set()
+    for check in checks:
+        for hook in check.hooks:
+            if check.passed:
+                passed.add(hook)
+            else:
+                failed.setdefault(hook, f"failed: {check.equation}" + (f" ({check.detail})" if check.detail else ""))
+    out: dict[str, HookCertificate] = {}
+    for name in names:
+        if absent and name in absent:
+            out[name] = HookCertificate("structurally_absent", absent[name])
+        elif name in failed:
+            out[name] = HookCertificate("uncertified", failed[name])
+        elif name in passed:
+            note = (read_only or {}).get(name, "")
+            out[name] = HookCertificate("real", f"read-only: {note}" if note else "checked by an equation")
+        elif described:
+            out[name] = HookCertificate("real", "described by hand; checked by the family's parity test")
+        else:
+            out[name] = HookCertificate("uncertified", "no equation checks it on an inferred architecture")
+    return out

@@ -1,0 +1,292 @@
+"""Certify the ``hf`` driver's hooks on the booted model.
+
+A few token ids run three ways: plain transformers (its logits and ``hidden_states``, the
+references), tl capturing every hook (the engine-independent equations of
+``tl_core.driver_api.equation_checks`` plus each norm's weight rule), and tl with one edit
+at a time against the same edit made by a plain torch hook on the module that holds the
+site (both runs must move the logits alike). Every check names the hooks it vouches for;
+``statuses_from_checks`` turns them into each hook's status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+import torch
+from torch import nn
+
+from tl_core.driver_api import (
+    Certification,
+    CertificationCheck,
+    compare,
+    equation_checks,
+    statuses_from_checks,
+)
+from tl_driver_hf._infer import probe_ids
+from tl_driver_hf._norms import apply_weight
+from tl_driver_hf._wiring import _with_input
+
+if TYPE_CHECKING:
+    from tl_driver_hf._driver import HFDriver
+
+__all__ = ["certify_driver"]
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _add_to_output(delta: torch.Tensor) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (output[0] + delta, *output[1:])
+        return output + delta
+
+    return hook
+
+
+def _add_to_input(delta: torch.Tensor) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[0] if args else kwargs["hidden_states"]
+        return _with_input(args, kwargs, x + delta)
+
+    return hook
+
+
+@contextmanager
+def _captured(driver: HFDriver, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    cache: dict[str, torch.Tensor] = {}
+    points = driver.hook_points
+
+    def keep(x: torch.Tensor, *, hook: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            cache[hook.name] = x.detach().clone()
+
+    handles = [points[n].add_hook(keep) for n in names if n in points]
+    try:
+        yield cache
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _left_as_found(model: nn.Module) -> Iterator[None]:
+    """Undo the output-capturing hooks transformers installs, for good, on the first call
+    with ``output_hidden_states``: between runs the model carries no hook it did not have."""
+    flag = "_output_capturing_hooks_installed"
+    before = {id(m): (set(m._forward_hooks), set(m._forward_pre_hooks)) for m in model.modules()}
+    flags = {id(m): vars(m).get(flag) for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m in model.modules():
+            post, pre = before.get(id(m), (set(), set()))
+            for key in [k for k in m._forward_hooks if k not in post]:
+                del m._forward_hooks[key]
+            for key in [k for k in m._forward_pre_hooks if k not in pre]:
+                del m._forward_pre_hooks[key]
+            if flags.get(id(m)) is None:
+                vars(m).pop(flag, None)
+
+
+def _plain(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    with torch.no_grad(), _left_as_found(model):
+        mask = torch.ones_like(ids)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+    return out.logits, tuple(getattr(out, "hidden_states", None) or ())
+
+
+def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[CertificationCheck]:
+    """An edit at each editable site moves the logits as a plain torch hook on its module does."""
+    parts = driver.hooked_model.parts
+    points = driver.hook_points
+    n = len(parts.layers)
+    embed_weight = cast(torch.Tensor, parts.embed.weight)
+    dtype, d_model = embed_weight.dtype, int(embed_weight.shape[1])
+    gen = torch.Generator().manual_seed(0)
+    delta = torch.randn(d_model, generator=gen).to(dtype=dtype, device=ids.device)
+    sites: list[tuple[str, nn.Module, Literal["in", "out"], int]] = []
+    after: nn.Module
+    target = 1 if n > 1 else 0
+    sites.append((f"blocks.{target}.hook_in", parts.layers[target].layer, "in", d_model))
+    after = parts.layers[1].layer if n > 1 else parts.final_norm
+    sites.append(("blocks.0.hook_out", after, "in", d_model))
+    lay = parts.layers[0]
+    adapter = driver.adapter
+    if lay.attn is not lay.layer and not adapter.sublayers_add_residual:
+        sites.append(("blocks.0.attn.hook_out", lay.attn, "out", d_model))
+    if lay.mlp is not lay.layer and not (adapter.sublayers_add_residual or adapter.mlp_inline or adapter.mlp_out_inplace):
+        sites.append(("blocks.0.mlp.hook_out", lay.mlp, "out", d_model))
+    if lay.down is not None and lay.down is not lay.mlp and not adapter.moe:
+        width = int(cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0])
+        sites.append(("blocks.0.mlp.hook_post", lay.down, "in", width))
+    if lay.o is not lay.attn and lay.o is not lay.layer:
+        width = int(cast(torch.Tensor, lay.o.weight).shape[1 if adapter.linear == "linear" else 0])
+        sites.append(("blocks.0.attn.hook_z", lay.o, "in", width))
+    checks: list[CertificationCheck] = []
+    for name, module, side, width in sites:
+        if name not in points:
+            continue
+        vec = torch.randn(width, generator=gen).to(dtype=dtype, device=ids.device)
+        hook = _add_to_input(vec) if side == "in" else _add_to_output(vec)
+        handle = (
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            if side == "in"
+            else module.register_forward_hook(hook)
+        )
+        try:
+            plain, _ = _plain(driver.hf_model, ids)
+        finally:
+            handle.remove()
+        view = vec if name != "blocks.0.attn.hook_z" else vec.reshape(driver.info.n_heads, -1)
+        edit = points[name].add_hook(lambda x, *, hook, v=view: x + v.to(x.dtype))
+        try:
+            with torch.no_grad():
+                edited = driver.run_model(ids)
+        finally:
+            edit.remove()
+        template = name.replace("blocks.0.", "blocks.{i}.").replace(f"blocks.{target}.", "blocks.{i}.")
+        vouched = [template.format(i=i) for i in range(n)] if "{i}" in template else [name]
+        where = "input" if side == "in" else "output"
+        checks.append(
+            compare(
+                f"an edit at {template} moves the logits as adding to {type(module).__name__}'s {where} does",
+                vouched, edited, plain, rtol=rtol,
+            )
+        )
+    del delta
+    return checks
+
+
+def _weight_rule_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+    """Each norm's output is its ``hook_normalized`` through the family's weight rule."""
+    parts = driver.hooked_model.parts
+    modules: dict[str, nn.Module | None] = {"ln_final": parts.final_norm, "embed_ln": parts.embed_norm}
+    for i, lay in enumerate(parts.layers):
+        for key in ("ln1", "ln2", "ln1_post", "ln2_post"):
+            modules[f"blocks.{i}.{key}"] = getattr(lay, key)
+    checks = []
+    kind = driver.adapter.norm
+    for prefix, module in modules.items():
+        normed, out = cache.get(f"{prefix}.hook_normalized"), cache.get(f"{prefix}.hook_out")
+        weight = getattr(module, "weight", None)
+        if module is None or normed is None or out is None or (weight is not None and weight.is_meta):
+            continue
+        rebuilt = apply_weight(normed, module, kind, out.dtype)
+        checks.append(
+            compare(
+                f"{prefix}.hook_out == {kind} weight rule of {prefix}.hook_normalized",
+                (f"{prefix}.hook_normalized", f"{prefix}.hook_scale"), rebuilt, out, rtol=rtol,
+            )
+        )
+    return checks
+
+
+def _readout_checks(
+    driver: HFDriver, cache: dict[str, torch.Tensor], ids: torch.Tensor, logits: torch.Tensor, rtol: float
+) -> list[CertificationCheck]:
+    """The token ids, the final norm's output through the unembedding, and the logits."""
+    checks = []
+    if "embed.hook_in" in cache:
+        checks.append(compare("embed.hook_in == the token ids", ("embed.hook_in",), cache["embed.hook_in"].double(), ids.double(), rtol=0.0))
+    head, normed, out = driver.hooked_model.parts.lm_head, cache.get("ln_final.hook_out"), cache.get("unembed.hook_out")
+    if normed is not None and out is not None:
+        with torch.no_grad():
+            rebuilt = head(normed)
+        checks.append(compare("unembed.hook_out == unembedding(ln_final.hook_out)", ("ln_final.hook_out",), rebuilt, out, rtol=rtol))
+    if out is not None:
+        capped = driver._softcap(out)
+        checks.append(compare("the logits == unembed.hook_out (soft-capped where the model caps)", ("unembed.hook_out",), capped, logits, rtol=rtol))
+    return checks
+
+
+def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description: dict[str, str]) -> Certification:
+    """Run every check on ``driver``'s booted model and build the report.
+
+    Args:
+        driver: The booted driver (its hooks are those to certify).
+        model: What was booted, for the report.
+        inferred: Whether the architecture was inferred.
+        description: Facts about the architecture for the report.
+    """
+    parts = driver.hooked_model.parts
+    embed_weight = cast(torch.Tensor, parts.embed.weight)
+    ids = probe_ids(int(embed_weight.shape[0])).to(driver.device)
+    rtol = _rtol(embed_weight.dtype)
+    reference, hidden = _plain(driver.hf_model, ids)
+    n = driver.info.n_layers
+    if len(hidden) != n + 1:
+        hidden = ()
+    names = [name for name in driver.hook_points]
+    with _captured(driver, names) as cache, torch.no_grad():
+        logits = driver.run_model(ids)
+    W_O = b_O = None
+    if any(name.endswith("attn.hook_z") for name in cache):
+        try:
+            W_O, b_O = driver.hooked_model.W_O, driver.hooked_model.b_O
+        except Exception:  # an attention without a recognisable output projection
+            W_O = b_O = None
+        if W_O is not None and W_O.is_meta:  # offloaded to disk: the equation needs values
+            W_O = b_O = None
+    softcap_field = driver.adapter.attn_softcap
+    softcap = getattr(driver.hf_model.config, softcap_field, None) if softcap_field else None
+    checks = equation_checks(
+        cache, driver.info, rtol=rtol, hidden_states=hidden, logits=logits, reference_logits=reference,
+        W_O=W_O, b_O=b_O, attn_softcap=float(softcap) if softcap is not None else None,
+        score_bias=_alibi(driver.hf_model.config),
+    )
+    changed = ids.clone()
+    changed[0, -1] = (int(ids[0, -1]) + 1) % int(embed_weight.shape[0])
+    later, _ = _plain(driver.hf_model, changed)
+    checks.append(
+        compare(
+            "logits before the last position ignore the last token (the model is causal)",
+            ("unembed.hook_out",), later[:, :-1], reference[:, :-1], rtol=rtol,
+        )
+    )
+    checks += _weight_rule_checks(driver, cache, rtol)
+    checks += _readout_checks(driver, cache, ids, logits, rtol)
+    for name in names:
+        if name not in cache and not _opt_in(name):
+            checks.append(CertificationCheck(f"{name} fires in a forward", (name,), False, float("inf"), 0.0, "it never fired"))
+    checks += _edit_checks(driver, ids, rtol)
+    statuses = statuses_from_checks(
+        _all_names(driver),
+        checks,
+        described=not inferred,
+        absent=driver.absent_reasons,
+        read_only=driver.read_only_reasons,
+    )
+    served = {name for name, cert in statuses.items() if cert.status == "real"}
+    level: Literal["full", "sublayers", "residual"] = "residual"
+    if all(f"blocks.{i}.attn.hook_out" in served and f"blocks.{i}.mlp.hook_out" in served for i in range(n)):
+        level = "sublayers"
+        if all(f"blocks.{i}.attn.hook_pattern" in served for i in range(n)):
+            level = "full"
+    return Certification(
+        model=model,
+        driver="hf",
+        family="inferred" if inferred else driver.adapter.family,
+        inferred=inferred,
+        level=level,
+        description=description,
+        checks=tuple(checks),
+        statuses=statuses,
+    )
+
+
+def _alibi(config: Any) -> bool:
+    """Whether attention scores carry ALiBi's additive position bias."""
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ("bloom", "mpt")
+
+
+def _opt_in(name: str) -> bool:
+    """Opt-in hooks that fire only in a mode (split per-head inputs, per-head results)."""
+    return name.endswith(("hook_q_input", "hook_k_input", "hook_v_input", "hook_result"))
+
+
+def _all_names(driver: HFDriver) -> list[str]:
+    return [*driver.hooked_model.hook_points, *driver.absent_reasons]

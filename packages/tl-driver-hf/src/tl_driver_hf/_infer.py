@@ -1,0 +1,548 @@
+"""Infer an architecture nobody described, from the config and the module tree.
+
+One probe forward (a few token ids, no tl hooks) records when each module runs and what
+it reads and returns. From that:
+
+* the input and output embeddings come from transformers' own accessors;
+* the decoder-layer list is the ``ModuleList`` whose children all run, once each, in index
+  order, each mapping a ``[batch, pos, d_model]`` tensor to one;
+* the final norm is the module that runs after the last layer and hands the unembedding
+  its input;
+* inside a layer, attention and the MLP are found by name and class, and each norm by what
+  it touches: the norm whose output attention reads is ``ln1``, the one whose output the
+  MLP reads is ``ln2``, one that reads attention's (or the MLP's) output is a sandwich
+  norm; the MLP reading the block input makes the block parallel;
+* each norm's weight rule is the one of tl's kinds that reproduces its output.
+
+What the probe proposes is only a hypothesis: the driver serves a hook after certification
+(``tl_driver_hf._certify``) has proven it on the booted model. Layers of different shapes
+(hybrid models) or blocks whose parts cannot be told apart keep the residual stream only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from tl_core import ConfigError, ModelInfo
+from tl_core.driver_api import canonical_hook_names, model_info_from_config
+from tl_driver_hf._norms import apply_weight, norm_eps, normalize
+from tl_driver_hf.adapters import ArchitectureAdapter, NormKind
+
+__all__ = ["InferredArchitecture", "infer_architecture", "probe_ids"]
+
+_ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention", "attn_layer")
+_MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "mlp_block", "feedforward")
+_Q = ("q_proj", "query", "wq", "q")
+_K = ("k_proj", "key", "wk", "k")
+_V = ("v_proj", "value", "wv", "v")
+_QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv", "W_pack", "wqkv")
+_O = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "out")
+_Q_NORM = ("q_norm", "q_layernorm", "query_layernorm", "q_ln")
+_K_NORM = ("k_norm", "k_layernorm", "key_layernorm", "k_ln")
+_GATE = ("gate_proj", "w1", "fc_gate")
+_UP = ("up_proj", "w3")
+_GATE_UP = ("gate_up_proj",)
+_DOWN = ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "fc_out", "out_proj", "proj_out")
+_MLP_IN = ("fc1", "c_fc", "dense_h_to_4h", "fc_in", "up_proj", "proj_in")
+_KINDS: tuple[NormKind, ...] = ("rms", "rms_weight_first", "rms_plus_one", "layernorm")
+
+
+@dataclass
+class _Call:
+    """One module's first call in the probe."""
+
+    start: int
+    end: int = -1
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    kwargs: tuple[str, ...] = ()
+    #: The output is ``(logits, top-k weights, top-k indices)``: a router.
+    routes: bool = False
+
+
+@dataclass(frozen=True)
+class InferredArchitecture:
+    """What inference found: an adapter to wire, and the facts behind it.
+
+    Attributes:
+        adapter: The adapter the driver wires (``verified`` false; family ``"inferred"``).
+        description: The facts, for the certification report.
+        blocks: ``"sublayers"`` (attention and MLP found in every layer) or ``"opaque"``
+            (the residual stream only).
+        info: The model's ``ModelInfo``.
+    """
+
+    adapter: ArchitectureAdapter
+    description: Mapping[str, str]
+    blocks: Literal["sublayers", "opaque"]
+    info: ModelInfo
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def probe_ids(vocab: int, n: int = 6) -> torch.Tensor:
+    """Fixed, varied token ids for probes and certification: ``[1, n]`` below ``vocab``."""
+    ids = [(7 + 13 * i) % max(1, vocab - 1) + 1 for i in range(n)]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+        return None
+    hidden = getattr(value, "last_hidden_state", None)
+    return hidden if isinstance(hidden, torch.Tensor) else None
+
+
+@contextmanager
+def _recording(model: nn.Module) -> Iterator[dict[int, _Call]]:
+    calls: dict[int, _Call] = {}
+    clock = [0]
+    handles = []
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if id(module) in calls:
+            return
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        keys = tuple(kwargs)
+        table = kwargs.get("position_embeddings")
+        if not (isinstance(table, (tuple, list)) and len(table) == 2):
+            # Only a (cos, sin) pair is a rotary table tl serves (Llama 4 passes complex ones).
+            keys = tuple(k for k in keys if k != "position_embeddings")
+        calls[id(module)] = _Call(clock[0], input=x if isinstance(x, torch.Tensor) else None, kwargs=keys)
+        clock[0] += 1
+
+    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        call = calls.get(id(module))
+        if call is not None and call.end < 0:
+            call.end = clock[0]
+            call.output = _first_tensor(output)
+            call.routes = (
+                isinstance(output, tuple)
+                and len(output) == 3
+                and all(isinstance(t, torch.Tensor) for t in output)
+                and not output[2].dtype.is_floating_point
+            )
+            clock[0] += 1
+
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(module.register_forward_hook(post))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _path_of(model: nn.Module, target: nn.Module | None) -> str | None:
+    if target is None:
+        return None
+    for name, module in model.named_modules():
+        if module is target:
+            return str(name)
+    return None
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() or isinstance(module, nn.LayerNorm)
+
+
+def _child(module: nn.Module, names: tuple[str, ...]) -> str | None:
+    children = dict(module.named_children())
+    for name in names:
+        child = children.get(name)
+        if child is not None and isinstance(getattr(child, "weight", None), torch.Tensor):
+            return name
+    return None
+
+
+def _layer_list(model: nn.Module, calls: Mapping[int, _Call], d_model: int, n_pos: int) -> str:
+    best: tuple[int, int, str] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        starts = []
+        for child in module:
+            call = calls.get(id(child))
+            out = call.output if call is not None else None
+            if call is None or out is None or tuple(out.shape[-2:]) != (n_pos, d_model):
+                break
+            starts.append(call.start)
+        else:
+            if starts == sorted(starts):
+                key = (len(module), -name.count("."), name)
+                if best is None or key[:2] > best[:2]:
+                    best = key
+    if best is None:
+        raise ConfigError(
+            "cannot infer the decoder layers: no ModuleList of the model runs its children in "
+            "order on [batch, pos, d_model] tensors; describe the family with an "
+            "ArchitectureAdapter (docs/adding-a-family.md)"
+        )
+    return best[2]
+
+
+def _final_norm(
+    model: nn.Module, layers: nn.ModuleList, lm_head: nn.Module, calls: Mapping[int, _Call]
+) -> str:
+    last = calls[id(layers[len(layers) - 1])]
+    head = calls.get(id(lm_head))
+    inside = {id(m) for m in layers.modules()}
+    if head is None:
+        raise ConfigError("cannot infer the final norm: the unembedding never ran in the probe forward")
+    for name, module in model.named_modules():
+        call = calls.get(id(module))
+        if call is None or id(module) in inside or module is lm_head:
+            continue
+        leaf_or_norm = not any(True for _ in module.children()) or _is_norm(module)
+        if call.start > last.end and call.end < head.start and _same(call.output, head.input) and leaf_or_norm:
+            return str(name)
+    raise ConfigError(
+        "cannot infer the final norm: no module between the last decoder layer and the "
+        "unembedding produces the unembedding's input; describe the family with an "
+        "ArchitectureAdapter (docs/adding-a-family.md)"
+    )
+
+
+def _position_embedding(
+    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, _Call]
+) -> str | None:
+    """A second embedding table that runs before the first layer: learned positions."""
+    first = calls[id(layers[0])]
+    for name, module in model.named_modules():
+        call = calls.get(id(module))
+        if (
+            isinstance(module, nn.Embedding)
+            and module is not embed
+            and call is not None
+            and call.start < first.start
+            and call.input is not None
+            and not call.input.dtype.is_floating_point
+        ):
+            return str(name)
+    return None
+
+
+def _norm_kind(module: nn.Module, call: _Call | None) -> NormKind | None:
+    if call is None or call.input is None or call.output is None:
+        return None
+    try:
+        eps = norm_eps(module)
+    except AttributeError:
+        return None
+    x = call.input
+    if x.shape != call.output.shape:
+        return None
+    for kind in _KINDS:
+        try:
+            _, _, normed = normalize(x, kind, eps)
+            out = apply_weight(normed, module, kind, x.dtype)
+        except (RuntimeError, TypeError):
+            continue
+        if out.shape == call.output.shape and torch.allclose(out.double(), call.output.double(), rtol=1e-5, atol=1e-6):
+            return kind
+    return None
+
+
+@dataclass
+class _Block:
+    attn: str | None = None
+    mlp: str | None = None
+    ln1: str | None = None
+    ln2: str | None = None
+    ln1_post: str | None = None
+    ln2_post: str | None = None
+    parallel: bool = False
+    kinds: dict[str, NormKind | None] = field(default_factory=dict)
+    why: str = ""
+
+
+def _find_child(layer: nn.Module, names: tuple[str, ...], classes: tuple[str, ...]) -> str | None:
+    found = [n for n, m in layer.named_children() if n in names]
+    if not found:
+        found = [n for n, m in layer.named_children() if any(c in type(m).__name__ for c in classes)]
+    return found[0] if len(found) == 1 else None
+
+
+def _block(layer: nn.Module, calls: Mapping[int, _Call]) -> _Block:
+    block = _Block()
+    attn = _find_child(layer, _ATTN_NAMES, ("Attention",))
+    mlp = _find_child(layer, _MLP_NAMES, ("MLP", "MoE", "Moe", "FeedForward", "Experts"))
+    if attn is None or mlp is None:
+        block.why = f"no single attention ({attn}) and MLP ({mlp}) module among the layer's children"
+        return block
+    layer_call = calls.get(id(layer))
+    a, m = calls.get(id(getattr(layer, attn))), calls.get(id(getattr(layer, mlp)))
+    if layer_call is None or a is None or m is None:
+        block.why = "attention or MLP did not run in the probe forward"
+        return block
+    block.attn, block.mlp = attn, mlp
+    for name, child in layer.named_children():
+        if not _is_norm(child):
+            continue
+        call = calls.get(id(child))
+        if call is None:
+            continue
+        if block.ln1 is None and _same(call.output, a.input):
+            block.ln1 = name
+        elif block.ln2 is None and _same(call.output, m.input):
+            block.ln2 = name
+        elif block.ln1_post is None and _same(call.input, a.output):
+            block.ln1_post = name
+        elif block.ln2_post is None and _same(call.input, m.output):
+            block.ln2_post = name
+        else:
+            continue
+        block.kinds[name] = _norm_kind(child, call)
+    if block.ln2 is not None:
+        norm_in = calls[id(getattr(layer, block.ln2))].input
+        block.parallel = _same(norm_in, layer_call.input)
+    elif block.ln1 is not None:
+        block.parallel = _same(m.input, calls[id(getattr(layer, block.ln1))].output)
+    else:
+        block.parallel = _same(m.input, layer_call.input)
+    return block
+
+
+def _signature(block: _Block) -> tuple[Any, ...]:
+    return (block.attn, block.mlp, block.ln1, block.ln2, block.ln1_post, block.ln2_post, block.parallel)
+
+
+def _same_classes(layers: nn.ModuleList, path: str) -> bool:
+    return len({type(layer.get_submodule(path)).__name__ for layer in layers}) == 1
+
+
+def _info(config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: int, **structure: Any) -> ModelInfo:
+    try:
+        info = model_info_from_config(config.get_text_config(), **structure)
+    except (ConfigError, AttributeError, TypeError, ValueError):
+        heads = getattr(config, "num_attention_heads", None) or 1
+        info = ModelInfo(
+            n_layers=n_layers,
+            d_model=d_model,
+            n_heads=int(heads),
+            d_head=d_model // int(heads),
+            d_mlp=int(getattr(config, "intermediate_size", None) or 4 * d_model),
+            d_vocab=d_vocab,
+            n_ctx=int(getattr(config, "max_position_embeddings", None) or 2048),
+            normalization_type=structure.get("normalization_type"),
+            positional_embedding_type=structure.get("positional_embedding_type", "none"),
+            gated_mlp=bool(structure.get("gated_mlp")),
+            architecture=str(structure.get("architecture")),
+        )
+    # The module tree, not the config, decides the sizes that shape the hooks.
+    return dataclasses.replace(info, n_layers=n_layers, d_model=d_model, d_vocab=d_vocab)
+
+
+def infer_architecture(model: nn.Module) -> InferredArchitecture:
+    """Propose an adapter for a transformers causal LM that no adapter describes.
+
+    Args:
+        model: The loaded model (float weights, on one device).
+
+    Returns:
+        The proposal; certification decides what is served.
+
+    Raises:
+        ConfigError: No embedding, unembedding, decoder-layer list or final norm could be
+            found (the message says which), so not even the residual stream can be served.
+    """
+    config: Any = model.config
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    if embed is None or lm_head is None or not isinstance(getattr(embed, "weight", None), torch.Tensor):
+        raise ConfigError("cannot infer the architecture: the model has no input or output embedding module")
+    d_model = int(cast(torch.Tensor, embed.weight).shape[1])
+    ids = probe_ids(int(cast(torch.Tensor, embed.weight).shape[0]))
+    device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
+    with _recording(model) as calls, torch.no_grad():
+        model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), use_cache=False)
+    layers_path = _layer_list(model, calls, d_model, ids.shape[1])
+    layers = cast(nn.ModuleList, model.get_submodule(layers_path))
+    final_norm = _final_norm(model, layers, lm_head, calls)
+    embed_path, head_path = _path_of(model, embed), _path_of(model, lm_head)
+    assert embed_path is not None and head_path is not None
+    blocks = [_block(layer, calls) for layer in layers]
+    first = blocks[0]
+    uniform = all(_signature(b) == _signature(first) for b in blocks) and first.attn is not None
+    model_type = str(getattr(config, "model_type", "unknown"))
+    arch = str((getattr(config, "architectures", None) or [type(model).__name__])[0])
+    text = config.get_text_config()
+    rotary = any(getattr(text, k, None) is not None for k in ("rope_parameters", "rope_theta", "rotary_emb_base"))
+    final_kind = _norm_kind(model.get_submodule(final_norm), calls.get(id(model.get_submodule(final_norm))))
+    kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
+    known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
+    norm: NormKind = known[0] if known else "rms"
+    # A norm whose weight rule is not the one wired (or none of tl's) keeps its input and
+    # output hooks; tl cannot recompute its scale and pre-weight value.
+    absent: dict[str, str] = {}
+    unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
+    prefixes = {"ln1": first.ln1, "ln2": first.ln2, "ln1_post": first.ln1_post, "ln2_post": first.ln2_post}
+    for key, child in prefixes.items():
+        if child is not None and any(b.kinds.get(child) != norm for b in blocks):
+            absent.update({f"blocks.{{i}}.{key}.hook_scale": unknown, f"blocks.{{i}}.{key}.hook_normalized": unknown})
+    if final_kind != norm:
+        absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
+    pos_embed = _position_embedding(model, embed, layers, calls)
+    description: dict[str, str] = {
+        "embedding": embed_path,
+        "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
+        "final norm": f"{final_norm} ({final_kind or 'unknown weight rule'})",
+        "unembedding": head_path,
+    }
+    notes: list[str] = []
+    if not uniform:
+        why = first.why or "layers differ in structure (a hybrid of layer kinds)"
+        description["blocks"] = f"opaque: {why}"
+        info = _info(
+            config, model, len(layers), d_model, _rows(lm_head),
+            normalization_type="LN" if norm == "layernorm" else "RMS",
+            positional_embedding_type="standard" if pos_embed else "none", gated_mlp=False,
+            architecture=arch,
+        )  # fmt: skip
+        opaque = f"{model_type} blocks are read as a whole ({why}): tl serves their input and output only"
+        for name in canonical_hook_names(info, include_split_qkv_input=True, include_attn_result=True):
+            if name.startswith("blocks.0.") and name not in ("blocks.0.hook_in", "blocks.0.hook_out"):
+                absent.setdefault(name.replace("blocks.0.", "blocks.{i}.", 1), opaque)
+        adapter = ArchitectureAdapter(
+            family=f"{model_type} (inferred)", model_types=(model_type,), architectures=(arch,), embed=embed_path,
+            layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=None, ln2=None,
+            attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
+            norm=norm, rotary=False, verified=False, pos_embed=pos_embed, absent=absent,
+        )  # fmt: skip
+        return InferredArchitecture(adapter, description, "opaque", info, tuple(notes))
+    layer0 = layers[0]
+    attn_module = layer0.get_submodule(cast(str, first.attn))
+    mlp_module = layer0.get_submodule(cast(str, first.mlp))
+    if not _same_classes(layers, cast(str, first.attn)):
+        attn_module = nn.Module()  # attention differs across layers: no projection sites
+    q, k, v = _child(attn_module, _Q), _child(attn_module, _K), _child(attn_module, _V)
+    qkv = None if q and k and v else _child(attn_module, _QKV)
+    if qkv is None and not (q and k and v):
+        q = k = v = None
+    o = _child(attn_module, _O)
+    q_norm, k_norm = _child(attn_module, _Q_NORM), _child(attn_module, _K_NORM)
+    for key, child in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if child is not None and _norm_kind(attn_module.get_submodule(child), calls.get(id(attn_module.get_submodule(child)))) != norm:
+            absent.update({f"blocks.{{i}}.attn.{key}.hook_scale": unknown, f"blocks.{{i}}.attn.{key}.hook_normalized": unknown})
+    layout: Literal["positions_first", "heads_first", "flat"] = "positions_first"
+    if q_norm is not None:
+        call = calls.get(id(attn_module.get_submodule(q_norm)))
+        shape = tuple(call.input.shape) if call is not None and call.input is not None else ()
+        if len(shape) == 3:
+            layout = "flat"
+        elif len(shape) == 4 and shape[1] != ids.shape[1]:
+            layout = "heads_first"
+    # Dense layers before mixture-of-experts ones (DeepSeek, AFMoE): no per-neuron sites.
+    moe = "experts" in dict(mlp_module.named_children()) or not _same_classes(layers, cast(str, first.mlp))
+    gate = up = down = gate_up = mlp_in = router = None
+    if not moe:
+        gate_up = _child(mlp_module, _GATE_UP)
+        gate = None if gate_up else _child(mlp_module, _GATE)
+        up = _child(mlp_module, _UP) if gate else None
+        down = _child(mlp_module, _DOWN)
+        mlp_in = None if (gate or gate_up) else _child(mlp_module, _MLP_IN)
+    else:
+        router = next(
+            (n for n, m in mlp_module.named_children() if (c := calls.get(id(m))) is not None and c.routes),
+            None,
+        )
+        if router is None or not _same_classes(layers, cast(str, first.mlp)):
+            for suffix in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices"):
+                absent[f"blocks.{{i}}.mlp.{suffix}"] = (
+                    "no module of this mixture of experts returns (logits, weights, indices) "
+                    "as a router; describe the family to serve routing sites"
+                )
+    conv1d = any(type(m).__name__ == "Conv1D" for m in attn_module.children())
+    attn_call = calls.get(id(attn_module))
+    rotary_in_attention = attn_call is not None and "position_embeddings" in attn_call.kwargs
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    final_softcap = getattr(text, "final_logit_softcapping", None)
+    adapter = ArchitectureAdapter(
+        family=f"{model_type} (inferred)",
+        model_types=(model_type,),
+        architectures=(arch,),
+        embed=embed_path,
+        layers=layers_path,
+        final_norm=final_norm,
+        lm_head=head_path,
+        ln1=first.ln1,
+        ln2=first.ln2,
+        ln1_post=first.ln1_post,
+        ln2_post=first.ln2_post,
+        attn=cast(str, first.attn),
+        q=q,
+        k=k,
+        v=v,
+        qkv=qkv,
+        o=o or "",
+        q_norm=q_norm,
+        k_norm=k_norm,
+        qk_norm_layout=layout,
+        mlp=cast(str, first.mlp),
+        mlp_in=mlp_in,
+        gate=gate,
+        up=up,
+        gate_up=gate_up,
+        down=down,
+        linear="conv1d" if conv1d else "linear",
+        norm=norm,
+        rotary=rotary,
+        parallel=first.parallel,
+        moe=moe,
+        router=router,
+        attn_softcap="attn_logit_softcapping" if softcap is not None else None,
+        final_softcap="final_logit_softcapping" if final_softcap is not None else None,
+        rotary_in_attention=rotary_in_attention,
+        verified=False,
+        pos_embed=pos_embed,
+        absent=absent,
+    )
+    form = "parallel" if first.parallel else "sequential"
+    if first.ln1_post or first.ln2_post:
+        form += " with sandwich norms"
+    description["blocks"] = (
+        f"{form}: attention {first.attn!r}, MLP {first.mlp!r}"
+        + (" (mixture of experts)" if moe else "")
+        + f", norms ln1={first.ln1} ln2={first.ln2} post={first.ln1_post}/{first.ln2_post}"
+        + f" ({norm if len(kinds) == 1 and None not in kinds else 'weight rules differ or unknown'})"
+    )
+    description["attention"] = (
+        f"q/k/v {'fused ' + repr(qkv) if qkv else (q, k, v)}, out {o!r}, "
+        f"{'rotary' if rotary else 'no rotary'}, qk-norm {q_norm is not None}"
+    )
+    description["mlp"] = (
+        "experts (per-neuron sites absent)" if moe
+        else f"gate={gate} up={up} gate_up={gate_up} in={mlp_in} down={down}"
+    )  # fmt: skip
+    info = _info(
+        config, model, len(layers), d_model, _rows(lm_head),
+        normalization_type="LN" if norm == "layernorm" else "RMS",
+        positional_embedding_type="standard" if pos_embed else "rotary" if rotary else "none",
+        gated_mlp=adapter.gated, parallel_attn_mlp=first.parallel, sandwich_norm=adapter.sandwich,
+        qk_norm=q_norm is not None, moe=moe, architecture=arch,
+    )  # fmt: skip
+    return InferredArchitecture(adapter, description, "sublayers", info, tuple(notes))
+
+
+def _rows(lm_head: nn.Module) -> int:
+    weight = getattr(lm_head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[0])
+    return int(getattr(lm_head, "out_features", 0))
+
