@@ -922,7 +922,9 @@ def test_specs_and_plans_pickle_for_worker_processes() -> None:
     [
         {"op": "suppress"},
         {"op": "scale", "factor": 0.0, "pos": -1},
+        {"op": "scale", "factor": 2.5e-23},  # a divisor that underflows the block to inf/NaN
         {"op": "set", "value": 0.0},
+        {"op": "set", "value": 1e-9},
         {"op": "set", "value": -1.0, "pos": [0]},
         {"op": "set", "value": [[2.0], [0.0]], "pos": [0, 1]},
     ],

@@ -20,6 +20,7 @@ from torch import nn
 from tl_core.driver_api import (
     Certification,
     CertificationCheck,
+    HookCertificate,
     compare,
     equation_checks,
     statuses_from_checks,
@@ -218,7 +219,14 @@ def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description:
     rtol = _rtol(embed_weight.dtype)
     reference, hidden = _plain(driver.hf_model, ids)
     n = driver.info.n_layers
+    notes: list[CertificationCheck] = []
     if len(hidden) != n + 1:
+        notes.append(
+            CertificationCheck(
+                "blocks.{i}.hook_in == the engine's hidden_states[i]", (), True, 0.0, 0.0,
+                f"not compared: the engine returned {len(hidden)} hidden states for {n} blocks",
+            )
+        )
         hidden = ()
     names = [name for name in driver.hook_points]
     with _captured(driver, names) as cache, torch.no_grad():
@@ -253,6 +261,7 @@ def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description:
         if name not in cache and not _opt_in(name):
             checks.append(CertificationCheck(f"{name} fires in a forward", (name,), False, float("inf"), 0.0, "it never fired"))
     checks += _edit_checks(driver, ids, rtol)
+    checks += notes
     statuses = statuses_from_checks(
         _all_names(driver),
         checks,
@@ -260,6 +269,7 @@ def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description:
         absent=driver.absent_reasons,
         read_only=driver.read_only_reasons,
     )
+    _follow_parents(statuses)
     served = {name for name, cert in statuses.items() if cert.status == "real"}
     level: Literal["full", "sublayers", "residual"] = "residual"
     if all(f"blocks.{i}.attn.hook_out" in served and f"blocks.{i}.mlp.hook_out" in served for i in range(n)):
@@ -281,6 +291,29 @@ def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description:
 def _alibi(config: Any) -> bool:
     """Whether attention scores carry ALiBi's additive position bias."""
     return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ("bloom", "mpt")
+
+
+#: Opt-in hooks no equation sees (they fire only in a mode): each holds what its parents
+#: hold, so it is served only where they certified.
+_PARENTS = {
+    "hook_q_input": ("hook_in", "hook_q"),
+    "hook_k_input": ("hook_in", "hook_k"),
+    "hook_v_input": ("hook_in", "hook_v"),
+    "hook_result": ("hook_z", "hook_out"),
+}
+
+
+def _follow_parents(statuses: dict[str, HookCertificate]) -> None:
+    for name, cert in list(statuses.items()):
+        prefix, _, leaf = name.rpartition(".")
+        parents = _PARENTS.get(leaf)
+        if parents is None or cert.status != "real":
+            continue
+        for parent in (f"{prefix}.{p}" for p in parents):
+            status = statuses.get(parent)
+            if status is None or status.status != "real":
+                statuses[name] = HookCertificate("uncertified", f"it holds what {parent} holds, which is not certified")
+                break
 
 
 def _opt_in(name: str) -> bool:

@@ -478,12 +478,63 @@ def _attention_checks(
         k = cache.get(a + ("hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"))
         if q is not None and k is not None and not score_bias:
             out.append(_scores_check(a, q, k, scores, allowed, info, rtol, attn_softcap))
+    out.extend(_rotary_checks(a, cache, rtol))
     if W_O is not None and z is not None and a + "hook_out" in cache:
         result = torch.einsum("bqhd,hde->bqe", z.double(), W_O[layer].double())
         if b_O is not None:
             result = result + b_O[layer].double()
         out.append(compare(f"{a}hook_out == {a}hook_z @ W_O + b_O", (a + "hook_out", a + "hook_z"), result, cache[a + "hook_out"], rtol=rtol))
     return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x`` (``b p h dh``) rotated by a ``b p r`` table on its first ``r`` features."""
+    import torch
+
+    r = cos.shape[-1]
+    head, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        turned = torch.stack((-head[..., 1::2], head[..., ::2]), dim=-1).flatten(-2)
+    else:
+        first, second = head[..., : r // 2], head[..., r // 2 :]
+        turned = torch.cat((-second, first), dim=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat((head * c + turned * s, rest), dim=-1)
+
+
+def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+    """``hook_rot_q``/``hook_rot_k`` are ``hook_q``/``hook_k`` (after any QK-norm) rotated by
+    the served table, or, without a served table, of the same length (a rotation)."""
+    import torch
+
+    q, k = cache.get(a + "q_norm.hook_out", cache.get(a + "hook_q")), cache.get(a + "k_norm.hook_out", cache.get(a + "hook_k"))
+    rq, rk = cache.get(a + "hook_rot_q"), cache.get(a + "hook_rot_k")
+    if rq is None or rk is None or q is None or k is None:
+        return []
+    sources = [a + "hook_q", a + "hook_k", a + "q_norm.hook_out", a + "k_norm.hook_out"]
+    sources = [n for n in sources if n in cache]
+    cos, sin = cache.get(a + "hook_cos"), cache.get(a + "hook_sin")
+    if cos is not None and sin is not None and cos.shape[-1] <= q.shape[-1]:
+        hooks = (*sources, a + "hook_cos", a + "hook_sin")
+        tried = []
+        half = cos.shape[-1] // 2
+        layouts = (
+            ("halves", cos, sin, False),
+            ("interleaved pairs", cos, sin, True),
+            # GLM: the first half of the table, each entry twice, on interleaved pairs.
+            ("interleaved, half table", cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True),
+        )
+        for layout, c, s_, interleaved in layouts:
+            got = torch.cat((_rotate(q.double(), c.double(), s_.double(), interleaved), _rotate(k.double(), c.double(), s_.double(), interleaved)), dim=2)
+            want = torch.cat((rq.double(), rk.double()), dim=2)
+            check = compare(f"{a}hook_rot_q/k == {a}hook_q/k rotated by {a}hook_cos/sin ({layout})", hooks, got, want, rtol=rtol)
+            if check.passed:
+                return [check]
+            tried.append(check)
+        return tried[:1]
+    lengths = torch.cat((q.double().norm(dim=-1), k.double().norm(dim=-1)), dim=2)
+    rotated = torch.cat((rq.double().norm(dim=-1), rk.double().norm(dim=-1)), dim=2)
+    return [compare(f"|{a}hook_rot_q/k| == |{a}hook_q/k| (rotation keeps each head's length)", sources, rotated, lengths, rtol=rtol)]
 
 
 def _scores_check(

@@ -185,13 +185,13 @@ def _read_mapping(
     return specs, {name: tuple(f) for name, f in fns.items()}
 
 
-_FLOAT32_TINY = 1.1754943508222875e-38
+_SMALLEST_DIVISOR = 1e-6
 
 
 def _check_divisor(spec: InterventionSpec, where: str) -> None:
     """A norm's ``hook_scale`` divides its input: an edit that makes it 0 turns the output
-    into infinities (and the logits into NaN), so ``suppress``, ``scale`` by 0 and ``set`` to
-    a value <= 0 are refused there."""
+    into infinities (and the logits into NaN), so ``suppress``, ``scale`` by less than 1e-6
+    in magnitude and ``set`` to a value below 1e-6 are refused there."""
     values: list[float] = []
     if isinstance(spec.value, tuple):
         values = [v for row in spec.value for v in (row if isinstance(row, tuple) else (row,))]
@@ -199,16 +199,17 @@ def _check_divisor(spec: InterventionSpec, where: str) -> None:
         values = [spec.value]
     zero = (
         spec.op == "suppress"
-        # A factor below float32's smallest normal number is 0 once the model multiplies by it.
-        or (spec.op == "scale" and spec.factor is not None and abs(spec.factor) < _FLOAT32_TINY)
-        or (spec.op == "set" and any(v <= 0 for v in values))
+        # Dividing by a scale shrunk a millionfold blows the block's activations past what
+        # float32 carries through an MLP (infinities, then NaN logits).
+        or (spec.op == "scale" and spec.factor is not None and abs(spec.factor) < _SMALLEST_DIVISOR)
+        or (spec.op == "set" and any(v < _SMALLEST_DIVISOR for v in values))
     )
     if zero:
         raise _error(
             f"{where}: a norm's hook_scale is the divisor sqrt(var + eps), so {spec.to_dict()} "
-            "would divide by zero or flip the sign and make the outputs infinite or NaN; "
-            "scale it by a positive factor, set it to a positive value, or edit "
-            "hook_normalized instead"
+            "would divide by (nearly) zero or flip the sign and make the outputs infinite or "
+            "NaN; scale it by a factor of magnitude >= 1e-6, set it to a value >= 1e-6, or "
+            "edit hook_normalized instead"
         )
 
 
