@@ -10,6 +10,7 @@ site (both runs must move the logits alike). Every check names the hooks it vouc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -110,11 +111,12 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
     gen = torch.Generator().manual_seed(0)
     delta = torch.randn(d_model, generator=gen).to(dtype=dtype, device=ids.device)
     sites: list[tuple[str, nn.Module, Literal["in", "out"], int]] = []
-    after: nn.Module
+    after: nn.Module | None
     target = 1 if n > 1 else 0
     sites.append((f"blocks.{target}.hook_in", parts.layers[target].layer, "in", d_model))
     after = parts.layers[1].layer if n > 1 else parts.final_norm
-    sites.append(("blocks.0.hook_out", after, "in", d_model))
+    if after is not None:
+        sites.append(("blocks.0.hook_out", after, "in", d_model))
     lay = parts.layers[0]
     adapter = driver.adapter
     if lay.attn is not lay.layer and not adapter.sublayers_add_residual:
@@ -184,6 +186,85 @@ def _weight_rule_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: 
             )
         )
     return checks
+
+
+def _weight_checks(
+    driver: HFDriver, cache: dict[str, torch.Tensor], ids: torch.Tensor, rtol: float, *, inferred: bool
+) -> tuple[dict[str, CertificationCheck], dict[str, HookCertificate]]:
+    """Each weight accessor reproduces, in block 0, the activation its matrix produces."""
+    model = driver.hooked_model
+    b = "blocks.0."
+    get = cache.get
+    found: dict[str, CertificationCheck] = {}
+
+    def weight(name: str) -> torch.Tensor | None:
+        try:
+            value = getattr(model, name)
+        except Exception:  # no such matrix in this family (a mixture of experts, no bias)
+            return None
+        return None if value.is_meta else value.detach().double()
+
+    def check(names: tuple[str, ...], equation: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+        if got is None:
+            return  # its input is not served here: nothing to check the weight against
+        result = compare(equation, (), got, want, rtol=rtol)
+        for name in names:
+            found.setdefault(name, result)
+            if not result.passed:
+                found[name] = result
+
+    def project(x: torch.Tensor | None, w: str, bias: str, per_head: bool) -> torch.Tensor | None:
+        W, B = weight(w), weight(bias)
+        if x is None or W is None:
+            return None
+        if x.shape[-1] != W.shape[-2]:
+            return torch.full((1,), math.nan, dtype=torch.float64)  # shapes disagree: fails
+        # Per head: [d_model] @ [h, d_model, dh] -> [h, dh].
+        out = torch.einsum("bpd,hde->bphe", x.double(), W[0]) if per_head else x.double() @ W[0]
+        return out if B is None else out + B[0]
+
+    reader = get(b + "attn.hook_in", get(b + "ln1.hook_out"))
+    for key in ("Q", "K", "V"):
+        target = get(f"{b}attn.hook_{key.lower()}")
+        if target is not None:
+            check((f"W_{key}", f"b_{key}"), f"{b}attn.hook_{key.lower()} == attention's input @ W_{key}[0] + b_{key}[0]",
+                  project(reader, f"W_{key}", f"b_{key}", True), target)  # fmt: skip
+    if not driver.adapter.moe:
+        mlp_in = get(b + "mlp.hook_in")
+        gated = driver.adapter.gated
+        pre, lin = get(b + "mlp.hook_pre"), get(b + "mlp.hook_pre_linear")
+        if gated and pre is not None:
+            check(("W_gate",), f"{b}mlp.hook_pre == {b}mlp.hook_in @ W_gate[0]", project(mlp_in, "W_gate", "b_gate_absent", False), pre)
+        first = lin if gated else pre
+        if first is not None:
+            site = "hook_pre_linear" if gated else "hook_pre"
+            check(("W_in", "b_in"), f"{b}mlp.{site} == {b}mlp.hook_in @ W_in[0] + b_in[0]", project(mlp_in, "W_in", "b_in", False), first)
+        post, out = get(b + "mlp.hook_post"), get(b + "mlp.hook_out")
+        if out is not None and post is not None:
+            check(("W_out", "b_out"), f"{b}mlp.hook_out == {b}mlp.hook_post @ W_out[0] + b_out[0]", project(post, "W_out", "b_out", False), out)
+    z, attn_out = get(b + "attn.hook_z"), get(b + "attn.hook_out")
+    W_O = weight("W_O")
+    if z is not None and attn_out is not None and W_O is not None:
+        result = torch.einsum("bphd,hde->bpe", z.double(), W_O[0])
+        b_O = weight("b_O")
+        check(("W_O", "b_O"), f"{b}attn.hook_out == {b}attn.hook_z @ W_O[0] + b_O[0]", result if b_O is None else result + b_O[0], attn_out)
+    embed = get("embed.hook_out")
+    W_E = weight("W_E")
+    if embed is not None and W_E is not None:
+        check(("W_E",), "embed.hook_out == W_E[tokens]", W_E[ids.cpu()].to(embed.device), embed)
+    normed, logits = get("ln_final.hook_out"), get("unembed.hook_out")
+    W_U, b_U = weight("W_U"), weight("b_U")
+    if normed is not None and logits is not None and W_U is not None:
+        rebuilt = normed.double() @ W_U + (b_U if b_U is not None else 0.0)
+        check(("W_U", "b_U"), "unembed.hook_out == ln_final.hook_out @ W_U + b_U", rebuilt, logits)
+    unchecked: dict[str, HookCertificate] = {}
+    if inferred:
+        why = "no served activation of this model checks it, and its architecture was inferred"
+        unchecked = {n: HookCertificate("uncertified", why) for n in _WEIGHTS if n not in found and weight(n) is not None}
+    return found, unchecked
+
+
+_WEIGHTS = ("W_E", "W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O", "b_O", "W_in", "W_gate", "W_out", "b_in", "b_out", "W_U", "b_U")
 
 
 def _readout_checks(
@@ -260,6 +341,8 @@ def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description:
     for name in names:
         if name not in cache and not _opt_in(name):
             checks.append(CertificationCheck(f"{name} fires in a forward", (name,), False, float("inf"), 0.0, "it never fired"))
+    weight_checks, unchecked_weights = _weight_checks(driver, cache, ids, rtol, inferred=inferred)
+    checks += list({id(c): c for c in weight_checks.values()}.values())
     checks += _edit_checks(driver, ids, rtol)
     checks += notes
     statuses = statuses_from_checks(
@@ -285,6 +368,13 @@ def certify_driver(driver: HFDriver, *, model: str, inferred: bool, description:
         description=description,
         checks=tuple(checks),
         statuses=statuses,
+        weights={
+            **{
+                name: HookCertificate("real", c.equation) if c.passed else HookCertificate("uncertified", f"failed: {c.line()}")
+                for name, c in weight_checks.items()
+            },
+            **unchecked_weights,
+        },
     )
 
 

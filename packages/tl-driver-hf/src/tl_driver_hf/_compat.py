@@ -191,7 +191,8 @@ def _plan(parts: ModelModules, adapter: ArchitectureAdapter, parallel: bool) -> 
         if layer.down is not None:
             plan.writers.append(Projection(layer.down, "weight", adapter.linear))
     # The unembedding is an nn.Linear in every family (GPT-2's blocks use Conv1D).
-    plan.folds.append((parts.final_norm, [Projection(parts.lm_head, "weight", "linear")]))
+    if parts.final_norm is not None:
+        plan.folds.append((parts.final_norm, [Projection(parts.lm_head, "weight", "linear")]))
     posts = [p for p in (adapter.ln1_post, adapter.ln2_post) if p]
     if posts:
         plan.notes.append(

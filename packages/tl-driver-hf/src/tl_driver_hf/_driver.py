@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from tl_core import ConfigError, HookPoint, ModelInfo, UserError
+from tl_core import ConfigError, HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
     Certification,
     CertificationCheck,
@@ -180,22 +180,56 @@ class HFDriver(LocalDriver):
             "positions": info.positional_embedding_type,
         }
 
+    def _first_certifiable(self) -> Certification:
+        """Certify an inferred model in stages, each serving less, until its run holds.
+
+        First with every candidate hook and tl's hooked attention; then with the model's own
+        attention (tl's may not reproduce a family's: sinks, extra inputs); then with the
+        residual stream alone (a block whose insides do not run with tl's hooks).
+
+        Raises:
+            ConfigError: Not even the residual stream runs (names the error).
+        """
+        error: Exception | None = None
+        cert: Certification | None = None
+        for hooked, residual_only in ((True, False), (False, False), (False, True)):
+            self._hooked_attention = hooked
+            if residual_only:
+                names = list(self._model.hook_points)
+                kept = [n for n in names if _on_residual_stream(n)]
+                why = f"{type(error).__name__}: {error}" if error is not None else "its block equations failed"
+                for n in names:
+                    if n not in kept:
+                        self._absent[n] = f"uncertified: tl's hooks inside this inferred block do not run ({why})"
+                self._build(kept)
+            try:
+                cert = self.certify()
+            except Exception as exc:  # the family's code does not run with these hooks
+                error = exc
+                continue
+            if _residual_holds(cert):
+                return cert
+        if cert is not None:
+            return cert  # refused by the caller, with the failing equations
+        raise ConfigError(
+            f"architecture {self._info.architecture!r} has no hand-written description and tl "
+            f"cannot run the one inferred from its modules ({type(error).__name__}: {error}); "
+            f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
+        )
+
     def _certify_at_boot(self, name: str) -> None:
         """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
         self._name = name
         inferred = self._inferred is not None
-        try:
-            cert: Certification | None = self.certify()
-        except Exception:
-            if not inferred:
-                raise
-            cert = None  # the family's code does not run with tl's attention function
-        if cert is None or (inferred and not _residual_holds(cert)):
-            # tl's hooked attention may not reproduce this family's (sinks, extra inputs):
-            # keep the model's own attention and serve what certifies without it.
-            self._hooked_attention = False
-            self._build(list(self._model.hook_points))
-            cert = self.certify()
+        cert = self._first_certifiable() if inferred else self.certify()
+        unconfirmed = [c for c in cert.checks if c.detail.startswith("not compared")]
+        if inferred and unconfirmed:
+            raise ConfigError(
+                f"architecture {self._info.architecture!r} has no hand-written description, and "
+                f"transformers' own hidden_states cannot confirm that the inferred layer list "
+                f"({self._adapter.layers}) is the model's residual stream ({unconfirmed[0].detail}); "
+                f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
+            )
         if not _residual_holds(cert):
             first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not _on_residual(c)))
             failed = "; ".join(c.line() for c in first[:3])
@@ -223,6 +257,9 @@ class HFDriver(LocalDriver):
                     "bridge.certification", len(dropped), name, dropped[0],
                 )  # fmt: skip
         self._certification = cert
+        self._model.refused_weights.update(
+            {name: w.reason for name, w in cert.weights.items() if w.status != "real"}
+        )
         if inferred:
             _LOG.warning(
                 "%s: architecture %s inferred from its modules (no hand-written description); "
@@ -344,6 +381,14 @@ class HFDriver(LocalDriver):
             )
         if self._compat is not None:
             raise UserError(f"compatibility mode is already enabled ({self._compat}); it can be applied once")
+        if self._inferred is not None:
+            raise UnsupportedFeatureError(
+                f"enable_compatibility_mode() folds weights along a family's hand-checked "
+                f"description (each is compared with TransformerLens in CI); "
+                f"{self._info.architecture!r} was inferred from its modules, so its folding is "
+                f"not verified. Use the model as loaded, or describe the family "
+                f"(docs/adding-a-family.md)."
+            )
         self._check_runnable()
         info = self.info
         self._compat = enable_compatibility(
@@ -485,8 +530,12 @@ class HFDriver(LocalDriver):
         with self._session():
             handle = None
             if stop is not None:
-                target = self._model.parts.layers[stop].layer if stop < n_layers else self._model.parts.final_norm
-                handle = target.register_forward_pre_hook(_stopper, with_kwargs=True, prepend=True)
+                parts = self._model.parts
+                target = parts.layers[stop].layer if stop < n_layers else parts.final_norm
+                if target is not None:
+                    handle = target.register_forward_pre_hook(_stopper, with_kwargs=True, prepend=True)
+                else:  # no final norm: the stream ends at the last block's output
+                    handle = parts.layers[-1].layer.register_forward_hook(_stop_after)
             try:
                 out = self.hf_model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
             except _Stop as stopped:
@@ -582,7 +631,13 @@ class HFDriver(LocalDriver):
                 x = out[0] if isinstance(out, tuple) else out
             if stop is not None:
                 return x
-            logits = parts.lm_head(parts.final_norm(x))
+            if self._adapter.readout_opaque:
+                raise UnsupportedFeatureError(
+                    f"start_at_layer runs on to the logits through {self._info.architecture!r}'s "
+                    f"head transform, which tl does not read; pass stop_at_layer to get the "
+                    f"residual stream instead"
+                )
+            logits = parts.lm_head(parts.final_norm(x) if parts.final_norm is not None else x)
         return self._softcap(logits)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
@@ -595,6 +650,10 @@ class HFDriver(LocalDriver):
 
 def _stopper(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     raise _Stop(_input_of(args, kwargs))
+
+
+def _stop_after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    raise _Stop(output[0] if isinstance(output, tuple) else output)
 
 
 def _prober(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -658,6 +717,11 @@ def _adapter_or_none(config: Any, opts: BootOptions) -> ArchitectureAdapter | No
             f"from its modules after loading: use device_map instead"
         )
     return None
+
+
+def _on_residual_stream(name: str) -> bool:
+    """Whether a hook is outside the blocks or a block's input or output."""
+    return not name.startswith("blocks.") or (name.count(".") == 2 and name.endswith((".hook_in", ".hook_out")))
 
 
 def _on_residual(check: CertificationCheck) -> bool:

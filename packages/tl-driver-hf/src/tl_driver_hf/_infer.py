@@ -172,7 +172,7 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _layer_list(model: nn.Module, calls: Mapping[int, _Call], d_model: int, n_pos: int) -> str:
+def _layer_list(model: nn.Module, calls: Mapping[int, _Call], d_model: int, n_pos: int, n_layers: int | None) -> str:
     best: tuple[int, int, str] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -181,26 +181,34 @@ def _layer_list(model: nn.Module, calls: Mapping[int, _Call], d_model: int, n_po
         for child in module:
             call = calls.get(id(child))
             out = call.output if call is not None else None
-            if call is None or out is None or tuple(out.shape[-2:]) != (n_pos, d_model):
+            # Exactly [batch, pos, d_model]: parallel streams (Gemma 3n's AltUp) are no
+            # single residual stream.
+            if call is None or out is None or tuple(out.shape) != (1, n_pos, d_model):
                 break
             starts.append(call.start)
         else:
-            if starts == sorted(starts):
+            # The config's layer count, where it has one, picks the list: models with
+            # several token-level lists (encoder and decoder stacks, recurrent loops) are
+            # not one residual stream tl can name.
+            if starts == sorted(starts) and (n_layers is None or len(module) == n_layers):
                 key = (len(module), -name.count("."), name)
                 if best is None or key[:2] > best[:2]:
                     best = key
     if best is None:
+        count = f" {n_layers} (the config's layer count)" if n_layers is not None else ""
         raise ConfigError(
-            "cannot infer the decoder layers: no ModuleList of the model runs its children in "
-            "order on [batch, pos, d_model] tensors; describe the family with an "
-            "ArchitectureAdapter (docs/adding-a-family.md)"
+            f"cannot infer the decoder layers: no ModuleList of{count} children runs them in "
+            f"order on [batch, pos, d_model] tensors; describe the family with an "
+            f"ArchitectureAdapter (docs/adding-a-family.md)"
         )
     return best[2]
 
 
 def _final_norm(
     model: nn.Module, layers: nn.ModuleList, lm_head: nn.Module, calls: Mapping[int, _Call]
-) -> str:
+) -> tuple[str | None, bool]:
+    """The final norm's path (``None``: none), and whether the unembedding reads something
+    else than the last block's output through that one norm (a head transform)."""
     last = calls[id(layers[len(layers) - 1])]
     head = calls.get(id(lm_head))
     inside = {id(m) for m in layers.modules()}
@@ -210,15 +218,12 @@ def _final_norm(
         call = calls.get(id(module))
         if call is None or id(module) in inside or module is lm_head:
             continue
-        leaf_or_norm = not any(True for _ in module.children()) or _is_norm(module)
-        if call.start > last.end and call.end < head.start and _same(call.output, head.input) and leaf_or_norm:
-            return str(name)
-    raise ConfigError(
-        "cannot infer the final norm: no module between the last decoder layer and the "
-        "unembedding produces the unembedding's input; describe the family with an "
-        "ArchitectureAdapter (docs/adding-a-family.md)"
-    )
-
+        between = call.start > last.end and call.end < head.start
+        if between and _is_norm(module) and _same(call.output, head.input) and _same(call.input, last.output):
+            return str(name), False
+    if _same(head.input, last.output):
+        return None, False
+    return None, True
 
 def _position_embedding(
     model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, _Call]
@@ -338,7 +343,7 @@ def _info(config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: i
             d_model=d_model,
             n_heads=int(heads),
             d_head=d_model // int(heads),
-            d_mlp=int(getattr(config, "intermediate_size", None) or 4 * d_model),
+            d_mlp=_width(getattr(config, "intermediate_size", None), 4 * d_model),
             d_vocab=d_vocab,
             n_ctx=int(getattr(config, "max_position_embeddings", None) or 2048),
             normalization_type=structure.get("normalization_type"),
@@ -372,9 +377,11 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     with _recording(model) as calls, torch.no_grad():
         model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), use_cache=False)
-    layers_path = _layer_list(model, calls, d_model, ids.shape[1])
+    declared = getattr(config.get_text_config(), "num_hidden_layers", None)
+    n_declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else None
+    layers_path = _layer_list(model, calls, d_model, ids.shape[1], n_declared)
     layers = cast(nn.ModuleList, model.get_submodule(layers_path))
-    final_norm = _final_norm(model, layers, lm_head, calls)
+    final_norm, readout_opaque = _final_norm(model, layers, lm_head, calls)
     embed_path, head_path = _path_of(model, embed), _path_of(model, lm_head)
     assert embed_path is not None and head_path is not None
     blocks = [_block(layer, calls) for layer in layers]
@@ -384,7 +391,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     arch = str((getattr(config, "architectures", None) or [type(model).__name__])[0])
     text = config.get_text_config()
     rotary = any(getattr(text, k, None) is not None for k in ("rope_parameters", "rope_theta", "rotary_emb_base"))
-    final_kind = _norm_kind(model.get_submodule(final_norm), calls.get(id(model.get_submodule(final_norm))))
+    final_module = model.get_submodule(final_norm) if final_norm is not None else None
+    final_kind = _norm_kind(final_module, calls.get(id(final_module))) if final_module is not None else None
     kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
     known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
     norm: NormKind = known[0] if known else "rms"
@@ -396,13 +404,22 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     for key, child in prefixes.items():
         if child is not None and any(b.kinds.get(child) != norm for b in blocks):
             absent.update({f"blocks.{{i}}.{key}.hook_scale": unknown, f"blocks.{{i}}.{key}.hook_normalized": unknown})
-    if final_kind != norm:
+    if final_norm is None:
+        why = (
+            "the unembedding reads a head transform (or a norm computed without a module), "
+            "not one final norm" if readout_opaque else "the unembedding reads the last block's output directly"
+        )
+        absent.update({f"ln_final.{s}": why for s in ("hook_in", "hook_scale", "hook_normalized", "hook_out")})
+    elif final_kind != norm:
         absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
     pos_embed = _position_embedding(model, embed, layers, calls)
     description: dict[str, str] = {
         "embedding": embed_path,
         "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
-        "final norm": f"{final_norm} ({final_kind or 'unknown weight rule'})",
+        "final norm": (
+            f"{final_norm} ({final_kind or 'unknown weight rule'})" if final_norm
+            else "none: " + ("a head transform before the unembedding" if readout_opaque else "the unembedding reads the last block")
+        ),
         "unembedding": head_path,
     }
     notes: list[str] = []
@@ -424,6 +441,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=None, ln2=None,
             attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
             norm=norm, rotary=False, verified=False, pos_embed=pos_embed, absent=absent,
+            readout_opaque=readout_opaque,
         )  # fmt: skip
         return InferredArchitecture(adapter, description, "opaque", info, tuple(notes))
     layer0 = layers[0]
@@ -512,6 +530,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         verified=False,
         pos_embed=pos_embed,
         absent=absent,
+        readout_opaque=readout_opaque,
     )
     form = "parallel" if first.parallel else "sequential"
     if first.ln1_post or first.ln2_post:
@@ -538,6 +557,13 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         qk_norm=q_norm is not None, moe=moe, architecture=arch,
     )  # fmt: skip
     return InferredArchitecture(adapter, description, "sublayers", info, tuple(notes))
+
+
+def _width(value: Any, default: int) -> int:
+    """A size that may be given per layer (a list, Gemma 3n): the first layer's."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return int(value) if isinstance(value, (int, float)) and value else default
 
 
 def _rows(lm_head: nn.Module) -> int:

@@ -180,7 +180,8 @@ def _n_devices_map(adapter: ArchitectureAdapter, config: Any, n: int) -> dict[st
     per = -(-n_layers // n)
     for i in range(n_layers):
         placement[f"{adapter.layers}.{i}"] = min(i // per, n - 1)
-    placement[adapter.final_norm] = n - 1
+    if adapter.final_norm is not None:
+        placement[adapter.final_norm] = n - 1
     tied = getattr(config, "tie_word_embeddings", False)
     placement[adapter.lm_head] = 0 if tied else n - 1
     prefix = adapter.layers.rsplit(".", 1)[0] + "." if "." in adapter.layers else ""

@@ -82,6 +82,14 @@ class HFHookedModel(nn.Module):
         self.info = info
         self.parts = modules
         self.hook_points = _build_tree(self, hook_names, info.n_layers)
+        #: Weight name -> why it is refused: certification found it does not reproduce
+        #: the activations it claims to produce.
+        self.refused_weights: dict[str, str] = {}
+
+    def _refuse(self, name: str) -> None:
+        reason = self.refused_weights.get(name)
+        if reason is not None:
+            raise UnsupportedFeatureError(f"{name} is not served on this model: {reason}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped transformers model directly (no tl hooks fire)."""
@@ -134,6 +142,7 @@ class HFHookedModel(nn.Module):
         includes that scale, so ``embed.hook_out == W_E[tokens]`` on every family (as
         TransformerLens serves it).
         """
+        self._refuse("W_E")
         weight: torch.Tensor = self.parts.embed.weight  # type: ignore[assignment]
         if not self.adapter.embed_scaled:
             return weight
@@ -143,6 +152,7 @@ class HFHookedModel(nn.Module):
     @property
     def W_pos(self) -> torch.Tensor:
         """Learned position embedding ``[n_ctx, d_model]``."""
+        self._refuse("W_pos")
         if self.parts.pos_embed is None:
             raise UnsupportedFeatureError(
                 f"W_pos exists only with learned positions; {self.adapter.family!r} uses "
@@ -155,36 +165,43 @@ class HFHookedModel(nn.Module):
     @property
     def W_Q(self) -> torch.Tensor:
         """Query weights ``[n_layers, n_heads, d_model, d_head]``."""
+        self._refuse("W_Q")
         return self._attn("W_Q")
 
     @property
     def W_K(self) -> torch.Tensor:
         """Key weights ``[n_layers, n_key_value_heads, d_model, d_head]``."""
+        self._refuse("W_K")
         return self._attn("W_K")
 
     @property
     def W_V(self) -> torch.Tensor:
         """Value weights ``[n_layers, n_key_value_heads, d_model, d_head]``."""
+        self._refuse("W_V")
         return self._attn("W_V")
 
     @property
     def b_Q(self) -> torch.Tensor:
         """Query biases ``[n_layers, n_heads, d_head]`` (zeros without biases)."""
+        self._refuse("b_Q")
         return self._attn("b_Q")
 
     @property
     def b_K(self) -> torch.Tensor:
         """Key biases ``[n_layers, n_key_value_heads, d_head]`` (zeros without biases)."""
+        self._refuse("b_K")
         return self._attn("b_K")
 
     @property
     def b_V(self) -> torch.Tensor:
         """Value biases ``[n_layers, n_key_value_heads, d_head]`` (zeros without biases)."""
+        self._refuse("b_V")
         return self._attn("b_V")
 
     @property
     def W_O(self) -> torch.Tensor:
         """Output weights ``[n_layers, n_heads, d_head, d_model]``."""
+        self._refuse("W_O")
         info = self.info
         return self._stack(
             [head_weights(lay.o, self.adapter.linear, info.n_heads, info.d_head)[0] for lay in self.parts.layers]
@@ -193,6 +210,7 @@ class HFHookedModel(nn.Module):
     @property
     def b_O(self) -> torch.Tensor:
         """Attention output biases ``[n_layers, d_model]`` (zeros without biases)."""
+        self._refuse("b_O")
         biases = [bias_of(lay.o) for lay in self.parts.layers]
         if biases[0] is None:
             ref = self.W_E
@@ -202,36 +220,43 @@ class HFHookedModel(nn.Module):
     @property
     def W_in(self) -> torch.Tensor:
         """MLP input (up) weights ``[n_layers, d_model, d_mlp]``."""
+        self._refuse("W_in")
         return self._mlp("W_in")
 
     @property
     def W_gate(self) -> torch.Tensor:
         """MLP gate weights ``[n_layers, d_model, d_mlp]`` (gated MLPs only)."""
+        self._refuse("W_gate")
         return self._mlp("W_gate")
 
     @property
     def W_out(self) -> torch.Tensor:
         """MLP output weights ``[n_layers, d_mlp, d_model]``."""
+        self._refuse("W_out")
         return self._mlp("W_out")
 
     @property
     def b_in(self) -> torch.Tensor:
         """MLP input biases ``[n_layers, d_mlp]`` (zeros without biases)."""
+        self._refuse("b_in")
         return self._mlp("b_in", (self.info.d_mlp,))
 
     @property
     def b_out(self) -> torch.Tensor:
         """MLP output biases ``[n_layers, d_model]`` (zeros without biases)."""
+        self._refuse("b_out")
         return self._mlp("b_out", (self.info.d_model,))
 
     @property
     def W_U(self) -> torch.Tensor:
         """Unembedding ``[d_model, d_vocab]``."""
+        self._refuse("W_U")
         return in_out(self.parts.lm_head, "linear")
 
     @property
     def b_U(self) -> torch.Tensor:
         """Unembedding bias ``[d_vocab]`` (zeros without a bias)."""
+        self._refuse("b_U")
         bias = bias_of(self.parts.lm_head)
         if bias is None:
             return torch.zeros_like(self.W_U[0])
@@ -240,6 +265,12 @@ class HFHookedModel(nn.Module):
     def readout(self) -> ModelReadout:
         """The final norm and unembedding (the family's weight rule folded into the weight)."""
         norm = self.parts.final_norm
+        if self.adapter.readout_opaque:
+            raise UnsupportedFeatureError(
+                f"the unembedding of {self.info.architecture!r} reads a head transform tl does "
+                f"not read (not one final norm), so there is no readout of the residual stream "
+                f"to logits; unembed.hook_out holds the model's own logits"
+            )
         weight = getattr(norm, "weight", None)
         if weight is not None and self.adapter.norm == "rms_plus_one":
             weight = 1.0 + weight.float()
@@ -250,8 +281,8 @@ class HFHookedModel(nn.Module):
             W_U=self.W_U,
             b_U=bias_of(self.parts.lm_head),
             ln_final_weight=weight,
-            ln_final_bias=bias_of(norm),
-            normalization_type=self.info.normalization_type,
-            eps=norm_eps(norm),
+            ln_final_bias=bias_of(norm) if norm is not None else None,
+            normalization_type=self.info.normalization_type if norm is not None else None,
+            eps=norm_eps(norm) if norm is not None else 1e-5,
             logit_softcap=float(softcap) if softcap is not None else None,
         )

@@ -46,7 +46,7 @@ class ModelModules:
     embed_norm: nn.Module | None
     pos_embed: nn.Module | None
     layers: tuple[LayerModules, ...]
-    final_norm: nn.Module
+    final_norm: nn.Module | None
     lm_head: nn.Module
 
 
@@ -113,6 +113,6 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
         embed_norm=_get(model, adapter.embed_norm, "", adapter),
         pos_embed=_get(model, adapter.pos_embed, "", adapter),
         layers=tuple(layers),
-        final_norm=_need(model, adapter.final_norm, "", adapter),
+        final_norm=_get(model, adapter.final_norm, "", adapter),
         lm_head=_need(model, adapter.lm_head, "", adapter),
     )

@@ -40,7 +40,9 @@ class ArchitectureAdapter:
         architectures: ``*ForCausalLM`` class names it serves (``config.architectures``).
         embed: Path of the token embedding module.
         layers: Path of the ``ModuleList`` of decoder layers.
-        final_norm: Path of the final norm.
+        final_norm: Path of the final norm, or ``None`` when the unembedding reads the last
+            block's output without one (or, with ``readout_opaque``, through something tl
+            does not read).
         lm_head: Path of the unembedding ``Linear``.
         pos_embed: Path of the learned position embedding, or ``None``.
         embed_norm: Path of a norm applied to the embedding before the first block (BLOOM),
@@ -115,6 +117,10 @@ class ArchitectureAdapter:
             outputs of ``o`` and ``down``.
         mlp_out_inplace: Whether the layer adds into the MLP's output in place (Falcon);
             ``mlp.hook_out`` then hands the layer a copy, so cached values stay intact.
+        readout_opaque: Whether the unembedding reads something other than the last block's
+            output through at most one norm module (a head transform such as BERT's dense,
+            activation and norm, or a norm computed without a module): the logit-lens
+            readout and ``start_at_layer`` runs to the logits are then refused.
     """
 
     family: str
@@ -122,7 +128,7 @@ class ArchitectureAdapter:
     architectures: tuple[str, ...]
     embed: str = "model.embed_tokens"
     layers: str = "model.layers"
-    final_norm: str = "model.norm"
+    final_norm: str | None = "model.norm"
     lm_head: str = "lm_head"
     pos_embed: str | None = None
     embed_norm: str | None = None
@@ -171,6 +177,7 @@ class ArchitectureAdapter:
     inline_attention: str | None = None
     sublayers_add_residual: bool = False
     mlp_out_inplace: bool = False
+    readout_opaque: bool = False
 
     @property
     def gated(self) -> bool:

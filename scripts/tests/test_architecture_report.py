@@ -1,0 +1,134 @@
+"""The architecture report builds, judges and checks what it promises (run by ``nox -s docs``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytest.importorskip("transformers")
+pytest.importorskip("tl_driver_hf")
+
+import _tiny_checkpoints as tiny
+import architecture_report as report
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-architectures")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mamba", "qwen3_next"])
+def test_tiny_config_is_tiny(model_type: str) -> None:
+    config = tiny.tiny_config(model_type)
+    text = config.to_dict()
+    assert config.num_hidden_layers == 2
+    assert config.hidden_size == 64
+    assert config.vocab_size <= tiny.VOCAB
+    assert all(len(v) == 2 for k, v in text.items() if k.endswith("layer_types"))
+    ids = tiny.input_ids(config)
+    assert len(ids) == tiny.BATCH_SHAPE[0] and all(len(row) == tiny.BATCH_SHAPE[1] for row in ids)
+    assert ids == tiny.input_ids(config), "the batch must be the same on every run"
+
+
+def test_hybrid_keeps_both_kinds_of_layer() -> None:
+    # qwen3_next's default pattern is three linear-attention layers, then one full.
+    assert tiny.tiny_config("qwen3_next").layer_types == ["linear_attention", "full_attention"]
+
+
+def test_state_space_heads_tile_the_inner_width() -> None:
+    config = tiny.tiny_config("mamba2")
+    assert config.num_heads * config.head_dim == config.expand * config.hidden_size
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_described_families_are_served_with_full_hooks(model_type: str, cache: Path) -> None:
+    built = tiny.build(model_type, cache)
+    assert built.error is None and built.folder is not None
+    assert (built.folder / "config.json").exists()
+    verdict = report.judge(built, cache)
+    assert verdict.verdict == report.FULL, verdict
+    assert verdict.note == f"adapter {model_type!r}"
+
+
+def test_a_served_or_refused_type_is_never_wrong(cache: Path) -> None:
+    # Mamba has no attention: tl serves it at most at the residual level, or refuses it.
+    verdict = report.judge(tiny.build("mamba", cache), cache)
+    assert verdict.verdict in (report.RESIDUAL, report.SUBLAYERS, report.REFUSED), verdict
+
+
+def test_a_type_transformers_cannot_run(cache: Path) -> None:
+    # XmodForCausalLM needs a language chosen before any forward.
+    built = tiny.build("xmod", cache)
+    assert built.folder is None and "set_default_language" in (built.error or "")
+    verdict = report.judge(built, cache)
+    assert verdict.verdict == report.NOT_RUNNABLE
+    assert verdict.note == built.error
+
+
+def test_a_cached_build_is_reused(cache: Path) -> None:
+    first = tiny.build("gpt2", cache)
+    again = tiny.build("gpt2", cache)
+    assert again.reused and again.ids == first.ids and again.folder == first.folder
+
+
+def test_a_wrong_hook_is_caught(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks are independent of tl: a driver serving the wrong layer input fails them."""
+    from tl_core import TransformerBridge
+
+    real = TransformerBridge.run_with_cache
+
+    def shifted(self: TransformerBridge, *args: Any, **kwargs: Any) -> Any:
+        logits, captured = real(self, *args, **kwargs)
+        tensors = {name: captured[name] for name in kwargs["names_filter"]}
+        tensors["blocks.1.hook_in"] = tensors["blocks.1.hook_in"] + 1e-2
+        return logits, tensors
+
+    monkeypatch.setattr(TransformerBridge, "run_with_cache", shifted)
+    verdict = report.judge(tiny.build("llama", cache), cache)
+    assert verdict.verdict == report.WRONG
+    assert "blocks.1.hook_in vs layer 1's input" in verdict.note
+
+
+def test_first_sentence_skips_full_stops_in_brackets() -> None:
+    message = "it fails (FAIL a. b [err 1.0e-3]); tl refuses. Describe it."
+    assert report.first_sentence(message) == "it fails (FAIL a. b [err 1.0e-3]); tl refuses."
+
+
+def _verdicts() -> list[report.Verdict]:
+    return [
+        report.Verdict("b", "BForCausalLM", report.RESIDUAL, "architecture inferred"),
+        report.Verdict("a", "AForCausalLM", report.FULL, "adapter 'a'"),
+        report.Verdict("c", "CForCausalLM", report.NOT_RUNNABLE, "KeyError: 'x|y'"),
+    ]
+
+
+def test_page_is_sorted_and_escaped() -> None:
+    text = report.render(_verdicts(), "9.9.9")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == ["a", "b", "c"]
+    assert "KeyError: 'x\\|y'" in text
+    assert "| served by tl | 2 | 100.0% of runnable |" in text
+    assert report.page_version(text) == "9.9.9"
+
+
+def test_check_fails_on_a_stale_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    page = tmp_path / "docs" / "architectures.md"
+    page.parent.mkdir()
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "PAGE", page)
+    monkeypatch.setattr(report, "scan", lambda types, cache, **kw: _verdicts())
+    argv = ["--cache", str(tmp_path / "cache")]
+    assert report.main([*argv, "--check"]) == 1
+    assert "is stale" in capsys.readouterr().err
+    assert report.main(argv) == 0
+    assert report.main([*argv, "--check"]) == 0
+    import transformers
+
+    page.write_text(page.read_text().replace(transformers.__version__, "0.0.1"), encoding="utf-8")
+    assert report.main([*argv, "--check"]) == 1
+    assert "it was written with transformers 0.0.1" in capsys.readouterr().err
