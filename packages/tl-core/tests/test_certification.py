@@ -389,8 +389,8 @@ def test_the_report_names_failed_checks_and_statuses(inferred: bool) -> None:
     assert "  FAIL blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out  [err 1.00e+00 <= 1.00e-04]" in lines
     assert not any(line.strip().startswith("ok") for line in lines), "passed checks only with verbose"
     assert f"  uncertified: {3 if inferred else 2}" in lines
-    # Templates, with the reason of the template's last name.
-    assert "    blocks.{i}.attn.hook_out  (failed: blocks.1.ln2.hook_in == blocks.1.hook_in + blocks.1.attn.hook_out)" in lines
+    # Templates, with the reason of the template's first name (in forward order).
+    assert "    blocks.{i}.attn.hook_out  (failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out)" in lines
     assert "  structurally_absent: 1" in lines and "    blocks.{i}.mlp.hook_pre  (experts)" in lines
     assert f"  real: {1 if inferred else 2}" in lines and "    blocks.{i}.hook_in" in lines
     assert "  derived" not in text, "empty statuses are left out"

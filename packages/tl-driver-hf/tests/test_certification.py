@@ -187,7 +187,13 @@ def test_a_described_family_certifies_clean_and_serves_only_real_hooks(checkpoin
     served = set(bridge.driver.hook_points)
     assert served <= set(cert.served)
     assert {n: cert.statuses[n].status for n in served} == dict.fromkeys(served, "real")
-    # The report holds the references, not only tl's own equations.
+    # At boot a described family gets tl's own equations over its first blocks; on demand,
+    # every check, with plain transformers and plain torch hooks as the references.
+    assert cert.description["scope"].startswith("quick")
+    assert not any(c.equation.startswith("blocks.2.") for c in cert.checks)
+    cert = bridge.driver.certify()
+    assert cert.failed == (), "\n".join(c.line() for c in cert.failed)
+    assert cert.description["scope"].startswith("every check")
     equations = [c.equation for c in cert.checks]
     assert "logits == the engine's own logits" in equations
     assert "blocks.1.hook_in == the engine's hidden_states[1]" in equations
@@ -451,7 +457,9 @@ def test_a_wrong_layer_list_is_refused_naming_the_residual_stream(
     extra_adapter(dataclasses.replace(_described("llama"), layers="model.reversed_layers"))
     with pytest.raises(ConfigError, match=r"residual stream fails certification") as raised:
         build_bridge_from_module(model, tokenizer=str(folder))
-    assert "FAIL blocks.0.hook_in == the engine's hidden_states[0]" in str(raised.value)
+    # The boot of a described family checks tl's own capture: the chain breaks where the
+    # wrong list hands one layer's output to a layer that does not read it.
+    assert "FAIL blocks.0.hook_out == blocks.1.hook_in" in str(raised.value)
 
 
 # -- tl certify ---------------------------------------------------------------------------
@@ -479,4 +487,5 @@ def test_cli_certify_exits_1_when_a_check_fails(
     extra_adapter(dataclasses.replace(_described("gemma2"), ln1_post=None, ln2_post=None))
     assert main(["certify", str(checkpoint("gemma2"))]) == 1
     out = capsys.readouterr().out
-    assert "FAIL blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out" in out
+    # The boot refused those sites; the report names the equation as their reason.
+    assert "failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out" in out

@@ -153,17 +153,25 @@ class HFDriver(LocalDriver):
         or without weights); ``certify()`` runs it again on demand."""
         return self._certification
 
-    def certify(self) -> Certification:
+    def certify(self, *, thorough: bool = True) -> Certification:
         """Run the certification checks now on the booted model and return the report.
 
         Serves nothing new and hides nothing: the served hooks stay as they are (at boot,
         only certified hooks were served).
 
+        Args:
+            thorough: Every check (the default here, and at the boot of an inferred
+                architecture): plain transformers as the reference, causality, edits
+                against plain torch hooks, weights. ``False`` is what the boot of a
+                described family runs: the equations over tl's own capture.
+
         Raises:
             UserError: The model was booted without weights.
         """
         self._check_runnable()
-        return certify_driver(self, model=self._name, inferred=self._inferred is not None, description=self._describe())
+        return certify_driver(
+            self, model=self._name, inferred=self._inferred is not None, description=self._describe(), thorough=thorough
+        )
 
     _name: str = "<model>"
 
@@ -221,7 +229,7 @@ class HFDriver(LocalDriver):
         """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
         self._name = name
         inferred = self._inferred is not None
-        cert = self._first_certifiable() if inferred else self.certify()
+        cert = self._first_certifiable() if inferred else self.certify(thorough=False)
         unconfirmed = [c for c in cert.checks if c.detail.startswith("not compared")]
         if inferred and unconfirmed:
             raise ConfigError(

@@ -171,7 +171,9 @@ class Certification:
                 continue
             lines.append(f"  {status}: {len(names)}")
             shown = names if verbose else _templates(names)
-            reasons = {_template(n): self.statuses[n].reason for n in names}
+            reasons: dict[str, str] = {}
+            for n in names:  # a template's reason: its first layer's
+                reasons.setdefault(_template(n), self.statuses[n].reason)
             for name in shown:
                 reason = self.statuses[name].reason if verbose else reasons.get(name, "")
                 lines.append(f"    {name}" + (f"  ({reason})" if reason and status != "real" else ""))
@@ -639,7 +641,11 @@ def statuses_from_checks(
     out: dict[str, HookCertificate] = {}
     for name in names:
         if absent and name in absent:
-            out[name] = HookCertificate("structurally_absent", absent[name])
+            reason = absent[name]
+            # A driver keeps the hooks it refused after certifying with their reasons.
+            refused = reason.startswith("uncertified: ")
+            status: CertifiedStatus = "uncertified" if refused else "structurally_absent"
+            out[name] = HookCertificate(status, reason.removeprefix("uncertified: "))
         elif name in failed:
             out[name] = HookCertificate("uncertified", failed[name])
         elif name in passed:
