@@ -290,7 +290,7 @@ def docs(session: nox.Session) -> None:
     session.run("python", "scripts/write_hook_docs.py", "--check")
     session.run("python", "scripts/write_api_docs.py", "--check")
     session.run("python", "scripts/architecture_report.py", "--check", env=SHARED_TL_CACHE)
-    session.run("pytest", "scripts/tests", "-q")
+    session.run("pytest", "scripts/tests", "-q", env=SHARED_TL_CACHE)  # the scan's tiny checkpoints
     session.run("python", "scripts/check_doc_examples.py")
     session.run("python", "scripts/run_tutorials.py", env=SHARED_TL_CACHE)
     # The Material theme prints an end-of-life banner on every build; it is no build warning.
