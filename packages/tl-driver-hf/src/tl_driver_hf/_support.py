@@ -68,7 +68,9 @@ def _report(
         what = architecture or model_type or name
         return SupportReport(
             name, False, None, model_type, architecture, False, checkpointed,
-            f"{what!r} ({how}) matches no adapter; supported families: {_families()}",
+            f"{what!r} ({how}) matches no adapter, so booting it infers its architecture from "
+            f"the module tree and serves what certification proves (tl certify shows it); "
+            f"described families: {_families()}",
         )
     return SupportReport(
         name, True, adapter.family, model_type or adapter.model_types[0],

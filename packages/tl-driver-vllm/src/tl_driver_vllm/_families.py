@@ -474,8 +474,9 @@ def layout_for(architecture: str) -> Layout:
         raise ConfigError(
             f"the vllm driver does not support architecture {architecture!r}; supported: "
             f"{', '.join(sorted(LAYOUTS))}. Each family needs a table of where vLLM keeps "
-            "its sites (tl_driver_vllm._families.LAYOUTS) and parity tests; use the hf "
-            "driver for other models."
+            "its sites (tl_driver_vllm._families.LAYOUTS) and parity tests. The hf driver "
+            "infers and certifies architectures nobody described: `tl certify MODEL` shows "
+            "what it serves."
         )
     return layout
 
