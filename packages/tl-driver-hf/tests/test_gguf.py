@@ -258,3 +258,17 @@ def test_later_boots_reuse_the_folder(first_boot: tuple[TransformerBridge, list[
     assert elapsed < first_boot[2] / 3, f"warm boot {elapsed:.1f}s vs cold {first_boot[2]:.1f}s"
     ids = [[1, 504, 3575, 282, 4649, 314]]
     assert torch.equal(again(ids), first_boot[0](ids))
+
+
+def test_every_hook_served_on_smollm2_certifies(first_boot: tuple[TransformerBridge, list[str], float]) -> None:
+    """The real model: the boot's quick certification and every check on demand agree that
+    each served hook holds what its name promises (what `tl certify` prints)."""
+    bridge = first_boot[0]
+    boot = bridge.certification
+    assert boot is not None and boot.failed == () and not boot.inferred
+    report = bridge.driver.certify()
+    assert report.failed == (), "\n".join(c.line() for c in report.failed)
+    assert report.level == "full" and report.family == "llama"
+    served = set(bridge.driver.hook_points)
+    assert served and all(report.statuses[name].status == "real" for name in served)
+    assert all(w.status == "real" for w in report.weights.values()) and "W_Q" in report.weights

@@ -124,6 +124,8 @@ class HFDriver(LocalDriver):
         self._hooked_attention = True
         self._certification: Certification | None = None
         self._inferred: InferredArchitecture | None = None
+        #: Why the readout is refused (certification found it does not give the logits).
+        self._readout_refused: str | None = None
         self._build(names)
         self._configs = _configs_of(hf_model)
         # Meta parameters without accelerate's offload hooks mean load_weights=False; with
@@ -265,6 +267,9 @@ class HFDriver(LocalDriver):
                     "bridge.certification", len(dropped), name, dropped[0],
                 )  # fmt: skip
         self._certification = cert
+        wrong_readout = [c for c in cert.failed if c.hooks and set(c.hooks) <= {"unembed.hook_out", "ln_final.hook_out"}]
+        if wrong_readout:
+            self._readout_refused = f"failed: {wrong_readout[0].equation}"
         self._model.refused_weights.update(
             {name: w.reason for name, w in cert.weights.items() if w.status != "real"}
         )
@@ -479,7 +484,18 @@ class HFDriver(LocalDriver):
         return torch.device("cpu")
 
     def readout(self) -> ModelReadout:
-        """Final norm and unembedding."""
+        """Final norm and unembedding.
+
+        Raises:
+            UnsupportedFeatureError: Certification found that they do not give the model's
+                logits (a logit scale applied after the unembedding, a head transform).
+        """
+        if self._readout_refused is not None:
+            raise UnsupportedFeatureError(
+                f"the final norm and unembedding of {self._info.architecture!r} do not give its "
+                f"logits ({self._readout_refused}), so tl serves no readout of the residual "
+                f"stream (logit lens, direct logit attribution)"
+            )
         return self._model.readout()
 
     def forward(self, input_ids: Any, **kwargs: Any) -> Any:
