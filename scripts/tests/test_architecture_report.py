@@ -149,13 +149,10 @@ NAMED_FAMILIES: dict[str, str] = {
         (
             "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe", "phimoe",
             "granite", "cohere", "cohere2", "smollm3", "phi", "gpt_bigcode", "starcoder2", "olmo",
-            "olmo3", "internlm3", "glm4", "exaone4", "ministral", "helium", "seed_oss",
+            "olmo3", "internlm3", "glm4", "exaone4", "ministral", "helium", "seed_oss", "gpt_oss",
         ),
         report.FULL,
     ),
-    # gpt-oss's attention sinks: tl's hooked attention does not add them, so its
-    # attention insides stay unserved and the model's own attention runs.
-    "gpt_oss": report.SUBLAYERS,
     **dict.fromkeys(("mamba", "mamba2", "falcon_h1", "jamba"), report.RESIDUAL),
 }
 

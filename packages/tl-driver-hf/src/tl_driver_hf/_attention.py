@@ -122,7 +122,9 @@ def hooked_attention(
     site = _SITES.get(id(module))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if site is not None and not site.needs_explicit(softcap, query.dtype):
+    # Attention sinks (gpt-oss): one extra logit per head that takes softmax mass and no value.
+    sinks: torch.Tensor | None = kwargs.pop("s_aux", None)
+    if site is not None and sinks is None and not site.needs_explicit(softcap, query.dtype):
         z, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -149,7 +151,14 @@ def hooked_attention(
         scores = fired[-1][1]
     fp32 = site.softmax_fp32 if site is not None else True
     row_valid = None if allowed is None else allowed.any(dim=-1, keepdim=True)
-    if row_valid is not None and not bool(row_valid.all()):
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        combined = torch.cat((scores, column), dim=-1)
+        # As the family's eager code: shift by the row maximum (sink included), softmax in
+        # the logits' dtype, then drop the sink's column.
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        pattern = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
+    elif row_valid is not None and not bool(row_valid.all()):
         # A row of only -inf softmaxes to NaN, and NaN * 0 would still reach real tokens.
         pattern = _softmax(scores.masked_fill(~row_valid, 0.0), fp32, value.dtype)
         pattern = pattern.masked_fill(~row_valid, 0.0)
@@ -160,7 +169,7 @@ def hooked_attention(
         pattern = fired[-1][1]
     pattern = F.dropout(pattern, p=dropout, training=module.training)
     z = torch.matmul(pattern, repeat_kv(value, n_rep)).transpose(1, 2).contiguous()
-    if softcap is None and query.dtype in _FAST_DTYPES and only_rerouted(*fired):
+    if softcap is None and sinks is None and query.dtype in _FAST_DTYPES and only_rerouted(*fired):
         # The hooks handed on equal values and only change the gradient (relevance rules,
         # probes, backward hooks): keep SDPA's bits, the explicit path's gradient.
         fast, _ = sdpa_attention_forward(

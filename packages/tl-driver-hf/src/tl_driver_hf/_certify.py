@@ -356,6 +356,7 @@ def certify_driver(
         cache, info, rtol=rtol, hidden_states=hidden, logits=logits, reference_logits=reference,
         W_O=W_O, b_O=b_O, attn_softcap=float(softcap) if softcap is not None else None,
         score_bias=_alibi(driver.hf_model.config),
+        attention_sinks=isinstance(getattr(parts.layers[0].attn, "sinks", None), torch.Tensor),
     )
     if later is not None and reference is not None:
         checks.append(

@@ -263,6 +263,7 @@ def equation_checks(
     b_O: torch.Tensor | None = None,
     attn_softcap: float | None = None,
     score_bias: bool = False,
+    attention_sinks: bool = False,
 ) -> list[CertificationCheck]:
     """The engine-independent equations over a capture of canonical hooks.
 
@@ -284,6 +285,9 @@ def equation_checks(
         attn_softcap: Attention-logit soft-cap of the model, if any.
         score_bias: Whether the scores hold an additive position bias (ALiBi): then they
             are not checked against ``q . k``.
+        attention_sinks: Whether attention has sink logits (gpt-oss) that take softmax mass
+            and no value: each pattern row then sums to at most 1, and is the softmax of
+            its scores scaled by that sum.
 
     Returns:
         The checks, in forward order.
@@ -324,7 +328,7 @@ def equation_checks(
         check(f"{a} == ln_final.hook_in", (a, "ln_final.hook_in"), get(a), get("ln_final.hook_in"))
     for i in range(n):
         try:
-            checks.extend(_block_checks(i, cache, info, rtol, W_O, b_O, attn_softcap, score_bias))
+            checks.extend(_block_checks(i, cache, info, rtol, W_O, b_O, attn_softcap, score_bias, attention_sinks))
         except (RuntimeError, ValueError, IndexError) as exc:
             # Shapes the structure does not predict (per-layer head sizes): nothing inside
             # this block is vouched for.
@@ -345,6 +349,7 @@ def _block_checks(
     b_O: torch.Tensor | None,
     attn_softcap: float | None,
     score_bias: bool,
+    attention_sinks: bool = False,
 ) -> list[CertificationCheck]:
 
     b = f"blocks.{i}."
@@ -399,7 +404,7 @@ def _block_checks(
         check("@mlp.hook_in == @ln2.hook_out", ("mlp.hook_in", "ln2.hook_out"), get("mlp.hook_in"), get("ln2.hook_out"))
     for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
         out.extend(_norm_checks(b + norm, cache, info, rtol))
-    out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias))
+    out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks))
     out.extend(_mlp_checks(b, cache, info, rtol))
     out.extend(_router_checks(b, cache, info))
     return out
@@ -468,6 +473,7 @@ def _attention_checks(
     attn_softcap: float | None,
     layer: int,
     score_bias: bool = False,
+    attention_sinks: bool = False,
 ) -> list[CertificationCheck]:
     import torch
 
@@ -476,7 +482,11 @@ def _attention_checks(
     if pattern is None and z is None and v is None:
         return []
     out: list[CertificationCheck] = []
-    if pattern is not None:
+    if pattern is not None and attention_sinks:
+        rows = pattern.double().sum(dim=-1)
+        over = (rows - 1.0).clamp(min=0.0)
+        out.append(compare(f"{a}hook_pattern sums to at most 1 over keys (sinks take the rest)", (a + "hook_pattern",), over, torch.zeros_like(over), rtol=rtol))
+    elif pattern is not None:
         rows = pattern.double().sum(dim=-1)
         out.append(compare(f"{a}hook_pattern sums to 1 over keys", (a + "hook_pattern",), rows, torch.ones_like(rows), rtol=rtol))
     if pattern is not None and v is not None and z is not None:
@@ -491,7 +501,10 @@ def _attention_checks(
     if scores is not None and pattern is not None:
         allowed = torch.isfinite(scores)
         rebuilt = torch.softmax(scores.double().masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
-        out.append(compare(f"{a}hook_pattern == softmax({a}hook_attn_scores)", (a + "hook_attn_scores",), rebuilt, pattern, rtol=rtol))
+        if attention_sinks:
+            rebuilt = rebuilt * pattern.double().sum(dim=-1, keepdim=True)
+        what = "softmax(scores) * its row sum" if attention_sinks else "softmax(scores)"
+        out.append(compare(f"{a}hook_pattern == {what.replace('scores', a + 'hook_attn_scores')}", (a + "hook_attn_scores",), rebuilt, pattern, rtol=rtol))
         q = cache.get(a + ("hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q"))
         k = cache.get(a + ("hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"))
         if q is not None and k is not None and not score_bias:
