@@ -19,11 +19,14 @@ import _transformer_lens_peer as _shared
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``checkpoints(name)`` -> the folder of a float32 tiny checkpoint (written once).
 
-    ``name`` is a family or one of ``_transformer_lens_peer.VARIANTS``.
+    ``name`` is a family, one of ``_transformer_lens_peer.VARIANTS`` or of its
+    ``INFERRED`` families.
     """
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
+        if name not in made and name in _shared.INFERRED:
+            made[name] = _shared.write_inferred_checkpoint(name, tmp_path_factory.mktemp(name), get("llama"))
         if name not in made:
             family, overrides = _shared.VARIANTS.get(name, (name, None))
             made[name] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(name), overrides=overrides)

@@ -110,7 +110,7 @@ LAYOUTS = [
         "one scale per position ([b, p, 1] in TransformerLens), repeated per head in tl",
     ),
     Layout(
-        tuple(f for f in FAMILIES if f not in ("opt", "bloom", "gptj")),
+        (*(f for f in FAMILIES if f not in ("opt", "bloom", "gptj")), *_shared.INFERRED),
         r"^pos_embed\.hook_in$|hook_(cos|sin)$",
         _one_row,
         "without padding transformers builds one row of position ids (and so one rotary "
@@ -262,6 +262,14 @@ def _difference(name: str, got: Any, want: Any, exact: Any) -> float:
         assert bool((want[masked] <= MASKED).all()), f"{name}: a masked score is not masked"
         got, want, exact = (t.masked_fill(masked, 0.0) for t in (got, want, exact))
     return check_rounding(got, want, exact, name=name, factor=FACTOR).ratio
+
+
+@pytest.mark.parametrize("checkpoint", _shared.INFERRED)
+def test_every_transformer_lens_name_resolves_on_inferred_families(
+    checkpoint: str, checkpoints: Callable[[str], Path]
+) -> None:
+    """Families tl infers and certifies (no adapter), as loaded."""
+    test_every_transformer_lens_name_resolves_to_an_equal_tensor(checkpoint, False, checkpoints)
 
 
 @pytest.mark.parametrize("compat", MODES.values(), ids=MODES.keys())

@@ -27,6 +27,7 @@ from tl_core.cli import main
 from tl_core.driver_api import Certification
 from tl_driver_hf import build_bridge_from_module
 from tl_driver_hf.adapters import _EXTRA, ArchitectureAdapter, find_adapter, register_adapter
+from tl_driver_hf.testing import TINY_FAMILIES
 
 # Sizes of the tiny models of types no adapter describes; a field a config lacks, or
 # refuses, is left at its default.
@@ -489,3 +490,13 @@ def test_cli_certify_exits_1_when_a_check_fails(
     out = capsys.readouterr().out
     # The boot refused those sites; the report names the equation as their reason.
     assert "failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out" in out
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_described_family_passes_every_check(family: str, checkpoint: Callable[[str], Path]) -> None:
+    """On demand every check runs (plain transformers as the reference, edits against plain
+    torch hooks, weights): each hand-written description holds on its tiny checkpoint."""
+    bridge = TransformerBridge.boot_transformers(str(checkpoint(family)))
+    report = bridge.driver.certify()
+    assert report.failed == (), "\n".join(c.line() for c in report.failed)
+    assert all(w.status == "real" for w in report.weights.values())

@@ -283,6 +283,9 @@ def _readout_checks(
     checks = []
     if "embed.hook_in" in cache:
         checks.append(compare("embed.hook_in == the token ids", ("embed.hook_in",), cache["embed.hook_in"].double(), ids.double(), rtol=0.0))
+    if "pos_embed.hook_in" in cache:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).double()
+        checks.append(compare("pos_embed.hook_in == the positions", ("pos_embed.hook_in",), cache["pos_embed.hook_in"].double(), positions, rtol=0.0))
     head, normed, out = driver.hooked_model.parts.lm_head, cache.get("ln_final.hook_out"), cache.get("unembed.hook_out")
     if normed is not None and out is not None:
         with torch.no_grad():

@@ -239,9 +239,19 @@ def _position_embedding(
             and call.start < first.start
             and call.input is not None
             and not call.input.dtype.is_floating_point
+            and _counts_positions(call.input)
         ):
             return str(name)
     return None
+
+
+def _counts_positions(ids: torch.Tensor) -> bool:
+    """Whether integer inputs step by one along the sequence (positions, maybe offset),
+    unlike token ids (Gemma 4's per-layer embeddings read those)."""
+    if ids.ndim == 0 or ids.shape[-1] < 2:
+        return False
+    steps = ids[..., 1:] - ids[..., :-1]
+    return bool((steps == 1).all())
 
 
 def _norm_kind(module: nn.Module, call: _Call | None) -> NormKind | None:

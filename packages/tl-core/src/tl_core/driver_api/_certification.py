@@ -320,6 +320,16 @@ def equation_checks(
         checks.extend(by_input)
     if has("embed.hook_out") and not has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
         check("embed.hook_out == blocks.0.hook_in", ("embed.hook_out",), get("embed.hook_out"), get("blocks.0.hook_in"))
+    elif has("embed.hook_out") and has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
+        embed, pos = get("embed.hook_out"), get("pos_embed.hook_out")
+        same = embed is not None and pos is not None and embed.shape == pos.shape
+        summed = embed.double() + pos.double() if same else None  # type: ignore[union-attr]
+        check(
+            "embed.hook_out + pos_embed.hook_out == blocks.0.hook_in",
+            ("embed.hook_out", "pos_embed.hook_out"),
+            summed,
+            get("blocks.0.hook_in"),
+        )
     for i in range(n - 1):
         a, b = f"blocks.{i}.hook_out", f"blocks.{i + 1}.hook_in"
         check(f"{a} == {b}", (a, b), get(a), get(b))
@@ -402,6 +412,9 @@ def _block_checks(
         check("@attn.hook_in == @ln1.hook_out", ("attn.hook_in", "ln1.hook_out"), get("attn.hook_in"), get("ln1.hook_out"))
     if b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
         check("@mlp.hook_in == @ln2.hook_out", ("mlp.hook_in", "ln2.hook_out"), get("mlp.hook_in"), get("ln2.hook_out"))
+    elif info.parallel_attn_mlp and b + "ln1.hook_out" in cache and b + "mlp.hook_in" in cache:
+        # One norm feeds both sublayers of a parallel block (GPT-J, Phi, Cohere).
+        check("@mlp.hook_in == @ln1.hook_out", ("mlp.hook_in",), get("mlp.hook_in"), get("ln1.hook_out"))
     for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
         out.extend(_norm_checks(b + norm, cache, info, rtol))
     out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks))
