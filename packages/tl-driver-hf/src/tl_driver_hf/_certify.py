@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import torch
 from torch import nn
 
+from tl_core import ConfigError
 from tl_core.driver_api import (
     Certification,
     CertificationCheck,
@@ -35,7 +36,7 @@ from tl_driver_hf._wiring import _with_input
 if TYPE_CHECKING:
     from tl_driver_hf._driver import HFDriver
 
-__all__ = ["certify_driver"]
+__all__ = ["boot_refusal", "certify_driver", "on_residual", "on_residual_stream", "residual_holds"]
 
 
 def _rtol(dtype: torch.dtype) -> float:
@@ -484,3 +485,58 @@ def _opt_in(name: str) -> bool:
 
 def _all_names(driver: HFDriver) -> list[str]:
     return [*driver.hooked_model.hook_points, *driver.absent_reasons]
+
+
+def on_residual_stream(name: str) -> bool:
+    """Whether a hook is outside the blocks or a block's input or output."""
+    return not name.startswith("blocks.") or (name.count(".") == 2 and name.endswith((".hook_in", ".hook_out")))
+
+
+def on_residual(check: CertificationCheck) -> bool:
+    """Whether a check vouches for a residual-stream hook (``blocks.i.hook_in``/``hook_out``)."""
+    return any(h.endswith((".hook_in", ".hook_out")) and h.count(".") == 2 for h in check.hooks)
+
+
+def residual_holds(cert: Certification) -> bool:
+    """Whether the run reproduces the model (logits, causality) and the residual stream certified."""
+    return not any(c.equation.startswith("logits") or on_residual(c) for c in cert.failed)
+
+
+def boot_refusal(
+    cert: Certification, *, inferred: bool, architecture: str | None, family: str, layers: str, name: str
+) -> ConfigError | None:
+    """Why a boot must be refused after certification, or ``None``: the model's run or its
+    residual stream fails, or (inferred) nothing confirms the layer list is the stream.
+
+    Args:
+        cert: The boot's report.
+        inferred: Whether the architecture was inferred.
+        architecture: The architecture's class name.
+        family: The described family (when not inferred).
+        layers: The decoder-layer list's path.
+        name: What was booted.
+    """
+    unconfirmed = [c for c in cert.checks if c.detail.startswith("not compared")]
+    if inferred and unconfirmed:
+        return ConfigError(
+            f"architecture {architecture!r} has no hand-written description, and transformers' "
+            f"own hidden_states cannot confirm that the inferred layer list ({layers}) is the "
+            f"model's residual stream ({unconfirmed[0].detail}); describe it with an "
+            f"ArchitectureAdapter (docs/adding-a-family.md)."
+        )
+    if residual_holds(cert):
+        return None
+    first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not on_residual(c)))
+    failed = "; ".join(c.line() for c in first[:3])
+    if inferred:
+        return ConfigError(
+            f"architecture {architecture!r} has no hand-written description and the one "
+            f"inferred from its modules does not reproduce the model ({failed}); tl refuses to "
+            f"serve it rather than serve a wrong tensor. Describe it with an ArchitectureAdapter "
+            f"(docs/adding-a-family.md)."
+        )
+    return ConfigError(
+        f"the {family!r} description does not hold for {name}: its residual stream fails "
+        f"certification ({failed}); tl refuses to serve it rather than serve a wrong tensor. "
+        f"Fix the adapter (docs/adding-a-family.md)."
+    )

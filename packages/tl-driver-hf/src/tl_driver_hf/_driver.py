@@ -15,19 +15,18 @@ from transformers import PretrainedConfig
 from tl_core import ConfigError, HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
     Certification,
-    CertificationCheck,
     LocalDriver,
     ModelReadout,
     Tokenizer,
     canonical_hook_names,
 )
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
-from tl_driver_hf._certify import certify_driver
+from tl_driver_hf._certify import boot_refusal, certify_driver, on_residual_stream, residual_holds
 from tl_driver_hf._compat import CompatState, enable_compatibility
 from tl_driver_hf._infer import InferredArchitecture, infer_architecture
 from tl_driver_hf._inline_attention import inline_attention
 from tl_driver_hf._loading import (
-    adapter_for_config,
+    adapter_or_none,
     apply_n_ctx,
     gguf_folder,
     load_config,
@@ -44,7 +43,7 @@ from tl_driver_hf._wiring import (
     _input_of,
     _with_input,
 )
-from tl_driver_hf.adapters import ArchitectureAdapter, find_adapter
+from tl_driver_hf.adapters import ArchitectureAdapter
 
 _LOG = logging.getLogger("tl_driver_hf")
 
@@ -206,7 +205,7 @@ class HFDriver(LocalDriver):
             self._hooked_attention = hooked
             if residual_only:
                 names = list(self._model.hook_points)
-                kept = [n for n in names if _on_residual_stream(n)]
+                kept = [n for n in names if on_residual_stream(n)]
                 why = f"{type(error).__name__}: {error}" if error is not None else "its block equations failed"
                 for n in names:
                     if n not in kept:
@@ -217,7 +216,7 @@ class HFDriver(LocalDriver):
             except Exception as exc:  # the family's code does not run with these hooks
                 error = exc
                 continue
-            if _residual_holds(cert):
+            if residual_holds(cert):
                 return cert
         if cert is not None:
             return cert  # refused by the caller, with the failing equations
@@ -232,29 +231,12 @@ class HFDriver(LocalDriver):
         self._name = name
         inferred = self._inferred is not None
         cert = self._first_certifiable() if inferred else self.certify(thorough=False)
-        unconfirmed = [c for c in cert.checks if c.detail.startswith("not compared")]
-        if inferred and unconfirmed:
-            raise ConfigError(
-                f"architecture {self._info.architecture!r} has no hand-written description, and "
-                f"transformers' own hidden_states cannot confirm that the inferred layer list "
-                f"({self._adapter.layers}) is the model's residual stream ({unconfirmed[0].detail}); "
-                f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
-            )
-        if not _residual_holds(cert):
-            first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not _on_residual(c)))
-            failed = "; ".join(c.line() for c in first[:3])
-            if inferred:
-                raise ConfigError(
-                    f"architecture {self._info.architecture!r} has no hand-written description "
-                    f"and the one inferred from its modules does not reproduce the model "
-                    f"({failed}); tl refuses to serve it rather than serve a wrong tensor. "
-                    f"Describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
-                )
-            raise ConfigError(
-                f"the {self._adapter.family!r} description does not hold for {name}: its "
-                f"residual stream fails certification ({failed}); tl refuses to serve it rather "
-                f"than serve a wrong tensor. Fix the adapter (docs/adding-a-family.md)."
-            )
+        refused = boot_refusal(
+            cert, inferred=inferred, architecture=self._info.architecture, family=self._adapter.family,
+            layers=self._adapter.layers, name=name,
+        )  # fmt: skip
+        if refused is not None:
+            raise refused
         dropped = [n for n in self._model.hook_points if cert.statuses.get(n) is None or cert.statuses[n].status != "real"]
         if dropped:
             for n in dropped:
@@ -324,7 +306,7 @@ class HFDriver(LocalDriver):
         opts = BootOptions.parse(model_name, options)
         if opts.hf_model is not None:
             model = opts.hf_model
-            adapter = _adapter_or_none(getattr(model, "config", None), opts)
+            adapter = adapter_or_none(getattr(model, "config", None), opts)
             source = opts.tokenizer
             if source is None:
                 source = getattr(model, "name_or_path", None) or None
@@ -335,7 +317,7 @@ class HFDriver(LocalDriver):
             return cls._assemble(model, adapter, tokenizer, opts, name)
         opts = gguf_folder(opts)
         config = load_config(opts)
-        adapter = _adapter_or_none(config, opts)
+        adapter = adapter_or_none(config, opts)
         if opts.n_ctx is not None and adapter is not None:
             apply_n_ctx(config, adapter, opts.n_ctx)
         model = load_model(opts, config, adapter)
@@ -709,50 +691,3 @@ def _configs_of(model: nn.Module) -> list[PretrainedConfig]:
                 if isinstance(sub, PretrainedConfig):
                     found.setdefault(id(sub), sub)
     return list(found.values())
-
-
-def _adapter_or_none(config: Any, opts: BootOptions) -> ArchitectureAdapter | None:
-    """The described family of ``config``, or ``None`` when its architecture is to be inferred.
-
-    Raises:
-        ConfigError: A described family with a layout it does not serve, or an architecture
-            to infer with options inference cannot honour (no weights, ``certify=False``,
-            ``n_devices``).
-    """
-    try:
-        return adapter_for_config(config)
-    except ConfigError:
-        if find_adapter(getattr(config, "model_type", None), tuple(getattr(config, "architectures", None) or ())):
-            raise  # a described family whose checkpoint it cannot serve: keep that reason
-    what = (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
-    if not opts.load_weights:
-        raise ConfigError(
-            f"architecture {what!r} has no hand-written description, and inferring one runs the "
-            f"model, which load_weights=False cannot; boot with its weights"
-        )
-    if not opts.certify:
-        raise UserError(
-            f"certify=False turns certification off for described families only; {what!r} is "
-            f"inferred from its modules, and tl never serves an inferred hook it has not certified"
-        )
-    if opts.n_devices is not None:
-        raise ConfigError(
-            f"n_devices splits the layers of described families only; {what!r} is inferred "
-            f"from its modules after loading: use device_map instead"
-        )
-    return None
-
-
-def _on_residual_stream(name: str) -> bool:
-    """Whether a hook is outside the blocks or a block's input or output."""
-    return not name.startswith("blocks.") or (name.count(".") == 2 and name.endswith((".hook_in", ".hook_out")))
-
-
-def _on_residual(check: CertificationCheck) -> bool:
-    """Whether a check vouches for a residual-stream hook (``blocks.i.hook_in``/``hook_out``)."""
-    return any(h.endswith((".hook_in", ".hook_out")) and h.count(".") == 2 for h in check.hooks)
-
-
-def _residual_holds(cert: Certification) -> bool:
-    """Whether the run reproduces the model (logits, causality) and the residual stream certified."""
-    return not any(c.equation.startswith("logits") or _on_residual(c) for c in cert.failed)

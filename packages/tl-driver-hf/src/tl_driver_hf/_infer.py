@@ -83,7 +83,6 @@ class InferredArchitecture:
     description: Mapping[str, str]
     blocks: Literal["sublayers", "opaque"]
     info: ModelInfo
-    notes: tuple[str, ...] = field(default_factory=tuple)
 
 
 def probe_ids(vocab: int, n: int = 6) -> torch.Tensor:
@@ -432,7 +431,6 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         ),
         "unembedding": head_path,
     }
-    notes: list[str] = []
     if not uniform:
         why = first.why or "layers differ in structure (a hybrid of layer kinds)"
         description["blocks"] = f"opaque: {why}"
@@ -453,7 +451,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             norm=norm, rotary=False, verified=False, pos_embed=pos_embed, absent=absent,
             readout_opaque=readout_opaque,
         )  # fmt: skip
-        return InferredArchitecture(adapter, description, "opaque", info, tuple(notes))
+        return InferredArchitecture(adapter, description, "opaque", info)
     layer0 = layers[0]
     attn_module = layer0.get_submodule(cast(str, first.attn))
     mlp_module = layer0.get_submodule(cast(str, first.mlp))
@@ -566,7 +564,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         gated_mlp=adapter.gated, parallel_attn_mlp=first.parallel, sandwich_norm=adapter.sandwich,
         qk_norm=q_norm is not None, moe=moe, architecture=arch,
     )  # fmt: skip
-    return InferredArchitecture(adapter, description, "sublayers", info, tuple(notes))
+    return InferredArchitecture(adapter, description, "sublayers", info)
 
 
 def _width(value: Any, default: int) -> int:

@@ -24,6 +24,7 @@ from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapte
 
 __all__ = [
     "adapter_for_config",
+    "adapter_or_none",
     "gguf_folder",
     "load_config",
     "load_model",
@@ -290,3 +291,35 @@ def load_tokenizer(
             ) from exc
         return MissingTokenizer(config, f"loading one from {source!r} failed: {type(exc).__name__}")
     return HFTokenizer(loaded)
+
+
+def adapter_or_none(config: Any, opts: BootOptions) -> ArchitectureAdapter | None:
+    """The described family of ``config``, or ``None`` when its architecture is to be inferred.
+
+    Raises:
+        ConfigError: A described family with a layout it does not serve, or an architecture
+            to infer with options inference cannot honour (no weights, ``certify=False``,
+            ``n_devices``).
+    """
+    try:
+        return adapter_for_config(config)
+    except ConfigError:
+        if find_adapter(getattr(config, "model_type", None), tuple(getattr(config, "architectures", None) or ())):
+            raise  # a described family whose checkpoint it cannot serve: keep that reason
+    what = (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
+    if not opts.load_weights:
+        raise ConfigError(
+            f"architecture {what!r} has no hand-written description, and inferring one runs the "
+            f"model, which load_weights=False cannot; boot with its weights"
+        )
+    if not opts.certify:
+        raise UserError(
+            f"certify=False turns certification off for described families only; {what!r} is "
+            f"inferred from its modules, and tl never serves an inferred hook it has not certified"
+        )
+    if opts.n_devices is not None:
+        raise ConfigError(
+            f"n_devices splits the layers of described families only; {what!r} is inferred "
+            f"from its modules after loading: use device_map instead"
+        )
+    return None

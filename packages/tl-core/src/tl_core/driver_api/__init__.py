@@ -22,7 +22,6 @@ if TYPE_CHECKING:
         CertifiedStatus as CertifiedStatus,
         HookCertificate as HookCertificate,
         compare as compare,
-        equation_checks as equation_checks,
         statuses_from_checks as statuses_from_checks,
     )
     from tl_core.driver_api._conformance import check_driver as check_driver
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
         get_driver_entry as get_driver_entry,
         load_driver_class as load_driver_class,
     )
+    from tl_core.driver_api._equations import equation_checks as equation_checks
     from tl_core.driver_api._gguf import (
         CACHE_ENV as CACHE_ENV,
         GGUF_RECORD as GGUF_RECORD,
@@ -99,11 +99,11 @@ __getattr__, __dir__, __all__ = attach(
                 "CertifiedStatus",
                 "HookCertificate",
                 "compare",
-                "equation_checks",
                 "statuses_from_checks",
             ),
             "tl_core.driver_api._certification",
         ),
+        "equation_checks": "tl_core.driver_api._equations",
         "check_driver": "tl_core.driver_api._conformance",
         "DriverEntry": "tl_core.driver_api._discovery",
         "EngineRequirement": "tl_core.driver_api._discovery",

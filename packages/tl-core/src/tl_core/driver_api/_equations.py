@@ -1,0 +1,421 @@
+"""The equations of certification: what holds for any transformer over canonical hooks.
+
+``equation_checks`` takes one capture of canonical hooks (a few token ids, one sequence)
+and checks, in forward order, the residual chain, each block's equation in its
+sequential, parallel or sandwich form, norms, attention (pattern, values, scores, rotary,
+output projection, sinks), the MLP's activation and a router's top-k, plus the engine's
+own logits and hidden states when given. Pure tensor arithmetic: any driver can use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from tl_core.driver_api._certification import CertificationCheck, compare
+
+if TYPE_CHECKING:
+    import torch
+
+    from tl_core.hooks._model_info import ModelInfo
+
+__all__ = ["equation_checks"]
+
+
+#: Activations whose name in a model config tl can evaluate (``act_fn`` of ``ModelInfo``).
+def _activation(name: str | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    import torch.nn.functional as F
+
+    table: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "silu": F.silu,
+        "swish": F.silu,
+        "relu": F.relu,
+        "gelu": F.gelu,
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    }
+    return table.get(name or "")
+
+
+def equation_checks(
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    *,
+    rtol: float = 1e-4,
+    hidden_states: Iterable[torch.Tensor] | None = None,
+    logits: torch.Tensor | None = None,
+    reference_logits: torch.Tensor | None = None,
+    W_O: torch.Tensor | None = None,
+    b_O: torch.Tensor | None = None,
+    attn_softcap: float | None = None,
+    score_bias: bool = False,
+    attention_sinks: bool = False,
+) -> list[CertificationCheck]:
+    """The engine-independent equations over a capture of canonical hooks.
+
+    Only equations whose hooks the model's structure has are checked; a hook the structure
+    has but the capture lacks fails its equations (it never fired).
+
+    Args:
+        cache: Canonical name -> captured tensor (one forward of a few token ids, one
+            sequence, no padding).
+        info: The model's structure (parallel, sandwich norms, norm type, gated MLP).
+        rtol: Relative tolerance of every comparison.
+        hidden_states: The engine's own residual stream, one tensor per block input
+            (``hidden_states[i]`` of transformers), to vouch for ``blocks.i.hook_in``.
+        logits: The driver's logits for the same forward.
+        reference_logits: The engine's own logits without tl, to vouch for the whole run.
+        W_O: ``[n_layers, n_heads, d_head, d_model]``: then ``attn.hook_out`` is checked
+            as ``z`` through ``W_O`` (plus ``b_O``).
+        b_O: ``[n_layers, d_model]`` or ``None``.
+        attn_softcap: Attention-logit soft-cap of the model, if any.
+        score_bias: Whether the scores hold an additive position bias (ALiBi): then they
+            are not checked against ``q . k``.
+        attention_sinks: Whether attention has sink logits (gpt-oss) that take softmax mass
+            and no value: each pattern row then sums to at most 1, and is the softmax of
+            its scores scaled by that sum.
+
+    Returns:
+        The checks, in forward order.
+    """
+    checks: list[CertificationCheck] = []
+    names = set(cache)
+
+    def get(name: str) -> torch.Tensor | None:
+        return cache.get(name)
+
+    def has(name: str) -> bool:
+        return name in names
+
+    def check(equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None, **kw: object) -> None:
+        checks.append(compare(equation, hooks, got, want, rtol=rtol, **kw))  # type: ignore[arg-type]
+
+    n = info.n_layers
+    if logits is not None and reference_logits is not None:
+        check("logits == the engine's own logits", ("unembed.hook_out",), logits, reference_logits)
+    hidden = list(hidden_states or ())[:n]
+    by_input = [compare(f"blocks.{i}.hook_in == the engine's hidden_states[{i}]", (f"blocks.{i}.hook_in",), get(f"blocks.{i}.hook_in"), h, rtol=rtol) for i, h in enumerate(hidden)]
+    # Some families (Mamba) report each block's output where others report its input.
+    by_output = [
+        compare(f"blocks.{i}.hook_out == the engine's hidden_states[{i}] (it reports block outputs)", (f"blocks.{i}.hook_out",), get(f"blocks.{i}.hook_out"), h, rtol=rtol)
+        for i, h in enumerate(hidden[: n - 1])
+    ]
+    if not all(c.passed for c in by_input) and by_output and all(c.passed for c in by_output):
+        checks.extend(by_output)
+    else:
+        checks.extend(by_input)
+    if has("embed.hook_out") and not has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
+        check("embed.hook_out == blocks.0.hook_in", ("embed.hook_out",), get("embed.hook_out"), get("blocks.0.hook_in"))
+    elif has("embed.hook_out") and has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
+        embed, pos = get("embed.hook_out"), get("pos_embed.hook_out")
+        same = embed is not None and pos is not None and embed.shape == pos.shape
+        summed = embed.double() + pos.double() if same else None  # type: ignore[union-attr]
+        check(
+            "embed.hook_out + pos_embed.hook_out == blocks.0.hook_in",
+            ("embed.hook_out", "pos_embed.hook_out"),
+            summed,
+            get("blocks.0.hook_in"),
+        )
+    for i in range(n - 1):
+        a, b = f"blocks.{i}.hook_out", f"blocks.{i + 1}.hook_in"
+        check(f"{a} == {b}", (a, b), get(a), get(b))
+    if n and has("ln_final.hook_in"):
+        a = f"blocks.{n - 1}.hook_out"
+        check(f"{a} == ln_final.hook_in", (a, "ln_final.hook_in"), get(a), get("ln_final.hook_in"))
+    for i in range(n):
+        try:
+            checks.extend(_block_checks(i, cache, info, rtol, W_O, b_O, attn_softcap, score_bias, attention_sinks))
+        except (RuntimeError, ValueError, IndexError) as exc:
+            # Shapes the structure does not predict (per-layer head sizes): nothing inside
+            # this block is vouched for.
+            inside = tuple(n for n in cache if n.startswith(f"blocks.{i}.") and n.count(".") > 2)
+            checks.append(CertificationCheck(f"blocks.{i}: its sublayer equations", inside, False, math.inf, 0.0,
+                                             f"could not be evaluated: {type(exc).__name__}: {exc}"))
+    for prefix in ("ln_final", "embed_ln"):
+        checks.extend(_norm_checks(prefix, cache, info, rtol))
+    return checks
+
+
+def _block_checks(
+    i: int,
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    rtol: float,
+    W_O: torch.Tensor | None,
+    b_O: torch.Tensor | None,
+    attn_softcap: float | None,
+    score_bias: bool,
+    attention_sinks: bool = False,
+) -> list[CertificationCheck]:
+
+    b = f"blocks.{i}."
+    out: list[CertificationCheck] = []
+
+    def get(name: str) -> torch.Tensor | None:
+        return cache.get(b + name)
+
+    def add(*parts: str) -> torch.Tensor | None:
+        values = [get(p) for p in parts]
+        if any(v is None for v in values):
+            return None
+        return sum((v.double() for v in values[1:]), values[0].double())  # type: ignore[union-attr]
+
+    def check(equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+        hooks = tuple(hooks)
+        if not any(b + h in cache for h in hooks):
+            return  # none of its sites is served (an opaque block): nothing to vouch for
+        text = equation.replace("@", b)
+        out.append(compare(text, (b + h for h in hooks), got, want, rtol=rtol))
+
+    attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
+    mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
+    if info.sandwich_norm:
+        check("@attn.hook_out == @ln1_post.hook_in", ("attn.hook_out", "ln1_post.hook_in"), get("attn.hook_out"), get("ln1_post.hook_in"))
+        check("@mlp.hook_out == @ln2_post.hook_in", ("mlp.hook_out", "ln2_post.hook_in"), get("mlp.hook_out"), get("ln2_post.hook_in"))
+    if info.parallel_attn_mlp:
+        check(
+            f"@hook_out == @hook_in + @{attn_out} + @{mlp_out}",
+            (attn_out, mlp_out),
+            add("hook_in", attn_out, mlp_out),
+            get("hook_out"),
+        )
+    else:
+        check(
+            f"@ln2.hook_in == @hook_in + @{attn_out}",
+            ("ln2.hook_in", attn_out),
+            add("hook_in", attn_out),
+            get("ln2.hook_in"),
+        )
+        check(
+            f"@hook_out == @ln2.hook_in + @{mlp_out}",
+            ("ln2.hook_in", mlp_out),
+            add("ln2.hook_in", mlp_out),
+            get("hook_out"),
+        )
+    if b + "ln1.hook_in" in cache:
+        check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
+    if b + "ln1.hook_out" in cache and b + "attn.hook_in" in cache:
+        check("@attn.hook_in == @ln1.hook_out", ("attn.hook_in", "ln1.hook_out"), get("attn.hook_in"), get("ln1.hook_out"))
+    if b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
+        check("@mlp.hook_in == @ln2.hook_out", ("mlp.hook_in", "ln2.hook_out"), get("mlp.hook_in"), get("ln2.hook_out"))
+    elif info.parallel_attn_mlp and b + "ln1.hook_out" in cache and b + "mlp.hook_in" in cache:
+        # One norm feeds both sublayers of a parallel block (GPT-J, Phi, Cohere).
+        check("@mlp.hook_in == @ln1.hook_out", ("mlp.hook_in",), get("mlp.hook_in"), get("ln1.hook_out"))
+    for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
+        out.extend(_norm_checks(b + norm, cache, info, rtol))
+    out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks))
+    out.extend(_mlp_checks(b, cache, info, rtol))
+    out.extend(_router_checks(b, cache, info))
+    return out
+
+
+def _router_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo) -> list[CertificationCheck]:
+    """The chosen experts are the top-k of the router logits, and only they carry weight."""
+    import torch
+
+    m = b + "mlp."
+    logits, weights, indices = (cache.get(m + s) for s in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices"))
+    if logits is None and weights is None and indices is None:
+        return []
+    names = (m + "hook_router_logits", m + "hook_expert_indices")
+    if logits is None or indices is None:
+        return [compare(f"{m}hook_expert_indices == top-k({m}hook_router_logits)", names, None, None, rtol=0.0)]
+    k = indices.shape[-1]
+    top = torch.topk(logits.double(), k, dim=-1).indices.sort(dim=-1).values
+    chosen = indices.long().sort(dim=-1).values
+    check = compare(f"{m}hook_expert_indices == top-k({m}hook_router_logits)", names, top.double(), chosen.double(), rtol=0.0)
+    out = [check]
+    if weights is not None:
+        picked = torch.zeros_like(weights, dtype=torch.bool).scatter(-1, indices.long(), True)
+        stray = weights.double().masked_fill(picked, 0.0)
+        out.append(
+            compare(
+                f"{m}hook_expert_weights is zero off {m}hook_expert_indices",
+                (m + "hook_expert_weights",), stray, torch.zeros_like(stray), rtol=0.0,
+            )
+        )
+    del info
+    return out
+
+
+def _norm_checks(prefix: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+    """``hook_normalized * hook_scale`` gives back the (centred, for LayerNorm) input."""
+    x, scale, normed = (cache.get(f"{prefix}.{s}") for s in ("hook_in", "hook_scale", "hook_normalized"))
+    if normed is None and scale is None:
+        return []
+    if x is None or scale is None or normed is None:
+        hooks = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized"]
+        return [compare(f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.hook_in", hooks, None, None, rtol=rtol)]
+    centred = x.double()
+    if info.normalization_type == "LN":
+        centred = centred - centred.mean(dim=-1, keepdim=True)
+    rebuilt = normed.double() * scale.double()
+    what = "hook_in - mean" if info.normalization_type == "LN" else "hook_in"
+    return [
+        compare(
+            f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.{what}",
+            (f"{prefix}.hook_scale", f"{prefix}.hook_normalized"),
+            rebuilt,
+            centred,
+            rtol=rtol,
+        )
+    ]
+
+
+def _attention_checks(
+    b: str,
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    rtol: float,
+    W_O: torch.Tensor | None,
+    b_O: torch.Tensor | None,
+    attn_softcap: float | None,
+    layer: int,
+    score_bias: bool = False,
+    attention_sinks: bool = False,
+) -> list[CertificationCheck]:
+    import torch
+
+    a = b + "attn."
+    pattern, v, z = cache.get(a + "hook_pattern"), cache.get(a + "hook_v"), cache.get(a + "hook_z")
+    if pattern is None and z is None and v is None:
+        return []
+    out: list[CertificationCheck] = []
+    if pattern is not None and attention_sinks:
+        rows = pattern.double().sum(dim=-1)
+        over = (rows - 1.0).clamp(min=0.0)
+        out.append(compare(f"{a}hook_pattern sums to at most 1 over keys (sinks take the rest)", (a + "hook_pattern",), over, torch.zeros_like(over), rtol=rtol))
+    elif pattern is not None:
+        rows = pattern.double().sum(dim=-1)
+        out.append(compare(f"{a}hook_pattern sums to 1 over keys", (a + "hook_pattern",), rows, torch.ones_like(rows), rtol=rtol))
+    if pattern is not None and v is not None and z is not None:
+        # pattern [b h q k], v [b k h_kv dh], z [b q h dh]
+        rep = pattern.shape[1] // max(1, v.shape[2])
+        values = v.double().repeat_interleave(rep, dim=2) if rep > 1 else v.double()
+        rebuilt = torch.einsum("bhqk,bkhd->bqhd", pattern.double(), values)
+        out.append(compare(f"{a}hook_z == {a}hook_pattern @ {a}hook_v", (a + "hook_z", a + "hook_v", a + "hook_pattern"), rebuilt, z, rtol=rtol))
+    else:
+        out.append(compare(f"{a}hook_z == {a}hook_pattern @ {a}hook_v", (a + "hook_z", a + "hook_v", a + "hook_pattern"), None, None, rtol=rtol))
+    scores = cache.get(a + "hook_attn_scores")
+    if scores is not None and pattern is not None:
+        allowed = torch.isfinite(scores)
+        rebuilt = torch.softmax(scores.double().masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
+        if attention_sinks:
+            rebuilt = rebuilt * pattern.double().sum(dim=-1, keepdim=True)
+        what = "softmax(scores) * its row sum" if attention_sinks else "softmax(scores)"
+        out.append(compare(f"{a}hook_pattern == {what.replace('scores', a + 'hook_attn_scores')}", (a + "hook_attn_scores",), rebuilt, pattern, rtol=rtol))
+        q = cache.get(a + ("hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q"))
+        k = cache.get(a + ("hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"))
+        if q is not None and k is not None and not score_bias:
+            out.append(_scores_check(a, q, k, scores, allowed, info, rtol, attn_softcap))
+    out.extend(_rotary_checks(a, cache, rtol))
+    if W_O is not None and z is not None and a + "hook_out" in cache:
+        result = torch.einsum("bqhd,hde->bqe", z.double(), W_O[layer].double())
+        if b_O is not None:
+            result = result + b_O[layer].double()
+        out.append(compare(f"{a}hook_out == {a}hook_z @ W_O + b_O", (a + "hook_out", a + "hook_z"), result, cache[a + "hook_out"], rtol=rtol))
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``x`` (``b p h dh``) rotated by a ``b p r`` table on its first ``r`` features."""
+    import torch
+
+    r = cos.shape[-1]
+    head, rest = x[..., :r], x[..., r:]
+    if interleaved:
+        turned = torch.stack((-head[..., 1::2], head[..., ::2]), dim=-1).flatten(-2)
+    else:
+        first, second = head[..., : r // 2], head[..., r // 2 :]
+        turned = torch.cat((-second, first), dim=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat((head * c + turned * s, rest), dim=-1)
+
+
+def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+    """``hook_rot_q``/``hook_rot_k`` are ``hook_q``/``hook_k`` (after any QK-norm) rotated by
+    the served table, or, without a served table, of the same length (a rotation)."""
+    import torch
+
+    q, k = cache.get(a + "q_norm.hook_out", cache.get(a + "hook_q")), cache.get(a + "k_norm.hook_out", cache.get(a + "hook_k"))
+    rq, rk = cache.get(a + "hook_rot_q"), cache.get(a + "hook_rot_k")
+    if rq is None or rk is None or q is None or k is None:
+        return []
+    sources = [a + "hook_q", a + "hook_k", a + "q_norm.hook_out", a + "k_norm.hook_out"]
+    sources = [n for n in sources if n in cache]
+    cos, sin = cache.get(a + "hook_cos"), cache.get(a + "hook_sin")
+    if cos is not None and sin is not None and cos.shape[-1] <= q.shape[-1]:
+        hooks = (*sources, a + "hook_cos", a + "hook_sin")
+        tried = []
+        half = cos.shape[-1] // 2
+        layouts = (
+            ("halves", cos, sin, False),
+            ("interleaved pairs", cos, sin, True),
+            # GLM: the first half of the table, each entry twice, on interleaved pairs.
+            ("interleaved, half table", cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True),
+        )
+        for layout, c, s_, interleaved in layouts:
+            got = torch.cat((_rotate(q.double(), c.double(), s_.double(), interleaved), _rotate(k.double(), c.double(), s_.double(), interleaved)), dim=2)
+            want = torch.cat((rq.double(), rk.double()), dim=2)
+            check = compare(f"{a}hook_rot_q/k == {a}hook_q/k rotated by {a}hook_cos/sin ({layout})", hooks, got, want, rtol=rtol)
+            if check.passed:
+                return [check]
+            tried.append(check)
+        return tried[:1]
+    lengths = torch.cat((q.double().norm(dim=-1), k.double().norm(dim=-1)), dim=2)
+    rotated = torch.cat((rq.double().norm(dim=-1), rk.double().norm(dim=-1)), dim=2)
+    return [compare(f"|{a}hook_rot_q/k| == |{a}hook_q/k| (rotation keeps each head's length)", sources, rotated, lengths, rtol=rtol)]
+
+
+def _scores_check(
+    a: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scores: torch.Tensor,
+    allowed: torch.Tensor,
+    info: ModelInfo,
+    rtol: float,
+    softcap: float | None,
+) -> CertificationCheck:
+    """Scores are ``q . k`` times one scale per model (fitted), soft-capped if the model caps."""
+    import torch
+
+    qn = "hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q"
+    kn = "hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"
+    rep = q.shape[2] // max(1, k.shape[2])
+    keys = k.double().repeat_interleave(rep, dim=2) if rep > 1 else k.double()
+    dots = torch.einsum("bqhd,bkhd->bhqk", q.double(), keys)
+    target = scores.double()
+    if softcap is not None:
+        target = torch.atanh((target / softcap).clamp(-1 + 1e-12, 1 - 1e-12)) * softcap
+    mask = allowed.expand_as(target)
+    x, y = dots[mask], target[mask]
+    scale = float((x * y).sum() / (x * x).sum().clamp(min=1e-300)) if x.numel() else 1.0
+    return compare(
+        f"{a}hook_attn_scores == {a}{qn} . {a}{kn} * scale (fitted {scale:.4g})",
+        (a + qn, a + kn),
+        dots * scale,
+        target,
+        rtol=rtol,
+        mask=allowed,
+    )
+
+
+def _mlp_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+    m = b + "mlp."
+    pre, lin, post = (cache.get(m + s) for s in ("hook_pre", "hook_pre_linear", "hook_post"))
+    if pre is None or post is None:
+        return []
+    act = _activation(info.act_fn)
+    hooks = [m + "hook_pre", m + "hook_post"] + ([m + "hook_pre_linear"] if info.gated_mlp else [])
+    if act is None:
+        return []  # an activation tl cannot evaluate: other checks (an edit at hook_post) decide
+    rebuilt = act(pre.double())
+    if info.gated_mlp:
+        if lin is None:
+            return [compare(f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear", hooks, None, None, rtol=rtol)]
+        rebuilt = rebuilt * lin.double()
+        return [compare(f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear", hooks, rebuilt, post, rtol=rtol)]
+    return [compare(f"{m}hook_post == act({m}hook_pre)", hooks, rebuilt, post, rtol=rtol)]
