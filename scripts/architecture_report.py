@@ -407,7 +407,9 @@ def _pct(part: int, whole: int) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    # Brackets too: "[err 1e-3 <= 1e-4]" in a note reads as a reference link to the site.
+    escaped = text.replace("\\", "\\\\").replace("|", "\\|").replace("[", "\\[").replace("]", "\\]")
+    return escaped.replace("<", "&lt;").replace(">", "&gt;")
 
 
 def render(verdicts: Sequence[Verdict], transformers_version: str) -> str:
