@@ -112,7 +112,6 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
     embed_weight = cast(torch.Tensor, parts.embed.weight)
     dtype, d_model = embed_weight.dtype, int(embed_weight.shape[1])
     gen = torch.Generator().manual_seed(0)
-    delta = torch.randn(d_model, generator=gen).to(dtype=dtype, device=ids.device)
     sites: list[tuple[str, nn.Module, Literal["in", "out"], int]] = []
     after: nn.Module | None
     target = 1 if n > 1 else 0
@@ -163,7 +162,6 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
                 vouched, edited, plain, rtol=rtol,
             )
         )
-    del delta
     return checks
 
 
@@ -220,8 +218,8 @@ def _weight_checks(
             if not result.passed:
                 found[name] = result
 
-    def project(x: torch.Tensor | None, w: str, bias: str, per_head: bool) -> torch.Tensor | None:
-        W, B = weight(w), weight(bias)
+    def project(x: torch.Tensor | None, w: str, bias: str | None, per_head: bool) -> torch.Tensor | None:
+        W, B = weight(w), weight(bias) if bias is not None else None
         if x is None or W is None:
             return None
         if x.shape[-1] != W.shape[-2]:
@@ -241,7 +239,7 @@ def _weight_checks(
         gated = driver.adapter.gated
         pre, lin = get(b + "mlp.hook_pre"), get(b + "mlp.hook_pre_linear")
         if gated and pre is not None:
-            check(("W_gate",), f"{b}mlp.hook_pre == {b}mlp.hook_in @ W_gate[0]", project(mlp_in, "W_gate", "b_gate_absent", False), pre)
+            check(("W_gate",), f"{b}mlp.hook_pre == {b}mlp.hook_in @ W_gate[0]", project(mlp_in, "W_gate", None, False), pre)
         first = lin if gated else pre
         if first is not None:
             site = "hook_pre_linear" if gated else "hook_pre"
