@@ -63,49 +63,15 @@ INFERRED = [
     "phi",
 ]
 
-#: Sizes of the inferred families' tiny checkpoints (fields a config lacks are skipped).
-_TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "head_dim": 16,
-    "vocab_size": 512,
-}
-
-
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:
     """A tiny random checkpoint of ``model_type`` from its default config, with the tiny
     tokenizer of ``tokenizer_from`` (TransformerLens loads one); weights are widened from
     the default initialisation so that a wrong tensor shows."""
-    import contextlib
     import shutil
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tl_driver_hf.testing import tiny_default_model
 
-    config = AutoConfig.for_model(model_type)
-    for key, value in _TINY.items():
-        if hasattr(config, key):
-            with contextlib.suppress(AttributeError, TypeError, ValueError):
-                setattr(config, key, value)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= _TINY["vocab_size"]:
-            setattr(config, key, None)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list):
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            config.layer_types = layer_types[: _TINY["num_hidden_layers"]]
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.dim() >= 2:
-                param.copy_(noise * _TINY["hidden_size"] ** -0.5)
-            else:
-                param.add_(noise * 0.1)
+    model = tiny_default_model(model_type)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_from / name, folder / name)

@@ -9,7 +9,6 @@ pre-hook); wrong descriptions must fail certification with the equation named.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import re
@@ -20,32 +19,14 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 
 from tl_core import ConfigError, HookNameError, TransformerBridge, UserError
 from tl_core.cli import main
 from tl_core.driver_api import Certification
 from tl_driver_hf import build_bridge_from_module
 from tl_driver_hf.adapters import _EXTRA, ArchitectureAdapter, find_adapter, register_adapter
-from tl_driver_hf.testing import TINY_FAMILIES
-
-# Sizes of the tiny models of types no adapter describes; a field a config lacks, or
-# refuses, is left at its default.
-_TINY: dict[str, int] = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "state_size": 8,
-    "time_step_rank": 8,
-}
+from tl_driver_hf.testing import TINY_FAMILIES, tiny_default_model
 
 # Inferred types, chosen to cover the block forms: sequential (granite), parallel with a
 # LayerNorm and a "dense" output projection (phi), a mixture of experts (qwen2_moe), sandwich
@@ -61,32 +42,6 @@ INFERRED: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _tiny_model(model_type: str) -> PreTrainedModel:
-    config = AutoConfig.for_model(model_type)
-    for key, value in _TINY.items():
-        if hasattr(config, key):
-            with contextlib.suppress(AttributeError, TypeError, ValueError):
-                setattr(config, key, value)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= _TINY["vocab_size"]:
-            setattr(config, key, None)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list):
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            config.layer_types = layer_types[: _TINY["num_hidden_layers"]]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    # Default init (std 0.02) leaves attention near uniform and logits near 0: widen the
-    # matrices and jitter the constant vectors so that a wrong tensor shows.
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, _TINY["hidden_size"] ** -0.5)
-            else:
-                param.add_(torch.randn_like(param) * 0.1)
-    return model
-
-
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_folder(model_type)`` -> a saved tiny float32 model of that type (no tokenizer)."""
@@ -95,7 +50,7 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
     def get(model_type: str) -> Path:
         if model_type not in written:
-            _tiny_model(model_type).save_pretrained(root / model_type)
+            tiny_default_model(model_type).save_pretrained(root / model_type)
             written[model_type] = root / model_type
         return written[model_type]
 
