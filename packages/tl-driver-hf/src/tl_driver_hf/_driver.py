@@ -226,9 +226,9 @@ class HFDriver(LocalDriver):
             f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
         )
 
-    def _certify_at_boot(self, name: str) -> None:
+    def _certify_at_boot(self) -> None:
         """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
-        self._name = name
+        name = self._name
         inferred = self._inferred is not None
         cert = self._first_certifiable() if inferred else self.certify(thorough=False)
         refused = boot_refusal(
@@ -346,7 +346,7 @@ class HFDriver(LocalDriver):
         driver._inferred = inferred
         driver._name = name
         if (opts.certify or inferred is not None) and not driver._meta:
-            driver._certify_at_boot(name)
+            driver._certify_at_boot()
         return driver
 
     def enable_compatibility_mode(self, **options: Any) -> None:
