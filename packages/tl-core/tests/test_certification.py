@@ -344,6 +344,26 @@ def test_a_failed_check_wins_over_passed_ones_and_absent_wins_over_both() -> Non
     assert with_note["embed.hook_out"] == HookCertificate("real", "read-only: fused kernel")
 
 
+def test_strict_statuses_withdraw_what_only_tainted_equations_vouch_for() -> None:
+    # Attention and MLP swapped: the block equation still holds, the residual between them
+    # does not; strictly, the MLP output the block equation alone vouched for is withdrawn,
+    # and the block output (vouched for by the residual chain too) stays.
+    b = "blocks.0."
+    checks = [
+        _check("block", (b + "hook_in", b + "attn.hook_out", b + "mlp.hook_out", b + "hook_out"), True),
+        _check("mid", (b + "hook_in", b + "attn.hook_out", b + "ln2.hook_in"), False),
+        _check("chain", (b + "hook_out", "blocks.1.hook_in"), True),
+    ]
+    names = [b + "hook_in", b + "attn.hook_out", b + "ln2.hook_in", b + "mlp.hook_out", b + "hook_out", "blocks.1.hook_in"]
+    loose = statuses_from_checks(names, checks, described=True)
+    assert loose[b + "mlp.hook_out"].status == "real"
+    strict = statuses_from_checks(names, checks, described=True, strict=True)
+    assert strict[b + "mlp.hook_out"] == HookCertificate(
+        "uncertified", f"failed: every equation over it also covers {b}hook_in, which failed"
+    )
+    assert strict[b + "hook_out"].status == "real" and strict["blocks.1.hook_in"].status == "real"
+
+
 @SETTINGS
 @given(verdicts=st.lists(st.tuples(st.sampled_from(NAMES), st.booleans()), max_size=12), described=st.booleans())
 def test_a_hook_is_served_only_when_no_check_covering_it_failed(verdicts: list[tuple[str, bool]], described: bool) -> None:

@@ -47,7 +47,7 @@ def run_certify(args: argparse.Namespace) -> int:
         if report is None:
             raise UnsupportedFeatureError(
                 f"the {driver!r} driver does not certify its hooks; tl certify runs on drivers "
-                f"that do (hf)"
+                f"that do (hf, vllm)"
             )
         print(report.format(verbose=args.verbose))
     finally:

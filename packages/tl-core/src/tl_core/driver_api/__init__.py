@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         CertificationCheck as CertificationCheck,
         CertifiedStatus as CertifiedStatus,
         HookCertificate as HookCertificate,
+        certified_level as certified_level,
         compare as compare,
         statuses_from_checks as statuses_from_checks,
     )
@@ -98,6 +99,7 @@ __getattr__, __dir__, __all__ = attach(
                 "CertificationCheck",
                 "CertifiedStatus",
                 "HookCertificate",
+                "certified_level",
                 "compare",
                 "statuses_from_checks",
             ),

@@ -31,6 +31,7 @@ __all__ = [
     "CertificationCheck",
     "CertifiedStatus",
     "HookCertificate",
+    "certified_level",
     "compare",
     "statuses_from_checks",
 ]
@@ -242,6 +243,7 @@ def statuses_from_checks(
     described: bool,
     absent: Mapping[str, str] | None = None,
     read_only: Mapping[str, str] | None = None,
+    strict: bool = False,
 ) -> dict[str, HookCertificate]:
     """Each hook's status from the checks that cover it.
 
@@ -249,6 +251,11 @@ def statuses_from_checks(
     reason). A hook covered only by passed checks is ``real``. A hook no check covers is
     ``real`` on a described family (its parity test checks it by hand) and ``uncertified``
     on an inferred one.
+
+    ``strict``: a passed equation vouches for its hooks only while none of its other
+    hooks failed (``out == in + attn + mlp`` still holds when ``attn`` and ``mlp`` are
+    swapped); a hook all of whose passed equations involve a failed hook is
+    ``uncertified`` too, until nothing changes.
 
     Args:
         names: Every canonical name the structure suggests, in forward order.
@@ -266,6 +273,8 @@ def statuses_from_checks(
                 passed.add(hook)
             else:
                 failed.setdefault(hook, f"failed: {check.equation}" + (f" ({check.detail})" if check.detail else ""))
+    if strict:
+        _withdraw_tainted(checks, failed, passed)
     out: dict[str, HookCertificate] = {}
     for name in names:
         if absent and name in absent:
@@ -284,3 +293,26 @@ def statuses_from_checks(
         else:
             out[name] = HookCertificate("uncertified", "no equation checks it on an inferred architecture")
     return out
+
+
+def _withdraw_tainted(checks: list[CertificationCheck], failed: dict[str, str], passed: set[str]) -> None:
+    changed = True
+    while changed:
+        changed = False
+        for hook in sorted(passed - set(failed)):
+            covering = [c for c in checks if c.passed and hook in c.hooks]
+            tainted = [next(h for h in c.hooks if h in failed) for c in covering if any(h in failed for h in c.hooks)]
+            if covering and len(tainted) == len(covering):
+                failed[hook] = f"failed: every equation over it also covers {tainted[0]}, which failed"
+                changed = True
+
+
+def certified_level(statuses: Mapping[str, HookCertificate], n_layers: int) -> Literal["full", "sublayers", "residual"]:
+    """How far certification proved a model: ``"full"`` when every block's attention
+    pattern and sublayer outputs are real, ``"sublayers"`` when only the outputs are,
+    else ``"residual"``."""
+    served = {name for name, cert in statuses.items() if cert.status == "real"}
+    blocks = range(n_layers)
+    if not all(f"blocks.{i}.attn.hook_out" in served and f"blocks.{i}.mlp.hook_out" in served for i in blocks):
+        return "residual"
+    return "full" if all(f"blocks.{i}.attn.hook_pattern" in served for i in blocks) else "sublayers"

@@ -198,11 +198,26 @@ def _block_checks(
         check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
     if b + "ln1.hook_out" in cache and b + "attn.hook_in" in cache:
         check("@attn.hook_in == @ln1.hook_out", ("attn.hook_in", "ln1.hook_out"), get("attn.hook_in"), get("ln1.hook_out"))
+    elif b + "ln1.hook_in" not in cache and b + "attn.hook_in" in cache:
+        # No norm before attention (OLMo 2 and 3, EXAONE 4): it reads the block input.
+        check("@attn.hook_in == @hook_in", ("attn.hook_in",), get("attn.hook_in"), get("hook_in"))
     if b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
         check("@mlp.hook_in == @ln2.hook_out", ("mlp.hook_in", "ln2.hook_out"), get("mlp.hook_in"), get("ln2.hook_out"))
     elif info.parallel_attn_mlp and b + "ln1.hook_out" in cache and b + "mlp.hook_in" in cache:
         # One norm feeds both sublayers of a parallel block (GPT-J, Phi, Cohere).
         check("@mlp.hook_in == @ln1.hook_out", ("mlp.hook_in",), get("mlp.hook_in"), get("ln1.hook_out"))
+    elif not info.parallel_attn_mlp and b + "ln2.hook_in" in cache and b + "mlp.hook_in" in cache:
+        # No norm before the MLP: it reads the residual between the sublayers.
+        check("@mlp.hook_in == @ln2.hook_in", ("mlp.hook_in",), get("mlp.hook_in"), get("ln2.hook_in"))
+    for qk in ("q", "k"):
+        if b + f"attn.{qk}_norm.hook_in" in cache:
+            # The QK-norm reads the projection (hook_q/hook_k are taken before it).
+            check(
+                f"@attn.{qk}_norm.hook_in == @attn.hook_{qk}",
+                (f"attn.{qk}_norm.hook_in",),
+                get(f"attn.{qk}_norm.hook_in"),
+                get(f"attn.hook_{qk}"),
+            )
     for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
         out.extend(_norm_checks(b + norm, cache, info, rtol))
     out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks))
