@@ -19,6 +19,7 @@ from tl_core.driver_api import FEATURES, DriverEntry, EngineRequirement
 from tl_driver_hf._version import __version__
 
 if TYPE_CHECKING:
+    from tl_driver_hf._describe import ArchitectureDescription, describe_architecture
     from tl_driver_hf._driver import HFDriver
     from tl_driver_hf._support import (
         SupportReport,
@@ -33,12 +34,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ENTRY",
     "ArchitectureAdapter",
+    "ArchitectureDescription",
     "HFDriver",
     "SupportReport",
     "__version__",
     "build_bridge_config_from_hf",
     "build_bridge_from_module",
     "check_model_support",
+    "describe_architecture",
     "detect_tokenizer_bos_eos",
     "list_supported_models",
     "register_adapter",
@@ -65,6 +68,8 @@ _LAZY = {
     "check_model_support": "tl_driver_hf._support",
     "list_supported_models": "tl_driver_hf._support",
     "ArchitectureAdapter": "tl_driver_hf.adapters",
+    "ArchitectureDescription": "tl_driver_hf._describe",
+    "describe_architecture": "tl_driver_hf._describe",
     "register_adapter": "tl_driver_hf.adapters",
 }
 

@@ -25,6 +25,7 @@ from tl_core.driver_api import (
     Certification,
     CertificationCheck,
     HookCertificate,
+    certified_level,
     compare,
     equation_checks,
     statuses_from_checks,
@@ -390,12 +391,7 @@ def certify_driver(
     if not thorough:
         _every_layer_alike(statuses)
     _follow_parents(statuses)
-    served = {name for name, cert in statuses.items() if cert.status == "real"}
-    level: Literal["full", "sublayers", "residual"] = "residual"
-    if all(f"blocks.{i}.attn.hook_out" in served and f"blocks.{i}.mlp.hook_out" in served for i in range(n)):
-        level = "sublayers"
-        if all(f"blocks.{i}.attn.hook_pattern" in served for i in range(n)):
-            level = "full"
+    level = certified_level(statuses, n)
     scope = (
         "every check: plain transformers as the reference, causality, edits against plain torch hooks, weights"
         if thorough

@@ -12,14 +12,21 @@ Only ``torch``, ``transformers`` and ``tokenizers`` are needed, so drivers other
 from __future__ import annotations
 
 from tl_driver_hf.testing._checkpoint import TINY_FAMILIES, tiny_config, write_tiny_checkpoint
-from tl_driver_hf.testing._default_configs import TINY_SIZES, tiny_default_model
+from tl_driver_hf.testing._default_configs import (
+    TINY_SIZES,
+    VLLM_TINY_SIZES,
+    tiny_default_model,
+    write_tiny_default_checkpoint,
+)
 from tl_driver_hf.testing._tokenizer import train_tiny_tokenizer
 
 __all__ = [
     "TINY_FAMILIES",
     "TINY_SIZES",
+    "VLLM_TINY_SIZES",
     "tiny_config",
     "tiny_default_model",
     "train_tiny_tokenizer",
     "write_tiny_checkpoint",
+    "write_tiny_default_checkpoint",
 ]

@@ -320,6 +320,21 @@ def write_tiny_checkpoint(
     )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    _check_target(Path(path).absolute())  # before building anything
+    model = _build_model(family, config, _dtype(dtype), seed)
+    return save_with_tokenizer(model, path, vocab_size=vocab_size, n_ctx=n_ctx)
+
+
+def save_with_tokenizer(
+    model: PreTrainedModel, path: str | os.PathLike[str], *, vocab_size: int, n_ctx: int
+) -> Path:
+    """Write ``model`` and a tiny tokenizer of ``vocab_size`` ids into the folder ``path``,
+    atomically: the folder is written next to ``path`` under a temporary name and renamed
+    into place (``path`` must not exist, or be an empty folder).
+
+    Returns:
+        The absolute path of the written folder.
+    """
     target = Path(path).absolute()
     _check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -327,7 +342,6 @@ def write_tiny_checkpoint(
     staging = target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     staging.mkdir()
     try:
-        model = _build_model(family, config, _dtype(dtype), seed)
         model.save_pretrained(staging)
         tokenizer = train_tiny_tokenizer(vocab_size)
         tokenizer.model_max_length = n_ctx

@@ -9,33 +9,27 @@ tensor shows in a comparison.
 
 from __future__ import annotations
 
-import contextlib
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Final
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
-__all__ = ["TINY_SIZES", "tiny_default_model"]
+from tl_driver_hf._describe import SHRUNK_SIZES, shrunk_model
+from tl_driver_hf.testing._checkpoint import save_with_tokenizer
+
+__all__ = ["TINY_SIZES", "VLLM_TINY_SIZES", "tiny_default_model", "write_tiny_default_checkpoint"]
 
 #: The sizes set on a default config, where it has the field (others stay as they are).
-TINY_SIZES: Final[dict[str, int]] = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "state_size": 8,
-    "time_step_rank": 8,
-}
+TINY_SIZES: Final[dict[str, int]] = SHRUNK_SIZES
+#: ``TINY_SIZES`` with heads of 32 (the smallest head size vLLM's CPU attention runs).
+VLLM_TINY_SIZES: Final[dict[str, int]] = {
+    **SHRUNK_SIZES, "hidden_size": 128, "head_dim": 32, "intermediate_size": 256,
+}  # fmt: skip
 
 
-def tiny_default_model(model_type: str, seed: int = 0) -> PreTrainedModel:
+def tiny_default_model(model_type: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None) -> PreTrainedModel:
     """A tiny float32 causal LM of ``model_type``: its default config with ``TINY_SIZES``.
 
     Special token ids past the tiny vocabulary are dropped and per-layer ``layer_types``
@@ -45,31 +39,32 @@ def tiny_default_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     Args:
         model_type: A ``transformers`` model type (``"granite"``).
         seed: The weights' seed.
+        sizes: Other sizes to set instead of ``TINY_SIZES`` (vLLM's CPU attention needs a
+            head size of 32 or more: ``{**TINY_SIZES, "hidden_size": 128, "head_dim": 32}``).
 
     Returns:
         The model, in eval mode.
     """
     config: Any = AutoConfig.for_model(model_type)
-    for key, value in TINY_SIZES.items():
-        if hasattr(config, key):
-            with contextlib.suppress(AttributeError, TypeError, ValueError):
-                setattr(config, key, value)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= TINY_SIZES["vocab_size"]:
-            setattr(config, key, None)
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list):
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            config.layer_types = layer_types[: TINY_SIZES["num_hidden_layers"]]
-    generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    build: Any = AutoModelForCausalLM.from_config  # untyped in transformers
-    model: PreTrainedModel = build(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
-            if param.dim() >= 2:
-                param.copy_(noise * TINY_SIZES["hidden_size"] ** -0.5)
-            else:
-                param.add_(noise * 0.1)
-    return model
+    return shrunk_model(config, sizes=dict(sizes) if sizes is not None else TINY_SIZES, seed=seed)
+
+
+def write_tiny_default_checkpoint(
+    model_type: str, path: str | os.PathLike[str], *, sizes: Mapping[str, int] | None = None, seed: int = 0
+) -> Path:
+    """Write ``tiny_default_model(model_type)`` with a tiny tokenizer into the folder ``path``
+    (loadable offline by transformers and vLLM; written atomically).
+
+    Args:
+        model_type: A ``transformers`` model type (``"phi"``).
+        path: The folder to create; it must not exist, or be an empty folder.
+        sizes: The sizes (default ``TINY_SIZES``; ``VLLM_TINY_SIZES`` for vLLM's CPU build).
+        seed: The weights' seed.
+
+    Returns:
+        The absolute path of the written folder.
+    """
+    model = tiny_default_model(model_type, seed, sizes=sizes)
+    vocab = int(model.config.vocab_size)
+    n_ctx = int(getattr(model.config, "max_position_embeddings", 0) or 256)
+    return save_with_tokenizer(model, path, vocab_size=vocab, n_ctx=min(n_ctx, 4096))

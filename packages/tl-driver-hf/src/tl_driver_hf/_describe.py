@@ -1,0 +1,147 @@
+"""The description the hf driver serves an architecture with, read without its weights.
+
+Other engines that run transformers' own modules (vLLM's Transformers backend) place tl's
+sites by the hf driver's description of the same architecture. For a family with an
+adapter that is the adapter; for one nobody described it is inferred and certified on a
+shrunk copy of the checkpoint's architecture (two layers, width 64, random weights), so a
+checkpoint of any size is described in about a second on the CPU, before its engine starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tl_core.driver_api import Certification
+from tl_driver_hf.adapters import ArchitectureAdapter, find_adapter
+
+__all__ = ["ArchitectureDescription", "SHRUNK_SIZES", "describe_architecture", "shrunk_model"]
+
+#: The sizes a shrunk copy takes, where its config has the field (others stay as they are).
+SHRUNK_SIZES: Final[dict[str, int]] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "state_size": 8,
+    "time_step_rank": 8,
+}
+
+
+def shrunk_model(config: Any, *, sizes: dict[str, int] | None = None, seed: int = 0) -> PreTrainedModel:
+    """A tiny float32 causal LM with ``config``'s architecture and ``sizes`` (default
+    ``SHRUNK_SIZES``).
+
+    Special token ids past the tiny vocabulary are dropped and per-layer ``layer_types``
+    cut to the layer count. Matrices are drawn with std ``hidden_size ** -0.5`` and vectors
+    (norm weights, biases) jittered by 0.1, from a generator seeded with ``seed`` (the
+    usual std 0.02 leaves attention near uniform, so a wrong tensor would not show).
+
+    Args:
+        config: A ``transformers`` config (copied, never changed).
+        sizes: Config fields to set where the config has them.
+        seed: The weights' seed.
+
+    Returns:
+        The model, in eval mode.
+    """
+    config = copy.deepcopy(config)
+    sizes = SHRUNK_SIZES if sizes is None else sizes
+    for key, value in sizes.items():
+        if hasattr(config, key):
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(config, key, value)
+    vocab = int(getattr(config, "vocab_size", sizes.get("vocab_size", 512)))
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab:
+            setattr(config, key, None)
+    layer_types = getattr(config, "layer_types", None)
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layer_types, list) and isinstance(n_layers, int):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            config.layer_types = layer_types[:n_layers]
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    build: Any = AutoModelForCausalLM.from_config  # untyped in transformers
+    model: PreTrainedModel = build(config, dtype=torch.float32).eval()
+    width = int(getattr(config, "hidden_size", 64))
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            if param.dim() >= 2:
+                param.copy_(noise * width**-0.5)
+            else:
+                param.add_(noise * 0.1)
+    return model
+
+
+@dataclass(frozen=True)
+class ArchitectureDescription:
+    """How the hf driver serves one architecture.
+
+    Attributes:
+        adapter: Where each canonical site lives in transformers' modules (hand-written,
+            or inferred from the module tree).
+        inferred: Whether nobody described the architecture.
+        level: What certification proved on the shrunk copy: ``"full"`` (attention and MLP
+            sites), ``"sublayers"`` or ``"residual"``; ``"full"`` for a described family.
+        certification: The report of the shrunk copy (``None`` for a described family,
+            whose parity tests vouch for it).
+    """
+
+    adapter: ArchitectureAdapter
+    inferred: bool
+    level: Literal["full", "sublayers", "residual"]
+    certification: Certification | None
+
+    @property
+    def certified(self) -> frozenset[str]:
+        """Canonical names certified on the shrunk copy (empty for a described family)."""
+        if self.certification is None:
+            return frozenset()
+        return frozenset(n for n, c in self.certification.statuses.items() if c.status == "real")
+
+
+def describe_architecture(config: Any) -> ArchitectureDescription:
+    """The description the hf driver serves ``config``'s architecture with.
+
+    Args:
+        config: A checkpoint's ``transformers`` config (not changed).
+
+    Returns:
+        Its adapter when a family describes it; else the description inferred and certified
+        on a shrunk copy.
+
+    Raises:
+        ConfigError: transformers cannot build the architecture, or the hf driver refuses
+            the inferred description (the message names the failing equation).
+    """
+    adapter = find_adapter(getattr(config, "model_type", None), getattr(config, "architectures", None))
+    if adapter is not None:
+        return ArchitectureDescription(adapter, inferred=False, level="full", certification=None)
+    from tl_driver_hf._driver import HFDriver
+
+    model = shrunk_model(config)
+    log = logging.getLogger("tl_driver_hf")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the copy's boot line would read as the checkpoint's
+    try:
+        driver = HFDriver.boot(hf_model=model, use_attn_result=True)  # hook_result's status too
+    finally:
+        log.setLevel(level)
+    cert = driver.certification
+    assert cert is not None, "an inferred architecture is always certified at boot"
+    return ArchitectureDescription(driver.adapter, inferred=True, level=cert.level, certification=cert)
