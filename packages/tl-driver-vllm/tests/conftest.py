@@ -52,3 +52,19 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..
         return made[key]
 
     yield make
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """``default_checkpoint(model_type)``: a tiny checkpoint of ``model_type``'s default
+    transformers config, with heads vLLM's CPU attention runs (cached)."""
+    testing = pytest.importorskip("tl_driver_hf.testing")
+    made: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in made:
+            folder = tmp_path_factory.mktemp(f"default-{model_type}")
+            made[model_type] = testing.write_tiny_default_checkpoint(model_type, folder, sizes=testing.VLLM_TINY_SIZES)
+        return made[model_type]
+
+    yield make

@@ -20,6 +20,7 @@ from tl_core import (  # noqa: E402
 )
 from tl_core.driver_api import get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
+from tl_driver_vllm._derive import serving_layout  # noqa: E402
 from tl_driver_vllm._families import LAYOUTS, layout_for, model_info  # noqa: E402
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace  # noqa: E402
 from tl_driver_vllm._merge import edit_table, merge_batched, pad_rows  # noqa: E402
@@ -229,7 +230,7 @@ def test_model_info_from_configs_and_unsupported_families() -> None:
     info = model_info(config, max_model_len=100)
     assert (info.n_layers, info.d_model, info.d_head, info.kv_heads, info.n_ctx) == (3, 64, 32, 1, 100)
     assert info.gated_mlp and info.positional_embedding_type == "rotary"
-    with pytest.raises(ConfigError, match=r"'MambaForCausalLM'.*supported: .*FalconForCausalLM"):
+    with pytest.raises(ConfigError, match=r"no row for vLLM's own 'MambaForCausalLM'.*rows: .*FalconForCausalLM"):
         layout_for("MambaForCausalLM")
     with pytest.raises(ConfigError, match=r"'GPTNeoForCausalLM'.*no GPT-Neo model.*hf driver"):
         layout_for("GPTNeoForCausalLM")
@@ -264,7 +265,7 @@ def test_model_info_is_the_hf_drivers(family: str) -> None:
 
     config = testing.tiny_config(family)
     config.architectures = [_ARCHITECTURES[family]]
-    ours = model_info(config)
+    ours = model_info(config, layout=serving_layout(config).layout)
     adapter = find_adapter(config.model_type, config.architectures)
     assert adapter is not None
     theirs = adapter.model_info(config)
@@ -294,9 +295,9 @@ def test_gpt_neox_parallel_residual_comes_from_the_checkpoint() -> None:
     for parallel in (True, False):
         config = testing.tiny_config("gpt_neox", overrides={"use_parallel_residual": parallel})
         config.architectures = ["GPTNeoXForCausalLM"]
-        info = model_info(config)
+        info = model_info(config, layout=serving_layout(config).layout)
         assert info.parallel_attn_mlp is parallel
-        names = hook_namespace(info, layout_for("GPTNeoXForCausalLM"))
+        names = hook_namespace(info, serving_layout(config).layout)
         assert "blocks.0.ln2.hook_in" in names.served
 
 
@@ -331,3 +332,93 @@ def test_falcon_partial_sublayer_outputs_under_tensor_parallelism() -> None:
     # Families whose sublayers all-reduce their own outputs serve them under TP too.
     gptj = hook_namespace(_info("GPTJForCausalLM"), layout_for("GPTJForCausalLM"), tp_size=2)
     assert "blocks.1.attn.hook_out" in gptj.editable
+
+
+# -- layouts read from the hf driver's description (vLLM's Transformers backend) ---------
+
+
+def test_described_families_on_the_transformers_backend_need_no_row() -> None:
+    # GPT-NeoX and OLMo 2 had hand-written vLLM rows; the hf adapters place every site
+    # where those rows did, so the rows are gone.
+    from tl_driver_hf.adapters import find_adapter
+    from tl_driver_vllm._derive import layout_from_description
+
+    neox = layout_from_description(find_adapter("gpt_neox"))
+    assert (neox.inner, neox.embed, neox.layers, neox.final_norm) == ("model", "embed_in", "layers", "final_layer_norm")
+    assert (neox.attn, neox.qkv, neox.qkv_layout, neox.o_proj) == ("attention", "query_key_value", "heads", "dense")
+    assert (neox.fc_in, neox.down, neox.gate_up, neox.norm) == ("dense_h_to_4h", "dense_4h_to_h", None, "ln")
+    assert neox.parallel_field == "use_parallel_residual" and neox.backend == "transformers"
+    olmo2 = layout_from_description(find_adapter("olmo2"))
+    assert (olmo2.ln1, olmo2.ln2, olmo2.ln1_post, olmo2.ln2_post) == (
+        None, None, "post_attention_layernorm", "post_feedforward_layernorm",
+    )  # fmt: skip
+    assert (olmo2.qkv, olmo2.gate_up, olmo2.q_norm, olmo2.qk_norm_layout) == ("qkv_proj", "gate_up_proj", "q_norm", "flat")
+    assert (olmo2.residual_pair, olmo2.layer_input, olmo2.norm) == (False, 0, "rms")
+    assert not ({"GPTNeoXForCausalLM", "Olmo2ForCausalLM"} & set(LAYOUTS))
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "message"),
+    [
+        ("mixtral", None, "mixture of experts"),
+        ("gemma", None, "embedding scale"),
+        ("gpt2", None, "Conv1D"),
+        ("bloom", None, "add the residual themselves"),
+        ("opt", None, "offset"),
+        ("llama", "layers", "not inside a base model"),
+    ],
+)
+def test_a_description_the_backend_cannot_place_is_refused_naming_why(family: str, field: str | None, message: str) -> None:
+    from dataclasses import replace
+
+    from tl_driver_hf.adapters import find_adapter
+    from tl_driver_vllm._derive import layout_from_description
+
+    adapter = find_adapter(family)
+    assert adapter is not None
+    if field is not None:
+        adapter = replace(adapter, **{field: "layers"})
+    with pytest.raises(ConfigError, match=rf"{adapter.family}.*Transformers backend.*{message}.*hf driver"):
+        layout_from_description(adapter)
+
+
+def test_vllm_picks_its_backend_by_its_own_registry() -> None:
+    pytest.importorskip("vllm")
+    from tl_driver_vllm._derive import vllm_backend
+
+    assert vllm_backend("PhiForCausalLM") == "transformers"  # vLLM's own table sends it there
+    assert vllm_backend("HeliumForCausalLM") == "transformers"  # unknown to vLLM: its fallback
+    assert vllm_backend("GraniteForCausalLM") == "native"
+    assert vllm_backend("GraniteForCausalLM", "transformers") == "transformers"
+    assert vllm_backend("GPTNeoForCausalLM") is None
+
+
+def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_description() -> None:
+    pytest.importorskip("vllm")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model("granite")
+    config.architectures = ["GraniteForCausalLM"]
+    serving = serving_layout(config)
+    assert serving.model_impl == "transformers" and serving.derived
+    assert serving.layout.backend == "transformers" and serving.layout.qkv == "qkv_proj"
+    assert "inferred and certified on a shrunk copy" in serving.description["layout"]
+    llama = transformers.AutoConfig.for_model("llama")
+    llama.architectures = ["LlamaForCausalLM"]
+    row = serving_layout(llama)
+    assert row.model_impl is None and not row.derived and row.layout is LAYOUTS["LlamaForCausalLM"]
+    mamba = transformers.AutoConfig.for_model("mamba")
+    mamba.architectures = ["MambaForCausalLM"]
+    with pytest.raises(ConfigError, match=r"'MambaForCausalLM'.*certifies only its residual hooks"):
+        serving_layout(mamba)
+
+
+def test_withheld_hooks_are_not_served_and_say_why() -> None:
+    info = _info("LlamaForCausalLM")
+    names = hook_namespace(
+        info, LAYOUTS["LlamaForCausalLM"],
+        withheld={"blocks.{i}.ln2.hook_in": "uncertified: failed: x", "blocks.0.attn.hook_z": "uncertified: y"},
+    )  # fmt: skip
+    assert "blocks.1.ln2.hook_in" not in names.served and "blocks.0.attn.hook_z" not in names.served
+    assert "blocks.1.attn.hook_z" in names.served
+    with pytest.raises(HookNameError, match="uncertified: failed: x"):
+        names.lookup("blocks.1.ln2.hook_in")

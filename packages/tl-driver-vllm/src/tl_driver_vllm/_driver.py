@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any, Literal
 
@@ -14,6 +15,7 @@ import torch
 
 from tl_core import ModelInfo, TLError, UserError
 from tl_core.driver_api import (
+    Certification,
     ForwardResult,
     HFTokenizer,
     ModelReadout,
@@ -21,7 +23,9 @@ from tl_core.driver_api import (
     build_plan,
 )
 from tl_driver_vllm._backend import classes_kept
-from tl_driver_vllm._families import layout_for, model_info, served_layout
+from tl_driver_vllm._certify import certify_engine, refusal
+from tl_driver_vllm._derive import serving_layout
+from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._gguf import gguf_checkpoint
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
 from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
@@ -65,25 +69,32 @@ class VLLMDriver(NamespaceFacts):
         info: ModelInfo,
         tokenizer: HFTokenizer,
         *,
+        layout: Layout,
         positions: bool,
         use_attn_result: bool = False,
+        withheld: Mapping[str, str] | None = None,
     ) -> None:
         self._llm: Any | None = llm
         self.tokenizer = tokenizer
-        self._layout = served_layout(info.architecture, info.parallel_attn_mlp)
+        self._layout = layout
         self._positions = positions
         self._runs = itertools.count()
         self._readout: ModelReadout | None = None
         self._sockets: set[str] = set()
         self._processes: set[int] = set()
         self.workers: list[dict[str, Any]] = llm.collective_rpc(
-            "tl_install", args=(info.architecture, info.n_layers, _sizes(info))
+            "tl_install", args=(info.architecture, info.n_layers, _sizes(info), dataclasses.asdict(layout))
         )
         self._raw = all(w["pid"] == os.getpid() for w in self.workers)
         # Workers in other processes hand results over through shared memory.
         self._shared = SharedFiles(enabled=not self._raw)
         self._tp = max(int(w["tp_size"]) for w in self.workers)
-        self._namespace = hook_namespace(info, self._layout, attn_result=use_attn_result, tp_size=self._tp)
+        self._withheld = dict(withheld or {})
+        self._attn_result = use_attn_result
+        self._certification: Certification | None = None
+        self._namespace = hook_namespace(
+            info, self._layout, attn_result=use_attn_result, tp_size=self._tp, withheld=self._withheld
+        )
         self._ranks_checked = self._tp == 1
 
     @classmethod
@@ -102,6 +113,7 @@ class VLLMDriver(NamespaceFacts):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         gguf_file: str | None = None,
+        certify: bool = False,
         **vllm_kwargs: Any,
     ) -> VLLMDriver:
         """Start a vLLM engine for ``model`` with tl's worker extension.
@@ -136,6 +148,10 @@ class VLLMDriver(NamespaceFacts):
             tensor_parallel_size: vLLM tensor parallelism.
             pipeline_parallel_size: vLLM pipeline parallelism.
             gguf_file: The GGUF file's name inside the ``model`` folder.
+            certify: Certify a family with a hand-checked row at boot too (its parity tests
+                vouch for it; ``certify()`` runs the checks on demand). An architecture
+                placed by the hf driver's description is always certified at boot, and
+                serves only the hooks that pass.
             **vllm_kwargs: Any other ``vllm.LLM`` argument (``kv_cache_memory_bytes``, ...).
 
         Returns:
@@ -150,7 +166,12 @@ class VLLMDriver(NamespaceFacts):
         path = gguf_checkpoint(model, gguf_file, dtype)
         trust = bool(vllm_kwargs.get("trust_remote_code", False))
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-        info = model_info(config)  # unsupported families fail here, before any engine work
+        # Unsupported architectures and configs fail here, before any engine work.
+        serving = serving_layout(config, vllm_kwargs.get("model_impl"))
+        layout = serving.layout
+        if serving.model_impl is not None:
+            vllm_kwargs["model_impl"] = serving.model_impl
+        info = model_info(config, layout=layout)
         kwargs = engine_kwargs(
             path,
             tokenizer=tokenizer,
@@ -168,7 +189,7 @@ class VLLMDriver(NamespaceFacts):
         from vllm import LLM
 
         sockets_before, children_before = socket_files(), children()
-        kept = classes_kept(config) if layout_for(info.architecture).backend == "transformers" else nullcontext()
+        kept = classes_kept(config) if layout.backend == "transformers" else nullcontext()
         try:
             with kept:
                 llm = LLM(**kwargs)
@@ -181,16 +202,73 @@ class VLLMDriver(NamespaceFacts):
         started = children() - children_before
         try:
             limit = int(llm.llm_engine.model_config.max_model_len)
-            info = model_info(config, max_model_len=limit)
+            info = model_info(config, layout=layout, max_model_len=limit)
             driver = cls(
-                llm, info, HFTokenizer(hf_tokenizer), positions=enable_position_interventions,
-                use_attn_result=use_attn_result,
+                llm, info, HFTokenizer(hf_tokenizer), layout=layout, positions=enable_position_interventions,
+                use_attn_result=use_attn_result, withheld=serving.withheld,
             )  # fmt: skip
+            driver._sockets, driver._processes = sockets, started
+            driver._config, driver._model_name = config, str(model)
+            driver._description, driver._derived = serving.description, serving.derived
+            if certify or serving.derived:
+                driver._certify_at_boot()
         except BaseException:
             shutdown(llm, sockets, started)
             raise
-        driver._sockets, driver._processes = sockets, started
         return driver
+
+    # -- certification ----------------------------------------------------------------
+
+    @property
+    def certification(self) -> Certification | None:
+        """The boot's certification report (``None`` for a row booted without ``certify``)."""
+        return self._certification
+
+    def certify(self) -> Certification:
+        """Check every served hook now with tl-core's equations over one engine forward.
+
+        Serves nothing new and hides nothing; the boot of a layout read from a description
+        already withheld what failed.
+        """
+        assert self._config is not None, "certify() needs the checkpoint's config, kept at boot"
+        self._certifying = True
+        try:
+            return certify_engine(
+                self, self._config, model=self._model_name, description=dict(self._description), derived=self._derived
+            )
+        finally:
+            self._certifying = False
+
+    _config: Any = None
+    _certifying = False
+    _model_name: str = "<model>"
+    _description: Mapping[str, str] = {}
+    _derived: bool = False
+
+    def _certify_at_boot(self) -> None:
+        """Certify; refuse a run that fails, withhold hooks that fail."""
+        cert = self.certify()
+        refused = refusal(cert, self.info.architecture)
+        if refused is not None:
+            raise refused
+        failed = {
+            n: f"uncertified: {c.reason}"
+            for n, c in cert.statuses.items()
+            if c.status == "uncertified" and n in self._namespace.served
+        }
+        if failed:
+            self._withheld.update(failed)
+            self._namespace = hook_namespace(
+                self.info, self._layout, attn_result=self._attn_result, tp_size=self._tp, withheld=self._withheld
+            )
+        self._certification = cert
+        if self._derived:
+            _LOG.warning(
+                "%s: %s has no vLLM row; %s; %d hooks certified on the engine and served at level "
+                "%r (tl certify %s --driver vllm shows the report)",
+                self._model_name, self.info.architecture, self._description.get("layout", ""),
+                len(self._namespace.served), cert.level, self._model_name,
+            )  # fmt: skip
 
     # -- facts ------------------------------------------------------------------------
 
@@ -341,9 +419,11 @@ class VLLMDriver(NamespaceFacts):
         batched = merge_batched(results, vocab=self.info.d_vocab, check_ranks=check)
         self._ranks_checked = True
         missing = [n for n in engine_names + (["logits"] if return_logits else []) if n not in batched]
-        if missing:
+        if missing and (self._certifying and "logits" not in missing):
+            pass  # certification reports each hook that never fired
+        elif missing:
             raise TLError(f"the engine returned no values for {missing}; see the worker logs")
-        captured = {n: batched[n] for n in engine_names}
+        captured = {n: batched[n] for n in engine_names if n in batched}
         captured.update(_input_sites(inputs, rows, lengths))
         logits = batched["logits"] if return_logits else None
         new_tokens = None

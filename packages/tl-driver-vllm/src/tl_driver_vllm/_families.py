@@ -23,7 +23,7 @@ __all__ = [
     "layout_for",
     "model_info",
     "resolve",
-    "served_layout",
+    "settle",
 ]
 
 NormKind = Literal["rms", "gemma_rms", "ln"]
@@ -149,6 +149,10 @@ class Layout:
             computes another activation than the checkpoint defines: the worker installs
             the checkpoint's at boot (with a log line), so the engine computes the model
             transformers and the hf driver compute. ``None`` where vLLM's is the checkpoint's.
+        renormalize: Whether the router's top-k weights are renormalised to sum to 1 (the
+            softmax over all experts is taken first either way).
+        renormalize_field: Config field that decides ``renormalize`` per checkpoint
+            (``norm_topk_prob``), if any.
     """
 
     inner: str
@@ -187,6 +191,8 @@ class Layout:
     same_width: tuple[str, str] | None = None
     partial_outputs: bool = False
     activation: tuple[str, str] | None = None
+    renormalize: bool = True
+    renormalize_field: str | None = None
 
     @property
     def batched(self) -> bool:
@@ -256,6 +262,26 @@ _GEMMA2 = replace(
 )
 _GEMMA3 = replace(_GEMMA2, lm_head="lm_head", q_norm="q_norm", k_norm="k_norm")
 _MIXTRAL = replace(_LLAMA, mlp="block_sparse_moe", gate_up=None, down=None, router="gate")
+# Mixtures of experts whose block is `mlp`; the routing's renormalisation follows the
+# checkpoint where vLLM's class reads it (Qwen 2/3-MoE), and is off in vLLM's OLMoE.
+_QWEN3_MOE = replace(_QWEN3, mlp="mlp", gate_up=None, down=None, router="gate", renormalize_field="norm_topk_prob")
+_QWEN2_MOE = replace(_QWEN3_MOE, q_norm=None, k_norm=None)
+_OLMOE = replace(
+    _QWEN3_MOE,
+    qk_norm_layout="flat",
+    renormalize=False,
+    renormalize_field=None,
+    config_requires={
+        "norm_topk_prob": (False, "vLLM's OLMoE never renormalises the chosen experts' weights"),
+    },
+)
+_GRANITE_MOE = replace(
+    _MIXTRAL,
+    config_requires={
+        "embedding_multiplier": (1.0, "vLLM's Granite scales the embedding after its module"),
+        "residual_multiplier": (1.0, "vLLM's Granite scales each sublayer's output after its module"),
+    },
+)
 _STABLELM = replace(
     _LLAMA,
     residual_pair=False,
@@ -383,43 +409,9 @@ _FALCON = replace(
         ),
     },
 )
-_GPT_NEOX = replace(
-    _GPT2,
-    inner="model",
-    embed="embed_in",
-    pos_embed=None,
-    layers="layers",
-    final_norm="final_layer_norm",
-    ln1="input_layernorm",
-    attn="attention",
-    ln2="post_attention_layernorm",
-    parallel=True,
-    parallel_field="use_parallel_residual",
-    # transformers' fused projection, kept per head: [q_h | k_h | v_h].
-    qkv="query_key_value",
-    qkv_layout="heads",
-    o_proj="dense",
-    rotary="rotary_emb",
-    fc_in="dense_h_to_4h",
-    down="dense_4h_to_h",
-    backend="transformers",
-)
-_OLMO2 = replace(
-    _LLAMA,
-    ln1=None,
-    ln2=None,
-    ln1_post="post_attention_layernorm",
-    ln2_post="post_feedforward_layernorm",
-    residual_pair=False,
-    layer_input=0,
-    # vLLM fuses q/k/v into one projection; OLMo 2 normalises all heads of a position at once.
-    q_norm="q_norm",
-    k_norm="k_norm",
-    qk_norm_layout="flat",
-    backend="transformers",
-)
-
-#: vLLM architecture name -> layout. Every entry is covered by the parity tests.
+#: vLLM architecture name -> layout of vLLM's own model class. Every entry is covered by the
+#: parity tests. Architectures vLLM runs on its Transformers backend (GPT-NeoX, OLMo 2, ...)
+#: have no row: their layout is read from the hf driver's description (``_derive``).
 LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
@@ -427,6 +419,10 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen3ForCausalLM": _QWEN3,
     "Phi3ForCausalLM": _LLAMA,
     "MixtralForCausalLM": _MIXTRAL,
+    "Qwen2MoeForCausalLM": _QWEN2_MOE,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
+    "OlmoeForCausalLM": _OLMOE,
+    "GraniteMoeForCausalLM": _GRANITE_MOE,
     "GemmaForCausalLM": _GEMMA,
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
@@ -436,8 +432,6 @@ LAYOUTS: dict[str, Layout] = {
     "OPTForCausalLM": _OPT,
     "BloomForCausalLM": _BLOOM,
     "FalconForCausalLM": _FALCON,
-    "GPTNeoXForCausalLM": _GPT_NEOX,
-    "Olmo2ForCausalLM": _OLMO2,
 }
 
 #: Architectures vLLM 0.32 cannot run at all, with the reason (named when one is refused).
@@ -472,11 +466,9 @@ def layout_for(architecture: str) -> Layout:
                 "hf driver for it."
             )
         raise ConfigError(
-            f"the vllm driver does not support architecture {architecture!r}; supported: "
-            f"{', '.join(sorted(LAYOUTS))}. Each family needs a table of where vLLM keeps "
-            "its sites (tl_driver_vllm._families.LAYOUTS) and parity tests. The hf driver "
-            "infers and certifies architectures nobody described: `tl certify MODEL` shows "
-            "what it serves."
+            f"the vllm driver has no row for vLLM's own {architecture!r} model class; rows: "
+            f"{', '.join(sorted(LAYOUTS))}. Other architectures run on vLLM's Transformers "
+            "backend, placed by the hf driver's description (tl_driver_vllm._derive)."
         )
     return layout
 
@@ -495,7 +487,17 @@ def resolve(config: Any) -> Layout:
             each field, the value expected and why).
     """
     architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
-    layout = layout_for(architecture)
+    return settle(layout_for(architecture), config)
+
+
+def settle(layout: Layout, config: Any) -> Layout:
+    """``layout`` for one checkpoint: ``parallel`` read from ``parallel_field`` where it has one.
+
+    Raises:
+        ConfigError: A config the layout cannot serve (naming each field, the value expected
+            and why).
+    """
+    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
     problems = layout.config_problems(config)
     if problems:
         raise ConfigError(
@@ -505,16 +507,13 @@ def resolve(config: Any) -> Layout:
     if layout.parallel_field is not None:
         parallel = bool(getattr(config, layout.parallel_field, layout.parallel))
         layout = replace(layout, parallel=parallel)
+    if layout.renormalize_field is not None:
+        renormalize = bool(getattr(config, layout.renormalize_field, layout.renormalize))
+        layout = replace(layout, renormalize=renormalize)
     return layout
 
 
-def served_layout(architecture: str, parallel: bool) -> Layout:
-    """The layout of a checkpoint whose ``ModelInfo`` is known (``parallel_attn_mlp``)."""
-    layout = layout_for(architecture)
-    return layout if layout.parallel == parallel else replace(layout, parallel=parallel)
-
-
-def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
+def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int | None = None) -> ModelInfo:
     """Build the ``ModelInfo`` of a checkpoint from its ``transformers`` config.
 
     The structure flags are the ones the hf driver reports for the same checkpoint, so a
@@ -522,6 +521,7 @@ def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
 
     Args:
         config: A ``transformers.PretrainedConfig`` (text config for multimodal wrappers).
+        layout: The layout serving it (default: its family's row, ``resolve``).
         max_model_len: The engine's context limit, when known (else the config's).
 
     Returns:
@@ -530,7 +530,7 @@ def model_info(config: Any, *, max_model_len: int | None = None) -> ModelInfo:
     Raises:
         ConfigError: Unsupported architecture or config, or a config missing a size.
     """
-    layout = resolve(config)
+    layout = resolve(config) if layout is None else layout
     architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
     info = model_info_from_config(
         config,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+
 from tl_core import ModelInfo
 from tl_core.driver_api import HookNamespace, canonical_hook_names
 from tl_driver_vllm._families import Layout
@@ -130,7 +133,12 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
 
 
 def hook_namespace(
-    info: ModelInfo, layout: Layout, *, attn_result: bool = False, tp_size: int = 1
+    info: ModelInfo,
+    layout: Layout,
+    *,
+    attn_result: bool = False,
+    tp_size: int = 1,
+    withheld: Mapping[str, str] | None = None,
 ) -> HookNamespace:
     """The namespace of a model served by vLLM.
 
@@ -140,6 +148,8 @@ def hook_namespace(
         attn_result: Also serve the opt-in ``attn.hook_result``.
         tp_size: Tensor-parallel ranks (``Layout.partial_outputs`` families serve less
             under tensor parallelism).
+        withheld: Hooks the layout places but certification did not prove (names, or
+            templates such as ``"blocks.{i}.ln2.hook_in"``), with the reason: not served.
 
     Returns:
         The served, editable and non-fireable hooks, every one with its reason.
@@ -185,8 +195,21 @@ def hook_namespace(
             reasons[name] = _SPLIT
         elif layout.moe and suffix in ("mlp.hook_pre", "mlp.hook_post"):
             reasons[name] = _MOE_NEURONS.format(arch=info.architecture)
+    for name in sorted(served):
+        why = _withheld_reason(name, withheld or {})
+        if why is not None:
+            served.discard(name)
+            read_only.pop(name, None)
+            reasons[name] = why
     editable = served - set(read_only) - INPUT_SITES
     editable -= {n for n in served if n.endswith("mlp.hook_expert_indices")}
     return HookNamespace.build(
         info, served, editable=editable, read_only=read_only, reasons=reasons, driver="vllm"
     )
+
+
+def _withheld_reason(name: str, withheld: Mapping[str, str]) -> str | None:
+    if name in withheld:
+        return withheld[name]
+    template = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", name)
+    return withheld.get(template)

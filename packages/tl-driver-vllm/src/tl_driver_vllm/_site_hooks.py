@@ -436,12 +436,13 @@ class RouterSite:
     """Forward hook on a mixture-of-experts router: logits, and the routing derived from them.
 
     The expert weights and indices are what the family's routing computes from the logits
-    (softmax in float32, the top ``k`` experts, weights renormalised to sum to 1), served as
+    (softmax in float32, the top ``k`` experts, weights renormalised to sum to 1 where the
+    family does), served as
     the hf driver serves them: weights per expert (0 where not chosen), indices in top-k order.
     """
 
-    def __init__(self, state: RunState, prefix: str, top_k: int) -> None:
-        self.state, self.top_k = state, top_k
+    def __init__(self, state: RunState, prefix: str, top_k: int, renormalize: bool = True) -> None:
+        self.state, self.top_k, self.renormalize = state, top_k, renormalize
         self.logits = f"{prefix}.hook_router_logits"
         self.weights = f"{prefix}.hook_expert_weights"
         self.indices = f"{prefix}.hook_expert_indices"
@@ -449,7 +450,8 @@ class RouterSite:
     def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(logits.float(), dim=-1)
         top, index = torch.topk(probs, self.top_k, dim=-1)
-        top = top / top.sum(dim=-1, keepdim=True)
+        if self.renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
         return torch.zeros_like(probs).scatter(1, index, top), index
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

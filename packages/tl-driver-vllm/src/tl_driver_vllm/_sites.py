@@ -288,4 +288,4 @@ def _install_mlp(at: _Installer, mlp: nn.Module, m: str, layout: Layout, top_k: 
     routing = at.want(m + "hook_router_logits", m + "hook_expert_weights", m + "hook_expert_indices")
     if router is not None and routing:
         assert top_k is not None
-        at.add(router, RouterSite(state, m[:-1], top_k))
+        at.add(router, RouterSite(state, m[:-1], top_k, layout.renormalize))

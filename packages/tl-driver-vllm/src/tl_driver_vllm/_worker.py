@@ -17,7 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tl_core import TLError
 from tl_driver_vllm._block_hooks import install_activations
-from tl_driver_vllm._families import Layout, served_layout
+from tl_driver_vllm._families import Layout
 from tl_driver_vllm._patterns import AttentionFacts, attention_facts, rebuild
 from tl_driver_vllm._run_state import NORMED, TAG_KEY, RequestPlan, RunState, Step
 from tl_driver_vllm._shards import Shard, layer_shards
@@ -48,17 +48,19 @@ class TLWorkerExtension:
     _tl_top_k: int | None
     _tl_outbox: Outbox | None
 
-    def tl_install(self, architecture: str, n_layers: int, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+    def tl_install(
+        self, architecture: str, n_layers: int, sizes: dict[str, Any], layout: dict[str, Any]
+    ) -> dict[str, Any]:
         """Remember the family layout and this rank's share of every layer's heads and
         neurons; report this worker's process and parallel ranks.
 
         ``sizes`` holds the model's global ``n_heads``, ``n_kv_heads``, ``d_model`` and
         ``experts_per_token`` and whether its blocks are parallel (from the driver's
-        ``ModelInfo``). Where vLLM's model computes another MLP activation than the
+        ``ModelInfo``); ``layout`` the fields of the driver's ``Layout``, settled for this
+        checkpoint (a row, or one read from the hf driver's description). Where vLLM's model computes another MLP activation than the
         checkpoint (``Layout.activation``), the checkpoint's is installed here, once.
         """
-        sizes = sizes or {}
-        self._tl_layout = served_layout(architecture, bool(sizes.get("parallel_attn_mlp", False)))
+        self._tl_layout = Layout(**layout)
         self._tl_n_layers = n_layers
         self._tl_state = None
         self._tl_outbox = None
@@ -156,10 +158,14 @@ class TLWorkerExtension:
         norm = sub(sub(model, self._tl_layout.inner), self._tl_layout.final_norm)
         if norm is None:
             return {}
-        weight = cast(torch.Tensor, norm.weight).detach().float()
+        head = self._tl_head()
+        raw = getattr(norm, "weight", None)
+        if raw is None:  # a norm without parameters (OLMo's)
+            weight = torch.ones(head.weight.shape[1], device=head.weight.device)
+        else:
+            weight = cast(torch.Tensor, raw).detach().float()
         if self._tl_layout.norm == "gemma_rms":
             weight = weight + 1.0
-        head = self._tl_head()
         bias = getattr(norm, "bias", None)
         head_bias = getattr(head, "bias", None)
         processor = getattr(model, "logits_processor", None)
