@@ -51,7 +51,9 @@ CHECKPOINTS = [*FAMILIES, *VARIANTS]
 #: each with names tl leaves unserved rather than wrong: Cohere (its logit scale comes
 #: after the unembedding, so unembed.hook_out is uncertified), OLMo (its LayerNorm keeps no
 #: epsilon, so hook_scale/hook_normalized are not recomputed), Granite-MoE (TransformerLens
-#: serves its router flattened and top-k, and MLP neuron names on the experts' block).
+#: serves its router flattened and top-k, and MLP neuron names on the experts' block),
+#: Qwen2-MoE (TransformerLens serves its shared expert's and experts' inner sites, names
+#: outside tl's vocabulary).
 INFERRED = [
     "granite",
     "smollm3",
@@ -61,6 +63,10 @@ INFERRED = [
     "starcoder2",
     "gpt_bigcode",
     "phi",
+    "olmo3",
+    "exaone4",
+    "qwen3_moe",
+    "olmoe",
 ]
 
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:

@@ -81,7 +81,11 @@ def _one_row(x: Any) -> Any:
     return x[:1]
 
 
-QK_NORM_PER_HEAD = ("qwen3", "gemma3")
+QK_NORM_PER_HEAD = ("qwen3", "gemma3", "exaone4", "qwen3_moe")
+#: Families that normalise the flat query/key projection (all heads of a position together).
+QK_NORM_FLAT = ("olmo2", "olmo3", "olmoe")
+#: Mixtures of experts TransformerLens 4.3 boots.
+MOE = ("mixtral", "qwen3_moe", "olmoe")
 LAYOUTS = [
     Layout(
         QK_NORM_PER_HEAD,
@@ -97,14 +101,14 @@ LAYOUTS = [
         "as for q_norm",
     ),
     Layout(
-        ("olmo2",),
+        QK_NORM_FLAT,
         r"attn\.([qk]_norm\.hook_(in|normalized|out)|hook_[qk]_normed)$",
         _flat_heads,
         "OLMo 2 normalises the flat projection; TransformerLens serves it flat, "
         "[b, p, h*dh]; tl per head",
     ),
     Layout(
-        ("olmo2",),
+        QK_NORM_FLAT,
         r"attn\.[qk]_norm\.hook_scale$",
         _one_scale_per_position,
         "one scale per position ([b, p, 1] in TransformerLens), repeated per head in tl",
@@ -118,7 +122,7 @@ LAYOUTS = [
         "a row per prompt, as they differ under left padding",
     ),
     Layout(
-        ("mixtral",),
+        MOE,
         r"mlp\.(gate\.hook_(in|out|expert_weights|expert_indices)|hook_expert_(weights|indices))$",
         _flat_batch,
         "a mixture of experts routes flattened positions; TransformerLens serves the router's "
@@ -197,7 +201,7 @@ TL_SLIPS = [
         "as for attention: TransformerLens 4.3's mlp.hook_out on BLOOM includes the residual",
     ),
     Slip(
-        ("mixtral",),
+        MOE,
         r"mlp\.hook_pre$",
         lambda name, run: run.ours[_block(name) + "mlp.hook_in"],
         "on a mixture of experts TransformerLens 4.3 serves the MoE block's input "
@@ -205,7 +209,7 @@ TL_SLIPS = [
         "tl has no single layer of neurons there and refuses the name",
     ),
     Slip(
-        ("mixtral",),
+        MOE,
         r"mlp\.hook_post$",
         lambda name, run: run.ours[_block(name) + "mlp.hook_out"],
         "as for hook_pre: TransformerLens 4.3's mlp.hook_post on Mixtral is the MoE output",
