@@ -22,7 +22,6 @@ from tl_core.driver_api import (
     equation_checks,
     statuses_from_checks,
 )
-from tl_driver_hf._certify import residual_holds
 
 __all__ = ["PROBE_LENGTH", "certify_engine", "refusal"]
 
@@ -119,6 +118,8 @@ def _greedy_check(last: torch.Tensor, token: int, rtol: float) -> CertificationC
 
 def refusal(cert: Certification, architecture: str) -> ConfigError | None:
     """Why a boot is refused after certification: the residual stream or logits fail."""
+    from tl_driver_hf._certify import residual_holds  # imports transformers: only when certifying
+
     if residual_holds(cert):
         return None
     first = next(c for c in cert.failed)
