@@ -164,7 +164,7 @@ def _info(arch: str) -> ModelInfo:
     layout = layout_for(arch)
     return ModelInfo(
         n_layers=2, d_model=64, n_heads=2, d_head=32, d_mlp=128, d_vocab=300, n_ctx=64,
-        normalization_type="LN" if layout.norm == "ln" else "RMS",
+        normalization_type="LN" if layout.norm == "layernorm" else "RMS",
         positional_embedding_type="standard" if layout.pos_embed else "rotary" if layout.rotary else "none",
         gated_mlp=layout.gated, sandwich_norm=layout.ln1_post is not None,
         parallel_attn_mlp=layout.parallel, embed_norm=layout.embed_norm is not None,
@@ -346,14 +346,14 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
     neox = layout_from_description(find_adapter("gpt_neox"))
     assert (neox.inner, neox.embed, neox.layers, neox.final_norm) == ("model", "embed_in", "layers", "final_layer_norm")
     assert (neox.attn, neox.qkv, neox.qkv_layout, neox.o_proj) == ("attention", "query_key_value", "heads", "dense")
-    assert (neox.fc_in, neox.down, neox.gate_up, neox.norm) == ("dense_h_to_4h", "dense_4h_to_h", None, "ln")
+    assert (neox.fc_in, neox.down, neox.gate_up, neox.norm) == ("dense_h_to_4h", "dense_4h_to_h", None, "layernorm")
     assert neox.parallel_field == "use_parallel_residual" and neox.backend == "transformers"
     olmo2 = layout_from_description(find_adapter("olmo2"))
     assert (olmo2.ln1, olmo2.ln2, olmo2.ln1_post, olmo2.ln2_post) == (
         None, None, "post_attention_layernorm", "post_feedforward_layernorm",
     )  # fmt: skip
     assert (olmo2.qkv, olmo2.gate_up, olmo2.q_norm, olmo2.qk_norm_layout) == ("qkv_proj", "gate_up_proj", "q_norm", "flat")
-    assert (olmo2.residual_pair, olmo2.layer_input, olmo2.norm) == (False, 0, "rms")
+    assert (olmo2.residual_pair, olmo2.layer_input, olmo2.norm) == (False, 0, "rms_weight_first")
     assert not ({"GPTNeoXForCausalLM", "Olmo2ForCausalLM"} & set(LAYOUTS))
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from tl_core import UserError
-from tl_driver_hf.adapters import NormKind
+from tl_core.driver_api import NormKind, apply_norm_weight, norm_statistics
 
 __all__ = ["norm_eps", "normalize", "apply_weight"]
 
@@ -30,26 +30,9 @@ def norm_eps(module: nn.Module) -> float:
 def normalize(
     x: torch.Tensor, kind: NormKind, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(centred input, scale, normalized)`` of ``x`` in the norm's compute dtype.
-
-    ``scale`` is ``sqrt(var + eps)`` (``[..., 1]``); ``normalized`` is computed as the
-    module does (multiplying by ``rsqrt``), so it matches the module bit for bit on RMS
-    norms. The centred input (``x`` itself for RMS norms) lets an edited scale be applied.
-    ``scale`` and ``normalized`` are fresh tensors that hooks may edit in place.
-    """
-    if kind == "layernorm":
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        centred = xf - xf.mean(dim=-1, keepdim=True)
-        var = centred.pow(2).mean(dim=-1, keepdim=True)
-    else:
-        centred = x.float()
-        var = centred.pow(2).mean(dim=-1, keepdim=True)
-    inv = torch.rsqrt(var + eps)
-    scale = (var + eps).sqrt()
-    if scale.requires_grad:
-        # sqrt keeps its output for the backward pass, and hooks may edit the scale in place.
-        scale = scale.clone()
-    return centred, scale, centred * inv
+    """``(centred input, scale, normalized)`` of ``x`` (tl-core's one copy of the norm math,
+    ``tl_core.driver_api.norm_statistics``)."""
+    return norm_statistics(x, kind, eps)
 
 
 def apply_weight(
@@ -64,17 +47,4 @@ def apply_weight(
             f"edit of its hook_scale/hook_normalized: its weight is on disk, not in memory. "
             f"Keep norms in memory (device_map) to edit them."
         )
-    if kind == "layernorm":
-        out = normalized
-        if weight is not None:
-            out = out * weight.to(out.dtype)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        return out.to(input_dtype)
-    if weight is None:
-        return normalized.to(input_dtype)
-    if kind == "rms":
-        return weight * normalized.to(input_dtype)
-    if kind == "rms_weight_first":
-        return (weight * normalized).to(input_dtype)
-    return (normalized * (1.0 + weight.float())).to(input_dtype)
+    return apply_norm_weight(normalized, weight, bias, kind, input_dtype)

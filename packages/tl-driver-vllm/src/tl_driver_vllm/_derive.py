@@ -23,7 +23,6 @@ from tl_driver_vllm._families import (
     LAYOUTS,
     NOT_RUN_BY_VLLM,
     Layout,
-    NormKind,
     layout_for,
     resolve,
     settle,
@@ -34,10 +33,6 @@ __all__ = ["Backend", "Serving", "derived_layout", "layout_from_description", "s
 _LOG = logging.getLogger("tl_driver_vllm")
 
 Backend = Literal["native", "transformers"]
-
-#: hf norm kinds -> the vLLM sites' kinds (the weight's rounding order does not matter there:
-#: hook_scale and hook_normalized are derived from the norm's input, hook_out is its output).
-_NORMS: dict[str, NormKind] = {"rms": "rms", "rms_weight_first": "rms", "rms_plus_one": "gemma_rms", "layernorm": "ln"}
 
 #: Description fields these rules cannot place, with the reason.
 _UNMAPPED: tuple[tuple[str, str], ...] = (
@@ -126,7 +121,7 @@ def layout_from_description(adapter: Any) -> Layout:
         ln2_post=adapter.ln2_post,
         residual_pair=False,
         layer_input=0,
-        norm=_NORMS[adapter.norm],
+        norm=adapter.norm,
         lm_head="lm_head",
         qkv="qkv_proj" if separate_qkv else adapter.qkv,
         qkv_layout="blocks" if separate_qkv else adapter.qkv_layout,

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from tl_core import ConfigError, ModelInfo
 from tl_core.driver_api import model_info_from_config
+from tl_core.driver_api._norms import NormKind, normalization_type
 
 __all__ = [
     "LAYOUTS",
@@ -26,7 +27,6 @@ __all__ = [
     "settle",
 ]
 
-NormKind = Literal["rms", "gemma_rms", "ln"]
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,9 @@ class Layout:
             rather than one residual-stream tensor.
         layer_input: Index of the hidden-states argument of a layer's ``forward``: ``1``
             for ``(positions, hidden_states[, residual])``, ``0`` for ``(hidden_states,)``.
-        norm: ``"rms"`` (``w * x / rms``), ``"gemma_rms"`` (``(1 + w) * x / rms``) or
-            ``"ln"`` (LayerNorm with bias); every norm of the family.
+        norm: How every norm of the family normalizes and applies its weight, in tl-core's
+            one vocabulary (``tl_core.driver_api.NormKind``: ``"rms"``, ``"rms_plus_one"``
+            for Gemma's ``(1 + w)``, ``"layernorm"``, ...).
         lm_head: Unembedding module: ``"lm_head"`` on the top-level model, or ``"embed"``
             when the model projects with its (tied) token embedding directly.
         embed_scaled: Whether the model multiplies the embedding by ``sqrt(d_model)`` after
@@ -252,7 +253,7 @@ _LLAMA = Layout(
     lm_head="lm_head",
 )
 _QWEN3 = replace(_LLAMA, q_norm="q_norm", k_norm="k_norm")
-_GEMMA = replace(_LLAMA, norm="gemma_rms", embed_scaled=True)
+_GEMMA = replace(_LLAMA, norm="rms_plus_one", embed_scaled=True)
 _GEMMA2 = replace(
     _GEMMA,
     ln2="pre_feedforward_layernorm",
@@ -285,7 +286,7 @@ _GRANITE_MOE = replace(
 _STABLELM = replace(
     _LLAMA,
     residual_pair=False,
-    norm="ln",
+    norm="layernorm",
     config_requires={
         "use_parallel_residual": (False, "vLLM's StableLM layer runs attention and MLP in sequence"),
         "qk_layernorm": (False, "vLLM's StableLM attention has no query/key norms"),
@@ -305,7 +306,7 @@ _GPT2 = Layout(
     ln2_post=None,
     residual_pair=False,
     layer_input=0,
-    norm="ln",
+    norm="layernorm",
     lm_head="lm_head",
     qkv="c_attn",
     o_proj="c_proj",
@@ -534,7 +535,7 @@ def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int 
     architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
     info = model_info_from_config(
         config,
-        normalization_type="LN" if layout.norm == "ln" else "RMS",
+        normalization_type=normalization_type(layout.norm),
         positional_embedding_type=(
             "standard" if layout.pos_embed else "rotary" if layout.rotary else "none"
         ),

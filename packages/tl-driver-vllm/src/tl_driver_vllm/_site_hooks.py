@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from tl_core.driver_api import NormKind, norm_statistics
 from tl_driver_vllm._run_state import RunState
 
 __all__ = [
@@ -31,7 +32,6 @@ __all__ = [
     "QKVSplit",
     "ResidualSite",
     "RouterSite",
-    "layer_norm_scale",
     "normalized",
     "rms_scale",
 ]
@@ -39,24 +39,16 @@ __all__ = [
 
 def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``sqrt(mean(x^2) + eps)`` in float32, shape ``[..., 1]``."""
-    return (x.float().pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return norm_statistics(x, "rms", eps)[1]
 
 
-def layer_norm_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``sqrt(var(x) + eps)`` (biased variance) in float32, shape ``[..., 1]``."""
-    return (x.float().var(-1, keepdim=True, unbiased=False) + eps).sqrt()
-
-
-def normalized(x: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
+def normalized(x: torch.Tensor, norm: NormKind, eps: float) -> torch.Tensor:
     """A norm's value before its weight (and bias), from its input (over the last axis)."""
-    if norm == "ln":
-        return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return norm_statistics(x, norm, eps)[2].to(x.dtype)
 
 
-def _scale(x: torch.Tensor, norm: str, eps: float) -> torch.Tensor:
-    scale = layer_norm_scale(x, eps) if norm == "ln" else rms_scale(x, eps)
-    return scale.to(x.dtype)
+def _scale(x: torch.Tensor, norm: NormKind, eps: float) -> torch.Tensor:
+    return norm_statistics(x, norm, eps)[1].to(x.dtype)
 
 
 def _visit_views(state: RunState, names: Sequence[str | None], views: Sequence[torch.Tensor]) -> None:
@@ -98,7 +90,7 @@ class ResidualSite:
     """
 
     def __init__(
-        self, state: RunState, names: tuple[str, ...], index: int, pair: bool, final: tuple[str, float] | None
+        self, state: RunState, names: tuple[str, ...], index: int, pair: bool, final: tuple[NormKind, float] | None
     ) -> None:
         self.state, self.names, self.index, self.pair, self.final = state, names, index, pair, final
 
@@ -137,7 +129,7 @@ class NormSite:
         prefix: The norm's canonical prefix (``"blocks.0.ln1"``, ``"blocks.0.attn.q_norm"``).
         mode: ``"residual"``, ``"norm"``, or ``None`` (the input is read elsewhere).
         pair: Whether the norm may be called ``norm(delta, residual)`` (fused add-norm).
-        kind: The norm's kind (``"rms"``, ``"gemma_rms"``, ``"ln"``).
+        kind: The norm's kind (``tl_core.driver_api.NormKind``).
         eps: Its epsilon.
         heads: For QK-norms, the heads on this rank (values are shown ``[tokens, heads, d]``).
         flat: For QK-norms, whether the norm normalises all heads of a position together.
@@ -150,7 +142,7 @@ class NormSite:
         *,
         mode: Literal["residual", "norm"] | None,
         pair: bool,
-        kind: str,
+        kind: NormKind,
         eps: float,
         heads: int | None = None,
         flat: bool = False,

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tl_core.driver_api import NormKind
 from tl_driver_vllm._block_hooks import CallThrough, ResidualInput, SharedNormInput, Unbatched
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._patterns import AttentionFacts
@@ -31,10 +32,9 @@ from tl_driver_vllm._site_hooks import (
     ResidualSite,
     RouterSite,
     normalized,
-    rms_scale,
 )
 
-__all__ = ["attention_inputs", "install_sites", "normalized", "rms_scale", "sub", "pattern_needs"]
+__all__ = ["attention_inputs", "install_sites", "normalized", "sub", "pattern_needs"]
 
 
 def sub(module: nn.Module | None, path: str | None) -> nn.Module | None:
@@ -112,7 +112,7 @@ class _Installer:
         if module is not None and kept:
             self.add(module, OutputSite(self.state, kept))
 
-    def norm(self, module: nn.Module | None, prefix: str, *, mode: Any, pair: bool, kind: str,
+    def norm(self, module: nn.Module | None, prefix: str, *, mode: Any, pair: bool, kind: NormKind,
              heads: int | None = None, flat: bool = False) -> None:  # fmt: skip
         names = [f"{prefix}.{s}" for s in ("hook_scale", "hook_normalized", "hook_out")]
         if mode is not None:

@@ -164,7 +164,7 @@ class TLWorkerExtension:
             weight = torch.ones(head.weight.shape[1], device=head.weight.device)
         else:
             weight = cast(torch.Tensor, raw).detach().float()
-        if self._tl_layout.norm == "gemma_rms":
+        if self._tl_layout.norm == "rms_plus_one":
             weight = weight + 1.0
         bias = getattr(norm, "bias", None)
         head_bias = getattr(head, "bias", None)

@@ -47,6 +47,13 @@ if TYPE_CHECKING:
     )
     from tl_core.driver_api._hf_config import model_info_from_config as model_info_from_config
     from tl_core.driver_api._local import LocalDriver as LocalDriver
+    from tl_core.driver_api._norms import (
+        NORM_KINDS as NORM_KINDS,
+        NormKind as NormKind,
+        apply_norm_weight as apply_norm_weight,
+        norm_statistics as norm_statistics,
+        normalization_type as normalization_type,
+    )
     from tl_core.driver_api._paths import (
         checked_path as checked_path,
         looks_like_path as looks_like_path,
@@ -106,6 +113,10 @@ __getattr__, __dir__, __all__ = attach(
             "tl_core.driver_api._certification",
         ),
         "equation_checks": "tl_core.driver_api._equations",
+        **dict.fromkeys(
+            ("NORM_KINDS", "NormKind", "apply_norm_weight", "norm_statistics", "normalization_type"),
+            "tl_core.driver_api._norms",
+        ),
         "check_driver": "tl_core.driver_api._conformance",
         "DriverEntry": "tl_core.driver_api._discovery",
         "EngineRequirement": "tl_core.driver_api._discovery",

@@ -16,15 +16,13 @@ from typing import Any, Literal
 
 from tl_core import ModelInfo
 from tl_core.driver_api import model_info_from_config
+from tl_core.driver_api._norms import NormKind as _CoreNormKind, normalization_type
 
 __all__ = ["ArchitectureAdapter", "LinearKind", "NormKind"]
 
-#: How a norm applies its weight once ``normalized`` (pre-weight, in float32) is known:
-#: ``"layernorm"``: ``normalized * w + b`` (centred, biased variance);
-#: ``"rms"``: ``w * normalized.to(input_dtype)`` (Llama);
-#: ``"rms_weight_first"``: ``(w * normalized).to(input_dtype)`` (OLMo 2);
-#: ``"rms_plus_one"``: ``(normalized * (1 + w.float())).to(input_dtype)`` (Gemma).
-NormKind = Literal["layernorm", "rms", "rms_weight_first", "rms_plus_one"]
+#: How a norm normalizes and applies its weight: tl-core's one vocabulary (``"layernorm"``,
+#: ``"rms"``, ``"rms_weight_first"``, ``"rms_plus_one"``), shared with every driver.
+NormKind = _CoreNormKind
 
 #: ``"linear"``: ``nn.Linear`` (weight ``[out, in]``); ``"conv1d"``: GPT-2's ``Conv1D``
 #: (weight ``[in, out]``).
@@ -219,7 +217,7 @@ class ArchitectureAdapter:
         architectures = getattr(config, "architectures", None) or [self.architectures[0]]
         return model_info_from_config(
             config,
-            normalization_type="LN" if self.norm == "layernorm" else "RMS",
+            normalization_type=normalization_type(self.norm),
             positional_embedding_type=(
                 "standard" if self.pos_embed else "rotary" if self.rotary else "none"
             ),
