@@ -60,7 +60,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 #: have vLLM model classes of their own; tl asks vLLM for its backend instead.
 DEFAULT_CONFIG_FAMILIES = (
     "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
-    "phi", "starcoder2", "olmo", "olmo3", "smollm3", "helium", "seed_oss", "ministral", "granite", "cohere", "glm4",
+    "phi", "starcoder2", "olmo", "olmo3", "smollm3", "helium", "seed_oss", "ministral", "granite", "cohere", "cohere2",
+    "glm4", "exaone4",
 )  # fmt: skip
 #: Families whose generation reference is plain transformers hooked by ``_tlv_reference``.
 TRANSFORMERS_REFERENCE = frozenset(

@@ -422,3 +422,15 @@ def test_withheld_hooks_are_not_served_and_say_why() -> None:
     assert "blocks.1.attn.hook_z" in names.served
     with pytest.raises(HookNameError, match="uncertified: failed: x"):
         names.lookup("blocks.1.ln2.hook_in")
+
+
+def test_heads_first_qk_norms_are_refused_on_the_backend() -> None:
+    from dataclasses import replace
+
+    from tl_driver_hf.adapters import find_adapter
+    from tl_driver_vllm._derive import layout_from_description
+
+    gemma3 = find_adapter("gemma3_text")
+    assert gemma3 is not None and gemma3.qk_norm_layout == "heads_first"
+    with pytest.raises(ConfigError, match="heads before positions"):
+        layout_from_description(replace(gemma3, embed_scaled=False))

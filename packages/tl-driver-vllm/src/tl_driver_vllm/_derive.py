@@ -93,6 +93,8 @@ def layout_from_description(adapter: Any) -> Layout:
         problems.append("it has no final norm module")
     if adapter.pos_offset:
         problems.append("its learned position table has an offset")
+    if adapter.q_norm is not None and adapter.qk_norm_layout == "heads_first":
+        problems.append("its QK-norms see heads before positions, which the vLLM sites do not read")
     base, _, layers = adapter.layers.partition(".")
     if not layers:
         problems.append(f"its layer list ({adapter.layers!r}) is not inside a base model")

@@ -276,6 +276,16 @@ _OLMOE = replace(
         "norm_topk_prob": (False, "vLLM's OLMoE never renormalises the chosen experts' weights"),
     },
 )
+# EXAONE 4: OLMo 2's block (no pre-norms, a norm after each sublayer) in vLLM's own class,
+# which passes the whole stream between layers; QK-norms per head.
+_EXAONE4 = replace(
+    _QWEN3,
+    ln1=None,
+    ln2=None,
+    ln1_post="post_attention_layernorm",
+    ln2_post="post_feedforward_layernorm",
+    residual_pair=False,
+)
 _GRANITE_MOE = replace(
     _MIXTRAL,
     config_requires={
@@ -424,6 +434,7 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
     "OlmoeForCausalLM": _OLMOE,
     "GraniteMoeForCausalLM": _GRANITE_MOE,
+    "Exaone4ForCausalLM": _EXAONE4,
     "GemmaForCausalLM": _GEMMA,
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
