@@ -53,7 +53,11 @@ CHECKPOINTS = [*FAMILIES, *VARIANTS]
 #: epsilon, so hook_scale/hook_normalized are not recomputed), Granite-MoE (TransformerLens
 #: serves its router flattened and top-k, and MLP neuron names on the experts' block),
 #: Qwen2-MoE (TransformerLens serves its shared expert's and experts' inner sites, names
-#: outside tl's vocabulary).
+#: outside tl's vocabulary), Cohere 2 (93 of 95 names equal; unembed.hook_out uncertified,
+#: as on Cohere), gpt-oss (its rotation fails tl's rotary equation, so q/k and cos/sin are
+#: uncertified; its router's names are outside tl's vocabulary). TransformerLens 4.3's
+#: bridge does not boot Helium, Ministral or DeepSeek-V3 checkpoints built from their
+#: default configs.
 INFERRED = [
     "granite",
     "smollm3",
