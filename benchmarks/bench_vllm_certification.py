@@ -1,8 +1,8 @@
 """What certification adds to booting on the vllm driver, as ratios to the boot.
 
-A family with a row boots without certification unless asked (``certify=True``); an
-architecture placed by the hf driver's description is always certified, after the hf
-driver has described it on a shrunk copy. In one process (the engine in-process),
+Every boot certifies (``certify=False`` skips it for a family with a row); an architecture
+placed by the hf driver's description is always certified, after the hf driver has
+described it on a shrunk copy. In one process (the engine in-process),
 interleaved rounds time SmolLM2 booted with ``certify=False`` (the baseline) and with
 ``certify=True`` (one engine forward of 8 tokens capturing every hook, and the equations),
 and the hf driver's description of a Phi-2-shaped config (the shrunk
