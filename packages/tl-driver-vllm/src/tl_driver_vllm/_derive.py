@@ -14,7 +14,6 @@ what they place is certified on the booted engine (``_certify``) before it is se
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,10 +22,12 @@ from tl_driver_vllm._families import (
     LAYOUTS,
     NOT_RUN_BY_VLLM,
     Layout,
+    architecture_of,
     layout_for,
     resolve,
     settle,
 )
+from tl_driver_vllm._hooks import block_template
 
 __all__ = ["Backend", "Serving", "derived_layout", "layout_from_description", "serving_layout", "vllm_backend"]
 
@@ -171,8 +172,7 @@ def _withheld(description: Any) -> dict[str, str]:
     if description.certification is not None:
         for name, cert in description.certification.statuses.items():
             if cert.status == "uncertified":
-                template = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", name)
-                withheld.setdefault(template, f"uncertified on the hf driver's shrunk copy: {cert.reason}")
+                withheld.setdefault(block_template(name), f"uncertified on the hf driver's shrunk copy: {cert.reason}")
     return withheld
 
 
@@ -199,7 +199,7 @@ def derived_layout(config: Any) -> Serving:
     """
     from tl_driver_hf._describe import describe_architecture
 
-    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
+    architecture = architecture_of(config)
     description = describe_architecture(config)
     if description.level != "full":
         raise ConfigError(
@@ -238,7 +238,7 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
         ConfigError: vLLM runs the architecture in neither way, the hf driver does not
             describe it fully, or its description cannot be placed (all named).
     """
-    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
+    architecture = architecture_of(config)
     if architecture in LAYOUTS and model_impl != "transformers":
         layout = resolve(config)
         facts = {"layout": f"tl's row for vLLM's {architecture} model class", "backend": "vLLM's own model class"}

@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tl_core import ConfigError, ModelInfo
-from tl_core.driver_api import model_info_from_config
-from tl_core.driver_api._norms import NormKind, normalization_type
+from tl_core.driver_api import NormKind, model_info_from_config, normalization_type
 
 __all__ = [
     "LAYOUTS",
     "NOT_RUN_BY_VLLM",
     "Layout",
     "NormKind",
+    "architecture_of",
     "layout_for",
     "model_info",
     "resolve",
@@ -456,6 +456,11 @@ NOT_RUN_BY_VLLM: dict[str, str] = {
 }
 
 
+def architecture_of(config: Any) -> str:
+    """A checkpoint's ``architectures[0]`` (``"<none>"`` when its config names none)."""
+    return str((getattr(config, "architectures", None) or ["<none>"])[0])
+
+
 def layout_for(architecture: str) -> Layout:
     """The layout of a supported architecture.
 
@@ -498,8 +503,7 @@ def resolve(config: Any) -> Layout:
         ConfigError: Unsupported architecture, or a config the layout cannot serve (naming
             each field, the value expected and why).
     """
-    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
-    return settle(layout_for(architecture), config)
+    return settle(layout_for(architecture_of(config)), config)
 
 
 def settle(layout: Layout, config: Any) -> Layout:
@@ -509,7 +513,7 @@ def settle(layout: Layout, config: Any) -> Layout:
         ConfigError: A config the layout cannot serve (naming each field, the value expected
             and why).
     """
-    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
+    architecture = architecture_of(config)
     problems = layout.config_problems(config)
     if problems:
         raise ConfigError(
@@ -543,7 +547,7 @@ def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int 
         ConfigError: Unsupported architecture or config, or a config missing a size.
     """
     layout = resolve(config) if layout is None else layout
-    architecture = (getattr(config, "architectures", None) or ["<none>"])[0]
+    architecture = architecture_of(config)
     info = model_info_from_config(
         config,
         normalization_type=normalization_type(layout.norm),

@@ -208,8 +208,10 @@ def hook_namespace(
     )
 
 
+def block_template(name: str) -> str:
+    """``"blocks.{i}.attn.hook_q"`` for ``"blocks.3.attn.hook_q"``; other names unchanged."""
+    return re.sub(r"^blocks\.\d+\.", "blocks.{i}.", name)
+
+
 def _withheld_reason(name: str, withheld: Mapping[str, str]) -> str | None:
-    if name in withheld:
-        return withheld[name]
-    template = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", name)
-    return withheld.get(template)
+    return withheld.get(name, withheld.get(block_template(name)))

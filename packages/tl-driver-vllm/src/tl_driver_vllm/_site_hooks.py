@@ -33,13 +33,7 @@ __all__ = [
     "ResidualSite",
     "RouterSite",
     "normalized",
-    "rms_scale",
 ]
-
-
-def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``sqrt(mean(x^2) + eps)`` in float32, shape ``[..., 1]``."""
-    return norm_statistics(x, "rms", eps)[1]
 
 
 def normalized(x: torch.Tensor, norm: NormKind, eps: float) -> torch.Tensor:

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tl_core import ModelInfo
-from tl_core.driver_api import model_info_from_config
-from tl_core.driver_api._norms import NormKind as _CoreNormKind, normalization_type
+from tl_core.driver_api import NormKind as _CoreNormKind, model_info_from_config, normalization_type
 
 __all__ = ["ArchitectureAdapter", "LinearKind", "NormKind"]
 
