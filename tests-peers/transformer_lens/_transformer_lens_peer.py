@@ -47,17 +47,11 @@ CHECKPOINTS = [*FAMILIES, *VARIANTS]
 
 #: Families TransformerLens 4.3 boots that no tl adapter describes: tl infers and certifies
 #: them at boot (issue #18). Compared as loaded only: tl refuses compatibility mode on an
-#: inferred architecture (its folding is verified for described families). Not here yet,
-#: each with names tl leaves unserved rather than wrong: Cohere (its logit scale comes
-#: after the unembedding, so unembed.hook_out is uncertified), OLMo (its LayerNorm keeps no
-#: epsilon, so hook_scale/hook_normalized are not recomputed), Granite-MoE (TransformerLens
-#: serves its router flattened and top-k, and MLP neuron names on the experts' block),
-#: Qwen2-MoE (TransformerLens serves its shared expert's and experts' inner sites, names
-#: outside tl's vocabulary), Cohere 2 (93 of 95 names equal; unembed.hook_out uncertified,
-#: as on Cohere), gpt-oss (its rotation fails tl's rotary equation, so q/k and cos/sin are
-#: uncertified; its router's names are outside tl's vocabulary). TransformerLens 4.3's
-#: bridge does not boot Helium, Ministral or DeepSeek-V3 checkpoints built from their
-#: default configs.
+#: inferred architecture (its folding is verified for described families). Not here yet:
+#: Qwen2-MoE, whose shared expert and its gate TransformerLens serves as sites
+#: (`mlp.shared_expert.*`, `mlp.shared_expert_gate.*`, `mlp.experts.*`) that tl's
+#: vocabulary does not have. TransformerLens 4.3's bridge does not boot Helium, Ministral or
+#: DeepSeek-V3 checkpoints built from their default configs.
 INFERRED = [
     "granite",
     "smollm3",
@@ -71,6 +65,11 @@ INFERRED = [
     "exaone4",
     "qwen3_moe",
     "olmoe",
+    "cohere",
+    "cohere2",
+    "olmo",
+    "granitemoe",
+    "gpt_oss",
 ]
 
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:

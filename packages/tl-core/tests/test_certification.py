@@ -436,3 +436,33 @@ def test_report_groups() -> None:
     assert groups["uncertified"] == ["blocks.1.hook_in", "blocks.0.attn.hook_out", "blocks.1.attn.hook_out"]
     assert groups["derived"] == [] and groups["reconstructed_read_only"] == []
     assert [c.equation for c in report.failed] == [c.equation for c in report.checks[1:]]
+
+
+def _rotation_checks(rq: torch.Tensor, rk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[CertificationCheck]:
+    info = _info("sequential", 1, "RMS", True, True)
+    a = "blocks.0.attn."
+    cache = {a + "hook_q": q, a + "hook_k": k, a + "hook_rot_q": rq, a + "hook_rot_k": rk, a + "hook_cos": cos, a + "hook_sin": sin}
+    cache[a + "hook_v"] = torch.zeros_like(k)  # attention's checks run where its sites fired
+    return [c for c in equation_checks(cache, info) if "rotated by" in c.equation or "rotation keeps" in c.equation]
+
+
+def test_a_table_with_one_entry_per_rotated_pair_certifies_on_halves() -> None:
+    """gpt-oss rotates the two halves of each head by a table half the head wide (one entry
+    per pair); the rotary equation finds that layout, and fails a rotation turned the
+    wrong way."""
+    gen = torch.Generator().manual_seed(5)
+    d_head = 8
+    q, k = torch.randn(1, 3, N_HEADS, d_head, generator=gen), torch.randn(1, 3, N_KV, d_head, generator=gen)
+    angles = torch.rand(1, 3, d_head // 2, generator=gen) * 3
+    cos, sin = angles.cos() * 1.3, angles.sin() * 1.3  # YaRN scales the table
+
+    def gpt_oss(x: torch.Tensor, sign: float) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        c, s = cos[:, :, None], sign * sin[:, :, None]
+        return torch.cat((first * c - second * s, second * c + first * s), dim=-1)
+
+    checks = _rotation_checks(gpt_oss(q, 1.0), gpt_oss(k, 1.0), q, k, cos, sin)
+    assert [c.passed for c in checks] == [True]
+    assert checks[0].equation.endswith("(halves, one entry per pair)")
+    wrong = _rotation_checks(gpt_oss(q, -1.0), gpt_oss(k, -1.0), q, k, cos, sin)
+    assert [c.passed for c in wrong] == [False]

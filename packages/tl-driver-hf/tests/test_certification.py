@@ -281,6 +281,27 @@ def test_an_inferred_mixture_of_experts_routes_as_plain_transformers(tiny_folder
         _close(cache[routing[1]], dense, "hook_expert_weights vs the router's top-k weights")
 
 
+def test_a_norm_that_keeps_its_epsilon_in_code_is_measured_and_served(tiny_folder: Callable[[str], Path]) -> None:
+    """OLMo's LayerNorm has no weight and no epsilon attribute (1e-5 is written in its
+    forward): the driver measures the epsilon and serves the norms' scale and pre-weight
+    value, equal to a LayerNorm computed here with the epsilon read from transformers'
+    source."""
+    bridge = TransformerBridge.boot_transformers(str(tiny_folder("olmo")), certify=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder("olmo")).eval()
+    ids = _ids()
+    names = ["blocks.1.ln2.hook_in", "blocks.1.ln2.hook_scale", "blocks.1.ln2.hook_normalized", "ln_final.hook_normalized", "ln_final.hook_in"]
+    _, cache = bridge.run_with_cache(ids, names_filter=names)
+    for prefix in ("blocks.1.ln2", "ln_final"):
+        x = cache[f"{prefix}.hook_in"].double()
+        want = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
+        _close(cache[f"{prefix}.hook_normalized"], want, f"{prefix}.hook_normalized")
+    x = cache["blocks.1.ln2.hook_in"].double()
+    _close(cache["blocks.1.ln2.hook_scale"], (x.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt(), "ln2.hook_scale")
+    with torch.no_grad():
+        normed = model.model.layers[1].post_attention_layernorm(cache["blocks.1.ln2.hook_in"])
+    _close(cache["blocks.1.ln2.hook_normalized"], normed, "the module's own output")
+
+
 def test_certify_false_is_refused_for_an_inferred_architecture(tiny_folder: Callable[[str], Path]) -> None:
     with pytest.raises(UserError, match=r"certify=False turns certification off for described families only"):
         TransformerBridge.boot_transformers(str(tiny_folder("granite")), certify=False)

@@ -256,14 +256,15 @@ def _counts_positions(ids: torch.Tensor) -> bool:
 def _norm_kind(module: nn.Module, call: _Call | None) -> NormKind | None:
     if call is None or call.input is None or call.output is None:
         return None
-    try:
-        eps = norm_eps(module)
-    except AttributeError:
-        return None
     x = call.input
     if x.shape != call.output.shape:
         return None
     for kind in _KINDS:
+        try:
+            # An epsilon kept in code, not in an attribute (OLMo), is measured per rule.
+            eps = norm_eps(module, kind, x.shape[-1])
+        except AttributeError:
+            continue
         try:
             _, _, normed = normalize(x, kind, eps)
             out = apply_weight(normed, module, kind, x.dtype)

@@ -13,18 +13,15 @@ import torch
 from torch import nn
 
 from tl_core import UserError
-from tl_core.driver_api import NormKind, apply_norm_weight, norm_statistics
+from tl_core.driver_api import NormKind, apply_norm_weight, norm_module_eps, norm_statistics
 
 __all__ = ["norm_eps", "normalize", "apply_weight"]
 
 
-def norm_eps(module: nn.Module) -> float:
-    """The epsilon of a transformers norm module, whatever the family calls it."""
-    for name in ("variance_epsilon", "eps", "epsilon"):
-        value = getattr(module, name, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    raise AttributeError(f"cannot find the epsilon of norm module {type(module).__name__}")
+def norm_eps(module: nn.Module, kind: NormKind | None = None, width: int | None = None) -> float:
+    """The epsilon of a transformers norm module, whatever the family calls it, or measured
+    where the family writes it in code (``tl_core.driver_api.norm_module_eps``)."""
+    return norm_module_eps(module, kind, width)
 
 
 def normalize(

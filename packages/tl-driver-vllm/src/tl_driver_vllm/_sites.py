@@ -16,7 +16,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from tl_core.driver_api import NormKind
+from tl_core import ConfigError
+from tl_core.driver_api import NormKind, norm_module_eps
 from tl_driver_vllm._block_hooks import CallThrough, ResidualInput, SharedNormInput, Unbatched
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._patterns import AttentionFacts
@@ -54,12 +55,13 @@ def sub(module: nn.Module | None, path: str | None) -> nn.Module | None:
     return module
 
 
-def _eps(module: nn.Module) -> float:
-    for name in ("variance_epsilon", "eps"):
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return 1e-5
+def norm_eps(module: nn.Module, kind: NormKind) -> float:
+    """A norm module's epsilon: its attribute, or measured where the module writes it in
+    code (OLMo's LayerNorm on the Transformers backend)."""
+    try:
+        return norm_module_eps(module, kind, width=64)  # the module's own width where it has one
+    except AttributeError as exc:
+        raise ConfigError(f"cannot recompute the scale of norm {type(module).__name__}: {exc}") from exc
 
 
 def attention_inputs(layout: Layout, layer: int) -> tuple[str, str]:
@@ -119,7 +121,7 @@ class _Installer:
             names.append(f"{prefix}.hook_in")
         if module is None or not self.want(*names):
             return
-        site = NormSite(self.state, prefix, mode=mode, pair=pair, kind=kind, eps=_eps(module),
+        site = NormSite(self.state, prefix, mode=mode, pair=pair, kind=kind, eps=norm_eps(module, kind),
                         heads=heads, flat=flat)  # fmt: skip
         self.add(module, site.pre, "pre")
         self.add(module, site.post)
@@ -174,7 +176,7 @@ def install_sites(
         target = final_norm if k == n_layers else sub(layers[k], "")
         if target is None or not (kept or derived):
             continue
-        final = (layout.norm, _eps(target)) if k == n_layers else None
+        final = (layout.norm, norm_eps(target, layout.norm)) if k == n_layers else None
         index = 0 if k == n_layers else layout.layer_input
         hook = ResidualSite(state, kept, index, layout.residual_pair, final)
         at.add(target, hook, "pre_kwargs")

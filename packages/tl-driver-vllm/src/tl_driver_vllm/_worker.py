@@ -21,7 +21,7 @@ from tl_driver_vllm._families import Layout
 from tl_driver_vllm._patterns import AttentionFacts, attention_facts, rebuild
 from tl_driver_vllm._run_state import NORMED, TAG_KEY, RequestPlan, RunState, Step
 from tl_driver_vllm._shards import Shard, layer_shards
-from tl_driver_vllm._sites import attention_inputs, install_sites, pattern_needs, sub
+from tl_driver_vllm._sites import attention_inputs, install_sites, norm_eps, pattern_needs, sub
 from tl_driver_vllm._wire import Outbox, pack
 
 __all__ = ["TLWorkerExtension"]
@@ -174,7 +174,7 @@ class TLWorkerExtension:
             "b_U": None if head_bias is None else pack(head_bias.detach().float()),
             "ln_weight": pack(weight),
             "ln_bias": None if bias is None else pack(bias.detach().float()),
-            "eps": float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-5))),
+            "eps": norm_eps(norm, self._tl_layout.norm),
             "softcap": getattr(processor, "soft_cap", None),
         }
 

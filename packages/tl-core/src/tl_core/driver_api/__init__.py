@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         NORM_KINDS as NORM_KINDS,
         NormKind as NormKind,
         apply_norm_weight as apply_norm_weight,
+        norm_module_eps as norm_module_eps,
         norm_statistics as norm_statistics,
         normalization_type as normalization_type,
     )
@@ -114,7 +115,7 @@ __getattr__, __dir__, __all__ = attach(
         ),
         "equation_checks": "tl_core.driver_api._equations",
         **dict.fromkeys(
-            ("NORM_KINDS", "NormKind", "apply_norm_weight", "norm_statistics", "normalization_type"),
+            ("NORM_KINDS", "NormKind", "apply_norm_weight", "norm_module_eps", "norm_statistics", "normalization_type"),
             "tl_core.driver_api._norms",
         ),
         "check_driver": "tl_core.driver_api._conformance",

@@ -365,12 +365,15 @@ def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> li
         hooks = (*sources, a + "hook_cos", a + "hook_sin")
         tried = []
         half = cos.shape[-1] // 2
-        layouts = (
+        layouts: tuple[tuple[str, torch.Tensor, torch.Tensor, bool], ...] = (
             ("halves", cos, sin, False),
             ("interleaved pairs", cos, sin, True),
             # GLM: the first half of the table, each entry twice, on interleaved pairs.
             ("interleaved, half table", cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True),
         )
+        if 2 * cos.shape[-1] <= q.shape[-1]:
+            # gpt-oss: one table entry per rotated pair, applied to the two halves.
+            layouts += (("halves, one entry per pair", torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), False),)
         for layout, c, s_, interleaved in layouts:
             got = torch.cat((_rotate(q.double(), c.double(), s_.double(), interleaved), _rotate(k.double(), c.double(), s_.double(), interleaved)), dim=2)
             want = torch.cat((rq.double(), rk.double()), dim=2)

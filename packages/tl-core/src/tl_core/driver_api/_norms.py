@@ -9,12 +9,20 @@ a driver rebuilds the output with it when a hook edits the scale or the normaliz
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+import weakref
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # the vocabulary is read without torch (adapter tables, support checks)
     import torch
 
-__all__ = ["NORM_KINDS", "NormKind", "apply_norm_weight", "norm_statistics", "normalization_type"]
+__all__ = [
+    "NORM_KINDS",
+    "NormKind",
+    "apply_norm_weight",
+    "norm_module_eps",
+    "norm_statistics",
+    "normalization_type",
+]
 
 #: How a norm normalizes and applies its weight (over the last axis):
 #: ``"layernorm"``: centred, biased variance, ``normalized * w + b``;
@@ -78,3 +86,77 @@ def apply_norm_weight(
     if kind == "rms_weight_first":
         return (weight * normalized).to(input_dtype)
     return (normalized * (1.0 + weight.float())).to(input_dtype)
+
+
+#: Epsilons measured on norm modules that keep theirs in code rather than in an attribute
+#: (OLMo's LayerNorm), weakly keyed so a freed model frees its entries.
+_MEASURED: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+#: The epsilons transformers' and vLLM's norms use, most common first.
+_CANDIDATE_EPS = (1e-5, 1e-6, 1e-8, 1e-12, 1e-7, 1e-4, 1e-3, 1e-2)
+
+_EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+
+
+def norm_module_eps(module: Any, kind: NormKind | None = None, width: int | None = None) -> float:
+    """The epsilon a norm module adds to the variance.
+
+    Read from the module's attribute (``variance_epsilon``, ``eps`` or ``epsilon``). A norm
+    that writes its epsilon in its forward instead (OLMo's LayerNorm) is measured, given its
+    ``kind`` and ``width`` (used where the module keeps no width of its own): the module runs on an input of variance 1e-8, where every common
+    epsilon moves the output by far more than float32 rounding, so at most one matches; the
+    match is remembered for the module.
+
+    Raises:
+        AttributeError: No attribute, and no common epsilon reproduces the module's output
+            (or ``kind``/``width`` were not given).
+    """
+    for name in _EPS_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    if module in _MEASURED:
+        return _MEASURED[module]
+    if kind is None or width is None:
+        raise AttributeError(f"norm module {type(module).__name__} has no {'/'.join(_EPS_ATTRIBUTES)} attribute")
+    measured = _measure_eps(module, kind, width)
+    if measured is None:
+        raise AttributeError(
+            f"norm module {type(module).__name__} has no {'/'.join(_EPS_ATTRIBUTES)} attribute, and "
+            f"no common epsilon reproduces its output as a {kind!r} norm"
+        )
+    _MEASURED[module] = measured
+    return measured
+
+
+def _measure_eps(module: Any, kind: NormKind, width: int) -> float | None:
+    import torch
+
+    # The module's own width where it keeps one (a weightless LayerNorm still fixes it).
+    weight = getattr(module, "weight", None)
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(weight, torch.Tensor) and weight.ndim:
+        width = int(weight.shape[-1])
+    elif isinstance(shape, (tuple, list)) and shape:
+        width = int(shape[-1])
+    parameter = next(module.parameters(), None)
+    if parameter is not None and parameter.device.type == "meta":
+        return None
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
+    x = torch.randn(1, 4, width, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e-4
+    x = x.to(device=device, dtype=dtype)
+    bias = getattr(module, "bias", None)
+    try:
+        with torch.no_grad():
+            want = module(x)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if not isinstance(want, torch.Tensor) or want.shape != x.shape:
+        return None
+    for eps in _CANDIDATE_EPS:
+        with torch.no_grad():
+            got = apply_norm_weight(norm_statistics(x, kind, eps)[2], weight, bias, kind, x.dtype)
+        if torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-6):
+            return eps
+    return None

@@ -77,6 +77,14 @@ def _moe(info: ModelInfo) -> bool:
     return info.n_experts is not None
 
 
+def _not_moe(info: ModelInfo) -> bool:
+    return info.n_experts is None
+
+
+_MOE_ONLY = "Mixture of experts only."
+_NO_ROUTER = "This model's MLP is dense: it has no router."
+
+
 def _rotary(info: ModelInfo) -> bool:
     return info.positional_embedding_type == "rotary"
 
@@ -295,6 +303,33 @@ _TL_BRIDGE: dict[str, Rule] = {
         )
         for x in ("weights", "indices")
     },
+    # gpt-oss and Granite-MoE name the router `router` where Mixtral names it `gate`.
+    "blocks.{i}.mlp.router.hook_in": Rule(
+        "tl_bridge", _alias("blocks.{i}.mlp.hook_in", _MOE_ONLY), ((_not_moe, _absent(_NO_ROUTER)),)
+    ),
+    "blocks.{i}.mlp.router.hook_out": Rule(
+        "tl_bridge",
+        _alias("blocks.{i}.mlp.hook_router_logits", _MOE_ONLY),
+        ((_not_moe, _absent(_NO_ROUTER)),),
+    ),
+    **{
+        f"blocks.{{i}}.mlp.router.hook_expert_{x}": Rule(
+            "tl_bridge",
+            _alias(f"blocks.{{i}}.mlp.hook_expert_{x}", _MOE_ONLY),
+            ((_not_moe, _absent(_NO_ROUTER)),),
+        )
+        for x in ("weights", "indices")
+    },
+    "blocks.{i}.mlp.hook_router_scores": Rule(
+        "tl_bridge",
+        _derived(
+            "blocks.{i}.mlp.hook_expert_weights",
+            "The chosen experts' weights in the router's order ([b, p, k]): gather "
+            "blocks.{i}.mlp.hook_expert_weights at blocks.{i}.mlp.hook_expert_indices "
+            "along the last axis.",
+        ),
+        ((_not_moe, _absent(_NO_ROUTER)),),
+    ),
     "blocks.{i}.mlp.out.hook_in": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_post")),
     "blocks.{i}.mlp.out.hook_out": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_out")),
 }
