@@ -47,11 +47,9 @@ CHECKPOINTS = [*FAMILIES, *VARIANTS]
 
 #: Families TransformerLens 4.3 boots that no tl adapter describes: tl infers and certifies
 #: them at boot (issue #18). Compared as loaded only: tl refuses compatibility mode on an
-#: inferred architecture (its folding is verified for described families). Not here yet:
-#: Qwen2-MoE, whose shared expert and its gate TransformerLens serves as sites
-#: (`mlp.shared_expert.*`, `mlp.shared_expert_gate.*`, `mlp.experts.*`) that tl's
-#: vocabulary does not have. TransformerLens 4.3's bridge does not boot Helium, Ministral or
-#: DeepSeek-V3 checkpoints built from their default configs.
+#: inferred architecture (its folding is verified for described families). TransformerLens
+#: 4.3's bridge does not boot Helium, Ministral or DeepSeek-V3 checkpoints built from their
+#: default configs.
 INFERRED = [
     "granite",
     "smollm3",
@@ -70,6 +68,7 @@ INFERRED = [
     "olmo",
     "granitemoe",
     "gpt_oss",
+    "qwen2_moe",
 ]
 
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:

@@ -90,7 +90,7 @@ QK_NORM_PER_HEAD = ("qwen3", "gemma3", "exaone4", "qwen3_moe")
 #: Families that normalise the flat query/key projection (all heads of a position together).
 QK_NORM_FLAT = ("olmo2", "olmo3", "olmoe")
 #: Mixtures of experts TransformerLens 4.3 boots.
-MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss", "qwen2_moe")
 LAYOUTS = [
     Layout(
         QK_NORM_PER_HEAD,
@@ -132,6 +132,14 @@ LAYOUTS = [
         _flat_batch,
         "a mixture of experts routes flattened positions; TransformerLens serves the router's "
         "input and outputs there, [b*p, ...]; tl restores [b, p, ...]",
+    ),
+    Layout(
+        ("qwen2_moe",),
+        r"mlp\.(shared_expert|shared_expert_gate|experts)\.",
+        _flat_batch,
+        "Qwen2-MoE runs its shared expert, the shared expert's gate and the routed experts on "
+        "flattened positions; TransformerLens serves them there, [b*p, ...]; tl restores "
+        "[b, p, ...]",
     ),
     Layout(
         ("opt",),
@@ -391,10 +399,8 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
     assert not failures, f"{checkpoint}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
     equal = len(theirs) - len(slips) - derived
     mode = " (compatibility mode)" if compat else ""
-    print(
-        f"{checkpoint}{mode}: {equal} of {len(theirs)} names equal, {derived} equal to tl's derivation rule, "
-        f"{len(slips)} TransformerLens slips confirmed"
-    )
+    rule = f", {derived} equal to tl's derivation rule" if derived else ""
+    print(f"{checkpoint}{mode}: {equal} of {len(theirs)} names equal{rule}, {len(slips)} TransformerLens slips confirmed")
 
 
 def test_every_table_entry_is_used(checkpoints: Callable[[str], Path]) -> None:

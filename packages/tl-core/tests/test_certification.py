@@ -3,6 +3,7 @@ the report's text, on synthetic captures built to satisfy (or break) each equati
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal
 
@@ -466,3 +467,32 @@ def test_a_table_with_one_entry_per_rotated_pair_certifies_on_halves() -> None:
     assert checks[0].equation.endswith("(halves, one entry per pair)")
     wrong = _rotation_checks(gpt_oss(q, -1.0), gpt_oss(k, -1.0), q, k, cos, sin)
     assert [c.passed for c in wrong] == [False]
+
+
+def test_the_mlp_output_is_the_routed_experts_plus_the_gated_shared_expert() -> None:
+    info = dataclasses.replace(_info("sequential", 1, "RMS", True, True), n_experts=4, experts_per_token=2, d_shared_expert=6)
+    gen = torch.Generator().manual_seed(9)
+    m = "blocks.0.mlp."
+    pre, lin = torch.randn(1, 3, 6, generator=gen), torch.randn(1, 3, 6, generator=gen)
+    routed, shared = torch.randn(1, 3, D_MODEL, generator=gen), torch.randn(1, 3, D_MODEL, generator=gen)
+    gate = torch.randn(1, 3, 1, generator=gen)
+    cache = {
+        m + "shared_expert.hook_pre": pre,
+        m + "shared_expert.hook_pre_linear": lin,
+        m + "shared_expert.hook_post": torch.nn.functional.silu(pre) * lin,
+        m + "experts.hook_out": routed,
+        m + "shared_expert.hook_out": shared,
+        m + "shared_expert.hook_gate": gate,
+        m + "hook_out": routed + torch.sigmoid(gate) * shared,
+    }
+
+    def shared_checks(c: dict[str, torch.Tensor]) -> list[CertificationCheck]:
+        return [x for x in equation_checks(c, info) if "shared_expert" in x.equation]
+
+    assert [x.passed for x in shared_checks(cache)] == [True, True]
+    ungated = {**cache, m + "hook_out": routed + shared}  # the gate left out
+    assert [x.passed for x in shared_checks(ungated)] == [True, False]
+    assert shared_checks(ungated)[1].equation == (
+        "blocks.0.mlp.hook_out == blocks.0.mlp.experts.hook_out + sigmoid(blocks.0.mlp.shared_expert.hook_gate) "
+        "* blocks.0.mlp.shared_expert.hook_out"
+    )

@@ -62,6 +62,7 @@ NO_NORM = dataclasses.replace(GPT2, normalization_type=None)
 PARALLEL_NO_NORM = dataclasses.replace(NEOX, normalization_type=None)
 MIXTRAL = dataclasses.replace(LLAMA, gated_mlp=False, n_experts=4, experts_per_token=2)
 BLOOM = dataclasses.replace(GPT2, positional_embedding_type="none", embed_norm=True)
+QWEN2_MOE = dataclasses.replace(MIXTRAL, d_shared_expert=12)
 
 #: Every structural condition a template may name, each with its reason for absent sites.
 REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
@@ -75,7 +76,8 @@ def test_every_requirement_is_decided_by_structure_and_explained() -> None:
         assert MISSING_BECAUSE[requirement], requirement
         # Some model of the fixtures has the sites and some lacks them; the opt-ins are
         # decided by the caller, not the structure.
-        met = {requirement_met(requirement, info) for info in (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, BLOOM, PARALLEL_NO_NORM)}
+        infos = (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, QWEN2_MOE, BLOOM, PARALLEL_NO_NORM)
+        met = {requirement_met(requirement, info) for info in infos}
         opt_in = requirement in ("attn_result", "split_qkv_input")
         assert met == ({True} if opt_in else {True, False}), requirement
         if opt_in:
@@ -128,6 +130,9 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
     # Mixture-of-experts routing, as TransformerLens 4.x serves it.
     expected |= {f"blocks.{{i}}.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")}
+    # A shared expert beside the routed ones (Qwen2-MoE), and the routed experts' sum.
+    expected |= {f"blocks.{{i}}.mlp.shared_expert.hook_{s}" for s in ("pre", "pre_linear", "post", "out", "gate")}
+    expected.add("blocks.{i}.mlp.experts.hook_out")
     # Per-head q/k/v inputs (opt-in), HookedTransformer's use_split_qkv_input sites.
     expected |= {f"blocks.{{i}}.attn.hook_{x}_input" for x in "qkv"}
     # QK-norm sites, as TransformerLens 4.x names them.
@@ -430,6 +435,11 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (MIXTRAL, "blocks.1.mlp.hook_router_scores", "derived", "blocks.1.mlp.hook_expert_weights"),
         (LLAMA, "blocks.1.mlp.router.hook_in", "structurally_absent", None),
         (LLAMA, "blocks.1.mlp.hook_router_scores", "structurally_absent", None),
+        (QWEN2_MOE, "blocks.1.mlp.shared_expert_gate.hook_out", "alias", "blocks.1.mlp.shared_expert.hook_gate"),
+        (QWEN2_MOE, "blocks.1.mlp.shared_expert.out.hook_in", "alias", "blocks.1.mlp.shared_expert.hook_post"),
+        (QWEN2_MOE, "blocks.1.mlp.experts.hook_post", "alias", "blocks.1.mlp.experts.hook_out"),
+        (MIXTRAL, "blocks.1.mlp.shared_expert.hook_in", "structurally_absent", None),
+        (MIXTRAL, "blocks.1.mlp.shared_expert.hook_out", "structurally_absent", "blocks.1.mlp.shared_expert.hook_out"),
         (LLAMA, "blocks.1.mlp.hook_expert_weights", "structurally_absent", "blocks.1.mlp.hook_expert_weights"),
         (GPT2, "hook_embed", "alias", "embed.hook_out"),
         (BLOOM, "hook_embed", "alias", "embed_ln.hook_out"),

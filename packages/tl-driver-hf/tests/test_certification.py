@@ -281,6 +281,56 @@ def test_an_inferred_mixture_of_experts_routes_as_plain_transformers(tiny_folder
         _close(cache[routing[1]], dense, "hook_expert_weights vs the router's top-k weights")
 
 
+def test_a_shared_expert_is_served_as_plain_hooks_see_it_and_edited_as_they_edit(
+    tiny_folder: Callable[[str], Path],
+) -> None:
+    """Qwen2-MoE's shared expert, its gate and the routed experts' sum hold what plain
+    forward hooks on those modules see, and an add at the shared expert's output equals the
+    same add by a plain forward hook there."""
+    folder = tiny_folder("qwen2_moe")
+    bridge = TransformerBridge.boot_transformers(str(folder))
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    mlp = _decoder_layers(reference)[1].get_submodule("mlp")
+    modules = {
+        "experts.hook_out": (mlp.experts, False),
+        "shared_expert.hook_pre": (mlp.shared_expert.gate_proj, False),
+        "shared_expert.hook_pre_linear": (mlp.shared_expert.up_proj, False),
+        "shared_expert.hook_post": (mlp.shared_expert.down_proj, True),
+        "shared_expert.hook_out": (mlp.shared_expert, False),
+        "shared_expert.hook_gate": (mlp.shared_expert_gate, False),
+    }
+    ids = _ids()
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for suffix, (module, on_input) in modules.items():
+        if on_input:
+            handles.append(module.register_forward_pre_hook(lambda m, a, s=suffix: seen.setdefault(s, a[0].clone())))
+        else:
+            handles.append(module.register_forward_hook(lambda m, a, out, s=suffix: seen.setdefault(s, out.clone())))
+    try:
+        with torch.no_grad():
+            reference(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = [f"blocks.1.mlp.{suffix}" for suffix in modules]
+    _, cache = bridge.run_with_cache(ids, names_filter=names)
+    for suffix in modules:
+        _close(cache[f"blocks.1.mlp.{suffix}"], seen[suffix].reshape(*ids.shape, -1), suffix)
+    assert bridge.certification.statuses["blocks.1.mlp.shared_expert.hook_out"].status == "real"
+
+    vector = torch.linspace(-1.0, 1.0, 64)
+    edited = bridge(ids, intervene={"blocks.1.mlp.shared_expert.hook_out": {"op": "add", "value": vector.tolist()}})
+    handle = mlp.shared_expert.register_forward_hook(lambda m, a, out: out + vector)
+    try:
+        with torch.no_grad():
+            want = reference(input_ids=ids, use_cache=False).logits
+    finally:
+        handle.remove()
+    assert float((want - bridge(ids)).abs().max()) > 1e-2, "the edit must move the logits for the test to mean anything"
+    _close(edited, want, "logits after an add at the shared expert's output")
+
+
 def test_a_norm_that_keeps_its_epsilon_in_code_is_measured_and_served(tiny_folder: Callable[[str], Path]) -> None:
     """OLMo's LayerNorm has no weight and no epsilon attribute (1e-5 is written in its
     forward): the driver measures the epsilon and serves the norms' scale and pre-weight

@@ -301,6 +301,25 @@ def test_gpt_neox_parallel_residual_comes_from_the_checkpoint() -> None:
         assert "blocks.0.ln2.hook_in" in names.served
 
 
+def test_a_shared_expert_exists_on_vllm_and_is_refused_saying_why() -> None:
+    """Qwen2-MoE's shared-expert sites exist (the hf driver serves them); vLLM fuses them
+    into one layer, so its namespace names them and says why it does not serve them."""
+    testing = pytest.importorskip("tl_driver_hf.testing")
+    config = testing.tiny_default_model("qwen2_moe").config
+    config.architectures = ["Qwen2MoeForCausalLM"]
+    layout = serving_layout(config).layout
+    info = model_info(config, layout=layout)
+    assert info.d_shared_expert == config.shared_expert_intermediate_size
+    names = hook_namespace(info, layout)
+    for suffix in ("experts.hook_out", "shared_expert.hook_out", "shared_expert.hook_gate"):
+        name = f"blocks.0.mlp.{suffix}"
+        assert name not in names.served
+        with pytest.raises(HookNameError, match="runs the shared expert, its gate and the routed experts inside one fused"):
+            names.lookup(name)
+    with pytest.raises(HookNameError, match="shared expert"):
+        names.lookup("blocks.0.mlp.shared_expert_gate.hook_out")  # TransformerLens's name
+
+
 def test_shards_follow_vllms_head_and_neuron_split() -> None:
     # 8 query heads, 2 key/value heads, TP=4: kv heads are replicated on pairs of ranks.
     got = [

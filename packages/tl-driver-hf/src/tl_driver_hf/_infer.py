@@ -51,6 +51,8 @@ _UP = ("up_proj", "w3")
 _GATE_UP = ("gate_up_proj",)
 _DOWN = ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "fc_out", "out_proj", "proj_out")
 _MLP_IN = ("fc1", "c_fc", "dense_h_to_4h", "fc_in", "up_proj", "proj_in")
+_SHARED = ("shared_expert", "shared_experts", "shared_mlp")
+_SHARED_GATE = ("shared_expert_gate",)
 _KINDS: tuple[NormKind, ...] = ("rms", "rms_weight_first", "rms_plus_one", "layernorm")
 
 
@@ -160,6 +162,23 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower() or isinstance(module, nn.LayerNorm)
+
+
+def _shared_expert(mlp: nn.Module) -> tuple[str, tuple[str, str, str], str | None, int] | None:
+    """A mixture of experts' shared expert: ``(its name, its gate/up/down projections, the
+    Linear gating its output or None, its hidden width)``, or ``None``."""
+    children = dict(mlp.named_children())
+    name = next((n for n in _SHARED if n in children), None)
+    if name is None:
+        return None
+    parts = tuple(_child(children[name], names) for names in (_GATE, _UP, _DOWN))
+    if not all(parts):
+        return None  # not a gated MLP of the usual names: its sites are not served
+    gate, up, down = cast(tuple[str, str, str], parts)
+    weight = children[name].get_submodule(down).weight
+    assert isinstance(weight, torch.Tensor)  # _child picked a module with a weight tensor
+    width = int(weight.shape[-1])
+    return name, (gate, up, down), _child(mlp, _SHARED_GATE), width
 
 
 def _child(module: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -478,6 +497,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     # Dense layers before mixture-of-experts ones (DeepSeek, AFMoE): no per-neuron sites.
     moe = "experts" in dict(mlp_module.named_children()) or not _same_classes(layers, cast(str, first.mlp))
     gate = up = down = gate_up = mlp_in = router = None
+    shared: tuple[str, tuple[str, str, str], str | None, int] | None = None
     if not moe:
         gate_up = _child(mlp_module, _GATE_UP)
         gate = None if gate_up else _child(mlp_module, _GATE)
@@ -495,6 +515,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
                     "no module of this mixture of experts returns (logits, weights, indices) "
                     "as a router; describe the family to serve routing sites"
                 )
+        elif "experts" in dict(mlp_module.named_children()):
+            shared = _shared_expert(mlp_module)
+            if shared is not None and shared[2] is None:
+                absent["blocks.{i}.mlp.shared_expert.hook_gate"] = "this model's shared expert has no gate"
     conv1d = any(type(m).__name__ == "Conv1D" for m in attn_module.children())
     attn_call = calls.get(id(attn_module))
     rotary_in_attention = attn_call is not None and "position_embeddings" in attn_call.kwargs
@@ -533,6 +557,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         parallel=first.parallel,
         moe=moe,
         router=router,
+        experts="experts" if shared else None,
+        shared_expert=shared[0] if shared else None,
+        shared_parts=shared[1] if shared else None,
+        shared_expert_gate=shared[2] if shared else None,
         attn_softcap="attn_logit_softcapping" if softcap is not None else None,
         final_softcap="final_logit_softcapping" if final_softcap is not None else None,
         rotary_in_attention=rotary_in_attention,
@@ -555,7 +583,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         f"{'rotary' if rotary else 'no rotary'}, qk-norm {q_norm is not None}"
     )
     description["mlp"] = (
-        "experts (per-neuron sites absent)" if moe
+        f"experts (per-neuron sites absent){f', shared expert {shared[0]!r}' if shared else ''}" if moe
         else f"gate={gate} up={up} gate_up={gate_up} in={mlp_in} down={down}"
     )  # fmt: skip
     info = _info(
@@ -565,6 +593,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         gated_mlp=adapter.gated, parallel_attn_mlp=first.parallel, sandwich_norm=adapter.sandwich,
         qk_norm=q_norm is not None, moe=moe, architecture=arch,
     )  # fmt: skip
+    if shared is not None:
+        info = dataclasses.replace(info, d_shared_expert=shared[3])
     return InferredArchitecture(adapter, description, "sublayers", info)
 
 

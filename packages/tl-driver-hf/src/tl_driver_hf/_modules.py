@@ -36,6 +36,12 @@ class LayerModules:
     gate_up: nn.Module | None
     down: nn.Module | None
     router: nn.Module | None
+    experts: nn.Module | None = None
+    shared_expert: nn.Module | None = None
+    shared_gate: nn.Module | None = None
+    shared_up: nn.Module | None = None
+    shared_down: nn.Module | None = None
+    shared_expert_gate: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,15 @@ def _need(root: nn.Module, path: str, where: str, adapter: ArchitectureAdapter) 
     module = _get(root, path, where, adapter)
     assert module is not None
     return module
+
+
+def _shared_expert(mlp: nn.Module, adapter: ArchitectureAdapter, where: str) -> dict[str, nn.Module | None]:
+    shared = _get(mlp, adapter.shared_expert, where, adapter)
+    if shared is None or adapter.shared_parts is None:
+        return {}
+    inner = f"{where}{adapter.shared_expert}."
+    gate, up, down = (_need(shared, part, inner, adapter) for part in adapter.shared_parts)
+    return {"shared_expert": shared, "shared_gate": gate, "shared_up": up, "shared_down": down}
 
 
 def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModules:
@@ -106,6 +121,9 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
                 gate_up=_get(mlp, adapter.gate_up, mlp_where, adapter),
                 down=_get(mlp, adapter.down, mlp_where, adapter),
                 router=_get(mlp, adapter.router, mlp_where, adapter),
+                experts=_get(mlp, adapter.experts, mlp_where, adapter),
+                shared_expert_gate=_get(mlp, adapter.shared_expert_gate, mlp_where, adapter),
+                **_shared_expert(mlp, adapter, mlp_where),
             )
         )
     return ModelModules(

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tl_core import HookPoint, UserError
 from tl_driver_hf._attention import AttentionSite
-from tl_driver_hf._flat import FLAT_SUFFIXES, flat_points
+from tl_driver_hf._flat import FLAT_SUFFIXES, FlatPoint, flat_points
 from tl_driver_hf._modules import LayerModules, ModelModules
 from tl_driver_hf._norms import apply_weight, norm_eps, normalize
 from tl_driver_hf._split_inputs import install_split_inputs
@@ -509,6 +509,7 @@ class Wiring:
             handles.append(mlp_in.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
         self._install_mlp(b + "mlp.", layer, handles)
         self._install_router(i, b + "mlp.", layer, state, handles)
+        self._install_shared_expert(i, b + "mlp.", layer, state, handles)
         if self._active(b + "mlp.hook_out"):
             own_out = self.adapter.sublayers_add_residual or self.adapter.mlp_inline
             mlp_out = layer.down if own_out and layer.down is not None else layer.mlp
@@ -546,6 +547,34 @@ class Wiring:
         ):
             view = HeadView(self.adapter.qk_norm_layout, heads)
             self._install_norm(f"{b}attn.{name}", module, handles, view=view)
+
+    def _install_shared_expert(
+        self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]
+    ) -> None:
+        """The routed experts' output and the shared expert's sites (Qwen2-MoE), which run
+        on flattened positions: the hooks see ``[batch, pos, ...]``."""
+        sites: dict[str, tuple[nn.Module | None, bool]] = {  # suffix -> (module, fires on its input)
+            "experts.hook_out": (layer.experts, False),
+            "shared_expert.hook_pre": (layer.shared_gate, False),
+            "shared_expert.hook_pre_linear": (layer.shared_up, False),
+            "shared_expert.hook_post": (layer.shared_down, True),
+            "shared_expert.hook_out": (layer.shared_expert, False),
+            "shared_expert.hook_gate": (layer.shared_expert_gate, False),
+        }
+        active = [s for s, (module, _) in sites.items() if module is not None and self._active(p + s)]
+        if not active:
+            return
+        handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
+        for suffix in active:
+            module, on_input = sites[suffix]
+            assert module is not None
+            point = FlatPoint(self.points[p + suffix], state.shapes, i)
+            if on_input:
+                handles.append(module.register_forward_pre_hook(_input_hook(point), with_kwargs=True))
+            else:
+                # The MoE block adds the shared expert into the routed output in place.
+                hook = _output_hook(point, copy=suffix == "experts.hook_out")
+                handles.append(module.register_forward_hook(hook))
 
     def _install_router(
         self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]

@@ -563,6 +563,10 @@ def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int 
         architecture=architecture,
         n_ctx=max_model_len,
     )
+    shared = getattr(config, "shared_expert_intermediate_size", None) if layout.moe else None
+    if isinstance(shared, int) and shared > 0:
+        # Qwen2-MoE's shared expert: its sites exist (the hf driver serves them).
+        info = replace(info, d_shared_expert=shared)
     if getattr(config, "multi_query", False) and info.n_key_value_heads is None:
         # Falcon-7B names its key/value head count num_kv_heads and ignores it with
         # multi-query attention: one key/value head.

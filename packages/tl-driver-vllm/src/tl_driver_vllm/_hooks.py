@@ -71,6 +71,12 @@ _MOE_NEURONS = (
     "{arch} routes each token through a few of its experts, so there is no single layer of "
     "MLP neurons; use mlp.hook_in / mlp.hook_out"
 )
+_SHARED_EXPERT = (
+    "vLLM's {arch} runs the shared expert, its gate and the routed experts inside one fused "
+    "mixture-of-experts layer that returns only their sum (under tensor parallelism before "
+    "the ranks are reduced), so the driver does not serve these sites yet; use mlp.hook_out "
+    "here, or the hf driver, which serves them"
+)
 
 
 def _suffix(name: str) -> str:
@@ -195,6 +201,8 @@ def hook_namespace(
             reasons[name] = _SPLIT
         elif layout.moe and suffix in ("mlp.hook_pre", "mlp.hook_post"):
             reasons[name] = _MOE_NEURONS.format(arch=info.architecture)
+        elif suffix.startswith(("mlp.shared_expert.", "mlp.experts.")):
+            reasons[name] = _SHARED_EXPERT.format(arch=arch)
     for name in sorted(served):
         why = _withheld_reason(name, withheld or {})
         if why is not None:

@@ -223,6 +223,35 @@ def _block_checks(
     out.extend(_attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks))
     out.extend(_mlp_checks(b, cache, info, rtol))
     out.extend(_router_checks(b, cache, info))
+    if info.d_shared_expert is not None:
+        out.extend(_shared_expert_checks(b, cache, info, rtol))
+    return out
+
+
+def _shared_expert_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+    """The shared expert is a gated MLP, and the block's MLP output is the routed experts'
+    output plus the shared expert's, scaled by the sigmoid of its gate where it has one."""
+    import torch
+
+    m, s = b + "mlp.", b + "mlp.shared_expert."
+    out: list[CertificationCheck] = []
+    pre, lin, post = (cache.get(s + n) for n in ("hook_pre", "hook_pre_linear", "hook_post"))
+    act = _activation(info.act_fn)
+    if act is not None and (pre is not None or post is not None):
+        rebuilt = act(pre.double()) * lin.double() if pre is not None and lin is not None else None
+        hooks = (s + "hook_pre", s + "hook_pre_linear", s + "hook_post")
+        out.append(compare(f"{s}hook_post == act({s}hook_pre) * {s}hook_pre_linear", hooks, rebuilt, post, rtol=rtol))
+    routed, shared, gate = cache.get(m + "experts.hook_out"), cache.get(s + "hook_out"), cache.get(s + "hook_gate")
+    if routed is None and shared is None:
+        return out
+    gated = gate is not None or s + "hook_gate" in cache
+    total = None
+    if routed is not None and shared is not None:
+        scale = torch.sigmoid(gate.double()) if gate is not None else 1.0
+        total = routed.double() + scale * shared.double()
+    what = f"sigmoid({s}hook_gate) * {s}hook_out" if gated else f"{s}hook_out"
+    hooks = (m + "experts.hook_out", s + "hook_out", *((s + "hook_gate",) if gated else ()))
+    out.append(compare(f"{m}hook_out == {m}experts.hook_out + {what}", hooks, total, cache.get(m + "hook_out"), rtol=rtol))
     return out
 
 

@@ -85,6 +85,14 @@ _MOE_ONLY = "Mixture of experts only."
 _NO_ROUTER = "This model's MLP is dense: it has no router."
 
 
+def _no_shared_expert(info: ModelInfo) -> bool:
+    return info.d_shared_expert is None
+
+
+_SHARED_ONLY = "Mixtures of experts with a shared expert only (Qwen2-MoE)."
+_NO_SHARED = "This model's MLP has no shared expert beside the routed ones."
+
+
 def _rotary(info: ModelInfo) -> bool:
     return info.positional_embedding_type == "rotary"
 
@@ -330,6 +338,26 @@ _TL_BRIDGE: dict[str, Rule] = {
         ),
         ((_not_moe, _absent(_NO_ROUTER)),),
     ),
+    # A shared expert (Qwen2-MoE) is a gated MLP of its own, and its gate a Linear.
+    **{
+        f"blocks.{{i}}.mlp.{name}": Rule(
+            "tl_bridge", _alias(canonical, _SHARED_ONLY), ((_no_shared_expert, _absent(_NO_SHARED)),)
+        )
+        for name, canonical in {
+            "shared_expert.hook_in": "blocks.{i}.mlp.hook_in",
+            "shared_expert.gate.hook_in": "blocks.{i}.mlp.hook_in",
+            "shared_expert.in.hook_in": "blocks.{i}.mlp.hook_in",
+            "shared_expert_gate.hook_in": "blocks.{i}.mlp.hook_in",
+            "experts.hook_in": "blocks.{i}.mlp.hook_in",
+            "experts.hook_pre": "blocks.{i}.mlp.hook_in",
+            "shared_expert.gate.hook_out": "blocks.{i}.mlp.shared_expert.hook_pre",
+            "shared_expert.in.hook_out": "blocks.{i}.mlp.shared_expert.hook_pre_linear",
+            "shared_expert.out.hook_in": "blocks.{i}.mlp.shared_expert.hook_post",
+            "shared_expert.out.hook_out": "blocks.{i}.mlp.shared_expert.hook_out",
+            "shared_expert_gate.hook_out": "blocks.{i}.mlp.shared_expert.hook_gate",
+            "experts.hook_post": "blocks.{i}.mlp.experts.hook_out",
+        }.items()
+    },
     "blocks.{i}.mlp.out.hook_in": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_post")),
     "blocks.{i}.mlp.out.hook_out": Rule("tl_bridge", _alias("blocks.{i}.mlp.hook_out")),
 }

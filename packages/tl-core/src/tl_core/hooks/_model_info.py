@@ -32,6 +32,9 @@ class ModelInfo:
         sandwich_norm: Whether each sublayer is followed by its own norm (Gemma 2/3, OLMo 2).
         n_experts: Experts per mixture-of-experts layer (``None``: a dense MLP).
         experts_per_token: Experts each position is routed to (mixture of experts).
+        d_shared_expert: Hidden width of the shared expert that a mixture of experts runs
+            on every position beside the routed ones (Qwen2-MoE), or ``None`` when it has
+            none: then ``mlp.shared_expert.*`` and ``mlp.experts.hook_out`` exist.
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
             then ``embed_ln.*`` exist.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
@@ -64,6 +67,7 @@ class ModelInfo:
     sandwich_norm: bool = False
     n_experts: int | None = None
     experts_per_token: int | None = None
+    d_shared_expert: int | None = None
     embed_norm: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None

@@ -65,6 +65,7 @@ HookRequirement = Literal[
     "mlp_norm_input",
     "embed_norm",
     "moe",
+    "shared_expert",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -75,8 +76,8 @@ HookRequirement = Literal[
 #: Every layout a canonical hook can have. ``b`` batch, ``p`` position, ``d`` d_model,
 #: ``h`` heads (key/value heads for ``hook_k``/``hook_v``/``hook_rot_k``), ``dh`` d_head,
 #: ``q``/``k`` query/key positions, ``dm`` d_mlp, ``vocab`` d_vocab, ``r`` the rotary
-#: width (``rotary_dim``), ``e`` experts, ``k`` experts per token (integer ids), ``1`` a
-#: kept axis; ``b p`` alone holds integer ids.
+#: width (``rotary_dim``), ``e`` experts, ``k`` experts per token (integer ids), ``ds``
+#: the shared expert's hidden width, ``1`` a kept axis; ``b p`` alone holds integer ids.
 LAYOUTS: frozenset[str] = frozenset(
     {
         "b p",
@@ -87,6 +88,7 @@ LAYOUTS: frozenset[str] = frozenset(
         "b p r",
         "b h q k",
         "b p dm",
+        "b p ds",
         "b p vocab",
         "b p h d",
         "b p e",
@@ -112,7 +114,8 @@ class HookTemplate:
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
             MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
-            embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
+            embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"shared_expert"`` (a mixture
+            of experts with a shared expert), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
             ``"split_qkv_input"`` (opt-in) or ``"norm"``.
     """
 
@@ -410,6 +413,50 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "moe",
     ),
     HookTemplate(
+        "blocks.{i}.mlp.experts.hook_out",
+        "b p d",
+        "Mixture of experts with a shared expert: the routed experts' output (each chosen "
+        "expert's output times its weight, summed), before the shared expert's is added.",
+        None,
+        "shared_expert",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.shared_expert.hook_pre",
+        "b p ds",
+        "The shared expert's pre-activation (its gate projection's output).",
+        None,
+        "shared_expert",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.shared_expert.hook_pre_linear",
+        "b p ds",
+        "The shared expert's linear (up) branch.",
+        None,
+        "shared_expert",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.shared_expert.hook_post",
+        "b p ds",
+        "The shared expert's activations (the input of its output projection).",
+        None,
+        "shared_expert",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.shared_expert.hook_out",
+        "b p d",
+        "The shared expert's output, before its gate scales it.",
+        None,
+        "shared_expert",
+    ),
+    HookTemplate(
+        "blocks.{i}.mlp.shared_expert.hook_gate",
+        "b p 1",
+        "The shared expert's gate logit: its output enters as sigmoid(gate) times "
+        "shared_expert.hook_out (Qwen2-MoE; absent where the shared expert is not gated).",
+        None,
+        "shared_expert",
+    ),
+    HookTemplate(
         "blocks.{i}.mlp.hook_pre",
         "b p dm",
         "MLP pre-activation: the input projection's output, or the gate projection's on "
@@ -501,6 +548,7 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "nothing lies between the block input and the MLP",
     "embed_norm": "it does not normalise the embedding before the first block",
     "moe": "its MLP is not a mixture of experts",
+    "shared_expert": "its MLP has no shared expert beside the routed ones",
     "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
     "qk_norm": "it does not normalise queries and keys before attention",
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
@@ -542,6 +590,8 @@ def requirement_met(
         return info.embed_norm
     if requires == "moe":
         return info.n_experts is not None
+    if requires == "shared_expert":
+        return info.d_shared_expert is not None
     if requires == "sandwich_norm":
         return info.sandwich_norm
     if requires == "qk_norm":

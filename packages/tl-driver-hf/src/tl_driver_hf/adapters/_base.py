@@ -74,6 +74,13 @@ class ArchitectureAdapter:
         moe: Whether the MLP is a mixture of experts (per-neuron hooks are absent).
         router: The router inside ``mlp`` (mixture of experts): a module returning
             ``(logits, top-k weights, top-k indices)`` for the flattened positions.
+        experts: The routed experts inside ``mlp`` (one module returning their weighted
+            sum), served as ``mlp.experts.hook_out`` where a shared expert is added after.
+        shared_expert: The shared expert inside ``mlp`` (a gated MLP every position runs),
+            with ``shared_parts`` its ``(gate, up, down)`` projections inside it.
+        shared_parts: See ``shared_expert``.
+        shared_expert_gate: The Linear inside ``mlp`` whose sigmoid scales the shared
+            expert's output (Qwen2-MoE), or ``None``.
         expert_in: Parameter inside ``mlp`` stacking every expert's input projection as
             ``[experts, out, d_model]`` (transformers 5's batched experts, Mixtral's
             ``"experts.gate_up_proj"``), or ``None``; compatibility mode folds the pre-MLP
@@ -154,6 +161,10 @@ class ArchitectureAdapter:
     parallel: bool = False
     moe: bool = False
     router: str | None = None
+    experts: str | None = None
+    shared_expert: str | None = None
+    shared_parts: tuple[str, str, str] | None = None
+    shared_expert_gate: str | None = None
     expert_in: str | None = None
     embed_scaled: bool = False
     softmax_fp32: bool = True
