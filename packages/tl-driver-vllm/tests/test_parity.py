@@ -61,7 +61,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
 DEFAULT_CONFIG_FAMILIES = (
     "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
     "phi", "starcoder2", "olmo", "olmo3", "smollm3", "helium", "seed_oss", "ministral", "granite", "cohere", "cohere2",
-    "glm4", "exaone4",
+    "glm4", "exaone4", "gpt_bigcode",
 )  # fmt: skip
 #: Families whose generation reference is plain transformers hooked by ``_tlv_reference``.
 TRANSFORMERS_REFERENCE = frozenset(

@@ -64,6 +64,10 @@ def shrunk_model(config: Any, *, sizes: dict[str, int] | None = None, seed: int 
         if hasattr(config, key):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
+    if getattr(config, "multi_query", False) and hasattr(config, "num_key_value_heads"):
+        # GPT-BigCode: multi-query means one key/value head; a second count would disagree
+        # with it, and vLLM reads the count where transformers reads multi_query.
+        config.num_key_value_heads = 1
     vocab = int(getattr(config, "vocab_size", sizes.get("vocab_size", 512)))
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab:
