@@ -439,10 +439,14 @@ def test_report_groups() -> None:
     assert [c.equation for c in report.failed] == [c.equation for c in report.checks[1:]]
 
 
-def _rotation_checks(rq: torch.Tensor, rk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[CertificationCheck]:
+def _rotation_checks(
+    rq: torch.Tensor, rk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+) -> list[CertificationCheck]:
     info = _info("sequential", 1, "RMS", True, True)
     a = "blocks.0.attn."
-    cache = {a + "hook_q": q, a + "hook_k": k, a + "hook_rot_q": rq, a + "hook_rot_k": rk, a + "hook_cos": cos, a + "hook_sin": sin}
+    cache = {a + "hook_q": q, a + "hook_k": k, a + "hook_rot_q": rq, a + "hook_rot_k": rk}
+    if cos is not None and sin is not None:  # a driver that serves the rotary table
+        cache.update({a + "hook_cos": cos, a + "hook_sin": sin})
     cache[a + "hook_v"] = torch.zeros_like(k)  # attention's checks run where its sites fired
     return [c for c in equation_checks(cache, info) if "rotated by" in c.equation or "rotation keeps" in c.equation]
 
@@ -496,3 +500,24 @@ def test_the_mlp_output_is_the_routed_experts_plus_the_gated_shared_expert() -> 
         "blocks.0.mlp.hook_out == blocks.0.mlp.experts.hook_out + sigmoid(blocks.0.mlp.shared_expert.hook_gate) "
         "* blocks.0.mlp.shared_expert.hook_out"
     )
+
+
+def test_without_a_served_table_a_rotation_scaled_by_one_factor_keeps_lengths_up_to_it() -> None:
+    """vLLM serves no rotary table; YaRN (gpt-oss) scales every rotated head by one factor.
+    One factor for every head and position passes; a factor per head does not."""
+    gen = torch.Generator().manual_seed(6)
+    d_head = 8
+    q, k = torch.randn(1, 4, N_HEADS, d_head, generator=gen), torch.randn(1, 4, N_KV, d_head, generator=gen)
+    angles = torch.rand(1, 4, d_head // 2, generator=gen) * 3
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.chunk(2, dim=-1)
+        return x * cos[:, :, None] + torch.cat((-second, first), -1) * sin[:, :, None]
+
+    scaled = _rotation_checks(1.35 * rotate(q), 1.35 * rotate(k), q, k, None, None)
+    assert [c.passed for c in scaled] == [True]
+    assert "one factor, 1.35" in scaled[0].equation
+    per_head = torch.linspace(1.0, 1.5, N_HEADS)[None, None, :, None]
+    uneven = _rotation_checks(per_head * rotate(q), rotate(k), q, k, None, None)
+    assert [c.passed for c in uneven] == [False]

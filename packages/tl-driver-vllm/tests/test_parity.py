@@ -54,12 +54,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo2": {},
 }
 #: Families built from their default transformers configs. Mixtures of experts with rows of
-#: their own (Qwen 2/3-MoE, OLMoE, Granite-MoE); then architectures without a vLLM row: each
+#: their own (Qwen 2/3-MoE, OLMoE, Granite-MoE, gpt-oss); then architectures without a vLLM row: each
 #: runs on vLLM's Transformers backend, placed by the hf driver's description (written for
 #: GPT-NeoX and OLMo 2 above; inferred and certified for these). Granite, Cohere and GLM-4
 #: have vLLM model classes of their own; tl asks vLLM for its backend instead.
 DEFAULT_CONFIG_FAMILIES = (
-    "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
+    "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "gpt_oss",
     "phi", "starcoder2", "olmo", "olmo3", "smollm3", "helium", "seed_oss", "ministral", "granite", "cohere", "cohere2",
     "glm4", "exaone4", "gpt_bigcode",
 )  # fmt: skip

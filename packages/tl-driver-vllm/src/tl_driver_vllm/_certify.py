@@ -71,7 +71,7 @@ def certify_engine(
         captured, info, rtol=rtol, logits=logits,
         attn_softcap=float(softcap) if softcap else None,
         score_bias=bool(getattr(config, "alibi", False)) or getattr(config, "model_type", "") in ("bloom", "mpt"),
-        attention_sinks="sinks" in getattr(config, "model_type", ""),
+        attention_sinks=driver._layout.attention_sinks,
     )  # fmt: skip
     if logits is not None and result.new_tokens is not None:
         checks.append(_greedy_check(logits[0, -1].float(), int(result.new_tokens[0, 0]), rtol))

@@ -154,6 +154,13 @@ class Layout:
             softmax over all experts is taken first either way).
         renormalize_field: Config field that decides ``renormalize`` per checkpoint
             (``norm_topk_prob``), if any.
+        attn_input: Position of the hidden states among the attention module's positional
+            arguments (``-1``: last, after the positions; gpt-oss passes them first).
+        attention_sinks: Whether attention adds a sink logit per head (gpt-oss): patterns
+            then sum to less than 1.
+        residual_offset: How many arguments after the hidden states a layer takes its
+            ``residual`` (``residual_pair`` families): 1, or 2 where the positions come
+            between (gpt-oss).
     """
 
     inner: str
@@ -194,6 +201,9 @@ class Layout:
     activation: tuple[str, str] | None = None
     renormalize: bool = True
     renormalize_field: str | None = None
+    residual_offset: int = 1
+    attn_input: int = -1
+    attention_sinks: bool = False
 
     @property
     def batched(self) -> bool:
@@ -285,6 +295,21 @@ _EXAONE4 = replace(
     ln1_post="post_attention_layernorm",
     ln2_post="post_feedforward_layernorm",
     residual_pair=False,
+)
+# gpt-oss: vLLM's own class names the embedding `embedding` and attention `attn`, passes
+# hidden states first, routes with a biased router (top-k of the logits, softmax over those:
+# the renormalised softmax) and adds attention sinks, which the pattern rebuild counts.
+_GPT_OSS = replace(
+    _LLAMA,
+    embed="embedding",
+    attn="attn",
+    layer_input=0,
+    residual_offset=2,
+    attn_input=0,
+    attention_sinks=True,
+    gate_up=None,
+    down=None,
+    router="router",
 )
 _GRANITE_MOE = replace(
     _MIXTRAL,
@@ -434,6 +459,7 @@ LAYOUTS: dict[str, Layout] = {
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
     "OlmoeForCausalLM": _OLMOE,
     "GraniteMoeForCausalLM": _GRANITE_MOE,
+    "GptOssForCausalLM": _GPT_OSS,
     "Exaone4ForCausalLM": _EXAONE4,
     "GemmaForCausalLM": _GEMMA,
     "Gemma2ForCausalLM": _GEMMA2,

@@ -33,6 +33,9 @@ class AttentionFacts:
         softcap: Logit soft-cap (``tanh(s / cap) * cap``), or ``None``.
         window: Sliding window (a query sees keys ``i - window < j <= i``), or ``None``.
         alibi: ALiBi slopes of this rank's heads (float32), or ``None``.
+        sinks: Attention-sink logits of this rank's heads (float32, gpt-oss), or ``None``:
+            each row's softmax then also counts ``exp(sink)``, so the pattern sums to less
+            than 1 (the sink takes the rest, as on the hf driver).
     """
 
     heads: int
@@ -42,6 +45,7 @@ class AttentionFacts:
     softcap: float | None
     window: int | None
     alibi: torch.Tensor | None
+    sinks: torch.Tensor | None = None
 
 
 def attention_facts(attention: Any) -> AttentionFacts:
@@ -59,6 +63,9 @@ def attention_facts(attention: Any) -> AttentionFacts:
     alibi = getattr(impl, "alibi_slopes", None)
     if alibi is not None:
         alibi = torch.as_tensor(alibi, dtype=torch.float32).reshape(-1)
+    sinks = getattr(impl, "sinks", None)
+    if sinks is not None:
+        sinks = sinks.detach().float().reshape(-1)
     return AttentionFacts(
         heads=int(attention.num_heads),
         kv_heads=int(attention.num_kv_heads),
@@ -68,6 +75,7 @@ def attention_facts(attention: Any) -> AttentionFacts:
         softcap=float(cap) if cap else None,
         window=int(window) if window is not None and int(window) > 0 else None,
         alibi=alibi,
+        sinks=sinks,
     )
 
 
@@ -115,7 +123,13 @@ def rebuild(
             s = s + alibi
         s = s.masked_fill(~allowed, float("-inf"))
         rows = past[part][:, None, :, None]
-        p = torch.softmax(s.masked_fill(rows, 0.0), dim=-1).masked_fill(rows, 0.0)
+        if facts.sinks is None:
+            p = torch.softmax(s.masked_fill(rows, 0.0), dim=-1)
+        else:
+            # The sink is one more logit per head in each row's softmax, with no value.
+            sink = facts.sinks.to(s.device)[None, :, None, None].expand(*s.shape[:3], 1)
+            p = torch.softmax(torch.cat((s.masked_fill(rows, 0.0), sink), dim=-1), dim=-1)[..., :-1]
+        p = p.masked_fill(rows, 0.0)
         scores[part] = s.masked_fill(rows, float("-inf"))
         pattern[part] = p
     return scores, pattern

@@ -79,19 +79,28 @@ class ResidualSite:
         state: The run.
         names: Hooks of this value, in forward order.
         index: Position of the hidden-states argument.
-        pair: Whether a ``residual`` argument follows it (fused add-norm families).
+        pair: Whether a ``residual`` argument comes with it (fused add-norm families).
         final: ``(norm kind, eps)`` at the final norm, whose derived sites are read here.
+        residual_at: Position of the ``residual`` argument (default: right after the hidden
+            states; gpt-oss passes the positions between them).
     """
 
     def __init__(
-        self, state: RunState, names: tuple[str, ...], index: int, pair: bool, final: tuple[NormKind, float] | None
+        self,
+        state: RunState,
+        names: tuple[str, ...],
+        index: int,
+        pair: bool,
+        final: tuple[NormKind, float] | None,
+        residual_at: int | None = None,
     ) -> None:
         self.state, self.names, self.index, self.pair, self.final = state, names, index, pair, final
+        self.residual_at = index + 1 if residual_at is None else residual_at
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        first = self.index
+        first, second = self.index, self.residual_at
         hidden = args[first]
-        residual = args[first + 1] if self.pair and len(args) > first + 1 else None
+        residual = args[second] if self.pair and len(args) > second else None
         x = hidden if residual is None else hidden + residual
         edited = self.state.visit(self.names, x)
         if self.final is not None:
@@ -105,7 +114,7 @@ class ResidualSite:
         new = list(args)
         new[first] = edited
         if residual is not None:
-            new[first + 1] = torch.zeros_like(edited)
+            new[second] = torch.zeros_like(edited)
         return tuple(new), kwargs
 
 

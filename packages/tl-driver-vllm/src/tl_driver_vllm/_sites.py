@@ -178,7 +178,8 @@ def install_sites(
             continue
         final = (layout.norm, norm_eps(target, layout.norm)) if k == n_layers else None
         index = 0 if k == n_layers else layout.layer_input
-        hook = ResidualSite(state, kept, index, layout.residual_pair, final)
+        residual_at = None if k == n_layers else layout.layer_input + layout.residual_offset
+        hook = ResidualSite(state, kept, index, layout.residual_pair, final, residual_at)
         at.add(target, hook, "pre_kwargs")
     for i in range(n_layers):
         layer = sub(layers[i], "")
@@ -203,7 +204,7 @@ def _install_layer(
     attn = sub(layer, layout.attn)
     assert attn is not None
     if at.want(p + "attn.hook_in"):
-        at.add(attn, InputSite(state, (p + "attn.hook_in",), position=-1), "pre_kwargs")
+        at.add(attn, InputSite(state, (p + "attn.hook_in",), position=layout.attn_input), "pre_kwargs")
     _install_attention(at, attn, p + "attn.", layout, facts, tp_size)
     at.output(attn, p + "attn.hook_out", p + "ln1_post.hook_in")
     at.norm(sub(layer, layout.ln1_post), p + "ln1_post", mode=None, pair=False, kind=kind)

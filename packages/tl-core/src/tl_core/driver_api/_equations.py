@@ -413,7 +413,11 @@ def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> li
         return tried[:1]
     lengths = torch.cat((q.double().norm(dim=-1), k.double().norm(dim=-1)), dim=2)
     rotated = torch.cat((rq.double().norm(dim=-1), rk.double().norm(dim=-1)), dim=2)
-    return [compare(f"|{a}hook_rot_q/k| == |{a}hook_q/k| (rotation keeps each head's length)", sources, rotated, lengths, rtol=rtol)]
+    # YaRN multiplies its table by an attention factor: one constant for every head and
+    # position, fitted here; a plain rotation gives exactly 1.
+    factor = float((rotated * lengths).sum() / (lengths * lengths).sum().clamp_min(1e-30))
+    scaled = "" if abs(factor - 1.0) <= rtol else f" times one factor, {factor:.4g} (YaRN's attention factor)"
+    return [compare(f"|{a}hook_rot_q/k| == |{a}hook_q/k|{scaled} (rotation keeps each head's length)", sources, rotated, lengths * factor, rtol=rtol)]
 
 
 def _scores_check(
