@@ -301,6 +301,18 @@ def test_gpt_neox_parallel_residual_comes_from_the_checkpoint() -> None:
         assert "blocks.0.ln2.hook_in" in names.served
 
 
+def test_a_multi_query_config_with_another_key_value_head_count_is_refused() -> None:
+    """transformers runs GPT-BigCode with one key/value head when multi_query is set; vLLM
+    reads num_key_value_heads. A config that says both would be two models."""
+    testing = pytest.importorskip("tl_driver_hf.testing")
+    config = testing.tiny_default_model("gpt_bigcode").config
+    config.architectures = ["GPTBigCodeForCausalLM"]
+    assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 1
+    config.num_key_value_heads = 2
+    with pytest.raises(ConfigError, match="multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1"):
+        model_info(config, layout=serving_layout(config).layout)
+
+
 def test_a_shared_expert_exists_on_vllm_and_is_refused_saying_why() -> None:
     """Qwen2-MoE's shared-expert sites exist (the hf driver serves them); vLLM fuses them
     into one layer, so its namespace names them and says why it does not serve them."""
