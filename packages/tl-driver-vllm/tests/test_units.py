@@ -311,6 +311,11 @@ def test_a_multi_query_config_with_another_key_value_head_count_is_refused() -> 
     config.num_key_value_heads = 2
     with pytest.raises(ConfigError, match="multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1"):
         model_info(config, layout=serving_layout(config).layout)
+    config.multi_query = False  # multi-head: transformers keeps every head for keys and values
+    with pytest.raises(ConfigError, match="multi_query=False .* num_key_value_heads=2, .* set num_key_value_heads to 4"):
+        model_info(config, layout=serving_layout(config).layout)
+    config.num_key_value_heads = 4
+    assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 4
 
 
 def test_a_shared_expert_exists_on_vllm_and_is_refused_saying_why() -> None:

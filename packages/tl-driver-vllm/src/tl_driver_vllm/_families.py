@@ -589,14 +589,19 @@ def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int 
         architecture=architecture,
         n_ctx=max_model_len,
     )
-    kv = getattr(config, "num_key_value_heads", None)
-    if getattr(config, "multi_query", False) and isinstance(kv, int) and kv != 1:
-        raise ConfigError(
-            f"{architecture}: the config says multi_query=True (one key/value head, as "
-            f"transformers computes it) but num_key_value_heads={kv}, which vLLM reads "
-            f"instead, so the two would compute different models; set num_key_value_heads "
-            f"to 1 in the checkpoint's config.json"
-        )
+    kv, multi_query = getattr(config, "num_key_value_heads", None), getattr(config, "multi_query", None)
+    if isinstance(multi_query, bool) and isinstance(kv, int):
+        # GPT-BigCode: transformers takes the key/value heads from multi_query alone, vLLM
+        # from num_key_value_heads.
+        heads = 1 if multi_query else info.n_heads
+        if kv != heads:
+            raise ConfigError(
+                f"{architecture}: the config says multi_query={multi_query} ({heads} key/value "
+                f"head{'s' if heads > 1 else ''}, as transformers computes it) but "
+                f"num_key_value_heads={kv}, which vLLM reads instead, so the two would compute "
+                f"different models; set num_key_value_heads to {heads} in the checkpoint's "
+                f"config.json"
+            )
     shared = getattr(config, "shared_expert_intermediate_size", None) if layout.moe else None
     if isinstance(shared, int) and shared > 0:
         # Qwen2-MoE's shared expert: its sites exist (the hf driver serves them).
