@@ -309,10 +309,10 @@ def test_a_multi_query_config_with_another_key_value_head_count_is_refused() -> 
     config.architectures = ["GPTBigCodeForCausalLM"]
     assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 1
     config.num_key_value_heads = 2
-    with pytest.raises(ConfigError, match="multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1"):
+    with pytest.raises(ConfigError, match=r"multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1"):
         model_info(config, layout=serving_layout(config).layout)
     config.multi_query = False  # multi-head: transformers keeps every head for keys and values
-    with pytest.raises(ConfigError, match="multi_query=False .* num_key_value_heads=2, .* set num_key_value_heads to 4"):
+    with pytest.raises(ConfigError, match=r"multi_query=False .* num_key_value_heads=2, .* set num_key_value_heads to 4"):
         model_info(config, layout=serving_layout(config).layout)
     config.num_key_value_heads = 4
     assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 4
@@ -470,3 +470,17 @@ def test_heads_first_qk_norms_are_refused_on_the_backend() -> None:
     assert gemma3 is not None and gemma3.qk_norm_layout == "heads_first"
     with pytest.raises(ConfigError, match="heads before positions"):
         layout_from_description(replace(gemma3, embed_scaled=False))
+
+
+def test_the_readout_anchor_sees_a_scale_the_greedy_token_cannot() -> None:
+    """Logits off by a positive factor (Cohere's logit_scale left out) keep the engine's
+    greedy token on top, but not its log-probabilities."""
+    from tl_driver_vllm._certify import _greedy_check, _logprob_check
+
+    logits = torch.randn(512, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    top = torch.topk(torch.log_softmax(logits, -1), 20)
+    assert _logprob_check(logits.float(), top.indices, top.values, 1e-4).passed
+    scaled = (logits * 0.5).float()
+    assert _greedy_check(scaled, int(top.indices[0]), 1e-4).passed
+    check = _logprob_check(scaled, top.indices, top.values, 1e-4)
+    assert not check.passed and check.error > 100 * check.allowed

@@ -23,7 +23,11 @@ from tl_core.driver_api import (
     statuses_from_checks,
 )
 
-__all__ = ["PROBE_LENGTH", "certify_engine", "refusal"]
+__all__ = ["ANCHOR_LOGPROBS", "PROBE_LENGTH", "certify_engine", "refusal"]
+
+#: vLLM's own log-probabilities of this many top tokens anchor tl's readout (vLLM's default
+#: ``max_logprobs``).
+ANCHOR_LOGPROBS = 20
 
 #: Token ids in the certification forward: enough positions for the attention equations.
 PROBE_LENGTH = 8
@@ -73,7 +77,10 @@ def certify_engine(
         score_bias=bool(getattr(config, "alibi", False)) or getattr(config, "model_type", "") in ("bloom", "mpt"),
         attention_sinks=driver._layout.attention_sinks,
     )  # fmt: skip
-    if logits is not None and result.new_tokens is not None:
+    anchor = _engine_logprobs(result.raw_output)
+    if logits is not None and anchor is not None:
+        checks.append(_logprob_check(logits[0, -1].float(), *anchor, rtol))
+    elif logits is not None and result.new_tokens is not None:
         checks.append(_greedy_check(logits[0, -1].float(), int(result.new_tokens[0, 0]), rtol))
     for name in names:
         if name not in captured:
@@ -96,6 +103,38 @@ def certify_engine(
         description=description,
         checks=tuple(checks),
         statuses=statuses,
+    )
+
+
+def _engine_logprobs(outputs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(token ids, log-probabilities)`` vLLM reported for its first sampled position of
+    the first prompt, or ``None`` when it reported none."""
+    try:
+        step = outputs[0].outputs[0].logprobs[0]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if not step:
+        return None
+    ids = torch.tensor([int(t) for t in step])
+    values = torch.tensor([float(v.logprob) for v in step.values()], dtype=torch.float64)
+    return ids, values
+
+
+def _logprob_check(last: torch.Tensor, ids: torch.Tensor, theirs: torch.Tensor, rtol: float) -> CertificationCheck:
+    """vLLM's own log-probabilities of its top tokens at the last position equal the
+    log-softmax of the logits tl rebuilds there from the final norm and unembedding, so the
+    readout tl serves is the engine's (a wrong final norm, unembedding, scale or soft-cap
+    moves them)."""
+    ours = torch.log_softmax(last.double(), dim=-1)[ids]
+    error = float((ours - theirs).abs().max())
+    allowed = rtol * (1.0 + float(theirs.abs().max()))
+    return CertificationCheck(
+        f"logits: log_softmax(tl's logits) == the engine's own log-probabilities of its top {len(ids)} tokens "
+        "at the last position",
+        ("ln_final.hook_out", "unembed.hook_out"),
+        error <= allowed,
+        error,
+        allowed,
     )
 
 

@@ -23,7 +23,7 @@ from tl_core.driver_api import (
     build_plan,
 )
 from tl_driver_vllm._backend import classes_kept
-from tl_driver_vllm._certify import certify_engine, refusal
+from tl_driver_vllm._certify import ANCHOR_LOGPROBS, certify_engine, refusal
 from tl_driver_vllm._derive import serving_layout
 from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._gguf import gguf_checkpoint
@@ -404,6 +404,8 @@ class VLLMDriver(NamespaceFacts):
             "raw": self._raw, "all_ranks": check, "width": max(lengths), "requests": requests,
             "shared": self._shared.offer(),
         }  # fmt: skip
+        # Certification compares vLLM's own log-probabilities with tl's readout.
+        anchor = {"logprobs": ANCHOR_LOGPROBS} if self._certifying else {}
         params = [
             SamplingParams(
                 max_tokens=max(1, max_new_tokens),
@@ -411,6 +413,7 @@ class VLLMDriver(NamespaceFacts):
                 detokenize=False,
                 extra_args={TAG_KEY: tag},
                 **sampling,
+                **anchor,
             )
             for tag in tags
         ]
