@@ -387,6 +387,7 @@ def certify_driver(
         described=not inferred,
         absent=driver.absent_reasons,
         read_only=driver.read_only_reasons,
+        strict=True,  # an equation vouches for nothing when another hook it covers failed
     )
     if not thorough:
         _every_layer_alike(statuses)
