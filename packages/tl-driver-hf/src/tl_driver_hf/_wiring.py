@@ -508,8 +508,11 @@ class Wiring:
             mlp_in = layer.mlp_in if self.adapter.mlp_inline and layer.mlp_in is not None else layer.mlp
             handles.append(mlp_in.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
         self._install_mlp(b + "mlp.", layer, handles)
-        self._install_router(i, b + "mlp.", layer, state, handles)
-        self._install_shared_expert(i, b + "mlp.", layer, state, handles)
+        routed = self._install_router(i, b + "mlp.", layer, state, handles)
+        if self._install_shared_expert(i, b + "mlp.", layer, state, handles) or routed:
+            # The router and the shared expert see flattened positions: one record of the
+            # batch and position shape serves both.
+            handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
         if self._active(b + "mlp.hook_out"):
             own_out = self.adapter.sublayers_add_residual or self.adapter.mlp_inline
             mlp_out = layer.down if own_out and layer.down is not None else layer.mlp
@@ -550,9 +553,10 @@ class Wiring:
 
     def _install_shared_expert(
         self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]
-    ) -> None:
+    ) -> bool:
         """The routed experts' output and the shared expert's sites (Qwen2-MoE), which run
-        on flattened positions: the hooks see ``[batch, pos, ...]``."""
+        on flattened positions: the hooks see ``[batch, pos, ...]``. Whether any is hooked
+        (the caller then records the layer's shape)."""
         sites: dict[str, tuple[nn.Module | None, bool]] = {  # suffix -> (module, fires on its input)
             "experts.hook_out": (layer.experts, False),
             "shared_expert.hook_pre": (layer.shared_gate, False),
@@ -562,9 +566,6 @@ class Wiring:
             "shared_expert.hook_gate": (layer.shared_expert_gate, False),
         }
         active = [s for s, (module, _) in sites.items() if module is not None and self._active(p + s)]
-        if not active:
-            return
-        handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
         for suffix in active:
             module, on_input = sites[suffix]
             assert module is not None
@@ -575,17 +576,20 @@ class Wiring:
                 # The MoE block adds the shared expert into the routed output in place.
                 hook = _output_hook(point, copy=suffix == "experts.hook_out")
                 handles.append(module.register_forward_hook(hook))
+        return bool(active)
 
     def _install_router(
         self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]
-    ) -> None:
+    ) -> bool:
+        """The routing sites; whether they are hooked (the caller then records the layer's
+        shape)."""
         names = [p + "hook_router_logits", p + "hook_expert_weights", p + "hook_expert_indices"]
         if layer.router is None or not self._active(*names):
-            return
-        handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
+            return False
         logits, weights, indices = (self._point(n) for n in names)
         hook = _router_hook(logits, weights, indices, i, state)
         handles.append(layer.router.register_forward_hook(hook))
+        return True
 
     def _install_mlp(self, p: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
         pre, lin, post = (self._point(p + n) for n in ("hook_pre", "hook_pre_linear", "hook_post"))

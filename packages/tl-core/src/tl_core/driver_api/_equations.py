@@ -244,7 +244,7 @@ def _shared_expert_checks(b: str, cache: Mapping[str, torch.Tensor], info: Model
     routed, shared, gate = cache.get(m + "experts.hook_out"), cache.get(s + "hook_out"), cache.get(s + "hook_gate")
     if routed is None and shared is None:
         return out
-    gated = gate is not None or s + "hook_gate" in cache
+    gated = gate is not None
     total = None
     if routed is not None and shared is not None:
         scale = torch.sigmoid(gate.double()) if gate is not None else 1.0

@@ -103,9 +103,10 @@ def norm_module_eps(module: Any, kind: NormKind | None = None, width: int | None
 
     Read from the module's attribute (``variance_epsilon``, ``eps`` or ``epsilon``). A norm
     that writes its epsilon in its forward instead (OLMo's LayerNorm) is measured, given its
-    ``kind`` and ``width`` (used where the module keeps no width of its own): the module runs on an input of variance 1e-8, where every common
-    epsilon moves the output by far more than float32 rounding, so at most one matches; the
-    match is remembered for the module.
+    ``kind`` and ``width`` (used where the module keeps no width of its own): the module
+    runs on an input of variance 1e-8, where every common epsilon moves the output by far
+    more than float32 rounding, so at most one matches; the match is remembered for the
+    module.
 
     Raises:
         AttributeError: No attribute, and no common epsilon reproduces the module's output
