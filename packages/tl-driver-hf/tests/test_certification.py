@@ -489,6 +489,122 @@ def test_a_wrong_layer_list_is_refused_naming_the_residual_stream(
     assert "FAIL blocks.0.hook_out == blocks.1.hook_in" in str(raised.value)
 
 
+# -- the engine-independent description ---------------------------------------------------
+
+#: family -> (block form, norm kind, positions, attention variant, qk-norm, MLP variant),
+#: written out from each architecture's paper/reference code, not from the adapters.
+DESCRIBED_FORMS: dict[str, tuple[str, str, str, str, str, str]] = {
+    "gpt2": ("sequential", "layernorm", "learned", "mha", "none", "dense"),
+    "gptj": ("parallel_shared_norm", "layernorm", "rotary", "mha", "none", "dense"),
+    "gpt_neox": ("parallel", "layernorm", "rotary", "mha", "none", "dense"),
+    "bloom": ("sequential", "layernorm", "alibi", "mha", "none", "dense"),
+    "falcon": ("parallel_shared_norm", "layernorm", "rotary", "mqa", "none", "dense"),
+    "llama": ("sequential", "rms", "rotary", "gqa", "none", "gated"),
+    "qwen3": ("sequential", "rms", "rotary", "gqa", "per_head", "gated"),
+    "gemma2": ("sandwich", "rms_plus_one", "rotary", "gqa", "none", "gated"),
+    "olmo2": ("post_norm", "rms_weight_first", "rotary", "gqa", "across_heads", "gated"),
+    "mixtral": ("sequential", "rms", "rotary", "gqa", "none", "moe"),
+}
+
+
+@pytest.mark.parametrize("family", list(DESCRIBED_FORMS))
+def test_each_block_form_is_described_as_its_architecture_is(family: str, checkpoint: Callable[[str], Path]) -> None:
+    bridge = TransformerBridge.boot_transformers(str(checkpoint(family)))
+    arch = bridge.architecture
+    assert arch is not None
+    assert arch.attention is not None and arch.mlp is not None
+    got = (arch.block, arch.norm.kind, arch.positions, arch.attention.variant, arch.attention.qk_norm, arch.mlp.variant)
+    assert got == DESCRIBED_FORMS[family]
+    assert arch.n_layers == bridge.cfg.n_layers and arch.attention.n_heads == bridge.cfg.n_heads
+    assert arch.embed_norm == (family == "bloom")
+    assert arch.embed_scaled == (family == "gemma2")
+    # The report shows the description, and holds the same object.
+    report = bridge.certification
+    assert report is not None and report.architecture == arch
+    assert f"block: {arch.block.replace('_', ' ')} (" in report.format()
+
+
+def test_config_facts_reach_the_description(checkpoint: Callable[[str], Path]) -> None:
+    gemma2 = TransformerBridge.boot_transformers(str(checkpoint("gemma2")))
+    config = gemma2.driver.hf_model.config
+    arch = gemma2.architecture
+    assert arch is not None and arch.attention is not None
+    assert arch.attention.softcap == config.attn_logit_softcapping
+    assert arch.logit_softcap == config.final_logit_softcapping
+    assert arch.norm.eps == config.rms_norm_eps
+    sliding = tuple(i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention")
+    assert arch.attention.window == config.sliding_window and arch.attention.windowed_layers == sliding
+    neox = TransformerBridge.boot_transformers(str(checkpoint("gpt_neox"))).architecture
+    assert neox is not None and neox.rotary_fraction == neox_fraction(checkpoint("gpt_neox"))
+
+
+def neox_fraction(folder: Path) -> float:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("partial_rotary_factor", getattr(config, "rotary_pct", 1.0)))
+
+
+#: Hand-written families that inference alone serves less well, with what it misses (from
+#: the module tree alone: rotary inside the attention module, a per-head fused qkv,
+#: attention computed inside the module, post-LN switches, embedding norms). Every other
+#: family's row is redundant for serving: inference finds the same description and
+#: certifies the same hooks (the row still carries hub ids, known checkpoints and
+#: TransformerLens compatibility facts).
+NEEDS_ROW: dict[str, str] = {
+    "gpt_neo": "attention computed inside the module: no q/k/pattern sites",
+    "gptj": "rotary applied inside the module: taken for no positions",
+    "gpt_neox": "per-head fused qkv: no q/k/v sites",
+    "opt": "projections inline in the layer: residual level only",
+    "bloom": "embedding norm and ALiBi inside the module: residual level only",
+    "falcon": "attention computed inside the module: no q/k/pattern sites",
+    "olmo2": "the weight-first RMS rule equals the plain one in float32, so inference names it 'rms'",
+}
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_inference_reproduces_each_hand_written_row_or_is_listed(family: str, checkpoint: Callable[[str], Path]) -> None:
+    from tl_driver_hf._driver import HFDriver
+    from tl_driver_hf._options import BootOptions
+
+    folder = str(checkpoint(family))
+    described = TransformerBridge.boot_transformers(folder).driver
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    inferred = HFDriver._assemble(model, None, described.tokenizer, BootOptions(model_name=folder), folder)
+    same = described.architecture.differences(inferred.architecture) == [] and set(described.hook_points) == set(inferred.hook_points)
+    if family in NEEDS_ROW:
+        assert not same, f"inference now serves {family} as its row does: drop it from NEEDS_ROW"
+        assert set(inferred.hook_points) <= set(described.hook_points)  # less, never other
+    else:
+        assert described.architecture.differences(inferred.architecture) == []
+        assert set(described.hook_points) == set(inferred.hook_points)
+
+
+def test_an_inferred_architecture_is_described_by_what_inference_found(tiny_folder: Callable[[str], Path]) -> None:
+    from transformers import AutoConfig
+
+    moe = TransformerBridge.boot_transformers(str(tiny_folder("qwen2_moe"))).architecture
+    config = AutoConfig.from_pretrained(tiny_folder("qwen2_moe"))
+    assert moe is not None and moe.mlp is not None
+    assert (moe.block, moe.mlp.variant, moe.mlp.n_experts, moe.mlp.experts_per_token) == (
+        "sequential", "moe", config.num_experts, config.num_experts_per_tok,
+    )  # fmt: skip
+    assert (moe.mlp.d_mlp, moe.mlp.d_shared_expert) == (config.moe_intermediate_size, config.shared_expert_intermediate_size)
+    phi = TransformerBridge.boot_transformers(str(tiny_folder("phi"))).architecture
+    assert phi is not None and phi.block == "parallel_shared_norm" and phi.norm.kind == "layernorm"
+    bigcode = TransformerBridge.boot_transformers(str(tiny_folder("gpt_bigcode"))).architecture
+    assert bigcode is not None and bigcode.attention is not None
+    assert (bigcode.positions, bigcode.attention.variant) == ("learned", "mqa")
+
+
+def test_a_state_space_model_is_described_with_opaque_blocks(tiny_folder: Callable[[str], Path]) -> None:
+    arch = TransformerBridge.boot_transformers(str(tiny_folder("mamba"))).architecture
+    assert arch is not None
+    assert (arch.block, arch.attention, arch.mlp) == ("opaque", None, None)
+    assert "attention" not in arch.facts() and arch.facts()["block"].startswith("opaque (")
+
+
 # -- tl certify ---------------------------------------------------------------------------
 
 
@@ -496,6 +612,7 @@ def test_cli_certify_reports_a_described_folder(checkpoint: Callable[[str], Path
     assert main(["certify", str(checkpoint("llama"))]) == 0
     out = capsys.readouterr().out
     assert "architecture: described (llama); served at level 'full'" in out
+    assert "  block: sequential (" in out and "  attention: gqa, " in out
     assert "FAIL" not in out
 
 

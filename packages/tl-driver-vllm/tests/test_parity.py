@@ -134,6 +134,16 @@ def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture
     return report
 
 
+def test_one_description_on_both_drivers(family: Engines) -> None:
+    # The vllm driver's row (or the layout it read from the hf driver's description) and the
+    # hf driver's adapter describe the same architecture: any drift between the two tables
+    # shows here, naming the fact.
+    ours, theirs = family.vllm.architecture, family.hf.architecture
+    assert ours is not None
+    assert theirs.differences(ours) == []
+    assert family.vllm.certification is None or family.vllm.certification.architecture == ours
+
+
 def test_every_served_hook_single_prompt(family: Engines) -> None:
     served = sorted(family.vllm.supported_hook_points)
     assert {"blocks.1.attn.hook_pattern", "blocks.1.attn.hook_z"} <= set(served)

@@ -29,6 +29,7 @@ from tl_core.driver_api import (
     compare,
     equation_checks,
     statuses_from_checks,
+    uses_alibi,
 )
 from tl_driver_hf._infer import probe_ids
 from tl_driver_hf._norms import apply_weight
@@ -358,7 +359,7 @@ def certify_driver(
     checks = equation_checks(
         cache, info, rtol=rtol, hidden_states=hidden, logits=logits, reference_logits=reference,
         W_O=W_O, b_O=b_O, attn_softcap=float(softcap) if softcap is not None else None,
-        score_bias=_alibi(driver.hf_model.config),
+        score_bias=uses_alibi(driver.hf_model.config),
         attention_sinks=isinstance(getattr(parts.layers[0].attn, "sinks", None), torch.Tensor),
     )
     if later is not None and reference is not None:
@@ -407,6 +408,7 @@ def certify_driver(
         inferred=inferred,
         level=level,
         description=description,
+        architecture=driver.architecture,
         checks=tuple(checks),
         statuses=statuses,
         weights={
@@ -417,11 +419,6 @@ def certify_driver(
             **unchecked_weights,
         },
     )
-
-
-def _alibi(config: Any) -> bool:
-    """Whether attention scores carry ALiBi's additive position bias."""
-    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ("bloom", "mpt")
 
 
 #: Opt-in hooks no equation sees (they fire only in a mode): each holds what its parents

@@ -14,12 +14,14 @@ from transformers import PretrainedConfig
 
 from tl_core import ConfigError, HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
+    Architecture,
     Certification,
     LocalDriver,
     ModelReadout,
     Tokenizer,
     canonical_hook_names,
 )
+from tl_driver_hf._architecture import served_architecture
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
 from tl_driver_hf._certify import boot_refusal, certify_driver, on_residual_stream, residual_holds
 from tl_driver_hf._compat import CompatState, enable_compatibility
@@ -179,15 +181,14 @@ class HFDriver(LocalDriver):
     def _describe(self) -> dict[str, str]:
         if self._inferred is not None:
             return dict(self._inferred.description)
-        a, info = self._adapter, self._info
-        form = "parallel" if info.parallel_attn_mlp else "sequential"
-        if info.sandwich_norm:
-            form += " with sandwich norms"
-        return {
-            "layers": f"{a.layers} ({info.n_layers} blocks)",
-            "blocks": f"{form}; norms {a.norm}" + ("; mixture of experts" if a.moe else ""),
-            "positions": info.positional_embedding_type,
-        }
+        return {"layers": f"{self._adapter.layers} ({self._info.n_layers} blocks)"}
+
+    @property
+    def architecture(self) -> Architecture:
+        """The booted model's engine-independent description (block form, norms, attention
+        and MLP variants, unembedding): ``tl_core.driver_api.Architecture``."""
+        opaque = self._inferred is not None and self._inferred.blocks == "opaque"
+        return served_architecture(self._hf_model, self._adapter, self._info, opaque=opaque)
 
     def _first_certifiable(self) -> Certification:
         """Certify an inferred model in stages, each serving less, until its run holds.

@@ -524,11 +524,14 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     rotary_in_attention = attn_call is not None and "position_embeddings" in attn_call.kwargs
     softcap = getattr(text, "attn_logit_softcapping", None)
     final_softcap = getattr(text, "final_logit_softcapping", None)
+    # Gemma-style embeddings multiply their lookup by a buffer of their own.
+    embed_scaled = isinstance(getattr(model.get_submodule(embed_path), "embed_scale", None), torch.Tensor)
     adapter = ArchitectureAdapter(
         family=f"{model_type} (inferred)",
         model_types=(model_type,),
         architectures=(arch,),
         embed=embed_path,
+        embed_scaled=embed_scaled,
         layers=layers_path,
         final_norm=final_norm,
         lm_head=head_path,

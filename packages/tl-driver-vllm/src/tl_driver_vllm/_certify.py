@@ -21,6 +21,7 @@ from tl_core.driver_api import (
     certified_level,
     equation_checks,
     statuses_from_checks,
+    uses_alibi,
 )
 
 __all__ = ["ANCHOR_LOGPROBS", "PROBE_LENGTH", "certify_engine", "refusal"]
@@ -74,7 +75,7 @@ def certify_engine(
     checks = equation_checks(
         captured, info, rtol=rtol, logits=logits,
         attn_softcap=float(softcap) if softcap else None,
-        score_bias=bool(getattr(config, "alibi", False)) or getattr(config, "model_type", "") in ("bloom", "mpt"),
+        score_bias=uses_alibi(config),
         attention_sinks=driver._layout.attention_sinks,
     )  # fmt: skip
     anchor = _engine_logprobs(result.raw_output)
@@ -103,6 +104,7 @@ def certify_engine(
         description=description,
         checks=tuple(checks),
         statuses=statuses,
+        architecture=driver.architecture,
     )
 
 

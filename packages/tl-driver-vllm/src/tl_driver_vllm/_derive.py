@@ -213,7 +213,6 @@ def derived_layout(config: Any) -> Serving:
     facts = {
         "layout": f"sites placed by the hf driver's description of {description.adapter.family!r}{how}",
         "backend": "vLLM's Transformers backend",
-        "blocks": "parallel" if layout.parallel else "sequential" + (" with sandwich norms" if layout.ln1_post or layout.ln2_post else ""),
     }
     return Serving(layout, derived=True, withheld=withheld, description=facts)
 

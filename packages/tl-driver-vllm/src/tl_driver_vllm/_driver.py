@@ -15,6 +15,7 @@ import torch
 
 from tl_core import ModelInfo, TLError, UserError
 from tl_core.driver_api import (
+    Architecture,
     Certification,
     ForwardResult,
     HFTokenizer,
@@ -22,6 +23,7 @@ from tl_core.driver_api import (
     NamespaceFacts,
     build_plan,
 )
+from tl_driver_vllm._architecture import layout_architecture
 from tl_driver_vllm._backend import classes_kept
 from tl_driver_vllm._certify import ANCHOR_LOGPROBS, certify_engine, refusal
 from tl_driver_vllm._derive import serving_layout
@@ -239,6 +241,15 @@ class VLLMDriver(NamespaceFacts):
             )
         finally:
             self._certifying = False
+
+    @property
+    def architecture(self) -> Architecture | None:
+        """The served checkpoint's engine-independent description (block form, norms,
+        attention and MLP variants, unembedding): ``tl_core.driver_api.Architecture``, the
+        one the hf driver gives for the same checkpoint (``None`` before a boot)."""
+        if self._config is None:
+            return None
+        return layout_architecture(self._config, self._layout, self.info)
 
     _config: Any = None
     _certifying = False

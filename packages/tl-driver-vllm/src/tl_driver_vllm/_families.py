@@ -606,8 +606,4 @@ def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int 
     if isinstance(shared, int) and shared > 0:
         # Qwen2-MoE's shared expert: its sites exist (the hf driver serves them).
         info = replace(info, d_shared_expert=shared)
-    if getattr(config, "multi_query", False) and info.n_key_value_heads is None:
-        # Falcon-7B names its key/value head count num_kv_heads and ignores it with
-        # multi-query attention: one key/value head.
-        info = replace(info, n_key_value_heads=1)
     return info

@@ -18,6 +18,7 @@ import torch
 from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.bridges._loss import next_token_loss
 from tl_core.cache._cache import ActivationCache
+from tl_core.driver_api._architecture import Architecture
 from tl_core.driver_api._batching import TokenBatch, check_token_range, describe_value, pad_batch
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
@@ -135,6 +136,14 @@ class Bridge:
         does not certify or was booted with ``certify=False``."""
         report = getattr(self.driver, "certification", None)
         return report if isinstance(report, Certification) else None
+
+    @property
+    def architecture(self) -> Architecture | None:
+        """What the booted model is, independent of the engine (block form, norms, attention
+        and MLP variants, unembedding), or ``None`` when the driver does not describe it.
+        Two drivers serving the same checkpoint give the same description."""
+        described = getattr(self.driver, "architecture", None)
+        return described if isinstance(described, Architecture) else None
 
     @property
     def device(self) -> torch.device:

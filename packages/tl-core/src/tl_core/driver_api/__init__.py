@@ -14,6 +14,17 @@ from tl_core._lazy import attach
 
 if TYPE_CHECKING:
     from tl_core.cache._readout import ModelReadout as ModelReadout
+    from tl_core.driver_api._architecture import (
+        Architecture as Architecture,
+        AttentionDescription as AttentionDescription,
+        BlockForm as BlockForm,
+        MLPDescription as MLPDescription,
+        NormDescription as NormDescription,
+        QKNorm as QKNorm,
+        block_form as block_form,
+        describe_model as describe_model,
+        uses_alibi as uses_alibi,
+    )
     from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
     from tl_core.driver_api._certification import (
         CERTIFIED_STATUSES as CERTIFIED_STATUSES,
@@ -98,6 +109,20 @@ __getattr__, __dir__, __all__ = attach(
     __name__,
     {
         "ModelReadout": "tl_core.cache._readout",
+        **dict.fromkeys(
+            (
+                "Architecture",
+                "AttentionDescription",
+                "BlockForm",
+                "MLPDescription",
+                "NormDescription",
+                "QKNorm",
+                "block_form",
+                "describe_model",
+                "uses_alibi",
+            ),
+            "tl_core.driver_api._architecture",
+        ),
         "TokenBatch": "tl_core.driver_api._batching",
         "pad_batch": "tl_core.driver_api._batching",
         **dict.fromkeys(

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+    from tl_core.driver_api._architecture import Architecture
+
 
 __all__ = [
     "CERTIFIED_STATUSES",
@@ -116,6 +118,9 @@ class Certification:
             reproduces the activations it produces on the booted model, ``uncertified``
             (and refused by the driver) when it does not. Weights a driver does not check
             are absent.
+        architecture: The engine-independent description of the booted model (block form,
+            norms, attention and MLP variants, unembedding), or ``None`` where the driver
+            gives none.
     """
 
     model: str
@@ -127,6 +132,7 @@ class Certification:
     checks: tuple[CertificationCheck, ...]
     statuses: Mapping[str, HookCertificate] = field(default_factory=dict)
     weights: Mapping[str, HookCertificate] = field(default_factory=dict)
+    architecture: Architecture | None = None
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -157,6 +163,8 @@ class Certification:
             f"certification of {self.model} on the {self.driver} driver",
             f"architecture: {how}; served at level {self.level!r}",
         ]
+        if self.architecture is not None:
+            lines += [f"  {key}: {value}" for key, value in self.architecture.facts().items()]
         lines += [f"  {key}: {value}" for key, value in self.description.items()]
         lines.append(f"checks: {len(self.checks) - len(self.failed)} of {len(self.checks)} passed")
         for check in self.checks:

@@ -18,10 +18,6 @@ layout) are refused at boot with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
-
-from tl_core import ModelInfo
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 _SHARED_NORM = (
@@ -31,17 +27,8 @@ _SHARED_NORM = (
 )
 
 
-@dataclass(frozen=True)
-class _FalconAdapter(ArchitectureAdapter):
-    """Falcon names its key/value head count ``num_kv_heads`` and ignores it with multi-query."""
-
-    def model_info(self, config: Any) -> ModelInfo:
-        info = super().model_info(config)
-        return replace(info, n_key_value_heads=1 if getattr(config, "multi_query", False) else None)
-
-
 ADAPTERS = (
-    _FalconAdapter(
+    ArchitectureAdapter(
         family="falcon",
         model_types=("falcon",),
         architectures=("FalconForCausalLM",),

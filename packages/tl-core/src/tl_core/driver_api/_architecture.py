@@ -1,0 +1,403 @@
+"""``Architecture``: one engine-independent description of a causal LM's structure.
+
+Every driver that serves HuggingFace checkpoints describes the model it booted in these
+terms, whatever its engine calls the modules: how a block combines attention and MLP, each
+norm's kind and epsilon, the position scheme, attention's variant, the MLP's variant, the
+unembedding. The engine-specific part (where each module sits) stays in the driver's row;
+the facts a config states (window sizes, soft-caps, expert counts, multipliers) are read
+here once, so two drivers serving the same checkpoint report the same description, and a
+test compares them. Certification reports it; ``bridge.architecture`` holds it.
+
+Duck-typed over the config: tl-core does not import transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Literal
+
+from tl_core.driver_api._norms import NormKind
+from tl_core.hooks._model_info import ModelInfo
+
+__all__ = [
+    "Architecture",
+    "AttentionDescription",
+    "BlockForm",
+    "MLPDescription",
+    "NormDescription",
+    "QKNorm",
+    "block_form",
+    "describe_model",
+    "uses_alibi",
+]
+
+#: How a block combines its sublayers (``x`` the block input, ``n`` a norm):
+#: ``"sequential"``: ``h = x + attn(n1(x)); out = h + mlp(n2(h))`` (Llama, GPT-2);
+#: ``"parallel"``: ``out = x + attn(n1(x)) + mlp(n2(x))`` (GPT-NeoX);
+#: ``"parallel_shared_norm"``: ``out = x + attn(n(x)) + mlp(n(x))`` (GPT-J, Falcon-7B, Phi);
+#: ``"sandwich"``: sequential with a norm after each sublayer too (Gemma 2/3);
+#: ``"post_norm"``: ``h = x + n1(attn(x)); out = h + n2(mlp(h))`` (OLMo 2, EXAONE 4);
+#: ``"opaque"``: a block tl does not read inside (state-space and recurrent mixers).
+BlockForm = Literal["sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "opaque"]
+
+#: How queries and keys are normalised: ``"none"``; ``"per_head"`` (one scale per head and
+#: position: Qwen3, Gemma 3); ``"across_heads"`` (all heads of a position together: OLMo 2).
+QKNorm = Literal["none", "per_head", "across_heads"]
+
+PositionScheme = Literal["learned", "rotary", "alibi", "none"]
+AttentionVariant = Literal["mha", "gqa", "mqa", "mla"]
+MLPVariant = Literal["dense", "gated", "moe"]
+
+# Config field names, in the order families use them.
+_EPS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "rms_norm_epsilon", "norm_eps")
+_ATTN_SOFTCAP = ("attn_logit_softcapping",)
+_FINAL_SOFTCAP = ("final_logit_softcapping",)
+# Scalar multipliers some families apply outside their modules (Granite, Cohere, MiniCPM).
+_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "logit_scale")
+
+
+@dataclass(frozen=True)
+class NormDescription:
+    """Every norm of the model (tl-core's one norm vocabulary).
+
+    Attributes:
+        kind: How it normalizes and applies its weight (``tl_core.driver_api.NormKind``),
+            or ``None`` for a model without norms.
+        eps: The epsilon the config declares, or ``None`` where it declares none (drivers
+            then read or measure it on the module, ``norm_module_eps``).
+    """
+
+    kind: NormKind | None
+    eps: float | None
+
+
+@dataclass(frozen=True)
+class AttentionDescription:
+    """Attention, as every layer of the model runs it.
+
+    Attributes:
+        variant: ``"mha"`` (a key/value head per query head), ``"gqa"`` (grouped),
+            ``"mqa"`` (one key/value head) or ``"mla"`` (multi-head latent attention: keys
+            and values decompressed from a shared latent, DeepSeek-V2/V3).
+        n_heads: Query heads.
+        n_kv_heads: Key/value heads.
+        d_head: Width of one head.
+        qk_norm: Whether and how queries and keys are normalised (``QKNorm``).
+        window: The sliding window in tokens, or ``None`` when no layer has one.
+        windowed_layers: The layers that attend within ``window`` (the others see the
+            whole prefix).
+        sinks: Whether each head adds a learned sink logit (patterns sum to less than 1).
+        softcap: The attention-logit soft-cap, or ``None``.
+    """
+
+    variant: AttentionVariant
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    qk_norm: QKNorm
+    window: int | None
+    windowed_layers: tuple[int, ...]
+    sinks: bool
+    softcap: float | None
+
+
+@dataclass(frozen=True)
+class MLPDescription:
+    """The MLP (or mixture of experts) of the blocks.
+
+    Attributes:
+        variant: ``"dense"`` (``down(act(in(x)))``), ``"gated"`` (``down(act(gate(x)) *
+            up(x))``) or ``"moe"`` (a router picks experts per token).
+        d_mlp: Hidden width (per expert for a mixture of experts).
+        act_fn: The activation as the config names it, or ``None``.
+        n_experts: Routed experts per layer (``None`` for a dense MLP).
+        experts_per_token: Experts each token is routed to.
+        d_shared_expert: Hidden width of the shared expert every token runs, or ``None``.
+        dense_layers: Layers of a mixture-of-experts model whose MLP is dense (DeepSeek's
+            first ``k``, Qwen-MoE's ``mlp_only_layers``, a sparse step above 1).
+    """
+
+    variant: MLPVariant
+    d_mlp: int
+    act_fn: str | None
+    n_experts: int | None = None
+    experts_per_token: int | None = None
+    d_shared_expert: int | None = None
+    dense_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a causal LM is, independent of the engine that runs it.
+
+    Attributes:
+        name: The class name (``config.architectures[0]``).
+        n_layers: Decoder blocks.
+        d_model: Residual-stream width.
+        block: How a block combines attention and MLP (``BlockForm``).
+        norm: The norms' kind and epsilon.
+        positions: ``"learned"``, ``"rotary"``, ``"alibi"`` or ``"none"``.
+        rotary_fraction: Share of each head that is rotated (``None`` without rotary).
+        embed_scaled: Whether the embedding is multiplied by ``sqrt(d_model)`` (Gemma).
+        embed_norm: Whether a norm sits between the embedding and the first block (BLOOM).
+        attention: Attention's variant (``None`` for opaque blocks).
+        mlp: The MLP's variant (``None`` for opaque blocks).
+        final_norm: Whether a norm sits between the last block and the unembedding.
+        tied_embeddings: Whether the unembedding is the token embedding's matrix.
+        logit_softcap: The final-logit soft-cap, or ``None``.
+        multipliers: Scalar multipliers the config applies outside the modules
+            (``("embedding_multiplier", 12.0)``, Granite), as ``(field, value)`` pairs.
+    """
+
+    name: str
+    n_layers: int
+    d_model: int
+    block: BlockForm
+    norm: NormDescription
+    positions: PositionScheme
+    rotary_fraction: float | None
+    embed_scaled: bool
+    embed_norm: bool
+    attention: AttentionDescription | None
+    mlp: MLPDescription | None
+    final_norm: bool
+    tied_embeddings: bool
+    logit_softcap: float | None
+    multipliers: tuple[tuple[str, float], ...] = ()
+
+    def facts(self) -> dict[str, str]:
+        """The description as report lines (``{"block": "sequential, rms norms (eps 1e-05)"}``)."""
+        norm = f"{self.norm.kind} norms" if self.norm.kind else "no norms"
+        if self.norm.eps is not None:
+            norm += f" (eps {self.norm.eps:g})"
+        positions: str = self.positions
+        if self.positions == "rotary" and self.rotary_fraction not in (None, 1.0):
+            positions += f" on {self.rotary_fraction:g} of each head"
+        embed = "scaled by sqrt(d_model)" if self.embed_scaled else "plain"
+        if self.embed_norm:
+            embed += ", then normalised"
+        unembed = "tied to the embedding" if self.tied_embeddings else "own matrix"
+        if not self.final_norm:
+            unembed += ", no final norm"
+        if self.logit_softcap is not None:
+            unembed += f", soft-cap {self.logit_softcap:g}"
+        out = {
+            "block": f"{self.block.replace('_', ' ')} ({self.n_layers} blocks, d_model {self.d_model}), {norm}",
+            "embedding": embed,
+            "positions": positions,
+        }
+        if self.attention is not None:
+            out["attention"] = _attention_fact(self.attention)
+        if self.mlp is not None:
+            out["mlp"] = _mlp_fact(self.mlp)
+        out["unembedding"] = unembed
+        if self.multipliers:
+            out["multipliers"] = ", ".join(f"{k} {v:g}" for k, v in self.multipliers)
+        return out
+
+    def differences(self, other: Architecture) -> list[str]:
+        """The facts on which ``other`` disagrees, as ``"path: mine != theirs"`` lines."""
+        return _differences(self, other, "")
+
+
+def _attention_fact(a: AttentionDescription) -> str:
+    out = f"{a.variant}, {a.n_heads} heads / {a.n_kv_heads} key-value, d_head {a.d_head}"
+    if a.qk_norm != "none":
+        out += f", qk-norm {a.qk_norm.replace('_', ' ')}"
+    if a.window is not None:
+        out += f", window {a.window} on layers {_ranges(a.windowed_layers)}"
+    if a.sinks:
+        out += ", sinks"
+    if a.softcap is not None:
+        out += f", soft-cap {a.softcap:g}"
+    return out
+
+
+def _mlp_fact(m: MLPDescription) -> str:
+    out = f"{m.variant}, d_mlp {m.d_mlp}" + (f", {m.act_fn}" if m.act_fn else "")
+    if m.variant == "moe":
+        out += f", top {m.experts_per_token} of {m.n_experts} experts"
+        if m.d_shared_expert:
+            out += f", shared expert {m.d_shared_expert}"
+        if m.dense_layers:
+            out += f", dense on layers {_ranges(m.dense_layers)}"
+    return out
+
+
+def _differences(a: Any, b: Any, prefix: str) -> list[str]:
+    if is_dataclass(a) and is_dataclass(b) and type(a) is type(b):
+        out: list[str] = []
+        for f in fields(a):
+            out += _differences(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}.")
+        return out
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} != {b!r}"]
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(s) if s == e else f"{s}-{e}" for s, e in runs)
+
+
+def block_form(
+    *, parallel: bool, norm_before_attn: bool, norm_before_mlp: bool, norms_after: bool, opaque: bool = False
+) -> BlockForm:
+    """The ``BlockForm`` of a block from where its norms sit.
+
+    Args:
+        parallel: Whether attention and MLP read the same block input.
+        norm_before_attn: Whether attention reads a norm of its input.
+        norm_before_mlp: Whether the MLP has a norm of its own before it (in a parallel
+            block, ``False`` means it shares attention's).
+        norms_after: Whether each sublayer's output is normalised before it is added.
+        opaque: Whether tl reads the block only from outside.
+    """
+    if opaque:
+        return "opaque"
+    if parallel:
+        return "parallel" if norm_before_mlp else "parallel_shared_norm"
+    if norms_after:
+        return "sandwich" if norm_before_attn else "post_norm"
+    return "sequential"
+
+
+def _first(config: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _windowed_layers(config: Any, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None, ()
+    if getattr(config, "use_sliding_window", True) is False:
+        return None, ()
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        layers = tuple(i for i, t in enumerate(layer_types[:n_layers]) if "sliding" in str(t))
+    else:
+        layers = tuple(range(n_layers))
+    return (window, layers) if layers else (None, ())
+
+
+def _dense_layers(config: Any, n_layers: int) -> tuple[int, ...]:
+    dense: set[int] = set()
+    first = getattr(config, "first_k_dense_replace", None)
+    if isinstance(first, int):
+        dense.update(range(min(first, n_layers)))
+    only = getattr(config, "mlp_only_layers", None)
+    if isinstance(only, (list, tuple)):
+        dense.update(i for i in only if isinstance(i, int) and 0 <= i < n_layers)
+    step = getattr(config, "decoder_sparse_step", None)
+    if isinstance(step, int) and step > 1:
+        dense.update(i for i in range(n_layers) if (i + 1) % step != 0)
+    return tuple(sorted(dense))
+
+
+def uses_alibi(config: Any) -> bool:
+    """Whether a config's attention scores carry ALiBi's additive position bias."""
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ("bloom", "mpt")
+
+
+def describe_model(
+    config: Any,
+    info: ModelInfo,
+    *,
+    norm: NormKind | None,
+    block: BlockForm,
+    qk_norm: QKNorm = "none",
+    embed_scaled: bool = False,
+    final_norm: bool = True,
+    sinks: bool = False,
+) -> Architecture:
+    """The ``Architecture`` of a checkpoint from its config, its ``ModelInfo`` and the
+    facts only the driver's row knows.
+
+    Args:
+        config: The checkpoint's ``transformers`` config (text config for wrappers).
+        info: The driver's ``ModelInfo`` of it (sizes, gated or mixture-of-experts MLP).
+        norm: The norms' kind, or ``None`` when the model has none.
+        block: How a block combines its sublayers (``block_form``).
+        qk_norm: How queries and keys are normalised.
+        embed_scaled: Whether the embedding is multiplied by ``sqrt(d_model)``.
+        final_norm: Whether a norm precedes the unembedding.
+        sinks: Whether attention adds a sink logit per head.
+
+    Returns:
+        The description.
+    """
+    n_kv = info.kv_heads
+    if getattr(config, "kv_lora_rank", None):
+        variant: AttentionVariant = "mla"
+    elif n_kv == info.n_heads:
+        variant = "mha"
+    else:
+        variant = "mqa" if n_kv == 1 else "gqa"
+    window, windowed = _windowed_layers(config, info.n_layers)
+    attention: AttentionDescription | None = AttentionDescription(
+        variant=variant,
+        n_heads=info.n_heads,
+        n_kv_heads=n_kv,
+        d_head=info.d_head,
+        qk_norm=qk_norm,
+        window=window,
+        windowed_layers=windowed,
+        sinks=sinks,
+        softcap=_number(_first(config, _ATTN_SOFTCAP)),
+    )
+    mlp: MLPDescription | None
+    if info.n_experts:
+        shared = info.d_shared_expert
+        n_shared, width = getattr(config, "n_shared_experts", None), getattr(config, "moe_intermediate_size", None)
+        if shared is None and isinstance(n_shared, int) and n_shared > 0 and isinstance(width, int):
+            shared = n_shared * width  # DeepSeek: n shared experts run as one wider one
+        expert_width = getattr(config, "moe_intermediate_size", None)
+        mlp = MLPDescription(
+            "moe", expert_width if isinstance(expert_width, int) else info.d_mlp, info.act_fn, info.n_experts, info.experts_per_token, shared,
+            _dense_layers(config, info.n_layers),
+        )  # fmt: skip
+    else:
+        mlp = MLPDescription("gated" if info.gated_mlp else "dense", info.d_mlp, info.act_fn)
+    if block == "opaque":
+        attention = mlp = None
+    if info.positional_embedding_type == "standard":
+        positions: PositionScheme = "learned"
+    elif info.positional_embedding_type == "rotary":
+        positions = "rotary"
+    else:
+        positions = "alibi" if uses_alibi(config) else "none"
+    eps = _number(_first(config, _EPS)) if norm is not None else None
+    multipliers = tuple(
+        (name, float(value))
+        for name in _MULTIPLIERS
+        if (value := _number(getattr(config, name, None))) is not None and value != 1.0
+    )
+    return Architecture(
+        name=info.architecture,
+        n_layers=info.n_layers,
+        d_model=info.d_model,
+        block=block,
+        norm=NormDescription(norm, eps),
+        positions=positions,
+        rotary_fraction=(info.rotary_width / info.d_head) if positions == "rotary" else None,
+        embed_scaled=embed_scaled,
+        embed_norm=info.embed_norm,
+        attention=attention,
+        mlp=mlp,
+        final_norm=final_norm,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        logit_softcap=_number(_first(config, _FINAL_SOFTCAP)),
+        multipliers=multipliers,
+    )
