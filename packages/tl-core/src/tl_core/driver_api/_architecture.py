@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Literal
 
+from tl_core.driver_api._hf_config import first_set as _first
 from tl_core.driver_api._norms import NormKind
 from tl_core.hooks._model_info import ModelInfo
 
@@ -264,14 +265,6 @@ def block_form(
     if norms_after:
         return "sandwich" if norm_before_attn else "post_norm"
     return "sequential"
-
-
-def _first(config: Any, names: tuple[str, ...]) -> Any:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def _number(value: Any) -> float | None:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from tl_core._errors import ConfigError
 from tl_core.hooks._model_info import ModelInfo
 
-__all__ = ["model_info_from_config"]
+__all__ = ["first_set", "model_info_from_config"]
 
 # Config field names of each size, in the order families use them.
 _N_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
@@ -27,7 +27,8 @@ _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k")
 _ACT_FN = ("hidden_activation", "hidden_act", "activation_function", "activation")
 
 
-def _first(config: Any, names: tuple[str, ...]) -> Any:
+def first_set(config: Any, names: tuple[str, ...]) -> Any:
+    """The first of ``names`` the config sets (not ``None``), or ``None``."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:
@@ -80,9 +81,9 @@ def model_info_from_config(
     Raises:
         ConfigError: The config lacks the layer count, width or head count.
     """
-    n_layers = _first(config, _N_LAYERS)
-    d_model = _first(config, _D_MODEL)
-    n_heads = _first(config, _N_HEADS)
+    n_layers = first_set(config, _N_LAYERS)
+    d_model = first_set(config, _D_MODEL)
+    n_heads = first_set(config, _N_HEADS)
     name = architecture or str((getattr(config, "architectures", None) or ["<unknown>"])[0])
     if n_layers is None or d_model is None or n_heads is None:
         raise ConfigError(
@@ -92,26 +93,26 @@ def model_info_from_config(
         )
     head_dim = getattr(config, "head_dim", None)
     d_head = int(head_dim) if head_dim else int(d_model) // int(n_heads)
-    n_kv = _first(config, ("num_key_value_heads", "num_kv_heads"))
+    n_kv = first_set(config, ("num_key_value_heads", "num_kv_heads"))
     if getattr(config, "multi_query", None) is True and not getattr(config, "new_decoder_architecture", False):
         # GPT-BigCode, Falcon-7B: multi-query attention has one key/value head, whatever
         # count the config also carries (transformers ignores it).
         n_kv = 1
-    d_mlp = _first(config, _D_MLP)
-    limit = n_ctx if n_ctx is not None else _first(config, _N_CTX)
+    d_mlp = first_set(config, _D_MLP)
+    limit = n_ctx if n_ctx is not None else first_set(config, _N_CTX)
     rotary_dim = None
     # transformers 5 keeps rotary settings in ``rope_parameters``; older configs at the top.
     rope = getattr(config, "rope_parameters", None)
     rope = rope if isinstance(rope, dict) else {}
     fraction = next((rope[k] for k in _ROTARY_FRACTION if rope.get(k) is not None), None)
-    fraction = fraction if fraction is not None else _first(config, _ROTARY_FRACTION)
+    fraction = fraction if fraction is not None else first_set(config, _ROTARY_FRACTION)
     if positional_embedding_type == "rotary" and fraction is not None and float(fraction) < 1.0:
         rotary_dim = int(d_head * float(fraction))
     explicit = getattr(config, "rotary_dim", None)
     if positional_embedding_type == "rotary" and isinstance(explicit, int) and explicit < d_head:
         rotary_dim = explicit
     if act_fn is None:
-        named = _first(config, _ACT_FN)
+        named = first_set(config, _ACT_FN)
         act_fn = named if isinstance(named, str) else None
     return ModelInfo(
         n_layers=int(n_layers),
@@ -129,8 +130,8 @@ def model_info_from_config(
         sandwich_norm=sandwich_norm,
         qk_norm=qk_norm,
         embed_norm=embed_norm,
-        n_experts=_int_or_none(_first(config, _N_EXPERTS)) if moe else None,
-        experts_per_token=_int_or_none(_first(config, _TOP_K)) if moe else None,
+        n_experts=_int_or_none(first_set(config, _N_EXPERTS)) if moe else None,
+        experts_per_token=_int_or_none(first_set(config, _TOP_K)) if moe else None,
         rotary_dim=rotary_dim,
         act_fn=act_fn,
         architecture=name,
