@@ -21,7 +21,7 @@ only as a derivation or not at all resolve to an honest status (`derived`,
 
 Layouts: `b` batch, `p` position, `d` d_model, `h` heads (key/value heads for `hook_k`,
 `hook_v`, `hook_rot_k`, `hook_k_input`, `hook_v_input` and `k_norm`), `dh` d_head, `q`/`k` query/key positions, `dm`
-d_mlp, `ds` the shared expert's hidden width, `r` the rotary width, `e` experts, `k` experts per token; `b p` alone holds integer
+d_mlp, `ds` the shared expert's hidden width, `lq`/`lkv` the query and key/value latents of multi-head latent attention, `r` the rotary width, `e` experts, `k` experts per token; `b p` alone holds integer
 ids (read-only to specs). `requires` names the structure a model needs for the hook to
 exist; whether a driver serves a hook of a booted model, and why not, is in its namespace
 (`tl hooks`).

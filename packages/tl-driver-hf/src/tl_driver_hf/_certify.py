@@ -130,6 +130,13 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
     if lay.down is not None and lay.down is not lay.mlp and not adapter.moe:
         width = int(cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0])
         sites.append(("blocks.0.mlp.hook_post", lay.down, "in", width))
+    info = driver.info
+    for suffix, latent, latent_width in (
+        ("hook_q_latent", lay.q_latent, info.d_q_latent),
+        ("hook_kv_latent", lay.kv_latent, info.d_kv_latent),
+    ):
+        if latent is not None and latent_width is not None:
+            sites.append((f"blocks.0.attn.{suffix}", latent, "out", latent_width))
     if lay.o is not lay.attn and lay.o is not lay.layer:
         width = int(cast(torch.Tensor, lay.o.weight).shape[1 if adapter.linear == "linear" else 0])
         sites.append(("blocks.0.attn.hook_z", lay.o, "in", width))
@@ -164,6 +171,56 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
                 vouched, edited, plain, rtol=rtol,
             )
         )
+    return checks
+
+
+def _expanded(up: nn.Module, latent: torch.Tensor) -> torch.Tensor | None:
+    """``up(latent)``, or ``None`` where the latent does not fit the projection."""
+    try:
+        with torch.no_grad():
+            out: torch.Tensor = up(latent)
+    except RuntimeError:  # a latent of another width than the projection reads
+        return None
+    return out
+
+
+def _unexpandable(name: str, up: str | None) -> CertificationCheck:
+    detail = f"{up} does not take it, or its output does not split into the heads"
+    return CertificationCheck(f"{name} expanded by {up} gives every head", (name,), False, math.inf, 0.0, detail)
+
+
+def _latent_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+    """Multi-head latent attention: each head's value and the unrotated part of its key and
+    query are the up-projections of the served latents (``[nope | rope]`` per head)."""
+    checks: list[CertificationCheck] = []
+    for i, layer in enumerate(driver.hooked_model.parts.layers):
+        a = f"blocks.{i}.attn."
+        kv, v, k = cache.get(a + "hook_kv_latent"), cache.get(a + "hook_v"), cache.get(a + "hook_rot_k")
+        if kv is None or layer.kv_up is None or v is None or k is None:
+            continue
+        kv_up = _expanded(layer.kv_up, kv)
+        if kv_up is None or kv_up.shape[-1] % v.shape[2]:
+            checks.append(_unexpandable(a + "hook_kv_latent", driver.adapter.kv_up))
+            continue
+        kv_heads = kv_up.reshape(*kv_up.shape[:2], v.shape[2], -1)
+        nope = kv_heads.shape[-1] - v.shape[-1]
+        vouched = (a + "hook_kv_latent",)
+        for target, got, want in (
+            ("hook_v", v, kv_heads[..., nope:]),
+            ("hook_rot_k[..., :nope]", k[..., :nope], kv_heads[..., :nope]),
+        ):
+            equation = f"{a}{target} == {a}hook_kv_latent expanded by {driver.adapter.kv_up} (per head)"
+            checks.append(compare(equation, vouched, got, want, rtol=rtol))
+        q_latent, q = cache.get(a + "hook_q_latent"), cache.get(a + "hook_rot_q")
+        if q_latent is None or layer.q_up is None or q is None:
+            continue
+        q_up = _expanded(layer.q_up, q_latent)
+        if q_up is None or q_up.shape[-1] % q.shape[2]:
+            checks.append(_unexpandable(a + "hook_q_latent", driver.adapter.q_up))
+            continue
+        q_heads = q_up.reshape(*q_up.shape[:2], q.shape[2], -1)
+        equation = f"{a}hook_rot_q[..., :nope] == {a}hook_q_latent expanded by {driver.adapter.q_up} (per head)"
+        checks.append(compare(equation, (a + "hook_q_latent",), q[..., :nope], q_heads[..., :nope], rtol=rtol))
     return checks
 
 
@@ -370,6 +427,7 @@ def certify_driver(
             )
         )
     checks += _weight_rule_checks(driver, cache, rtol)
+    checks += _latent_checks(driver, cache, rtol)
     if logits is not None:
         checks += _readout_checks(driver, cache, ids, logits, rtol)
     for name in names:

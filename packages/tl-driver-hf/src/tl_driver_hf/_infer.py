@@ -44,6 +44,9 @@ _K = ("k_proj", "key", "wk", "k")
 _V = ("v_proj", "value", "wv", "v")
 _QKV = ("qkv_proj", "query_key_value", "Wqkv", "c_attn", "qkv", "W_pack", "wqkv")
 _O = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "out")
+# Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): (latent norm, up-projection).
+_Q_LATENT = ("q_a_layernorm", "q_b_proj")
+_KV_LATENT = ("kv_a_layernorm", "kv_b_proj")
 _Q_NORM = ("q_norm", "q_layernorm", "query_layernorm", "q_ln")
 _K_NORM = ("k_norm", "k_layernorm", "key_layernorm", "k_ln")
 _GATE = ("gate_proj", "w1", "fc_gate")
@@ -483,6 +486,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         q = k = v = None
     o = _child(attn_module, _O)
     q_norm, k_norm = _child(attn_module, _Q_NORM), _child(attn_module, _K_NORM)
+    latents = {
+        key: (norm, up) if _child(attn_module, (norm,)) and _child(attn_module, (up,)) else (None, None)
+        for key, (norm, up) in (("q", _Q_LATENT), ("kv", _KV_LATENT))
+    }
     for key, child in (("q_norm", q_norm), ("k_norm", k_norm)):
         if child is not None and _norm_kind(attn_module.get_submodule(child), calls.get(id(attn_module.get_submodule(child)))) != norm:
             absent.update({f"blocks.{{i}}.attn.{key}.hook_scale": unknown, f"blocks.{{i}}.attn.{key}.hook_normalized": unknown})
@@ -548,6 +555,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         q_norm=q_norm,
         k_norm=k_norm,
         qk_norm_layout=layout,
+        q_latent=latents["q"][0],
+        q_up=latents["q"][1],
+        kv_latent=latents["kv"][0],
+        kv_up=latents["kv"][1],
         mlp=cast(str, first.mlp),
         mlp_in=mlp_in,
         gate=gate,

@@ -42,6 +42,10 @@ class LayerModules:
     shared_up: nn.Module | None = None
     shared_down: nn.Module | None = None
     shared_expert_gate: nn.Module | None = None
+    q_latent: nn.Module | None = None
+    q_up: nn.Module | None = None
+    kv_latent: nn.Module | None = None
+    kv_up: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,10 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
                 qkv=_get(attn, adapter.qkv, attn_where, adapter),
                 q_norm=_get(attn, adapter.q_norm, attn_where, adapter),
                 k_norm=_get(attn, adapter.k_norm, attn_where, adapter),
+                q_latent=_get(attn, adapter.q_latent, attn_where, adapter),
+                q_up=_get(attn, adapter.q_up, attn_where, adapter),
+                kv_latent=_get(attn, adapter.kv_latent, attn_where, adapter),
+                kv_up=_get(attn, adapter.kv_up, attn_where, adapter),
                 o=_need(attn, adapter.o, attn_where, adapter),
                 mlp=mlp,
                 mlp_in=_get(mlp, adapter.mlp_in, mlp_where, adapter),

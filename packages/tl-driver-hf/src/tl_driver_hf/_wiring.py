@@ -463,6 +463,9 @@ class Wiring:
         self._install_norm(b + "ln1", layer.ln1, handles)
         if self._active(b + "attn.hook_in"):
             handles.append(layer.attn.register_forward_pre_hook(_input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True))
+        for suffix, latent in (("attn.hook_q_latent", layer.q_latent), ("attn.hook_kv_latent", layer.kv_latent)):
+            if latent is not None and self._active(b + suffix):
+                handles.append(latent.register_forward_hook(_output_hook(self.points[b + suffix])))
         if self.split_qkv_input:
             # Before hook_q/hook_k's own hooks on the projections, so they see the split values.
             inputs = {k: self._point(f"{b}attn.hook_{k}_input") for k in "qkv"}

@@ -71,6 +71,10 @@ _MOE_NEURONS = (
     "{arch} routes each token through a few of its experts, so there is no single layer of "
     "MLP neurons; use mlp.hook_in / mlp.hook_out"
 )
+_LATENT = (
+    "the vllm driver does not serve multi-head latent attention's compressed latents (it "
+    "serves no such family on vLLM 0.32); the hf driver serves them"
+)
 _SHARED_EXPERT = (
     "vLLM's {arch} runs the shared expert, its gate and the routed experts inside one fused "
     "mixture-of-experts layer that returns only their sum (under tensor parallelism before "
@@ -203,6 +207,8 @@ def hook_namespace(
             reasons[name] = _MOE_NEURONS.format(arch=info.architecture)
         elif suffix.startswith(("mlp.shared_expert.", "mlp.experts.")):
             reasons[name] = _SHARED_EXPERT.format(arch=arch)
+        elif suffix in ("attn.hook_q_latent", "attn.hook_kv_latent"):
+            reasons[name] = _LATENT
     for name in sorted(served):
         why = _withheld_reason(name, withheld or {})
         if why is not None:

@@ -89,6 +89,8 @@ class AttentionDescription:
             whole prefix).
         sinks: Whether each head adds a learned sink logit (patterns sum to less than 1).
         softcap: The attention-logit soft-cap, or ``None``.
+        d_q_latent: Width of the compressed query latent (``"mla"``), or ``None``.
+        d_kv_latent: Width of the compressed key/value latent (``"mla"``), or ``None``.
     """
 
     variant: AttentionVariant
@@ -100,6 +102,8 @@ class AttentionDescription:
     windowed_layers: tuple[int, ...]
     sinks: bool
     softcap: float | None
+    d_q_latent: int | None = None
+    d_kv_latent: int | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,9 @@ class Architecture:
 
 def _attention_fact(a: AttentionDescription) -> str:
     out = f"{a.variant}, {a.n_heads} heads / {a.n_kv_heads} key-value, d_head {a.d_head}"
+    if a.d_kv_latent is not None:
+        q = f"query {a.d_q_latent}, " if a.d_q_latent is not None else ""
+        out += f", latents {q}key-value {a.d_kv_latent}"
     if a.qk_norm != "none":
         out += f", qk-norm {a.qk_norm.replace('_', ' ')}"
     if a.window is not None:
@@ -349,6 +356,8 @@ def describe_model(
         windowed_layers=windowed,
         sinks=sinks,
         softcap=_number(_first(config, _ATTN_SOFTCAP)),
+        d_q_latent=info.d_q_latent,
+        d_kv_latent=info.d_kv_latent,
     )
     mlp: MLPDescription | None
     if info.n_experts:

@@ -133,6 +133,8 @@ def model_info_from_config(
         n_experts=_int_or_none(first_set(config, _N_EXPERTS)) if moe else None,
         experts_per_token=_int_or_none(first_set(config, _TOP_K)) if moe else None,
         rotary_dim=rotary_dim,
+        d_q_latent=_int_or_none(getattr(config, "q_lora_rank", None)),
+        d_kv_latent=_int_or_none(getattr(config, "kv_lora_rank", None)),
         act_fn=act_fn,
         architecture=name,
         device=device,

@@ -35,6 +35,11 @@ class ModelInfo:
         d_shared_expert: Hidden width of the shared expert that a mixture of experts runs
             on every position beside the routed ones (Qwen2-MoE), or ``None`` when it has
             none: then ``mlp.shared_expert.*`` and ``mlp.experts.hook_out`` exist.
+        d_q_latent: Width of the compressed query latent of multi-head latent attention
+            (DeepSeek-V2/V3's ``q_lora_rank``), or ``None``: then ``attn.hook_q_latent``
+            exists.
+        d_kv_latent: Width of the compressed key/value latent of multi-head latent attention
+            (``kv_lora_rank``), or ``None``: then ``attn.hook_kv_latent`` exists.
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
             then ``embed_ln.*`` exist.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
@@ -68,6 +73,8 @@ class ModelInfo:
     n_experts: int | None = None
     experts_per_token: int | None = None
     d_shared_expert: int | None = None
+    d_q_latent: int | None = None
+    d_kv_latent: int | None = None
     embed_norm: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None

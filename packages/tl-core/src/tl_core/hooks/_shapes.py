@@ -28,6 +28,8 @@ def feature_shape(name: str, layout: str, info: ModelInfo) -> tuple[int, ...] | 
         "b p r": (info.rotary_width,),
         "b p dm": (info.d_mlp,),
         "b p ds": (info.d_shared_expert or 0,),
+        "b p lq": (info.d_q_latent or 0,),
+        "b p lkv": (info.d_kv_latent or 0,),
         "b p vocab": (info.d_vocab,),
         "b p h d": (heads, info.d_model),
         "b p e": (info.n_experts or 0,),

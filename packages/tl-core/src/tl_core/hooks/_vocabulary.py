@@ -66,6 +66,8 @@ HookRequirement = Literal[
     "embed_norm",
     "moe",
     "shared_expert",
+    "q_latent",
+    "kv_latent",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -77,7 +79,8 @@ HookRequirement = Literal[
 #: ``h`` heads (key/value heads for ``hook_k``/``hook_v``/``hook_rot_k``), ``dh`` d_head,
 #: ``q``/``k`` query/key positions, ``dm`` d_mlp, ``vocab`` d_vocab, ``r`` the rotary
 #: width (``rotary_dim``), ``e`` experts, ``k`` experts per token (integer ids), ``ds``
-#: the shared expert's hidden width, ``1`` a kept axis; ``b p`` alone holds integer ids.
+#: the shared expert's hidden width, ``lq``/``lkv`` the query and key/value latents of
+#: multi-head latent attention, ``1`` a kept axis; ``b p`` alone holds integer ids.
 LAYOUTS: frozenset[str] = frozenset(
     {
         "b p",
@@ -89,6 +92,8 @@ LAYOUTS: frozenset[str] = frozenset(
         "b h q k",
         "b p dm",
         "b p ds",
+        "b p lq",
+        "b p lkv",
         "b p vocab",
         "b p h d",
         "b p e",
@@ -115,7 +120,8 @@ class HookTemplate:
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
             MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
             embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"shared_expert"`` (a mixture
-            of experts with a shared expert), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
+            of experts with a shared expert), ``"q_latent"``/``"kv_latent"`` (multi-head latent
+            attention with a compressed query / key-value latent), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
             ``"split_qkv_input"`` (opt-in) or ``"norm"``.
     """
 
@@ -293,6 +299,23 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "blocks.{i}.attn.hook_in",
         "b p d",
         "Input of the attention module (= ln1.hook_out; the block input when there is no norm).",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_q_latent",
+        "b p lq",
+        "Multi-head latent attention: the compressed query latent (normalised), which the "
+        "query up-projection expands into every head's query.",
+        None,
+        "q_latent",
+    ),
+    HookTemplate(
+        "blocks.{i}.attn.hook_kv_latent",
+        "b p lkv",
+        "Multi-head latent attention: the compressed key/value latent (normalised; what the "
+        "engine caches), which the key/value up-projection expands into every head's "
+        "unrotated key part and value.",
+        None,
+        "kv_latent",
     ),
     HookTemplate(
         "blocks.{i}.attn.hook_q",
@@ -549,6 +572,10 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "embed_norm": "it does not normalise the embedding before the first block",
     "moe": "its MLP is not a mixture of experts",
     "shared_expert": "its MLP has no shared expert beside the routed ones",
+    "q_latent": "its attention does not compress queries into a latent (no multi-head latent "
+    "attention, or one without a query latent)",
+    "kv_latent": "its attention does not compress keys and values into a latent (no multi-head "
+    "latent attention)",
     "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
     "qk_norm": "it does not normalise queries and keys before attention",
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
@@ -592,6 +619,10 @@ def requirement_met(
         return info.n_experts is not None
     if requires == "shared_expert":
         return info.d_shared_expert is not None
+    if requires == "q_latent":
+        return info.d_q_latent is not None
+    if requires == "kv_latent":
+        return info.d_kv_latent is not None
     if requires == "sandwich_norm":
         return info.sandwich_norm
     if requires == "qk_norm":

@@ -60,6 +60,15 @@ class ArchitectureAdapter:
             (``b p h dh``, Qwen3), ``"heads_first"`` (``b h p dh``, Gemma 3) or ``"flat"``
             (``b p (h dh)``, all heads of a position normalised together, OLMo 2). tl serves
             every layout as ``b p h dh``.
+        q_latent: The module inside ``attn`` whose output is multi-head latent attention's
+            compressed query latent (DeepSeek's ``q_a_layernorm``), served as
+            ``attn.hook_q_latent``; ``q_up`` is the projection expanding it into every
+            head's query (``q_b_proj``).
+        q_up: See ``q_latent``.
+        kv_latent: The module inside ``attn`` whose output is the compressed key/value
+            latent (``kv_a_layernorm``), served as ``attn.hook_kv_latent``; ``kv_up``
+            expands it into every head's unrotated key part and value (``kv_b_proj``).
+        kv_up: See ``kv_latent``.
         mlp: MLP (or mixture-of-experts block) inside a layer.
         mlp_in: Input projection of a non-gated MLP, inside ``mlp``.
         gate: Gate projection of a gated MLP, inside ``mlp``.
@@ -149,6 +158,10 @@ class ArchitectureAdapter:
     q_norm: str | None = None
     k_norm: str | None = None
     qk_norm_layout: Literal["positions_first", "heads_first", "flat"] = "positions_first"
+    q_latent: str | None = None
+    q_up: str | None = None
+    kv_latent: str | None = None
+    kv_up: str | None = None
     mlp: str = "mlp"
     mlp_in: str | None = None
     gate: str | None = "gate_proj"
