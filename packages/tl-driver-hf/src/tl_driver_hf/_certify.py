@@ -33,7 +33,7 @@ from tl_core.driver_api import (
 )
 from tl_driver_hf._infer import probe_ids
 from tl_driver_hf._norms import apply_weight
-from tl_driver_hf._wiring import _with_input
+from tl_driver_hf._torch_hooks import _with_input
 
 if TYPE_CHECKING:
     from tl_driver_hf._driver import HFDriver

@@ -10,7 +10,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from tl_core import ConfigError, HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
@@ -38,13 +37,9 @@ from tl_driver_hf._loading import (
 from tl_driver_hf._model import HFHookedModel
 from tl_driver_hf._modules import resolve_modules
 from tl_driver_hf._options import BootOptions
-from tl_driver_hf._wiring import (
-    ROUTER_LOGITS_READ_ONLY,
-    RunState,
-    Wiring,
-    _input_of,
-    _with_input,
-)
+from tl_driver_hf._stopping import Stop, configs_of, layer_index, prober, stop_after, stopper
+from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, RunState, _with_input
+from tl_driver_hf._wiring import Wiring
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 _LOG = logging.getLogger("tl_driver_hf")
@@ -52,14 +47,6 @@ _LOG = logging.getLogger("tl_driver_hf")
 __all__ = ["HFDriver"]
 
 _IMPL_ATTR = "_attn_implementation_internal"
-
-
-class _Stop(Exception):
-    """Ends a forward early, carrying the residual stream that reached the stop."""
-
-    def __init__(self, value: Any = None, args: Any = None, kwargs: Any = None) -> None:
-        super().__init__()
-        self.value, self.call_args, self.call_kwargs = value, args, kwargs
 
 
 class HFDriver(LocalDriver):
@@ -128,7 +115,7 @@ class HFDriver(LocalDriver):
         #: Why the readout is refused (certification found it does not give the logits).
         self._readout_refused: str | None = None
         self._build(names)
-        self._configs = _configs_of(hf_model)
+        self._configs = configs_of(hf_model)
         # Meta parameters without accelerate's offload hooks mean load_weights=False; with
         # them (disk offload) the weights are brought in module by module as it runs.
         self._meta = any(p.is_meta for p in hf_model.parameters()) and not any(
@@ -499,8 +486,8 @@ class HFDriver(LocalDriver):
         """One forward of the transformers model with the attached hooks."""
         self._check_runnable()
         n_layers = self.info.n_layers
-        start = _layer_index(start_at_layer, "start_at_layer", n_layers)
-        stop = _layer_index(stop_at_layer, "stop_at_layer", n_layers)
+        start = layer_index(start_at_layer, "start_at_layer", n_layers)
+        stop = layer_index(stop_at_layer, "stop_at_layer", n_layers)
         if start is not None and stop is not None and start > stop:
             raise UserError(
                 f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
@@ -540,12 +527,12 @@ class HFDriver(LocalDriver):
                 parts = self._model.parts
                 target = parts.layers[stop].layer if stop < n_layers else parts.final_norm
                 if target is not None:
-                    handle = target.register_forward_pre_hook(_stopper, with_kwargs=True, prepend=True)
+                    handle = target.register_forward_pre_hook(stopper, with_kwargs=True, prepend=True)
                 else:  # no final norm: the stream ends at the last block's output
-                    handle = parts.layers[-1].layer.register_forward_hook(_stop_after)
+                    handle = parts.layers[-1].layer.register_forward_hook(stop_after)
             try:
                 out = self.hf_model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-            except _Stop as stopped:
+            except Stop as stopped:
                 return stopped.value  # type: ignore[no-any-return]
             finally:
                 if handle is not None:
@@ -621,12 +608,12 @@ class HFDriver(LocalDriver):
         kwargs: dict[str, Any] = {}
         if start < end:
             with self._session(wire=False):
-                handle = parts.layers[start].layer.register_forward_pre_hook(_prober, with_kwargs=True, prepend=True)
+                handle = parts.layers[start].layer.register_forward_pre_hook(prober, with_kwargs=True, prepend=True)
                 try:
                     dtype = cast(torch.Tensor, parts.embed.weight).dtype
                     embeds = residual.detach().to(dtype)
                     self.hf_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
-                except _Stop as probe:
+                except Stop as probe:
                     args, kwargs = probe.call_args, probe.call_kwargs
                 finally:
                     handle.remove()
@@ -655,40 +642,3 @@ class HFDriver(LocalDriver):
         return torch.tanh(logits / float(cap)) * float(cap)
 
 
-def _stopper(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    raise _Stop(_input_of(args, kwargs))
-
-
-def _stop_after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    raise _Stop(output[0] if isinstance(output, tuple) else output)
-
-
-def _prober(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    raise _Stop(None, args, kwargs)
-
-
-def _layer_index(value: int | None, name: str, n_layers: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UserError(f"{name} must be an int, got {value!r}")
-    if not -n_layers <= value <= n_layers:
-        raise UserError(
-            f"{name}={value} is out of range for a model with {n_layers} blocks; use a value "
-            f"from {-n_layers} to {n_layers}"
-        )
-    return value + n_layers if value < 0 else value
-
-
-def _configs_of(model: nn.Module) -> list[PretrainedConfig]:
-    """Every distinct config object the model's modules read their attention choice from."""
-    found: dict[int, PretrainedConfig] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if isinstance(config, PretrainedConfig):
-            found.setdefault(id(config), config)
-            for key in getattr(config, "sub_configs", {}) or {}:
-                sub = getattr(config, key, None)
-                if isinstance(sub, PretrainedConfig):
-                    found.setdefault(id(sub), sub)
-    return list(found.values())

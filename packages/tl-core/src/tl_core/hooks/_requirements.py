@@ -1,0 +1,102 @@
+"""When a model has the sites of a hook template: its ``requires`` conditions.
+
+Each ``HookTemplate.requires`` names one structural condition; ``requirement_met`` decides
+it from a ``ModelInfo`` and ``MISSING_BECAUSE`` says, for the sites a model lacks, why.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from tl_core.hooks._model_info import ModelInfo
+
+__all__ = ["MISSING_BECAUSE", "HookRequirement", "requirement_met"]
+
+HookRequirement = Literal[
+    "standard_pos",
+    "rotary",
+    "gated_mlp",
+    "mlp_norm_input",
+    "embed_norm",
+    "moe",
+    "shared_expert",
+    "q_latent",
+    "kv_latent",
+    "sandwich_norm",
+    "qk_norm",
+    "attn_result",
+    "split_qkv_input",
+    "norm",
+]
+
+#: Why a model lacks the sites of each requirement: "this model has no X: <reason>".
+MISSING_BECAUSE: dict[HookRequirement, str] = {
+    "standard_pos": "its positions are not learned embeddings (they enter through rotary "
+    "q/k or not at all)",
+    "rotary": "it has no rotary embedding, so q/k are never rotated",
+    "gated_mlp": "its MLP is not gated, so there is no separate linear branch",
+    "mlp_norm_input": "its blocks run attention and MLP in parallel without norms, so "
+    "nothing lies between the block input and the MLP",
+    "embed_norm": "it does not normalise the embedding before the first block",
+    "moe": "its MLP is not a mixture of experts",
+    "shared_expert": "its MLP has no shared expert beside the routed ones",
+    "q_latent": "its attention does not compress queries into a latent (no multi-head latent "
+    "attention, or one without a query latent)",
+    "kv_latent": "its attention does not compress keys and values into a latent (no multi-head "
+    "latent attention)",
+    "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
+    "qk_norm": "it does not normalise queries and keys before attention",
+    "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
+    "split_qkv_input": "per-head q/k/v inputs are opt-in on local drivers (native, hf): call "
+    "model.set_use_split_qkv_input(True) (attribution patching turns them on for its sweep)",
+    "norm": "it has no normalisation layers",
+}
+
+
+def requirement_met(
+    requires: HookRequirement | None,
+    info: ModelInfo,
+    *,
+    include_attn_result: bool = True,
+    include_split_qkv_input: bool = True,
+) -> bool:
+    """Whether a model with ``info`` has sites that need ``requires``.
+
+    Args:
+        requires: A ``HookTemplate.requires`` value.
+        info: The model's structure.
+        include_attn_result: What to answer for the opt-in ``"attn_result"``.
+        include_split_qkv_input: What to answer for the opt-in ``"split_qkv_input"``.
+
+    Returns:
+        ``True`` when the model has such sites.
+    """
+    if requires is None:
+        return True
+    if requires == "standard_pos":
+        return info.positional_embedding_type == "standard"
+    if requires == "rotary":
+        return info.positional_embedding_type == "rotary"
+    if requires == "gated_mlp":
+        return info.gated_mlp
+    if requires == "mlp_norm_input":
+        return not info.parallel_attn_mlp or info.normalization_type is not None
+    if requires == "embed_norm":
+        return info.embed_norm
+    if requires == "moe":
+        return info.n_experts is not None
+    if requires == "shared_expert":
+        return info.d_shared_expert is not None
+    if requires == "q_latent":
+        return info.d_q_latent is not None
+    if requires == "kv_latent":
+        return info.d_kv_latent is not None
+    if requires == "sandwich_norm":
+        return info.sandwich_norm
+    if requires == "qk_norm":
+        return info.qk_norm
+    if requires == "attn_result":
+        return include_attn_result
+    if requires == "split_qkv_input":
+        return include_split_qkv_input
+    return info.normalization_type is not None
