@@ -288,6 +288,9 @@ def _level(driver: Any) -> tuple[str, str]:
                 reasons.append(f"{site.split('.', 2)[2]} {'/'.join(kinds)}")
         if reasons:
             note += "; " + ", ".join(reasons)
+        mixer = statuses.get("blocks.0.mixer.hook_out")
+        if getattr(mixer, "status", None) == "real":
+            note += "; mixer sites (mixer.hook_in/hook_out) served"
     return level, note
 
 

@@ -247,6 +247,28 @@ def test_a_hook_that_never_fired_fails_the_equations_that_need_it() -> None:
     assert all(c.detail == "a hook on one side never fired" for c in failed.values())
 
 
+def test_a_mixer_block_adds_its_mixer_output_and_reads_its_norm() -> None:
+    info = dataclasses.replace(_info("sequential", 2, "RMS", False, False), mixer=True)
+    gen = torch.Generator().manual_seed(0)
+    cache: dict[str, torch.Tensor] = {"blocks.0.hook_in": torch.randn(1, 5, D_MODEL, generator=gen)}
+    for i in range(2):
+        b = f"blocks.{i}."
+        x = cache[b + "hook_in"]
+        normed = _norm(cache, b + "ln1", x, "RMS", gen)
+        cache[b + "mixer.hook_in"] = normed
+        cache[b + "mixer.hook_out"] = torch.tanh(normed).cumsum(dim=1)  # mixes positions
+        cache[b + "hook_out"] = x + cache[b + "mixer.hook_out"]
+        if i == 0:
+            cache["blocks.1.hook_in"] = cache[b + "hook_out"]
+    checks = equation_checks(cache, info, rtol=1e-5)
+    assert "blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out" in {c.equation for c in checks}
+    assert all(c.passed for c in checks), [c.line() for c in checks if not c.passed]
+    cache["blocks.1.mixer.hook_out"] = cache["blocks.1.mixer.hook_out"] * 1.01
+    failed = [c for c in equation_checks(cache, info, rtol=1e-5) if not c.passed]
+    assert [c.equation for c in failed] == ["blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out"]
+    assert failed[0].hooks == ("blocks.1.mixer.hook_out",)
+
+
 def test_hidden_states_may_be_block_inputs_or_block_outputs_but_nothing_else() -> None:
     info = _info("sequential", 3, "RMS", True, True)
     cache, extras = synthetic(info, seed=1)

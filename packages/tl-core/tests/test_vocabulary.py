@@ -64,6 +64,7 @@ MIXTRAL = dataclasses.replace(LLAMA, gated_mlp=False, n_experts=4, experts_per_t
 BLOOM = dataclasses.replace(GPT2, positional_embedding_type="none", embed_norm=True)
 QWEN2_MOE = dataclasses.replace(MIXTRAL, d_shared_expert=12)
 DEEPSEEK = dataclasses.replace(QWEN2_MOE, d_q_latent=24, d_kv_latent=16, architecture="deepseek-style")
+MAMBA = dataclasses.replace(LLAMA, mixer=True, architecture="mamba-style")
 
 #: Every structural condition a template may name, each with its reason for absent sites.
 REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
@@ -77,7 +78,7 @@ def test_every_requirement_is_decided_by_structure_and_explained() -> None:
         assert MISSING_BECAUSE[requirement], requirement
         # Some model of the fixtures has the sites and some lacks them; the opt-ins are
         # decided by the caller, not the structure.
-        infos = (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, QWEN2_MOE, DEEPSEEK, BLOOM, PARALLEL_NO_NORM)
+        infos = (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, QWEN2_MOE, DEEPSEEK, MAMBA, BLOOM, PARALLEL_NO_NORM)
         met = {requirement_met(requirement, info) for info in infos}
         opt_in = requirement in ("attn_result", "split_qkv_input")
         assert met == ({True} if opt_in else {True, False}), requirement
@@ -136,6 +137,8 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     expected.add("blocks.{i}.mlp.experts.hook_out")
     # Multi-head latent attention's compressed latents (DeepSeek-V2/V3).
     expected |= {"blocks.{i}.attn.hook_q_latent", "blocks.{i}.attn.hook_kv_latent"}
+    # A state-space mixer in place of attention and MLP (Mamba).
+    expected |= {"blocks.{i}.mixer.hook_in", "blocks.{i}.mixer.hook_out"}
     # Per-head q/k/v inputs (opt-in), HookedTransformer's use_split_qkv_input sites.
     expected |= {f"blocks.{{i}}.attn.hook_{x}_input" for x in "qkv"}
     # QK-norm sites, as TransformerLens 4.x names them.

@@ -405,21 +405,58 @@ def test_a_hybrid_state_space_model_is_served_at_the_residual_level(tiny_folder:
             bridge.run_with_cache(_ids(1), names_filter=[name])
 
 
-def test_mamba_is_refused_with_the_failing_equation_or_served_at_the_residual_level(
-    tiny_folder: Callable[[str], Path],
-) -> None:
+def test_mamba_serves_its_mixer_as_plain_hooks_see_it(tiny_folder: Callable[[str], Path]) -> None:
     folder = tiny_folder("mamba")
+    bridge = TransformerBridge.boot_transformers(str(folder))
+    cert, arch = bridge.certification, bridge.architecture
+    assert cert is not None and cert.inferred and arch is not None and arch.block == "mixer"
+    served = set(bridge.driver.hook_points)
+    inside = {n.split(".", 2)[2] for n in served if n.startswith("blocks.") and n.count(".") > 2}
+    assert inside == {"mixer.hook_in", "mixer.hook_out"} | {f"ln1.hook_{s}" for s in ("in", "scale", "normalized", "out")}
+    assert "ok   blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out" in cert.format(verbose=True)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keep(key: tuple[str, int], value: torch.Tensor) -> None:
+        seen.setdefault(key, value.detach().clone())
+
+    handles = []
+    for i, layer in enumerate(_decoder_layers(reference)):
+        handles += [
+            layer.mixer.register_forward_pre_hook(lambda m, a, kw, i=i: keep(("in", i), a[0] if a else kw["hidden_states"]), with_kwargs=True),
+            layer.mixer.register_forward_hook(lambda m, a, out, i=i: keep(("out", i), _first(out))),
+        ]  # fmt: skip
     try:
-        bridge = TransformerBridge.boot_transformers(str(folder))
-    except ConfigError as error:
-        # Refused today: transformers' Mamba returns each block's *output* as
-        # hidden_states[i] (no embedding entry), so "blocks.i.hook_in == hidden_states[i]"
-        # fails although tl's blocks.i.hook_in is the layer's input. Refusing is safe.
-        message = str(error)
-        assert "does not reproduce the model" in message
-        assert "FAIL blocks.0.hook_in == the engine's hidden_states[0]" in message
-        return
-    _assert_residual_only(bridge, folder)
+        with torch.no_grad():
+            reference(input_ids=_ids(), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    _, cache = bridge.run_with_cache(_ids(), names_filter=lambda n: ".mixer." in n)
+    for i in range(bridge.cfg.n_layers):
+        _close(cache[f"blocks.{i}.mixer.hook_in"], seen["in", i], f"mixer {i} input")
+        _close(cache[f"blocks.{i}.mixer.hook_out"], seen["out", i], f"mixer {i} output")
+    # An edit of the mixer's output is a plain forward hook adding to it.
+    delta = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(2))
+    handle = _decoder_layers(reference)[0].mixer.register_forward_hook(lambda m, a, out: _first(out) + delta)
+    try:
+        with torch.no_grad():
+            want = reference(input_ids=_ids(), use_cache=False).logits
+    finally:
+        handle.remove()
+    got = bridge.forward(_ids(), intervene={"blocks.0.mixer.hook_out": {"op": "add", "value": delta.tolist()}})
+    _close(got, want, "logits with the mixer edit")
+
+
+def test_a_description_naming_the_norm_as_the_mixer_fails_the_block_equation(tiny_folder: Callable[[str], Path]) -> None:
+    from tl_driver_hf._driver import HFDriver
+
+    good = TransformerBridge.boot_transformers(str(tiny_folder("mamba"))).driver
+    wrong = dataclasses.replace(good.adapter, mixer=good.adapter.ln1)
+    report = HFDriver(good.hf_model, wrong, good.tokenizer, info=good.info).certify()
+    status = report.statuses["blocks.0.mixer.hook_out"]
+    assert status.status == "uncertified", status
+    assert "blocks.0.hook_out == blocks.0.hook_in + blocks.0.mixer.hook_out" in status.reason
 
 
 # -- wrong descriptions must fail certification --------------------------------------------
@@ -598,11 +635,13 @@ def test_an_inferred_architecture_is_described_by_what_inference_found(tiny_fold
     assert (bigcode.positions, bigcode.attention.variant) == ("learned", "mqa")
 
 
-def test_a_state_space_model_is_described_with_opaque_blocks(tiny_folder: Callable[[str], Path]) -> None:
-    arch = TransformerBridge.boot_transformers(str(tiny_folder("mamba"))).architecture
-    assert arch is not None
-    assert (arch.block, arch.attention, arch.mlp) == ("opaque", None, None)
-    assert "attention" not in arch.facts() and arch.facts()["block"].startswith("opaque (")
+def test_state_space_and_hybrid_models_are_described_by_their_block_form(tiny_folder: Callable[[str], Path]) -> None:
+    hybrid = TransformerBridge.boot_transformers(str(tiny_folder("jamba"))).architecture
+    assert hybrid is not None
+    assert (hybrid.block, hybrid.attention, hybrid.mlp) == ("opaque", None, None)
+    assert "attention" not in hybrid.facts() and hybrid.facts()["block"].startswith("opaque (")
+    mamba = TransformerBridge.boot_transformers(str(tiny_folder("mamba"))).architecture
+    assert mamba is not None and (mamba.block, mamba.attention, mamba.mlp) == ("mixer", None, None)
 
 
 # -- tl certify ---------------------------------------------------------------------------

@@ -51,6 +51,7 @@ def served_architecture(model: nn.Module, adapter: ArchitectureAdapter, info: Mo
         norm_before_mlp=adapter.ln2 is not None,
         norms_after=info.sandwich_norm,
         opaque=opaque,
+        mixer=adapter.mixer is not None,
     )
     return describe_model(
         config,

@@ -130,6 +130,8 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
     if lay.down is not None and lay.down is not lay.mlp and not adapter.moe:
         width = int(cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0])
         sites.append(("blocks.0.mlp.hook_post", lay.down, "in", width))
+    if lay.mixer is not None:
+        sites += [("blocks.0.mixer.hook_in", lay.mixer, "in", d_model), ("blocks.0.mixer.hook_out", lay.mixer, "out", d_model)]
     info = driver.info
     for suffix, latent, latent_width in (
         ("hook_q_latent", lay.q_latent, info.d_q_latent),

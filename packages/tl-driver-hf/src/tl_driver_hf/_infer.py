@@ -387,6 +387,30 @@ def _info(config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: i
     return dataclasses.replace(info, n_layers=n_layers, d_model=d_model, d_vocab=d_vocab)
 
 
+_NORM_SUFFIXES = ("hook_in", "hook_scale", "hook_normalized", "hook_out")
+
+
+def _mixer_norm(layers: nn.ModuleList, calls: Mapping[int, _Call], d_model: int) -> str | None:
+    """The norm before each layer's ``mixer`` where every layer is a norm and a state-space
+    mixer (Mamba, Mamba-2: ``x + mixer(norm(x))``), else ``None``. The block equation
+    certifies the claim."""
+    names: set[str] = set()
+    for layer in layers:
+        children = dict(layer.named_children())
+        mixer = children.get("mixer")
+        if mixer is None or id(mixer) not in calls:
+            return None
+        norms = [
+            name for name, child in children.items()
+            if child is not mixer and (c := calls.get(id(child))) is not None and c.start < calls[id(mixer)].start
+            and c.output is not None and tuple(c.output.shape[-1:]) == (d_model,)
+        ]  # fmt: skip
+        if len(norms) != 1 or len(children) != 2:
+            return None
+        names.add(norms[0])
+    return names.pop() if len(names) == 1 else None
+
+
 def infer_architecture(model: nn.Module) -> InferredArchitecture:
     """Propose an adapter for a transformers causal LM that no adapter describes.
 
@@ -456,21 +480,27 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     }
     if not uniform:
         why = first.why or "layers differ in structure (a hybrid of layer kinds)"
-        description["blocks"] = f"opaque: {why}"
+        mixer_norm = _mixer_norm(layers, calls, d_model)
+        description["blocks"] = (
+            f"state-space mixer: x + mixer(norm(x)), norm {mixer_norm!r}" if mixer_norm else f"opaque: {why}"
+        )
         info = _info(
             config, model, len(layers), d_model, _rows(lm_head),
             normalization_type="LN" if norm == "layernorm" else "RMS",
             positional_embedding_type="standard" if pos_embed else "none", gated_mlp=False,
             architecture=arch,
         )  # fmt: skip
+        info = dataclasses.replace(info, mixer=mixer_norm is not None)
         opaque = f"{model_type} blocks are read as a whole ({why}): tl serves their input and output only"
+        kept = {"hook_in", "hook_out"} | ({"mixer.hook_in", "mixer.hook_out"} | {f"ln1.{s}" for s in _NORM_SUFFIXES} if mixer_norm else set())
         for name in canonical_hook_names(info, include_split_qkv_input=True, include_attn_result=True):
-            if name.startswith("blocks.0.") and name not in ("blocks.0.hook_in", "blocks.0.hook_out"):
+            if name.startswith("blocks.0.") and name.removeprefix("blocks.0.") not in kept:
                 absent.setdefault(name.replace("blocks.0.", "blocks.{i}.", 1), opaque)
         adapter = ArchitectureAdapter(
             family=f"{model_type} (inferred)", model_types=(model_type,), architectures=(arch,), embed=embed_path,
-            layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=None, ln2=None,
+            layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=mixer_norm, ln2=None,
             attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
+            mixer="mixer" if mixer_norm else None,
             norm=norm, rotary=False, verified=False, pos_embed=pos_embed, absent=absent,
             readout_opaque=readout_opaque,
         )  # fmt: skip

@@ -46,6 +46,7 @@ class LayerModules:
     q_up: nn.Module | None = None
     kv_latent: nn.Module | None = None
     kv_up: nn.Module | None = None
+    mixer: nn.Module | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,7 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
                 q_up=_get(attn, adapter.q_up, attn_where, adapter),
                 kv_latent=_get(attn, adapter.kv_latent, attn_where, adapter),
                 kv_up=_get(attn, adapter.kv_up, attn_where, adapter),
+                mixer=_get(layer, adapter.mixer, where, adapter),
                 o=_need(attn, adapter.o, attn_where, adapter),
                 mlp=mlp,
                 mlp_in=_get(mlp, adapter.mlp_in, mlp_where, adapter),

@@ -156,6 +156,10 @@ class Wiring:
         self._install_norm(b + "ln1", layer.ln1, handles)
         if self._active(b + "attn.hook_in"):
             handles.append(layer.attn.register_forward_pre_hook(_input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True))
+        if layer.mixer is not None and self._active(b + "mixer.hook_in"):
+            handles.append(layer.mixer.register_forward_pre_hook(_input_hook(self.points[b + "mixer.hook_in"]), with_kwargs=True))
+        if layer.mixer is not None and self._active(b + "mixer.hook_out"):
+            handles.append(layer.mixer.register_forward_hook(_output_hook(self.points[b + "mixer.hook_out"])))
         for suffix, latent in (("attn.hook_q_latent", layer.q_latent), ("attn.hook_kv_latent", layer.kv_latent)):
             if latent is not None and self._active(b + suffix):
                 handles.append(latent.register_forward_hook(_output_hook(self.points[b + suffix])))

@@ -38,8 +38,9 @@ __all__ = [
 #: ``"parallel_shared_norm"``: ``out = x + attn(n(x)) + mlp(n(x))`` (GPT-J, Falcon-7B, Phi);
 #: ``"sandwich"``: sequential with a norm after each sublayer too (Gemma 2/3);
 #: ``"post_norm"``: ``h = x + n1(attn(x)); out = h + n2(mlp(h))`` (OLMo 2, EXAONE 4);
-#: ``"opaque"``: a block tl does not read inside (state-space and recurrent mixers).
-BlockForm = Literal["sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "opaque"]
+#: ``"mixer"``: ``out = x + mixer(n(x))``, a state-space mixer in place of attention and MLP (Mamba);
+#: ``"opaque"``: a block tl does not read inside (hybrids and recurrent blocks).
+BlockForm = Literal["sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "mixer", "opaque"]
 
 #: How queries and keys are normalised: ``"none"``; ``"per_head"`` (one scale per head and
 #: position: Qwen3, Gemma 3); ``"across_heads"`` (all heads of a position together: OLMo 2).
@@ -253,7 +254,13 @@ def _ranges(layers: tuple[int, ...]) -> str:
 
 
 def block_form(
-    *, parallel: bool, norm_before_attn: bool, norm_before_mlp: bool, norms_after: bool, opaque: bool = False
+    *,
+    parallel: bool,
+    norm_before_attn: bool,
+    norm_before_mlp: bool,
+    norms_after: bool,
+    opaque: bool = False,
+    mixer: bool = False,
 ) -> BlockForm:
     """The ``BlockForm`` of a block from where its norms sit.
 
@@ -264,7 +271,10 @@ def block_form(
             block, ``False`` means it shares attention's).
         norms_after: Whether each sublayer's output is normalised before it is added.
         opaque: Whether tl reads the block only from outside.
+        mixer: Whether the block is a state-space mixer behind a norm (Mamba).
     """
+    if mixer:
+        return "mixer"
     if opaque:
         return "opaque"
     if parallel:
@@ -372,7 +382,7 @@ def describe_model(
         )  # fmt: skip
     else:
         mlp = MLPDescription("gated" if info.gated_mlp else "dense", info.d_mlp, info.act_fn)
-    if block == "opaque":
+    if block in ("opaque", "mixer"):
         attention = mlp = None
     if info.positional_embedding_type == "standard":
         positions: PositionScheme = "learned"

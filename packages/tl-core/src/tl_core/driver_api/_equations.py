@@ -169,6 +169,14 @@ def _block_checks(
         text = equation.replace("@", b)
         out.append(compare(text, (b + h for h in hooks), got, want, rtol=rtol))
 
+    if info.mixer:
+        check("@hook_out == @hook_in + @mixer.hook_out", ("mixer.hook_out",), add("hook_in", "mixer.hook_out"), get("hook_out"))
+        if b + "ln1.hook_out" in cache:
+            check("@mixer.hook_in == @ln1.hook_out", ("mixer.hook_in", "ln1.hook_out"), get("mixer.hook_in"), get("ln1.hook_out"))
+        if b + "ln1.hook_in" in cache:
+            check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
+        out.extend(_norm_checks(b + "ln1", cache, info, rtol))
+        return out
     attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
     mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
     if info.sandwich_norm:

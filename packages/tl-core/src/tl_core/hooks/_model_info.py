@@ -40,6 +40,9 @@ class ModelInfo:
             exists.
         d_kv_latent: Width of the compressed key/value latent of multi-head latent attention
             (``kv_lora_rank``), or ``None``: then ``attn.hook_kv_latent`` exists.
+        mixer: Whether every block is ``x + mixer(norm(x))``, one mixer module in place of
+            attention and an MLP (Mamba, Mamba-2; Nemotron-H, whose mixer is a state-space
+            layer, attention or an MLP by layer): then ``mixer.hook_in``/``hook_out`` exist.
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
             then ``embed_ln.*`` exist.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
@@ -75,6 +78,7 @@ class ModelInfo:
     d_shared_expert: int | None = None
     d_q_latent: int | None = None
     d_kv_latent: int | None = None
+    mixer: bool = False
     embed_norm: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None

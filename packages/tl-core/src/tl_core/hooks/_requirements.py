@@ -22,6 +22,7 @@ HookRequirement = Literal[
     "shared_expert",
     "q_latent",
     "kv_latent",
+    "mixer",
     "sandwich_norm",
     "qk_norm",
     "attn_result",
@@ -44,6 +45,7 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "attention, or one without a query latent)",
     "kv_latent": "its attention does not compress keys and values into a latent (no multi-head "
     "latent attention)",
+    "mixer": "its blocks are not built as x + mixer(norm(x)) (they run attention and an MLP)",
     "sandwich_norm": "it has no norm after each sublayer (no sandwich norms)",
     "qk_norm": "it does not normalise queries and keys before attention",
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
@@ -91,6 +93,8 @@ def requirement_met(
         return info.d_q_latent is not None
     if requires == "kv_latent":
         return info.d_kv_latent is not None
+    if requires == "mixer":
+        return info.mixer
     if requires == "sandwich_norm":
         return info.sandwich_norm
     if requires == "qk_norm":

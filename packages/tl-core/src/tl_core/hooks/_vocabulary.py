@@ -259,6 +259,23 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
     ),
     *_LN1,
     HookTemplate(
+        "blocks.{i}.mixer.hook_in",
+        "b p d",
+        "Blocks built as x + mixer(norm(x)) (Mamba, Mamba-2; Nemotron-H, whose mixer is a "
+        "state-space layer, attention or an MLP by layer): the mixer's input, the normalised "
+        "residual stream.",
+        None,
+        "mixer",
+    ),
+    HookTemplate(
+        "blocks.{i}.mixer.hook_out",
+        "b p d",
+        "Blocks built as x + mixer(norm(x)): the mixer's output, which the block adds to its "
+        "input.",
+        None,
+        "mixer",
+    ),
+    HookTemplate(
         "blocks.{i}.attn.hook_q_input",
         "b p h d",
         "Each query head's own copy of the block input, before ln1 (opt-in: per-head gradients).",

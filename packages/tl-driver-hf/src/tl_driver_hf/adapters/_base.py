@@ -69,6 +69,9 @@ class ArchitectureAdapter:
             latent (``kv_a_layernorm``), served as ``attn.hook_kv_latent``; ``kv_up``
             expands it into every head's unrotated key part and value (``kv_b_proj``).
         kv_up: See ``kv_latent``.
+        mixer: The state-space mixer inside a layer (Mamba's ``mixer``), where the block is
+            ``x + mixer(ln1(x))`` instead of attention and an MLP, or ``None``; served as
+            ``mixer.hook_in``/``hook_out``.
         mlp: MLP (or mixture-of-experts block) inside a layer.
         mlp_in: Input projection of a non-gated MLP, inside ``mlp``.
         gate: Gate projection of a gated MLP, inside ``mlp``.
@@ -162,6 +165,7 @@ class ArchitectureAdapter:
     q_up: str | None = None
     kv_latent: str | None = None
     kv_up: str | None = None
+    mixer: str | None = None
     mlp: str = "mlp"
     mlp_in: str | None = None
     gate: str | None = "gate_proj"
