@@ -1,0 +1,109 @@
+"""tl's sparse dictionaries compute what sae-lens's own ``SAE.forward`` computes, and a
+splice on the hf driver equals a plain torch hook running sae-lens's SAE on the same module."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sae_lens = pytest.importorskip("sae_lens")
+
+from tl_core import TransformerBridge  # noqa: E402
+from tl_core.sae import from_sae_lens, load_dictionary, splice  # noqa: E402
+from tl_driver_hf.testing import write_tiny_checkpoint  # noqa: E402
+
+D_IN = 128
+
+
+def _sae(kind: str, normalization: str = "none", apply_b_dec: bool = True, **extra: Any) -> Any:
+    classes = {
+        "standard": (sae_lens.StandardSAE, sae_lens.StandardSAEConfig),
+        "jumprelu": (sae_lens.JumpReLUSAE, sae_lens.JumpReLUSAEConfig),
+        "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
+    }
+    cls, cfg_cls = classes[kind]
+    sae = cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, normalize_activations=normalization, apply_b_dec_to_input=apply_b_dec, **extra))
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return sae
+
+
+CASES = [
+    (kind, norm, apply_b_dec, extra)
+    for kind, extra in (("standard", {}), ("jumprelu", {}), ("topk", {"k": 8}), ("topk", {"k": 8, "rescale_acts_by_decoder_norm": True}))
+    for norm in ("none", "constant_norm_rescale", "layer_norm")
+    for apply_b_dec in (True, False)
+]
+
+
+@pytest.mark.parametrize(("kind", "norm", "apply_b_dec", "extra"), CASES)
+def test_reconstruction_equals_sae_lens_forward(kind: str, norm: str, apply_b_dec: bool, extra: dict[str, Any]) -> None:
+    sae = _sae(kind, norm, apply_b_dec, **extra)
+    x = torch.randn(3, 7, D_IN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = sae(x)
+    folder = Path(tempfile.mkdtemp())
+    sae.save_model(folder)
+    for dictionary in (from_sae_lens(sae), load_dictionary(folder)):
+        torch.testing.assert_close(dictionary.reconstruct(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory: pytest.TempPathFactory) -> TransformerBridge:
+    folder = write_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+    bridge = TransformerBridge.boot_transformers(str(folder))
+    assert bridge.cfg.d_model == D_IN
+    return bridge
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["standard", "jumprelu", "topk"])
+def test_a_splice_equals_a_plain_hook_running_sae_lens(bridge: TransformerBridge, kind: str) -> None:
+    sae = _sae(kind, **({"k": 8} if kind == "topk" else {}))
+    layer = bridge.driver.hf_model.model.layers[1]
+
+    def replace_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        with torch.no_grad():
+            out = sae(hidden)
+        return ((out, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": out})
+
+    handle = layer.register_forward_pre_hook(replace_input, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits
+    finally:
+        handle.remove()
+    spliced = splice(bridge, from_sae_lens(sae), hook_name="blocks.1.hook_in")
+    try:
+        got = bridge.forward(_ids())
+    finally:
+        spliced.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, bridge.forward(_ids()), atol=1e-3)  # the splice changed the run
+
+
+def test_with_the_error_term_an_unedited_splice_changes_nothing(bridge: TransformerBridge) -> None:
+    plain = bridge.forward(_ids())
+    spliced = splice(bridge, from_sae_lens(_sae("standard")), hook_name="blocks.1.hook_in", use_error_term=True)
+    try:
+        torch.testing.assert_close(bridge.forward(_ids()), plain, rtol=1e-5, atol=1e-5)
+    finally:
+        spliced.remove()
+
+
+def test_a_dictionary_of_another_width_is_refused_before_any_forward(bridge: TransformerBridge) -> None:
+    from tl_core import ConfigError
+
+    narrow = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
+    with pytest.raises(ConfigError, match="reads width 32.*128 wide"):
+        splice(bridge, from_sae_lens(narrow), hook_name="blocks.1.hook_in")
