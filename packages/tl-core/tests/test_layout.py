@@ -17,7 +17,7 @@ import tl_core
 ROOT = Path(tl_core.__file__).parent
 #: Lowest first. A module may import from its own floor and the floors below it.
 FLOORS = [
-    "_version", "_lazy", "_errors", "models", "hooks", "specs", "plots", "cache", "driver_api", "bridges", "native", "analysis", "capture", "cli",
+    "_version", "_lazy", "_errors", "models", "hooks", "specs", "plots", "cache", "driver_api", "bridges", "native", "sae", "analysis", "capture", "cli",
 ]
 
 

@@ -22,6 +22,7 @@ __all__ = ["ARCHITECTURES", "NORMALIZATIONS", "DictionaryArchitecture", "Normali
 #: ``"topk"`` (the ``k`` largest pre-activations, ReLU'd; the rest 0).
 DictionaryArchitecture = Literal["standard", "jumprelu", "topk"]
 ARCHITECTURES: tuple[DictionaryArchitecture, ...] = ("standard", "jumprelu", "topk")
+"""Every ``DictionaryArchitecture``."""
 
 #: How the input is normalised before encoding and the reconstruction after decoding:
 #: ``"none"``; ``"constant_norm_rescale"`` (each input scaled to norm ``sqrt(d_in)``, the
@@ -29,6 +30,7 @@ ARCHITECTURES: tuple[DictionaryArchitecture, ...] = ("standard", "jumprelu", "to
 #: 1e-5, undone on the output).
 Normalization = Literal["none", "constant_norm_rescale", "layer_norm"]
 NORMALIZATIONS: tuple[Normalization, ...] = ("none", "constant_norm_rescale", "layer_norm")
+"""Every ``Normalization``."""
 
 
 @dataclass(frozen=True)
