@@ -21,19 +21,9 @@ __all__ = ["served_architecture"]
 _QK_NORM: dict[str, QKNorm] = {"positions_first": "per_head", "heads_first": "per_head", "flat": "across_heads"}
 
 
-def _has_sinks(model: nn.Module, adapter: ArchitectureAdapter) -> bool:
-    """Whether the first layer's attention holds a learned sink logit per head (gpt-oss)."""
-    layers = model.get_submodule(adapter.layers)
-    if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
-        return False
-    try:
-        attn = layers[0].get_submodule(adapter.attn)
-    except AttributeError:
-        return False
-    return isinstance(getattr(attn, "sinks", None), nn.Parameter)
-
-
-def served_architecture(model: nn.Module, adapter: ArchitectureAdapter, info: ModelInfo, *, opaque: bool) -> Architecture:
+def served_architecture(
+    model: nn.Module, adapter: ArchitectureAdapter, info: ModelInfo, *, opaque: bool, sinks: bool
+) -> Architecture:
     """The description of ``model`` as ``adapter`` serves it.
 
     Args:
@@ -42,6 +32,7 @@ def served_architecture(model: nn.Module, adapter: ArchitectureAdapter, info: Mo
         info: The driver's ``ModelInfo`` of it.
         opaque: Whether the blocks are served from outside only (an inferred architecture
             whose insides tl does not read).
+        sinks: Whether attention adds a sink logit per head (``has_attention_sinks``).
     """
     config: Any = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -61,5 +52,5 @@ def served_architecture(model: nn.Module, adapter: ArchitectureAdapter, info: Mo
         qk_norm=_QK_NORM[adapter.qk_norm_layout] if info.qk_norm else "none",
         embed_scaled=adapter.embed_scaled,
         final_norm=adapter.final_norm is not None,
-        sinks=not opaque and _has_sinks(model, adapter),
+        sinks=sinks and not opaque,
     )

@@ -32,6 +32,7 @@ from tl_core.driver_api import (
     uses_alibi,
 )
 from tl_driver_hf._infer import probe_ids
+from tl_driver_hf._modules import has_attention_sinks
 from tl_driver_hf._norms import apply_weight
 from tl_driver_hf._torch_hooks import _with_input
 
@@ -176,14 +177,17 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
     return checks
 
 
-def _expanded(up: nn.Module, latent: torch.Tensor) -> torch.Tensor | None:
-    """``up(latent)``, or ``None`` where the latent does not fit the projection."""
+def _per_head(up: nn.Module, latent: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """``up(latent)`` split into ``heads`` per position (``[b, p, heads, -1]``), or ``None``
+    where the latent does not fit the projection or its output does not split evenly."""
     try:
         with torch.no_grad():
             out: torch.Tensor = up(latent)
     except RuntimeError:  # a latent of another width than the projection reads
         return None
-    return out
+    if out.shape[-1] % heads:
+        return None
+    return out.reshape(*out.shape[:2], heads, -1)
 
 
 def _unexpandable(name: str, up: str | None) -> CertificationCheck:
@@ -200,11 +204,10 @@ def _latent_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float
         kv, v, k = cache.get(a + "hook_kv_latent"), cache.get(a + "hook_v"), cache.get(a + "hook_rot_k")
         if kv is None or layer.kv_up is None or v is None or k is None:
             continue
-        kv_up = _expanded(layer.kv_up, kv)
-        if kv_up is None or kv_up.shape[-1] % v.shape[2]:
+        kv_heads = _per_head(layer.kv_up, kv, v.shape[2])
+        if kv_heads is None:
             checks.append(_unexpandable(a + "hook_kv_latent", driver.adapter.kv_up))
             continue
-        kv_heads = kv_up.reshape(*kv_up.shape[:2], v.shape[2], -1)
         nope = kv_heads.shape[-1] - v.shape[-1]
         vouched = (a + "hook_kv_latent",)
         for target, got, want in (
@@ -216,11 +219,10 @@ def _latent_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float
         q_latent, q = cache.get(a + "hook_q_latent"), cache.get(a + "hook_rot_q")
         if q_latent is None or layer.q_up is None or q is None:
             continue
-        q_up = _expanded(layer.q_up, q_latent)
-        if q_up is None or q_up.shape[-1] % q.shape[2]:
+        q_heads = _per_head(layer.q_up, q_latent, q.shape[2])
+        if q_heads is None:
             checks.append(_unexpandable(a + "hook_q_latent", driver.adapter.q_up))
             continue
-        q_heads = q_up.reshape(*q_up.shape[:2], q.shape[2], -1)
         equation = f"{a}hook_rot_q[..., :nope] == {a}hook_q_latent expanded by {driver.adapter.q_up} (per head)"
         checks.append(compare(equation, (a + "hook_q_latent",), q[..., :nope], q_heads[..., :nope], rtol=rtol))
     return checks
@@ -419,7 +421,7 @@ def certify_driver(
         cache, info, rtol=rtol, hidden_states=hidden, logits=logits, reference_logits=reference,
         W_O=W_O, b_O=b_O, attn_softcap=float(softcap) if softcap is not None else None,
         score_bias=uses_alibi(driver.hf_model.config),
-        attention_sinks=isinstance(getattr(parts.layers[0].attn, "sinks", None), torch.Tensor),
+        attention_sinks=has_attention_sinks(parts),
     )
     if later is not None and reference is not None:
         checks.append(

@@ -35,7 +35,7 @@ from tl_driver_hf._loading import (
     load_tokenizer,
 )
 from tl_driver_hf._model import HFHookedModel
-from tl_driver_hf._modules import resolve_modules
+from tl_driver_hf._modules import has_attention_sinks, resolve_modules
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._stopping import Stop, configs_of, layer_index, prober, stop_after, stopper
 from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, RunState, _with_input
@@ -175,7 +175,8 @@ class HFDriver(LocalDriver):
         """The booted model's engine-independent description (block form, norms, attention
         and MLP variants, unembedding): ``tl_core.driver_api.Architecture``."""
         opaque = self._inferred is not None and self._inferred.blocks == "opaque"
-        return served_architecture(self._hf_model, self._adapter, self._info, opaque=opaque)
+        sinks = has_attention_sinks(self._modules)
+        return served_architecture(self._hf_model, self._adapter, self._info, opaque=opaque, sinks=sinks)
 
     def _first_certifiable(self) -> Certification:
         """Certify an inferred model in stages, each serving less, until its run holds.

@@ -47,6 +47,7 @@ _O = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "out")
 # Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3): (latent norm, up-projection).
 _Q_LATENT = ("q_a_layernorm", "q_b_proj")
 _KV_LATENT = ("kv_a_layernorm", "kv_b_proj")
+_NORM_SUFFIXES = ("hook_in", "hook_scale", "hook_normalized", "hook_out")
 _Q_NORM = ("q_norm", "q_layernorm", "query_layernorm", "q_ln")
 _K_NORM = ("k_norm", "k_layernorm", "key_layernorm", "k_ln")
 _GATE = ("gate_proj", "w1", "fc_gate")
@@ -387,9 +388,6 @@ def _info(config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: i
     return dataclasses.replace(info, n_layers=n_layers, d_model=d_model, d_vocab=d_vocab)
 
 
-_NORM_SUFFIXES = ("hook_in", "hook_scale", "hook_normalized", "hook_out")
-
-
 def _mixer_norm(layers: nn.ModuleList, calls: Mapping[int, _Call], d_model: int) -> str | None:
     """The norm before each layer's ``mixer`` where every layer is a norm and a state-space
     mixer (Mamba, Mamba-2: ``x + mixer(norm(x))``), else ``None``. The block equation
@@ -465,7 +463,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             "the unembedding reads a head transform (or a norm computed without a module), "
             "not one final norm" if readout_opaque else "the unembedding reads the last block's output directly"
         )
-        absent.update({f"ln_final.{s}": why for s in ("hook_in", "hook_scale", "hook_normalized", "hook_out")})
+        absent.update({f"ln_final.{s}": why for s in _NORM_SUFFIXES})
     elif final_kind != norm:
         absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
     pos_embed = _position_embedding(model, embed, layers, calls)

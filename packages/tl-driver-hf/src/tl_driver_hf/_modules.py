@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from tl_core import ConfigError
 from tl_driver_hf.adapters import ArchitectureAdapter
 
-__all__ = ["LayerModules", "ModelModules", "resolve_modules"]
+__all__ = ["LayerModules", "ModelModules", "has_attention_sinks", "resolve_modules"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class ModelModules:
     layers: tuple[LayerModules, ...]
     final_norm: nn.Module | None
     lm_head: nn.Module
+
+
+def has_attention_sinks(modules: ModelModules) -> bool:
+    """Whether attention adds a learned sink logit per head (gpt-oss's ``sinks``)."""
+    return bool(modules.layers) and isinstance(getattr(modules.layers[0].attn, "sinks", None), torch.Tensor)
 
 
 def _get(root: nn.Module, path: str | None, where: str, adapter: ArchitectureAdapter) -> nn.Module | None:
