@@ -105,5 +105,5 @@ def test_a_dictionary_of_another_width_is_refused_before_any_forward(bridge: Tra
     from tl_core import ConfigError
 
     narrow = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
-    with pytest.raises(ConfigError, match=r"reads width 32.*128 wide"):
+    with pytest.raises(ConfigError, match=r"reads width 32, but 'blocks.1.hook_in' has shape \(128,\)"):
         splice(bridge, from_sae_lens(narrow), hook_name="blocks.1.hook_in")

@@ -2,7 +2,7 @@
 
 The floors are the architecture a newcomer reads: the bundled-model locator, hook names, then
 specs, then the figures (plain arrays in, matplotlib figures out), then the cache,
-then the driver-author API, then the bridges over it, then the built-in native driver, the
+then the driver-author API, then sparse dictionaries spliced into drivers, then the bridges over them, then the built-in native driver, the
 activation store built on any bridge, and the command line. Imports are read from the source (``ast``), including those inside
 functions; imports under ``if TYPE_CHECKING:`` are annotations only and are skipped.
 """
@@ -17,7 +17,7 @@ import tl_core
 ROOT = Path(tl_core.__file__).parent
 #: Lowest first. A module may import from its own floor and the floors below it.
 FLOORS = [
-    "_version", "_lazy", "_errors", "models", "hooks", "specs", "plots", "cache", "driver_api", "bridges", "native", "sae", "analysis", "capture", "cli",
+    "_version", "_lazy", "_errors", "models", "hooks", "specs", "plots", "cache", "driver_api", "sae", "bridges", "native", "analysis", "capture", "cli",
 ]
 
 

@@ -183,6 +183,8 @@ EXAMPLES = [
     {"op": "add", "value": [0.1, -0.2, 0.3, 1e-9], "pos": [4]},
     {"op": "set", "value": [[1, 2], [3, 4], [5, 6]], "pos": [0, 1, -1]},
     {"op": "set", "value": -3.4028234663852886e38, "pos": 2},
+    {"op": "suppress", "features": 7},
+    {"op": "add", "value": [1.0, 2.0], "features": [3, 0], "pos": -1},
 ]
 
 
@@ -221,6 +223,10 @@ def test_to_dict_output_satisfies_published_schema(raw: dict[str, Any]) -> None:
         {"op": "add", "value": 1e39},
         {"op": "set", "value": [0.0, -math.inf]},
         {"op": "add", "value": [[0.0], [-3.5e38]], "pos": [0, 1]},
+        {"op": "suppress", "features": []},
+        {"op": "suppress", "features": [-1]},
+        {"op": "scale", "factor": 2, "features": [3, 3]},
+        {"op": "add", "value": 1, "features": "3"},
     ],
 )
 def test_schema_and_validator_reject_the_same_specs(raw: dict[str, Any]) -> None:
@@ -261,7 +267,7 @@ def test_unknown_key_names_hook_and_suggests() -> None:
     message = spec_error({"op": "scale", "factr": 2})
     assert message == (
         "intervention on 'blocks.0.hook_out': key 'factr' is not a spec key; did you mean "
-        "'factor'? Spec keys: op, factor, value, pos"
+        "'factor'? Spec keys: op, factor, value, pos, features"
     )
 
 

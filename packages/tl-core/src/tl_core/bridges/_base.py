@@ -28,6 +28,8 @@ from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
+from tl_core.sae._dictionary import SparseDictionary
+from tl_core.sae._splice import Splice, splice
 
 __all__ = ["Bridge", "EngineCall", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
 
@@ -420,6 +422,12 @@ class Bridge:
         if is_permanent:
             self._permanent.extend(handles)
         return handles
+
+    def add_sae(self, dictionary: SparseDictionary, **options: Any) -> Splice:
+        """Splice a sparse autoencoder or transcoder into every forward until
+        ``.remove()`` on the result; its sites (``<hook>.hook_sae_acts_post``, ...) then take
+        captures and specs. Options and errors: ``tl_core.sae.splice``."""
+        return splice(self, dictionary, **options)
 
     def reset_hooks(self, *, including_permanent: bool = False) -> None:
         """Remove every hook (permanent ones too when asked)."""

@@ -15,12 +15,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tl_core._errors import UnsupportedFeatureError, UserError
+from tl_core._errors import DriverContractError, UnsupportedFeatureError, UserError
 from tl_core.cache._readout import ModelReadout
 from tl_core.driver_api._batching import TokenBatch, pad_batch
 from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
 from tl_core.driver_api._sampling import SamplingOptions, next_tokens
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
+from tl_core.hooks._dictionary_sites import DictionarySite
 from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
@@ -152,10 +153,51 @@ class LocalDriver(NamespaceFacts, ABC):
         raise UnsupportedFeatureError(f"driver {self.name!r} has no per-head q/k/v inputs")
 
     def _served(self, points: Mapping[str, HookPoint]) -> dict[str, HookPoint]:
-        """``points`` without the per-head inputs unless they are on (for ``hook_points``)."""
+        """``points`` without the per-head inputs unless they are on, plus the sites of
+        attached dictionaries (for ``hook_points``)."""
+        extra = self._dictionary_points
         if self.split_qkv_input:
-            return dict(points)
-        return {n: p for n, p in points.items() if not n.endswith(_SPLIT_INPUTS)}
+            return {**points, **extra}
+        return {**{n: p for n, p in points.items() if not n.endswith(_SPLIT_INPUTS)}, **extra}
+
+    # -- dictionary sites ------------------------------------------------------------------
+
+    @property
+    def _dictionary_points(self) -> dict[str, HookPoint]:
+        points: dict[str, HookPoint] = self.__dict__.setdefault("_dictionary_point_map", {})
+        return points
+
+    @property
+    def dictionary_sites(self) -> Mapping[str, DictionarySite]:
+        """Canonical site -> the dictionary attached there."""
+        sites: dict[str, DictionarySite] = self.__dict__.setdefault("_dictionary_site_map", {})
+        return sites
+
+    def add_dictionary_sites(self, site: DictionarySite, points: Mapping[str, HookPoint]) -> None:
+        """Serve a dictionary's sites (``site.names``), fired by ``points``.
+
+        The caller (``tl_core.sae``) makes the dictionary run at ``site.hook``; this only
+        makes its sites names the driver resolves, captures and edits.
+
+        Raises:
+            HookNameError: The namespace refuses the site (see ``HookNamespace.with_dictionary``).
+            DriverContractError: ``points`` does not hold exactly ``site.names``.
+        """
+        if set(points) != set(site.names):
+            raise DriverContractError(f"dictionary sites {sorted(points)} are not {list(site.names)}")
+        namespace = self.namespace.with_dictionary(site)
+        self.__dict__.setdefault("_dictionary_site_map", {})[site.hook] = site
+        self._dictionary_points.update(points)
+        self._namespace = namespace
+
+    def remove_dictionary_sites(self, hook: str) -> None:
+        """Stop serving the sites of the dictionary at canonical ``hook`` (if any)."""
+        site = self.__dict__.get("_dictionary_site_map", {}).pop(hook, None)
+        if site is None:
+            return
+        for name in site.names:
+            self._dictionary_points.pop(name, None)
+        self.__dict__.pop("_namespace", None)
 
     def _split_read_only(self) -> dict[str, str]:
         if not self.split_qkv_input:
@@ -179,13 +221,16 @@ class LocalDriver(NamespaceFacts, ABC):
         """
         built: HookNamespace | None = self.__dict__.get("_namespace")
         if built is None:
+            model_points = {n: p for n, p in self.hook_points.items() if n not in self._dictionary_points}
             built = HookNamespace.build(
                 self.info,
-                self.hook_points,
+                model_points,
                 read_only={**self.read_only_reasons, **self._split_read_only()},
                 reasons=self.absent_reasons,
                 driver=self.name,
             )
+            for site in self.dictionary_sites.values():
+                built = built.with_dictionary(site)
             self._namespace = built
         return built
 

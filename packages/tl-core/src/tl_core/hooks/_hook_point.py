@@ -154,24 +154,28 @@ class HookPoint(nn.Module):
             value raises ``UserError`` with this reason (a backward rule owns the value here;
             reading hooks and value-preserving gradient probes stay allowed). Checked only
             when a hook returns a new tensor, so unhooked and reading runs pay nothing.
+        replacement: While not ``None``, a function the value passes through after every
+            forward hook (a spliced dictionary: hooks at the site see the model's own value,
+            the rest of the model sees the replacement).
     """
 
     def __init__(self, name: str = "") -> None:
         super().__init__()
         self.name = name
         self.edit_refusal: str | None = None
+        self.replacement: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._fwd: list[tuple[Callable[..., Any], bool]] = []
         self._bwd: list[tuple[Callable[..., Any], bool]] = []
 
     @property
     def has_hooks(self) -> bool:
         """Whether any forward or backward hook is attached."""
-        return bool(self._fwd or self._bwd)
+        return bool(self._fwd or self._bwd) or self.replacement is not None
 
     @property
     def has_forward_hooks(self) -> bool:
         """Whether a forward hook is attached (one that may replace the value)."""
-        return bool(self._fwd)
+        return bool(self._fwd) or self.replacement is not None
 
     @property
     def has_backward_hooks(self) -> bool:
@@ -266,6 +270,8 @@ class HookPoint(nn.Module):
                 if self.edit_refusal is not None:
                     self._check_edit(fn, x, out)
                 x = out
+        if self.replacement is not None:
+            x = self.replacement(x)
         if self._bwd and x.requires_grad:
             for fn, _ in self._bwd:
                 x.register_hook(_BackwardCall(fn, self))  # type: ignore[no-untyped-call]

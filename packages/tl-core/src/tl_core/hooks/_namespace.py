@@ -9,11 +9,12 @@ output on Gemma 2 for capture, for specs and for cache lookup alike, on every dr
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 
 from tl_core._errors import DriverContractError, HookNameError, SpecError
+from tl_core.hooks._dictionary_sites import DictionarySite, split_dictionary_name
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._order import forward_order
 from tl_core.hooks._resolution import (
@@ -55,6 +56,8 @@ class HookNamespace:
         reasons: Why each canonical hook of the vocabulary is not served (every one of them
             has an entry), and why each served hook is read-only.
         driver: The driver's name, for messages.
+        dictionaries: Canonical site -> the dictionary attached there (its sites are served
+            under the site's name; see ``with_dictionary``).
     """
 
     info: ModelInfo
@@ -62,6 +65,7 @@ class HookNamespace:
     editable: frozenset[str]
     reasons: Mapping[str, str] = field(default_factory=dict)
     driver: str = ""
+    dictionaries: Mapping[str, DictionarySite] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -138,6 +142,49 @@ class HookNamespace:
                     table[name] = f"{label} does not serve it"
         return cls(info, served_set, editable_set, MappingProxyType(table), driver)
 
+    def with_dictionary(self, site: DictionarySite) -> HookNamespace:
+        """This namespace with a dictionary's sites served under ``site.hook``.
+
+        Raises:
+            HookNameError: The site or the output site is not served here, or not editable
+                (the dictionary replaces its value), or a dictionary already reads or
+                writes there.
+        """
+        for hook in dict.fromkeys((site.hook, site.output_hook)):
+            if hook not in self.editable:
+                served = "served read-only" if hook in self.served else "not served"
+                raise HookNameError(
+                    f"a dictionary cannot be attached at {hook!r}: {self._who} has it {served} "
+                    f"({self.reasons.get(hook, 'no reason given')}); a dictionary replaces the "
+                    "value of the site it writes, so both of its sites must be editable"
+                )
+            for other in self.dictionaries.values():
+                if hook in (other.hook, other.output_hook):
+                    raise HookNameError(
+                        f"a dictionary already reads or writes {hook!r} (the one at "
+                        f"{other.hook!r}); remove it first"
+                    )
+        return replace(
+            self,
+            served=self.served | frozenset(site.names),
+            editable=self.editable | frozenset(site.editable),
+            dictionaries=MappingProxyType({**self.dictionaries, site.hook: site}),
+        )
+
+    def without_dictionary(self, hook: str) -> HookNamespace:
+        """This namespace without the dictionary at canonical ``hook`` (and its sites)."""
+        site = self.dictionaries.get(hook)
+        if site is None:
+            return self
+        names = frozenset(site.names)
+        rest = {k: v for k, v in self.dictionaries.items() if k != hook}
+        return replace(
+            self,
+            served=self.served - names,
+            editable=self.editable - names,
+            dictionaries=MappingProxyType(rest),
+        )
+
     # -- sets -------------------------------------------------------------------------
 
     @property
@@ -191,9 +238,22 @@ class HookNamespace:
 
         Raises:
             HookNameError: Unknown names, and names that denote no site here (derived,
-                reconstructed or structurally absent; the message says why).
+                reconstructed or structurally absent; the message says why), and dictionary
+                sites under a hook without a dictionary.
         """
-        return canonical_name(name, info=self.info)
+        split = split_dictionary_name(name)
+        if split is None:
+            return canonical_name(name, info=self.info)
+        base, site = split
+        hook = canonical_name(base, info=self.info)
+        if hook not in self.dictionaries:
+            attached = ", ".join(sorted(self.dictionaries)) or "none"
+            raise HookNameError(
+                f"{name!r} is a dictionary site, but no dictionary is attached at {hook!r} "
+                f"(attached at: {attached}); attach one first with "
+                f"bridge.add_sae(dictionary, hook_name={hook!r})"
+            )
+        return f"{hook}.{site}"
 
     def lookup(self, name: str, *, edit: bool = False) -> str:
         """The canonical name of ``name`` if the driver serves it (and can edit it).
@@ -251,11 +311,23 @@ class HookNamespace:
 
     def layout(self, hook: str) -> str:
         """The tensor layout of canonical ``hook`` (``"b p h dh"``, ...)."""
+        found = self._dictionary_site(hook)
+        if found is not None:
+            return found[0].layout(found[1])
         return _template(hook).layout
 
     def feature_shape(self, hook: str) -> tuple[int, ...] | None:
         """Per-position shape of canonical ``hook``; ``None`` for patterns and scores."""
+        found = self._dictionary_site(hook)
+        if found is not None:
+            return found[0].feature_shape(found[1])
         return feature_shape(hook, self.layout(hook), self.info)
+
+    def _dictionary_site(self, hook: str) -> tuple[DictionarySite, str] | None:
+        split = split_dictionary_name(hook) if self.dictionaries else None
+        if split is None or split[0] not in self.dictionaries:
+            return None
+        return self.dictionaries[split[0]], split[1]
 
     def __repr__(self) -> str:
         return (

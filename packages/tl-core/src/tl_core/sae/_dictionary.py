@@ -8,7 +8,7 @@ load from its on-disk format (``cfg.json`` plus ``sae_weights.safetensors``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -52,14 +52,16 @@ class SparseDictionary:
             taken, and divided by them again before decoding.
         apply_b_dec_to_input: Whether ``b_dec`` is subtracted from the input.
         normalize_activations: ``Normalization``.
-        W_skip: A skip transcoder's linear path ``[d_in, d_out]`` added to the output, or
-            ``None``.
+        W_skip: A skip transcoder's linear path ``[d_out, d_in]`` (sae-lens's layout: the
+            output gains ``x @ W_skip.T``), or ``None``.
         hook_name: The site the dictionary reads (sae-lens's ``metadata.hook_name``), if
             known.
         output_hook_name: The site a transcoder writes, or ``None`` for an autoencoder
             (which writes where it reads).
         flatten_heads: Whether the site is per head (``attn.hook_z``) and the dictionary reads
             its heads flattened (sae-lens's ``reshape_activations="hook_z"``).
+        transcoder: Whether it writes another site than it reads (a transcoder, skip or
+            not); implied by ``d_in != d_out``, ``W_skip`` or ``output_hook_name``.
     """
 
     W_enc: torch.Tensor
@@ -76,6 +78,7 @@ class SparseDictionary:
     hook_name: str | None = None
     output_hook_name: str | None = None
     flatten_heads: bool = False
+    transcoder: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -98,15 +101,40 @@ class SparseDictionary:
             out.append(f"b_enc has shape {tuple(self.b_enc.shape)}, expected ({d_sae},)")
         if tuple(self.b_dec.shape) != (self.d_out,):
             out.append(f"b_dec has shape {tuple(self.b_dec.shape)}, expected ({self.d_out},)")
-        if self.apply_b_dec_to_input and self.d_out != d_in:
-            out.append("apply_b_dec_to_input needs d_in == d_out (a transcoder cannot subtract b_dec)")
         if self.architecture == "jumprelu" and (self.threshold is None or tuple(self.threshold.shape) != (d_sae,)):
             out.append(f"a jumprelu dictionary needs a threshold of shape ({d_sae},)")
         if self.architecture == "topk" and (not isinstance(self.k, int) or not 0 < self.k <= d_sae):
             out.append(f"a topk dictionary needs 0 < k <= d_sae ({d_sae}), got k={self.k!r}")
-        if self.W_skip is not None and tuple(self.W_skip.shape) != (d_in, self.d_out):
-            out.append(f"W_skip has shape {tuple(self.W_skip.shape)}, expected ({d_in}, {self.d_out})")
+        if self.W_skip is not None and tuple(self.W_skip.shape) != (self.d_out, d_in):
+            out.append(f"W_skip has shape {tuple(self.W_skip.shape)}, expected (d_out, d_in) = ({self.d_out}, {d_in})")
+        if self.is_transcoder and self.apply_b_dec_to_input:
+            out.append("a transcoder cannot subtract b_dec from its input (apply_b_dec_to_input must be False)")
+        if self.is_transcoder and self.normalize_activations != "none":
+            out.append("a transcoder takes no activation normalisation (sae-lens runs none on its output)")
+        if self.is_transcoder and self.flatten_heads:
+            out.append("a transcoder cannot read heads flattened")
         return out
+
+    @property
+    def is_transcoder(self) -> bool:
+        """Whether it writes another site than it reads."""
+        return (
+            self.transcoder
+            or self.W_skip is not None
+            or self.output_hook_name is not None
+            or self.d_out != self.d_in
+        )
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseDictionary:
+        """This dictionary with its tensors on ``device`` and/or in float ``dtype``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+        return replace(
+            self, W_enc=move(self.W_enc), b_enc=move(self.b_enc), W_dec=move(self.W_dec),
+            b_dec=move(self.b_dec), threshold=move(self.threshold), W_skip=move(self.W_skip),
+        )  # fmt: skip
 
     @property
     def d_in(self) -> int:
@@ -141,16 +169,16 @@ class SparseDictionary:
         return x, None
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
-        """The encoder's pre-activations of a normalised input ``[..., d_in]``."""
+        """The encoder's pre-activations of a normalised input ``[..., d_in]`` (sae-lens's
+        ``hook_sae_acts_pre``)."""
         if self.apply_b_dec_to_input:
             x = x - self.b_dec
-        pre = x @ self.W_enc + self.b_enc
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
-            pre = pre * self.W_dec.norm(dim=-1)
-        return pre
+        return x @ self.W_enc + self.b_enc
 
     def activate(self, pre: torch.Tensor) -> torch.Tensor:
         """Feature activations from pre-activations, by the architecture's rule."""
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            pre = pre * self.W_dec.norm(dim=-1)
         if self.architecture == "jumprelu":
             assert self.threshold is not None
             return pre.relu() * (pre > self.threshold).to(pre.dtype)
@@ -160,16 +188,35 @@ class SparseDictionary:
             return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
         return pre.relu()
 
+    def decode_linear(self, acts: torch.Tensor) -> torch.Tensor:
+        """The decoder's output for feature activations ``[..., d_sae]``, before the input's
+        normalisation is undone (sae-lens's ``hook_sae_recons``)."""
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            acts = acts / self.W_dec.norm(dim=-1)
+        return acts @ self.W_dec + self.b_dec
+
+    def denormalize(self, out: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """``out`` with the normalisation ``normalize`` applied to the input undone."""
+        if undo is None:
+            return out
+        scale, shift = undo
+        if self.normalize_activations == "constant_norm_rescale":
+            return out / scale
+        return out * scale + shift
+
     def decode(self, acts: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The reconstruction of feature activations ``[..., d_sae]`` (normalisation undone
         with ``undo`` from ``normalize``)."""
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
-            acts = acts / self.W_dec.norm(dim=-1)
-        out = acts @ self.W_dec + self.b_dec
-        if undo is not None:
-            scale, shift = undo
-            out = out / scale if self.normalize_activations == "constant_norm_rescale" else out * scale + shift
-        return out
+        return self.denormalize(self.decode_linear(acts), undo)
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A skip transcoder's linear path for input ``x`` (``None`` without one)."""
+        return None if self.W_skip is None else x @ self.W_skip.T
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Feature activations ``[..., d_sae]`` of an input ``[..., d_in]``."""
+        normed, _ = self.normalize(x.to(self.dtype))
+        return self.activate(self.pre_activations(normed))
 
     def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
         """What sae-lens's ``SAE.forward`` returns without the error term: encode, then
@@ -177,6 +224,5 @@ class SparseDictionary:
         x = x.to(self.dtype)
         normed, undo = self.normalize(x)
         out = self.decode(self.activate(self.pre_activations(normed)), undo)
-        if self.W_skip is not None:
-            out = out + x @ self.W_skip
-        return out
+        skip = self.skip(x)
+        return out if skip is None else out + skip

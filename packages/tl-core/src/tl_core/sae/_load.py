@@ -14,11 +14,23 @@ __all__ = ["from_sae_lens", "load_dictionary"]
 _CFG, _WEIGHTS = "cfg.json", "sae_weights.safetensors"
 
 
+#: sae-lens's transcoder architectures -> the rule their features follow.
+_TRANSCODERS = {
+    "transcoder": "standard",
+    "skip_transcoder": "standard",
+    "jumprelu_transcoder": "jumprelu",
+    "jumprelu_skip_transcoder": "jumprelu",
+}
+
+
 def _settings(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     architecture = cfg.get("architecture", "standard")
+    transcoder = architecture in _TRANSCODERS
+    architecture = _TRANSCODERS.get(architecture, architecture)
     if architecture not in ARCHITECTURES:
         raise ConfigError(
-            f"{where}: architecture {architecture!r} is not one tl runs ({', '.join(ARCHITECTURES)}); "
+            f"{where}: architecture {architecture!r} is not one tl runs ({', '.join(ARCHITECTURES)}, "
+            f"and the transcoders {', '.join(_TRANSCODERS)}); "
             "a batchtopk dictionary runs at inference as jumprelu (sae-lens converts it when it saves one "
             "for inference)"
         )
@@ -38,10 +50,12 @@ def _settings(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "architecture": architecture,
         "k": cfg.get("k"),
         "rescale_acts_by_decoder_norm": bool(cfg.get("rescale_acts_by_decoder_norm", False)),
-        "apply_b_dec_to_input": bool(cfg.get("apply_b_dec_to_input", True)),
+        "apply_b_dec_to_input": bool(cfg.get("apply_b_dec_to_input", not transcoder)),
         "normalize_activations": normalization,
         "hook_name": metadata.get("hook_name") or cfg.get("hook_name"),
+        "output_hook_name": metadata.get("hook_name_out") or cfg.get("hook_name_out"),
         "flatten_heads": reshape == "hook_z",
+        "transcoder": transcoder,
     }
 
 

@@ -85,7 +85,7 @@ def compile_specs(
     width = math.prod(feature_shape)
     if any(spec.pos is not None for spec in specs):
         shape: tuple[int, ...] = (seq_len, *feature_shape)
-    elif any(isinstance(spec.value, tuple) for spec in specs):
+    elif any(isinstance(spec.value, tuple) or spec.features is not None for spec in specs):
         shape = feature_shape
     else:
         shape = ()
@@ -93,6 +93,9 @@ def compile_specs(
     bias = torch.zeros(shape, dtype=work, device=device)
     for spec in specs:
         factor = _factor(spec)
+        if spec.features is not None:
+            _edit_features(spec, scale, bias, factor, width, seq_len, work, device)
+            continue
         value = _value_tensor(spec, width, feature_shape, work, device)
         if spec.pos is None:
             bias = bias * factor + value
@@ -102,6 +105,38 @@ def compile_specs(
         bias[rows] = bias[rows] * factor + value
         scale[rows] = scale[rows] * factor
     return AffineEdit(scale.to(dtype), bias.to(dtype), scale == 0 if _zeroes_scale(specs) else None)
+
+
+def _edit_features(
+    spec: InterventionSpec,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    factor: float,
+    width: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> None:
+    """Compose one spec that lists ``features`` into ``scale``/``bias`` in place."""
+    features = list(spec.features or ())
+    wrong = [f for f in features if not 0 <= f < width]
+    if wrong:
+        raise SpecError(
+            f"{spec.op!r} spec: key 'features' lists feature {wrong[0]}, out of range for "
+            f"{width} features (valid indices 0..{width - 1})"
+        )
+    cols = torch.tensor(features, dtype=torch.long, device=device)
+    # One row per position when any spec lists positions, else a single row.
+    s2, b2 = scale.view(-1, width), bias.view(-1, width)
+    value = _value_tensor(spec, len(features), (len(features),), dtype, device)
+    rows = (
+        torch.arange(s2.shape[0], device=device)
+        if spec.pos is None
+        else torch.tensor(_absolute(spec.pos, seq_len), dtype=torch.long, device=device)
+    )
+    grid = (rows[:, None], cols[None, :])
+    b2[grid] = b2[grid] * factor + value
+    s2[grid] = s2[grid] * factor
 
 
 def compile_plan(

@@ -238,10 +238,26 @@ def _resolve_for_prompt(
         resolved = []
         for name, spec in entries:
             where = f"intervention on {name!r}"
-            _check_width(spec, width, shape, index, length, where)
+            if spec.features is not None:
+                _check_features(spec, width, shape, where)
+            _check_width(spec, width if spec.features is None else len(spec.features), shape, index, length, where)
             resolved.append(_resolve_positions(spec, index, length, where))
         out[canonical] = tuple(resolved)
     return out
+
+
+def _check_features(spec: InterventionSpec, width: int, shape: tuple[int, ...] | None, where: str) -> None:
+    if shape is None:
+        raise _error(
+            f"{where}: key 'features' does not apply to attention scores or patterns (their "
+            "feature axis is the key position); use 'pos' and a per-key vector instead"
+        )
+    wrong = [f for f in spec.features or () if f >= width]
+    if wrong:
+        raise _error(
+            f"{where}: key 'features' lists feature {wrong[0]}, out of range for this hook's "
+            f"{width} features (feature shape {shape}; valid indices 0..{width - 1})"
+        )
 
 
 def _check_width(
@@ -261,6 +277,8 @@ def _check_width(
     if shape is None:
         where = f"{where} for prompt {index}"
         what = f"the prompt's length {length} (this hook's features are key positions)"
+    elif spec.features is not None:
+        what = f"{width} (one number per feature listed in 'features')"
     else:
         what = f"{width} (the hook's feature shape is {shape})"
     raise _error(

@@ -37,14 +37,14 @@ SpecOp: TypeAlias = Literal["suppress", "scale", "add", "set"]
 SPEC_OPS: tuple[SpecOp, ...] = ("suppress", "scale", "add", "set")
 """The spec operations, in documentation order."""
 
-SPEC_KEYS: tuple[str, ...] = ("op", "factor", "value", "pos")
+SPEC_KEYS: tuple[str, ...] = ("op", "factor", "value", "pos", "features")
 """Every key a spec mapping may hold."""
 
 _OP_KEYS: dict[str, tuple[str, ...]] = {
-    "suppress": ("op", "pos"),
-    "scale": ("op", "factor", "pos"),
-    "add": ("op", "value", "pos"),
-    "set": ("op", "value", "pos"),
+    "suppress": ("op", "pos", "features"),
+    "scale": ("op", "factor", "pos", "features"),
+    "add": ("op", "value", "pos", "features"),
+    "set": ("op", "value", "pos", "features"),
 }
 
 # The largest finite float32. The parser does not know the model's dtype, and tl's engines
@@ -75,6 +75,15 @@ _POS = {
     "description": "Sequence positions to edit (negative counts from the prompt's end); "
     "absent means every position.",
 }
+_FEATURES = {
+    "oneOf": [
+        {"type": "integer", "minimum": 0},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1, "uniqueItems": True},
+    ],
+    "description": "Indices into the hook's (flattened) feature axis to edit, e.g. an SAE's "
+    "features on hook_sae_acts_post or neurons on mlp.hook_post; absent means all of them. "
+    "Vector values then hold one number per listed feature.",
+}
 _VALUE = {
     "oneOf": [
         _NUMBER,
@@ -98,7 +107,12 @@ def _op_schema(op: str, description: str, extra: dict[str, Any]) -> dict[str, An
     schema: dict[str, Any] = {
         "type": "object",
         "description": description,
-        "properties": {"op": {"const": op}, **extra, "pos": {"$ref": "#/$defs/pos"}},
+        "properties": {
+            "op": {"const": op},
+            **extra,
+            "pos": {"$ref": "#/$defs/pos"},
+            "features": {"$ref": "#/$defs/features"},
+        },
         "required": ["op", *extra],
         "additionalProperties": False,
     }
@@ -118,7 +132,7 @@ SPEC_JSON_SCHEMA: dict[str, Any] = {
         _op_schema("add", "x -> x + value", {"value": {"$ref": "#/$defs/value"}}),
         _op_schema("set", "x -> value", {"value": {"$ref": "#/$defs/value"}}),
     ],
-    "$defs": {"pos": _POS, "value": _VALUE},
+    "$defs": {"pos": _POS, "value": _VALUE, "features": _FEATURES},
 }
 """The published JSON Schema (draft 2020-12) of one spec object."""
 
@@ -140,19 +154,23 @@ class InterventionSpec:
             or one such vector per position listed in ``pos``.
         pos: Sequence positions to edit (negative ones count from the prompt's end);
             ``None`` edits every position.
+        features: Indices into the hook's flattened feature axis to edit (an SAE's features
+            on ``hook_sae_acts_post``, neurons on ``mlp.hook_post``); ``None`` edits all.
+            Vector values then hold one number per listed feature.
     """
 
     op: SpecOp
     factor: float | None = None
     value: SpecValue | None = None
     pos: tuple[int, ...] | None = None
+    features: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        fields = {"op": self.op, "factor": self.factor, "value": self.value, "pos": self.pos}
+        fields = {"op": self.op, "factor": self.factor, "value": self.value, "pos": self.pos, "features": self.features}
         normalised = _normalise(
             {k: v for k, v in fields.items() if v is not None}, "InterventionSpec"
         )
-        for name in ("factor", "value", "pos"):
+        for name in ("factor", "value", "pos", "features"):
             object.__setattr__(self, name, getattr(normalised, name))
 
     @classmethod
@@ -195,6 +213,8 @@ class InterventionSpec:
             out["value"] = _to_lists(self.value)
         if self.pos is not None:
             out["pos"] = list(self.pos)
+        if self.features is not None:
+            out["features"] = list(self.features)
         return out
 
 
@@ -280,7 +300,7 @@ def _normalise(raw: Mapping[Any, Any], where: str) -> InterventionSpec:
                 f"{where}: key {key!r} does not apply to op {op!r}; op {op!r} takes keys "
                 f"{', '.join(allowed)}"
             )
-    factor = value = pos = None
+    factor = value = pos = features = None
     if op == "scale":
         if "factor" not in raw:
             raise _error(
@@ -297,6 +317,8 @@ def _normalise(raw: Mapping[Any, Any], where: str) -> InterventionSpec:
         value = _value(raw["value"], where)
     if "pos" in raw:
         pos = _positions(raw["pos"], where)
+    if "features" in raw:
+        features = _features(raw["features"], where)
     if isinstance(value, tuple) and isinstance(value[0], tuple):
         if pos is None:
             raise _error(
@@ -311,7 +333,7 @@ def _normalise(raw: Mapping[Any, Any], where: str) -> InterventionSpec:
                 "position"
             )
     spec = object.__new__(InterventionSpec)
-    for name, item in (("op", op), ("factor", factor), ("value", value), ("pos", pos)):
+    for name, item in (("op", op), ("factor", factor), ("value", value), ("pos", pos), ("features", features)):
         object.__setattr__(spec, name, item)
     return spec
 
@@ -437,6 +459,25 @@ def _positions(raw: object, where: str) -> tuple[int, ...]:
             "positions"
         )
     return out
+
+
+def _features(raw: object, where: str) -> tuple[int, ...]:
+    raw = _plain(raw)
+    items = raw if isinstance(raw, Sequence) and not isinstance(raw, str | bytes) else [raw]
+    expected = "a feature index (an int >= 0) or a non-empty list of distinct ones"
+    if len(items) == 0:
+        raise _error(f"{where}: key 'features' expects {expected}, found an empty list; omit it to edit every feature")
+    out = []
+    for item in items:
+        if isinstance(item, float) and item.is_integer():
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
+            raise _error(f"{where}: key 'features' expects {expected}, found {_describe(item)}")
+        out.append(int(item))
+    if len(set(out)) != len(out):
+        repeated = next(f for f in out if out.count(f) > 1)
+        raise _error(f"{where}: key 'features' lists feature {repeated} more than once; expected distinct indices")
+    return tuple(out)
 
 
 def _to_lists(value: SpecValue) -> float | list[float] | list[list[float]]:
