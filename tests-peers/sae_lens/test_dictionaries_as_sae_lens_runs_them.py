@@ -107,3 +107,96 @@ def test_a_dictionary_of_another_width_is_refused_before_any_forward(bridge: Tra
     narrow = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
     with pytest.raises(ConfigError, match=r"reads width 32, but 'blocks.1.hook_in' has shape \(128,\)"):
         splice(bridge, from_sae_lens(narrow), hook_name="blocks.1.hook_in")
+
+
+def _transcoder(kind: str) -> Any:
+    from sae_lens.saes import transcoder as t
+
+    classes = {
+        "transcoder": (t.Transcoder, t.TranscoderConfig),
+        "skip_transcoder": (t.SkipTranscoder, t.SkipTranscoderConfig),
+        "jumprelu_transcoder": (t.JumpReLUTranscoder, t.JumpReLUTranscoderConfig),
+        "jumprelu_skip_transcoder": (t.JumpReLUSkipTranscoder, t.JumpReLUSkipTranscoderConfig),
+    }
+    cls, cfg_cls = classes[kind]
+    # Square, as an MLP's input and output are: a W_skip read in the wrong orientation fails.
+    tc = cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, d_out=D_IN, apply_b_dec_to_input=False))
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in tc.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return tc
+
+
+TRANSCODERS = ["transcoder", "skip_transcoder", "jumprelu_transcoder", "jumprelu_skip_transcoder"]
+
+
+@pytest.mark.parametrize("kind", TRANSCODERS)
+def test_transcoders_compute_what_sae_lens_computes(kind: str) -> None:
+    tc = _transcoder(kind)
+    x = torch.randn(2, 5, D_IN, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = tc(x)
+    folder = Path(tempfile.mkdtemp())
+    tc.save_model(folder)
+    for dictionary in (from_sae_lens(tc), load_dictionary(folder)):
+        assert dictionary.is_transcoder
+        torch.testing.assert_close(dictionary.reconstruct(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["transcoder", "jumprelu_skip_transcoder"])
+def test_a_transcoder_splice_equals_plain_hooks_running_sae_lens(bridge: TransformerBridge, kind: str) -> None:
+    tc = _transcoder(kind)
+    layer = bridge.driver.hf_model.model.layers[1]
+    seen: dict[str, torch.Tensor] = {}
+
+    def read(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen["in"] = args[0] if args else kwargs["hidden_states"]
+
+    def write(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+        with torch.no_grad():
+            return tc(seen["in"])
+
+    handles = [layer.mlp.register_forward_pre_hook(read, with_kwargs=True), layer.mlp.register_forward_hook(write)]
+    try:
+        with torch.no_grad():
+            want = bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    spliced = bridge.add_sae(from_sae_lens(tc), hook_name="blocks.1.mlp.hook_in", output_hook_name="blocks.1.mlp.hook_out")
+    try:
+        got = bridge.forward(_ids())
+    finally:
+        spliced.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_feature_edit_equals_a_hook_on_sae_lens_own_feature_site(bridge: TransformerBridge) -> None:
+    """sae-lens with its error term on and a hook adding 2.5 to feature 7 on its own
+    ``hook_sae_acts_post``, spliced by a plain torch hook, against tl's spec."""
+    sae = _sae("jumprelu")
+    sae.use_error_term = True
+    sae.hook_sae_acts_post.add_hook(lambda acts, hook: acts + 2.5 * (torch.arange(acts.shape[-1]) == 7))
+    layer = bridge.driver.hf_model.model.layers[1]
+
+    def replace_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        with torch.no_grad():
+            out = sae(hidden)
+        return ((out, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": out})
+
+    handle = layer.register_forward_pre_hook(replace_input, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits
+    finally:
+        handle.remove()
+        sae.hook_sae_acts_post.remove_hooks()
+    spliced = bridge.add_sae(from_sae_lens(sae), hook_name="blocks.1.hook_in", use_error_term=True)
+    try:
+        got = bridge.forward(_ids(), intervene={spliced.site("hook_sae_acts_post"): {"op": "add", "value": 2.5, "features": 7}})
+    finally:
+        spliced.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, bridge.forward(_ids()), atol=1e-3)
