@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -27,6 +27,7 @@ from tl_driver_vllm._architecture import layout_architecture
 from tl_driver_vllm._backend import classes_kept
 from tl_driver_vllm._certify import ANCHOR_LOGPROBS, certify_engine, refusal
 from tl_driver_vllm._derive import serving_layout
+from tl_driver_vllm._dictionaries import check_replicated, pack_attachment
 from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._gguf import gguf_checkpoint
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
@@ -38,6 +39,9 @@ from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
 from tl_driver_vllm._run_state import TAG_KEY
 from tl_driver_vllm._spawn import check_main_guard
 from tl_driver_vllm._wire import SharedFiles, unpack
+
+if TYPE_CHECKING:
+    from tl_core.sae import Attachment
 
 __all__ = ["VLLMDriver"]
 
@@ -319,6 +323,29 @@ class VLLMDriver(NamespaceFacts):
                 logit_softcap=first["softcap"],
             )
         return self._readout
+
+    # -- dictionaries -----------------------------------------------------------------
+
+    def attach_dictionary(self, attachment: Attachment) -> None:
+        """Send a dictionary to every worker, once; it then runs inside every forward
+        (batched across requests) and its sites are served until ``detach_dictionary``.
+        Researchers call ``bridge.add_sae(...)``.
+
+        Raises:
+            HookNameError: The namespace refuses the site (see ``HookNamespace.with_dictionary``).
+            UnsupportedFeatureError: A head- or neuron-level site under tensor parallelism.
+        """
+        namespace = self.namespace.with_dictionary(attachment.site)
+        check_replicated(self.namespace, attachment.site, self._tp)
+        self._engine().collective_rpc("tl_attach_dictionary", args=(pack_attachment(attachment, raw=self._raw),))
+        self._namespace = namespace
+
+    def detach_dictionary(self, hook: str) -> None:
+        """Take the dictionary at canonical ``hook`` out of every worker (and its sites)."""
+        if hook not in self.namespace.dictionaries:
+            return
+        self._engine().collective_rpc("tl_detach_dictionary", args=(hook,))
+        self._namespace = self.namespace.without_dictionary(hook)
 
     # -- running ----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tl_core import TLError
+from tl_core.sae import Attachment, Decoded, encode_and_decode, finish
 from tl_driver_vllm._wire import unpack
 
 __all__ = ["NORMED", "Allocate", "RequestPlan", "RunState", "Step", "copy_rows"]
@@ -94,6 +95,8 @@ class RunState:
         needs: Per hook, the hooks its value is rebuilt from (recorded, not returned).
         allocate: Makes the ``[batch, width, ...]`` buffers (default: ``torch.empty``);
             the worker passes its ``Outbox``, so captures land where they are sent from.
+        dictionaries: The dictionaries attached to the model (canonical site -> attachment);
+            each runs at its site on every row of every step.
     """
 
     def __init__(
@@ -105,8 +108,13 @@ class RunState:
         columns: Mapping[str, slice] | None = None,
         needs: Mapping[str, tuple[str, ...]] | None = None,
         allocate: Allocate | None = None,
+        dictionaries: Mapping[str, Attachment] | None = None,
     ) -> None:
         self.allocate: Allocate = allocate or _empty
+        self.dictionaries = dict(dictionaries or {})
+        #: Transcoders by the site they write, and each one's decoded input this step.
+        self.writers = {a.site.output_hook: a for a in self.dictionaries.values() if a.site.output_hook != a.site.hook}
+        self.pending: dict[str, Decoded] = {}
         columns = columns or {}
         needs = needs or {}
         self.raw = bool(config.get("raw", False))
@@ -150,8 +158,8 @@ class RunState:
         self.tag_of: dict[str, str | None] = {}
 
     def needed(self) -> set[str]:
-        """Every hook name some request captures or edits."""
-        return self.captured | set(self.tables)
+        """Every hook name some request captures or edits, and every dictionary's sites."""
+        return self.captured | set(self.tables) | set(self.dictionaries) | set(self.writers)
 
     # -- per-site work -----------------------------------------------------------------
 
@@ -165,7 +173,38 @@ class RunState:
                 x = self._edit(name, x, step)
             if name in self.captured:
                 self.capture(name, x)
+            if name in self.dictionaries:
+                x = self._read_dictionary(self.dictionaries[name], x)
+            if name in self.writers:
+                x = self._write_dictionary(self.writers[name], x)
         return x
+
+    def _read_dictionary(self, attachment: Attachment, x: torch.Tensor) -> torch.Tensor:
+        """Run a dictionary on the value at its site; an autoencoder's output replaces it."""
+        site = attachment.site
+
+        def visit(short: str, value: torch.Tensor) -> torch.Tensor:
+            return self.visit((site.name(short),), value)
+
+        top_k = site.name("hook_sae_top_indices") in self.captured or site.name("hook_sae_top_values") in self.captured
+        flat = x.flatten(-2) if attachment.dictionary.flatten_heads else x
+        decoded = encode_and_decode(attachment, flat, visit, top_k=top_k)
+        if site.output_hook != site.hook:
+            self.pending[site.hook] = decoded
+            return x
+        return finish(attachment, flat, decoded, visit).to(x.dtype).view(x.shape)
+
+    def _write_dictionary(self, attachment: Attachment, y: torch.Tensor) -> torch.Tensor:
+        """A transcoder's output replaces the value at the site it writes."""
+        site = attachment.site
+        decoded = self.pending.pop(site.hook, None)
+        if decoded is None:
+            raise TLError(f"the transcoder writing {site.output_hook!r} found no input: {site.hook!r} did not fire first")
+
+        def visit(short: str, value: torch.Tensor) -> torch.Tensor:
+            return self.visit((site.name(short),), value)
+
+        return finish(attachment, y, decoded, visit).to(y.dtype)
 
     def capture(
         self,

@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tl_core import TLError
 from tl_driver_vllm._block_hooks import install_activations
+from tl_driver_vllm._dictionaries import unpack_attachment
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._patterns import AttentionFacts, attention_facts, rebuild
 from tl_driver_vllm._run_state import NORMED, TAG_KEY, RequestPlan, RunState, Step
@@ -47,6 +48,7 @@ class TLWorkerExtension:
     _tl_shards: dict[str, Shard]
     _tl_top_k: int | None
     _tl_outbox: Outbox | None
+    _tl_dictionaries: dict[str, Any]
 
     def tl_install(
         self, architecture: str, n_layers: int, sizes: dict[str, Any], layout: dict[str, Any]
@@ -65,6 +67,7 @@ class TLWorkerExtension:
         self._tl_state = None
         self._tl_outbox = None
         self._tl_handles = []
+        self._tl_dictionaries = {}
         tp_rank, tp_size, pp_rank, pp_size = _ranks()
         model = self._tl_model()
         self._tl_fix_activations(architecture, tp_rank)
@@ -93,7 +96,10 @@ class TLWorkerExtension:
         needs = pattern_needs(self._tl_layout, self._tl_n_layers)
         outbox = Outbox(raw=bool(config.get("raw", False)), offer=config.get("shared"))
         self._tl_outbox = outbox
-        state = RunState(config, param.device, param.dtype, columns=columns, needs=needs, allocate=outbox.empty)
+        state = RunState(
+            config, param.device, param.dtype, columns=columns, needs=needs, allocate=outbox.empty,
+            dictionaries=self._tl_dictionaries,
+        )  # fmt: skip
         self._tl_state = state
         _, tp_size, _, _ = _ranks()
         handles = install_sites(
@@ -103,6 +109,17 @@ class TLWorkerExtension:
         if handles:
             handles.append(model.register_forward_pre_hook(self._tl_step, with_kwargs=True))
         self._tl_handles = handles
+
+    def tl_attach_dictionary(self, payload: dict[str, Any]) -> None:
+        """Keep a dictionary (``_dictionaries.pack_attachment``) on this worker's device; it
+        runs in every later run until ``tl_detach_dictionary``."""
+        device = next(self._tl_model().parameters()).device
+        attachment = unpack_attachment(payload, device)
+        self._tl_dictionaries[attachment.site.hook] = attachment
+
+    def tl_detach_dictionary(self, hook: str) -> None:
+        """Drop the dictionary at canonical ``hook``."""
+        self._tl_dictionaries.pop(hook, None)
 
     def tl_collect(self) -> dict[str, Any]:
         """End the run: unhook, and return every result as one ``[batch, width, ...]``

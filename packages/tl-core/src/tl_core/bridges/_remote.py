@@ -54,7 +54,11 @@ class RemoteBridge(Bridge):
 
     @property
     def hook_dict(self) -> dict[str, HookPoint]:
-        """Canonical hook name -> replay HookPoint, for every hook the engine serves."""
+        """Canonical hook name -> replay HookPoint, for every hook the engine serves (the
+        sites of dictionaries attached since boot included)."""
+        served = self.namespace.ordered
+        if len(served) != len(self._points) or any(n not in self._points for n in served):
+            self._points = {n: self._points.get(n) or HookPoint(n) for n in served}
         return dict(self._points)
 
     def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
@@ -73,7 +77,7 @@ class RemoteBridge(Bridge):
                 f"cannot compute a loss or return sequence logits"
             )
         # Points are in forward order, so the replay fires hooks in that order too.
-        hooked = [n for n, p in self._points.items() if p.has_hooks]
+        hooked = [n for n, p in self.hook_dict.items() if p.has_hooks]
         if stop_at_layer is not None:
             stop = _layer_index(stop_at_layer, self.driver.info.n_layers)
             hooked = [n for n in hooked if _reached(n, stop)]

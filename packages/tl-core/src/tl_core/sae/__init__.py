@@ -1,8 +1,10 @@
 """Sparse dictionaries (SAEs and transcoders) in tl: their tensors and sae-lens's inference
 math (``SparseDictionary``), loaded from sae-lens's folder format or ``SAE`` objects, and
-spliced into a local driver's forward pass (``splice``).
+spliced into a driver's forward pass (``splice`` / ``bridge.add_sae``), where their sites
+(``<hook>.hook_sae_acts_post``, ...) take captures and feature-level specs.
 
-Work in progress (issue #20): feature-level sites, transcoders and vLLM come next.
+Driver authors run a dictionary with ``encode_and_decode`` and ``finish`` on the values at
+its sites (``Attachment`` says which).
 """
 
 from __future__ import annotations
@@ -12,13 +14,28 @@ from typing import TYPE_CHECKING
 from tl_core._lazy import attach
 
 if TYPE_CHECKING:
+    from tl_core.hooks._dictionary_sites import (
+        DICTIONARY_SITES as DICTIONARY_SITES,
+        DictionarySite as DictionarySite,
+    )
     from tl_core.sae._dictionary import (
         ARCHITECTURES as ARCHITECTURES,
         NORMALIZATIONS as NORMALIZATIONS,
         SparseDictionary as SparseDictionary,
     )
     from tl_core.sae._load import from_sae_lens as from_sae_lens, load_dictionary as load_dictionary
-    from tl_core.sae._splice import Splice as Splice, splice as splice
+    from tl_core.sae._splice import (
+        DEFAULT_TOP_K as DEFAULT_TOP_K,
+        Splice as Splice,
+        plan_attachment as plan_attachment,
+        splice as splice,
+    )
+    from tl_core.sae._stage import (
+        Attachment as Attachment,
+        Decoded as Decoded,
+        encode_and_decode as encode_and_decode,
+        finish as finish,
+    )
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
@@ -28,7 +45,15 @@ __getattr__, __dir__, __all__ = attach(
         "SparseDictionary": "_dictionary",
         "from_sae_lens": "_load",
         "load_dictionary": "_load",
+        "DICTIONARY_SITES": "tl_core.hooks._dictionary_sites",
+        "DictionarySite": "tl_core.hooks._dictionary_sites",
+        "DEFAULT_TOP_K": "_splice",
         "Splice": "_splice",
+        "plan_attachment": "_splice",
         "splice": "_splice",
+        "Attachment": "_stage",
+        "Decoded": "_stage",
+        "encode_and_decode": "_stage",
+        "finish": "_stage",
     },
 )

@@ -128,12 +128,13 @@ class SparseDictionary:
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseDictionary:
         """This dictionary with its tensors on ``device`` and/or in float ``dtype``."""
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
         return replace(
-            self, W_enc=move(self.W_enc), b_enc=move(self.b_enc), W_dec=move(self.W_dec),
-            b_dec=move(self.b_dec), threshold=move(self.threshold), W_skip=move(self.W_skip),
+            self, W_enc=move(self.W_enc), b_enc=move(self.b_enc), W_dec=move(self.W_dec), b_dec=move(self.b_dec),
+            threshold=None if self.threshold is None else move(self.threshold),
+            W_skip=None if self.W_skip is None else move(self.W_skip),
         )  # fmt: skip
 
     @property

@@ -1,0 +1,152 @@
+"""Sparse dictionaries inside vLLM: the same splice on the vllm driver equals the hf driver.
+
+Each case attaches one dictionary (ReLU, JumpReLU and TopK autoencoders, a skip
+transcoder) to both drivers and compares logits and the dictionary's sites over a ragged
+batch whose longest prompt is prefilled in chunks (32-token steps), with per-prompt feature
+edits, one prompt unedited. TP=2 runs the replicated dictionary on both ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from _tlv_support import ENGINE_OPTIONS  # noqa: E402
+
+from tl_core import RemoteBridge, TransformerBridge, UnsupportedFeatureError  # noqa: E402
+from tl_core.sae import SparseDictionary  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LENGTHS = [9, 70, 3, 17]
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _dictionary(d_in: int, d_sae: int, seed: int, **settings: Any) -> SparseDictionary:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        "W_enc": torch.randn(d_in, d_sae, generator=gen) * 0.2,
+        "b_enc": torch.randn(d_sae, generator=gen) * 0.05,
+        "W_dec": torch.randn(d_sae, d_in, generator=gen) * 0.2,
+        "b_dec": torch.randn(d_in, generator=gen) * 0.05,
+    }
+    if settings.get("architecture") == "jumprelu":
+        tensors["threshold"] = torch.rand(d_sae, generator=gen) * 0.1
+    if settings.pop("skip", False):
+        tensors["W_skip"] = torch.randn(d_in, d_in, generator=gen) * 0.05
+    return SparseDictionary(**tensors, **settings)
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint: Any) -> Iterator[tuple[RemoteBridge, TransformerBridge]]:
+    folder = checkpoint("llama")
+    vllm = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
+    hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32)
+    yield vllm, hf
+    vllm.close()
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(9)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+CASES = {
+    "relu": ({}, "blocks.1.hook_out", None),
+    "jumprelu": ({"architecture": "jumprelu", "normalize_activations": "layer_norm"}, "blocks.0.attn.hook_out", None),
+    "topk": ({"architecture": "topk", "k": 12, "rescale_acts_by_decoder_norm": True}, "blocks.1.hook_in", None),
+    "skip_transcoder": ({"apply_b_dec_to_input": False, "skip": True}, "blocks.1.ln2.hook_out", "blocks.1.mlp.hook_out"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("use_error_term", [False, True])
+def test_a_spliced_dictionary_equals_the_hf_driver(pair: tuple[RemoteBridge, TransformerBridge], case: str, use_error_term: bool) -> None:
+    vllm, hf = pair
+    settings, hook, output = CASES[case]
+    d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=len(case), **settings)
+    prompts = _prompts(hf.cfg.d_vocab)
+    acts = f"{hook}.hook_sae_acts_post"
+    per_prompt: list[Any] = [
+        {acts: {"op": "add", "value": 4.0, "features": [3, 40], "pos": -1}},
+        {acts: {"op": "scale", "factor": 0.0, "features": list(range(0, 512, 7))}},
+        None,
+        {acts: {"op": "set", "value": 1.5, "features": 11, "pos": [0, 5]}},
+    ]
+    names = [acts, f"{hook}.hook_sae_top_indices", f"{hook}.hook_sae_top_values", f"{hook}.hook_sae_output", "ln_final.hook_in"]
+    results = []
+    for bridge in (hf, vllm):
+        spliced = bridge.add_sae(d, hook_name=hook, output_hook_name=output, use_error_term=use_error_term, top_k=8)
+        try:
+            plain_logits = bridge.forward(prompts) if use_error_term else None
+            logits, cache = bridge.run_with_cache(prompts, names_filter=names, intervene=per_prompt)
+        finally:
+            spliced.remove()
+        results.append((plain_logits, logits, cache))
+        assert not bridge.namespace.dictionaries
+    (hf_plain, hf_logits, hf_cache), (vllm_plain, vllm_logits, vllm_cache) = results
+    for b, n in enumerate(LENGTHS):
+        torch.testing.assert_close(vllm_logits[b, :n], hf_logits[b, :n], **TOL)
+        for name in names:
+            if name.endswith("top_indices"):
+                assert torch.equal(vllm_cache[name][b, :n], hf_cache[name][b, :n]), name
+            else:
+                torch.testing.assert_close(vllm_cache[name][b, :n], hf_cache[name][b, :n], **TOL)
+    if use_error_term:
+        # Unedited, the splice leaves the model unchanged: prompt 2 has no edit.
+        assert vllm_plain is not None and hf_plain is not None
+        torch.testing.assert_close(vllm_logits[2, : LENGTHS[2]], vllm_plain[2, : LENGTHS[2]], **TOL)
+        torch.testing.assert_close(hf_logits[2, : LENGTHS[2]], hf_plain[2, : LENGTHS[2]], **TOL)
+
+
+def test_steered_generation_through_a_feature(pair: tuple[RemoteBridge, TransformerBridge]) -> None:
+    vllm, hf = pair
+    d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=2)
+    prompts = _prompts(hf.cfg.d_vocab)[:2]
+    steer = {"blocks.0.hook_out.hook_sae_acts_post": {"op": "add", "value": 30.0, "features": 17}}
+    tokens = []
+    for bridge in (hf, vllm):
+        spliced = bridge.add_sae(d, hook_name="blocks.0.hook_out", use_error_term=True)
+        try:
+            out = bridge.driver.forward(prompts, intervene=steer, max_new_tokens=6, return_logits=False, stop_at_eos=False)
+            plain = bridge.driver.forward(prompts, max_new_tokens=6, return_logits=False, stop_at_eos=False)
+        finally:
+            spliced.remove()
+        tokens.append((out.new_tokens, plain.new_tokens))
+    assert torch.equal(tokens[0][0], tokens[1][0])
+    assert torch.equal(tokens[0][1], tokens[1][1])
+    assert not torch.equal(tokens[1][0], tokens[1][1])  # the feature steered the text
+
+
+def test_tensor_parallel_2_runs_the_dictionary_on_both_ranks(checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    folder = checkpoint("llama")
+    hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32)
+    d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=5, architecture="jumprelu")
+    prompts = _prompts(hf.cfg.d_vocab)
+    acts = "blocks.1.hook_out.hook_sae_acts_post"
+    per_prompt: list[Any] = [{acts: {"op": "add", "value": 3.0, "features": [1, 2]}}, None, None, {acts: {"op": "suppress", "features": 9, "pos": -1}}]
+    vllm = RemoteBridge.boot_vllm(folder, dtype="float32", tensor_parallel_size=2, **ENGINE_OPTIONS)
+    try:
+        assert sorted(w["tp_rank"] for w in vllm.driver.workers) == [0, 1]
+        with pytest.raises(UnsupportedFeatureError, match="cannot run under tensor parallelism"):
+            vllm.add_sae(_dictionary(hf.cfg.d_mlp, 64, seed=1), hook_name="blocks.0.mlp.hook_post")
+        results = []
+        for bridge in (hf, vllm):
+            spliced = bridge.add_sae(d, hook_name="blocks.1.hook_out")
+            try:
+                results.append(bridge.run_with_cache(prompts, names_filter=[acts], intervene=per_prompt))
+            finally:
+                spliced.remove()
+    finally:
+        vllm.close()
+    (hf_logits, hf_cache), (vllm_logits, vllm_cache) = results
+    for b, n in enumerate(LENGTHS):
+        torch.testing.assert_close(vllm_logits[b, :n], hf_logits[b, :n], **TOL)
+        torch.testing.assert_close(vllm_cache[acts][b, :n], hf_cache[acts][b, :n], **TOL)
