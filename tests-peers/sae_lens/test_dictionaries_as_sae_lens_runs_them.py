@@ -200,3 +200,51 @@ def test_a_feature_edit_equals_a_hook_on_sae_lens_own_feature_site(bridge: Trans
         spliced.remove()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, bridge.forward(_ids()), atol=1e-3)
+
+
+TEXT = (
+    "The lighthouse keeper climbed the narrow stairs every evening to light the lamp. Ships "
+    "passing the rocky coast relied on its beam to find the harbour through fog and storms. "
+    "In the morning he wrote the weather in a small notebook and made tea for the visitors."
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> TransformerBridge:
+    from tl_core.models import smollm2_gguf
+
+    return TransformerBridge.boot_transformers(smollm2_gguf())
+
+
+def test_ce_recovered_on_smollm2_equals_sae_lens_by_hand(smollm2: TransformerBridge) -> None:
+    """tl's evaluation against the same quantity computed by hand: the HF model run plain,
+    with sae-lens's SAE replacing the block output in a plain torch hook, and with zeros."""
+    from tl_core.sae import evaluate_dictionary
+
+    torch.manual_seed(0)
+    sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=smollm2.cfg.d_model, d_sae=16 * smollm2.cfg.d_model))
+    ids = smollm2.to_tokens(TEXT)[0]
+    tokens = ids[: (ids.numel() // 16) * 16].reshape(-1, 16)
+    layer = smollm2.driver.hf_model.model.layers[3]
+
+    def ce(replace: Any) -> float:
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            hidden = output[0] if isinstance(output, tuple) else output
+            new = replace(hidden)
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        handle = layer.register_forward_hook(hook) if replace is not None else None
+        try:
+            with torch.no_grad():
+                logits = smollm2.driver.hf_model(input_ids=tokens, use_cache=False).logits
+        finally:
+            if handle is not None:
+                handle.remove()
+        return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), tokens[:, 1:].flatten()))
+
+    clean, spliced, zero = ce(None), ce(lambda h: sae(h)), ce(torch.zeros_like)
+    want = (zero - spliced) / (zero - clean)
+    got = evaluate_dictionary(smollm2, from_sae_lens(sae), tokens, hook_name="blocks.3.hook_out", batch_size=4)
+    assert (got.ce_clean, got.ce_splice, got.ce_zero) == pytest.approx((clean, spliced, zero), rel=1e-4)
+    assert got.ce_recovered == pytest.approx(want, abs=1e-3)
+    assert 0 < got.l0 < sae.cfg.d_sae

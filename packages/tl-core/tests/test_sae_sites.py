@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tl_core import ConfigError, HookNameError, SpecError, TransformerBridge
+from tl_core import ConfigError, HookNameError, SpecError, TransformerBridge, UserError
 from tl_core.sae import SparseDictionary
 
 SITES = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_top_indices",
@@ -237,3 +237,42 @@ def test_features_select_neurons_on_any_site(llama: TransformerBridge) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(SpecError, match="key 'features' does not apply to attention scores"):
         llama(ids, intervene={"blocks.0.attn.hook_pattern": {"op": "suppress", "features": 0}})
+
+
+def test_evaluation_equals_the_quantities_computed_by_hand(llama: TransformerBridge) -> None:
+    from tl_core.sae import evaluate_dictionary
+
+    d_model = llama.cfg.d_model
+    d = _dictionary(d_model, 4 * d_model, seed=8, architecture="jumprelu")
+    hook = "blocks.1.hook_out"
+    tokens = torch.randint(0, llama.cfg.d_vocab, (5, 9), generator=torch.Generator().manual_seed(1))
+
+    def ce(logits: torch.Tensor) -> float:
+        return float(torch.nn.functional.cross_entropy(logits[:, :-1].detach().flatten(0, 1).double(), tokens[:, 1:].flatten()))
+
+    with torch.no_grad():
+        clean, cache = llama.run_with_cache(tokens, names_filter=[hook])
+        x = cache[hook]
+        with llama.hooks([(hook, lambda v, *, hook: d.reconstruct(v))]):
+            spliced = llama(tokens)
+        with llama.hooks([(hook, lambda v, *, hook: torch.zeros_like(v))]):
+            zero = llama(tokens)
+    got = evaluate_dictionary(llama, d, tokens, hook_name=hook, batch_size=2)
+    assert got.tokens == tokens.numel()
+    assert got.ce_clean == pytest.approx(ce(clean), rel=1e-5)
+    assert got.ce_splice == pytest.approx(ce(spliced), rel=1e-5)
+    assert got.ce_zero == pytest.approx(ce(zero), rel=1e-5)
+    assert got.ce_recovered == pytest.approx((ce(zero) - ce(spliced)) / (ce(zero) - ce(clean)), rel=1e-4)
+    p, q = (torch.log_softmax(t[:, :-1].double(), -1) for t in (clean, spliced))
+    assert got.kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
+    flat = x.flatten(0, 1).double()
+    resid = (flat - d.reconstruct(x).flatten(0, 1).double()).pow(2).sum()
+    assert got.explained_variance == pytest.approx(float(1 - resid / (flat - flat.mean(0)).pow(2).sum()), rel=1e-4)
+    fired = d.encode(x) > 0
+    assert got.l0 == pytest.approx(float(fired.sum(-1).double().mean()))
+    assert torch.equal(got.feature_counts, fired.flatten(0, 1).sum(0))
+    assert got.dead_features == int((fired.flatten(0, 1).sum(0) == 0).sum())
+    assert "CE recovered" in str(got)
+    assert not llama.namespace.dictionaries  # attached for the evaluation only
+    with pytest.raises(UserError, match="at least 2 positions"):
+        evaluate_dictionary(llama, d, tokens[:, :1], hook_name=hook)

@@ -150,3 +150,15 @@ def test_tensor_parallel_2_runs_the_dictionary_on_both_ranks(checkpoint: Any, mo
     for b, n in enumerate(LENGTHS):
         torch.testing.assert_close(vllm_logits[b, :n], hf_logits[b, :n], **TOL)
         torch.testing.assert_close(vllm_cache[acts][b, :n], hf_cache[acts][b, :n], **TOL)
+
+
+def test_the_evaluation_runs_through_the_engine_and_equals_the_hf_driver(pair: tuple[RemoteBridge, TransformerBridge]) -> None:
+    from tl_core.sae import evaluate_dictionary
+
+    vllm, hf = pair
+    d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=4, architecture="topk", k=16)
+    tokens = torch.randint(3, hf.cfg.d_vocab, (6, 24), generator=torch.Generator().manual_seed(2))
+    got, want = (evaluate_dictionary(b, d, tokens, hook_name="blocks.0.hook_out", batch_size=4) for b in (vllm, hf))
+    for field in ("ce_clean", "ce_splice", "ce_zero", "ce_recovered", "kl", "explained_variance", "l0"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-4, abs=1e-5), field
+    assert torch.equal(got.feature_counts, want.feature_counts)

@@ -3,7 +3,8 @@ math (``SparseDictionary``), loaded from sae-lens's folder format or ``SAE`` obj
 spliced into a driver's forward pass (``splice`` / ``bridge.add_sae``), where their sites
 (``<hook>.hook_sae_acts_post``, ...) take captures and feature-level specs.
 
-Driver authors run a dictionary with ``encode_and_decode`` and ``finish`` on the values at
+``evaluate_dictionary`` scores one over a corpus (CE recovered, KL, explained variance, L0,
+dead features) on any driver. Driver authors run a dictionary with ``encode_and_decode`` and ``finish`` on the values at
 its sites (``Attachment`` says which).
 """
 
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
         ARCHITECTURES as ARCHITECTURES,
         NORMALIZATIONS as NORMALIZATIONS,
         SparseDictionary as SparseDictionary,
+    )
+    from tl_core.sae._evaluate import (
+        DictionaryEvaluation as DictionaryEvaluation,
+        evaluate_dictionary as evaluate_dictionary,
     )
     from tl_core.sae._load import from_sae_lens as from_sae_lens, load_dictionary as load_dictionary
     from tl_core.sae._splice import (
@@ -43,6 +48,8 @@ __getattr__, __dir__, __all__ = attach(
         "ARCHITECTURES": "_dictionary",
         "NORMALIZATIONS": "_dictionary",
         "SparseDictionary": "_dictionary",
+        "DictionaryEvaluation": "_evaluate",
+        "evaluate_dictionary": "_evaluate",
         "from_sae_lens": "_load",
         "load_dictionary": "_load",
         "DICTIONARY_SITES": "tl_core.hooks._dictionary_sites",
