@@ -20,7 +20,7 @@ import torch
 
 from tl_core import UnsupportedFeatureError
 from tl_core.driver_api import HookNamespace
-from tl_core.sae import Attachment, DictionarySite, SparseDictionary
+from tl_core.sae import Attachment, DictionarySite, Linear, SparseDictionary
 from tl_driver_vllm._wire import pack, unpack
 
 __all__ = ["check_replicated", "pack_attachment", "unpack_attachment"]
@@ -63,7 +63,37 @@ def pack_attachment(attachment: Attachment, *, raw: bool) -> dict[str, Any]:
 
 
 def unpack_attachment(payload: dict[str, Any], device: torch.device) -> Attachment:
-    """The attachment ``pack_attachment`` packed, its tensors on ``device``."""
+    """The attachment ``pack_attachment`` packed, its tensors on ``device``, its two
+    matrices multiplied by the engine's own kernels where it has faster ones."""
     tensors: dict[str, Any] = {name: unpack(value).to(device) for name, value in payload["tensors"].items()}
     dictionary = SparseDictionary(**tensors, **payload["settings"])
-    return Attachment(dictionary, DictionarySite(**payload["site"]), bool(payload["use_error_term"]))
+    encoder, decoder = engine_linears(dictionary)
+    return Attachment(dictionary, DictionarySite(**payload["site"]), bool(payload["use_error_term"]), encoder, decoder)
+
+
+def engine_linears(dictionary: SparseDictionary) -> tuple[Linear, Linear]:
+    """vLLM's CPU GEMM (oneDNN, weight prepacked once) for the encoder and decoder, as its
+    own linear layers use: about twice torch's speed on this machine's CPU (SmolLM2's
+    16x SAE, 4096 tokens: 160 ms against 300 ms for the encoder). ``(None, None)`` on
+    GPUs (torch's matmul is the engine's there) and where vLLM lacks it."""
+    if dictionary.W_enc.device.type != "cpu" or dictionary.dtype != torch.float32:
+        return None, None
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None, None
+    if not getattr(ops, "_supports_onednn", False) or not hasattr(ops, "create_onednn_mm"):
+        return None, None
+    enc = ops.create_onednn_mm(dictionary.W_enc, 32)
+    dec = ops.create_onednn_mm(dictionary.W_dec, 32)
+    b_enc, b_dec = dictionary.b_enc, dictionary.b_dec
+
+    def encoder(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        return ops.onednn_mm(enc, flat, b_enc).view(*x.shape[:-1], -1)  # type: ignore[no-any-return]
+
+    def decoder(acts: torch.Tensor) -> torch.Tensor:
+        flat = acts.reshape(-1, acts.shape[-1]).contiguous()
+        return ops.onednn_mm(dec, flat, b_dec).view(*acts.shape[:-1], -1)  # type: ignore[no-any-return]
+
+    return encoder, decoder

@@ -188,7 +188,8 @@ class RunState:
 
         top_k = site.name("hook_sae_top_indices") in self.captured or site.name("hook_sae_top_values") in self.captured
         flat = x.flatten(-2) if attachment.dictionary.flatten_heads else x
-        decoded = encode_and_decode(attachment, flat, visit, top_k=top_k)
+        # Captures are copied into the run's buffers, so the stage may work in place.
+        decoded = encode_and_decode(attachment, flat, visit, top_k=top_k, copies=True)
         if site.output_hook != site.hook:
             self.pending[site.hook] = decoded
             return x

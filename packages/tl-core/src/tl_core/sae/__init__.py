@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from tl_core.sae._dictionary import (
         ARCHITECTURES as ARCHITECTURES,
         NORMALIZATIONS as NORMALIZATIONS,
+        Linear as Linear,
         SparseDictionary as SparseDictionary,
     )
     from tl_core.sae._evaluate import (
@@ -47,6 +48,7 @@ __getattr__, __dir__, __all__ = attach(
     {
         "ARCHITECTURES": "_dictionary",
         "NORMALIZATIONS": "_dictionary",
+        "Linear": "_dictionary",
         "SparseDictionary": "_dictionary",
         "DictionaryEvaluation": "_evaluate",
         "evaluate_dictionary": "_evaluate",

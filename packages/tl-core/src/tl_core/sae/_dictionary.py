@@ -8,14 +8,19 @@ load from its on-disk format (``cfg.json`` plus ``sae_weights.safetensors``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import torch
 
 from tl_core._errors import ConfigError
 
-__all__ = ["ARCHITECTURES", "NORMALIZATIONS", "DictionaryArchitecture", "Normalization", "SparseDictionary"]
+__all__ = ["ARCHITECTURES", "NORMALIZATIONS", "DictionaryArchitecture", "Linear", "Normalization", "SparseDictionary"]
+
+#: ``x -> x @ W + b`` for one of a dictionary's two matrices, computed by an engine's own
+#: kernel (e.g. vLLM's oneDNN GEMM on CPUs, with the weight prepacked); ``None``: torch.
+Linear: TypeAlias = "Callable[[torch.Tensor], torch.Tensor] | None"
 
 #: How features are computed from the pre-activations: ``"standard"`` (ReLU),
 #: ``"jumprelu"`` (ReLU where the pre-activation exceeds a per-feature threshold) and
@@ -169,32 +174,43 @@ class SparseDictionary:
             return centred / (std + 1e-5), (std, mu)
         return x, None
 
-    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+    def pre_activations(self, x: torch.Tensor, linear: Linear = None) -> torch.Tensor:
         """The encoder's pre-activations of a normalised input ``[..., d_in]`` (sae-lens's
-        ``hook_sae_acts_pre``)."""
+        ``hook_sae_acts_pre``); ``linear`` computes ``x @ W_enc + b_enc`` if given."""
         if self.apply_b_dec_to_input:
             x = x - self.b_dec
-        return x @ self.W_enc + self.b_enc
+        if linear is not None:
+            return linear(x)
+        return torch.addmm(self.b_enc, x.reshape(-1, x.shape[-1]), self.W_enc).view(*x.shape[:-1], -1)
 
-    def activate(self, pre: torch.Tensor) -> torch.Tensor:
-        """Feature activations from pre-activations, by the architecture's rule."""
+    def activate(self, pre: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """Feature activations from pre-activations, by the architecture's rule.
+
+        ``inplace`` reuses ``pre``'s memory where the rule allows (the caller owns ``pre``
+        and needs it no more): on a 16x SAE over thousands of tokens that saves writing a
+        fresh tensor of hundreds of megabytes.
+        """
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
             pre = pre * self.W_dec.norm(dim=-1)
         if self.architecture == "jumprelu":
             assert self.threshold is not None
-            return pre.relu() * (pre > self.threshold).to(pre.dtype)
+            below = pre <= self.threshold
+            return (pre.masked_fill_(below, 0.0).relu_() if inplace else pre.masked_fill(below, 0.0).relu())
         if self.architecture == "topk":
             assert self.k is not None
             values, indices = pre.topk(self.k, dim=-1, sorted=False)
             return torch.zeros_like(pre).scatter_(-1, indices, values.relu())
-        return pre.relu()
+        return pre.relu_() if inplace else pre.relu()
 
-    def decode_linear(self, acts: torch.Tensor) -> torch.Tensor:
+    def decode_linear(self, acts: torch.Tensor, linear: Linear = None) -> torch.Tensor:
         """The decoder's output for feature activations ``[..., d_sae]``, before the input's
-        normalisation is undone (sae-lens's ``hook_sae_recons``)."""
+        normalisation is undone (sae-lens's ``hook_sae_recons``); ``linear`` computes
+        ``acts @ W_dec + b_dec`` if given."""
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
             acts = acts / self.W_dec.norm(dim=-1)
-        return acts @ self.W_dec + self.b_dec
+        if linear is not None:
+            return linear(acts)
+        return torch.addmm(self.b_dec, acts.reshape(-1, acts.shape[-1]), self.W_dec).view(*acts.shape[:-1], -1)
 
     def denormalize(self, out: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """``out`` with the normalisation ``normalize`` applied to the input undone."""
@@ -219,11 +235,12 @@ class SparseDictionary:
         normed, _ = self.normalize(x.to(self.dtype))
         return self.activate(self.pre_activations(normed))
 
-    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+    def reconstruct(self, x: torch.Tensor, encoder: Linear = None, decoder: Linear = None) -> torch.Tensor:
         """What sae-lens's ``SAE.forward`` returns without the error term: encode, then
         decode (plus the skip path of a skip transcoder), in the dictionary's dtype."""
         x = x.to(self.dtype)
         normed, undo = self.normalize(x)
-        out = self.decode(self.activate(self.pre_activations(normed)), undo)
+        acts = self.activate(self.pre_activations(normed, encoder))
+        out = self.denormalize(self.decode_linear(acts, decoder), undo)
         skip = self.skip(x)
         return out if skip is None else out + skip

@@ -10,12 +10,12 @@ the run's edit tables and capture buffers inside vLLM's workers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tl_core.hooks._dictionary_sites import DictionarySite
-from tl_core.sae._dictionary import SparseDictionary
+from tl_core.sae._dictionary import Linear, SparseDictionary
 
 __all__ = ["Attachment", "Decoded", "Visit", "encode_and_decode", "finish"]
 
@@ -34,11 +34,15 @@ class Attachment:
         use_error_term: Add back what the dictionary misses, so that an unedited splice
             leaves the model's output unchanged (sae-lens's ``use_error_term``); without
             it the reconstruction replaces the site's value.
+        encoder: The engine's kernel for ``x @ W_enc + b_enc`` (default torch's).
+        decoder: The engine's kernel for ``acts @ W_dec + b_dec`` (default torch's).
     """
 
     dictionary: SparseDictionary
     site: DictionarySite
     use_error_term: bool
+    encoder: Linear = field(default=None, compare=False, repr=False)
+    decoder: Linear = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Decoded:
 
 
 def encode_and_decode(
-    attachment: Attachment, x: torch.Tensor, visit: Visit, *, top_k: bool
+    attachment: Attachment, x: torch.Tensor, visit: Visit, *, top_k: bool, copies: bool = False
 ) -> Decoded:
     """Run the dictionary on ``x`` (``[..., d_in]``, heads already flattened), firing its
     sites from ``hook_sae_input`` to ``hook_sae_recons``.
@@ -66,20 +70,22 @@ def encode_and_decode(
         x: The site's value (any dtype; the dictionary computes in its own).
         visit: Fires a site and returns the value to go on with.
         top_k: Whether to compute ``hook_sae_top_indices``/``_values`` (someone reads them).
+        copies: Whether ``visit`` copies what it keeps (then the stage reuses its own
+            buffers in place); local drivers' hooks may keep references, so ``False``.
     """
     d = attachment.dictionary
     raw = x.to(d.dtype)
     sae_in = visit("hook_sae_input", raw)
     normed, undo = d.normalize(sae_in)
-    pre = d.pre_activations(normed)
+    pre = d.pre_activations(normed, attachment.encoder)
     seen_pre = visit("hook_sae_acts_pre", pre)
-    acts = d.activate(seen_pre)
+    acts = d.activate(seen_pre, inplace=copies)
     seen_acts = visit("hook_sae_acts_post", acts)
     if top_k:
         values, indices = seen_acts.topk(attachment.site.top_k, dim=-1)
         visit("hook_sae_top_values", values)
         visit("hook_sae_top_indices", indices)
-    linear = d.decode_linear(seen_acts)
+    linear = d.decode_linear(seen_acts, attachment.decoder)
     seen_linear = visit("hook_sae_recons", linear)
     output = d.denormalize(seen_linear, undo)
     skip = d.skip(raw)
@@ -87,9 +93,10 @@ def encode_and_decode(
         output = output + skip
     clean = None
     if attachment.use_error_term:
+        # An in-place activation leaves seen_pre holding the activations: only identity counts.
         edited = sae_in is not raw or seen_pre is not pre or seen_acts is not acts or seen_linear is not linear
         with torch.no_grad():
-            clean = d.reconstruct(raw) if edited else output.detach()
+            clean = d.reconstruct(raw, attachment.encoder, attachment.decoder) if edited else output.detach()
     return Decoded(output, clean)
 
 
