@@ -66,9 +66,9 @@ def _ids() -> torch.Tensor:
     return torch.randint(4, 500, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("kind", ["standard", "jumprelu", "topk"])
-def test_a_splice_equals_a_plain_hook_running_sae_lens(bridge: TransformerBridge, kind: str) -> None:
-    sae = _sae(kind, **({"k": 8} if kind == "topk" else {}))
+def _logits_with_block_1_input_through(bridge: TransformerBridge, sae: Any) -> torch.Tensor:
+    """The HF model's logits with sae-lens's ``sae`` replacing block 1's input, by a plain
+    torch pre-hook on the HF layer (no tl involved)."""
     layer = bridge.driver.hf_model.model.layers[1]
 
     def replace_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -80,9 +80,15 @@ def test_a_splice_equals_a_plain_hook_running_sae_lens(bridge: TransformerBridge
     handle = layer.register_forward_pre_hook(replace_input, with_kwargs=True)
     try:
         with torch.no_grad():
-            want = bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits
+            return bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits  # type: ignore[no-any-return]
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("kind", ["standard", "jumprelu", "topk"])
+def test_a_splice_equals_a_plain_hook_running_sae_lens(bridge: TransformerBridge, kind: str) -> None:
+    sae = _sae(kind, **({"k": 8} if kind == "topk" else {}))
+    want = _logits_with_block_1_input_through(bridge, sae)
     spliced = splice(bridge, from_sae_lens(sae), hook_name="blocks.1.hook_in")
     try:
         got = bridge.forward(_ids())
@@ -178,20 +184,9 @@ def test_a_feature_edit_equals_a_hook_on_sae_lens_own_feature_site(bridge: Trans
     sae = _sae("jumprelu")
     sae.use_error_term = True
     sae.hook_sae_acts_post.add_hook(lambda acts, hook: acts + 2.5 * (torch.arange(acts.shape[-1]) == 7))
-    layer = bridge.driver.hf_model.model.layers[1]
-
-    def replace_input(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        with torch.no_grad():
-            out = sae(hidden)
-        return ((out, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": out})
-
-    handle = layer.register_forward_pre_hook(replace_input, with_kwargs=True)
     try:
-        with torch.no_grad():
-            want = bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits
+        want = _logits_with_block_1_input_through(bridge, sae)
     finally:
-        handle.remove()
         sae.hook_sae_acts_post.remove_hooks()
     spliced = bridge.add_sae(from_sae_lens(sae), hook_name="blocks.1.hook_in", use_error_term=True)
     try:

@@ -15,20 +15,11 @@ from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
 from tl_core import ConfigError, TransformerBridge, UserError
-from tl_core.sae import SparseDictionary, load_dictionary, splice
+from tl_core.sae import SparseDictionary, load_dictionary, random_dictionary, splice
 
 
 def _dictionary(d_in: int = 8, d_sae: int = 32, seed: int = 0, **settings_: Any) -> SparseDictionary:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        "W_enc": torch.randn(d_in, d_sae, generator=gen) * 0.5,
-        "b_enc": torch.randn(d_sae, generator=gen) * 0.1,
-        "W_dec": torch.randn(d_sae, d_in, generator=gen) * 0.5,
-        "b_dec": torch.randn(d_in, generator=gen) * 0.1,
-    }
-    if settings_.get("architecture") == "jumprelu":
-        tensors["threshold"] = torch.rand(d_sae, generator=gen) * 0.3
-    return SparseDictionary(**tensors, **settings_)
+    return random_dictionary(d_in, d_sae, seed=seed, scale=0.5, **settings_)
 
 
 @pytest.mark.parametrize(

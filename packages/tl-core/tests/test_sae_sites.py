@@ -14,26 +14,14 @@ import pytest
 import torch
 
 from tl_core import ConfigError, HookNameError, SpecError, TransformerBridge, UserError
-from tl_core.sae import SparseDictionary
+from tl_core.sae import SparseDictionary, random_dictionary
 
 SITES = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_top_indices",
          "hook_sae_top_values", "hook_sae_recons", "hook_sae_error", "hook_sae_output")  # fmt: skip
 
 
 def _dictionary(d_in: int, d_sae: int, d_out: int | None = None, seed: int = 0, **settings: Any) -> SparseDictionary:
-    gen = torch.Generator().manual_seed(seed)
-    d_out = d_in if d_out is None else d_out
-    tensors = {
-        "W_enc": torch.randn(d_in, d_sae, generator=gen) * 0.3,
-        "b_enc": torch.randn(d_sae, generator=gen) * 0.1,
-        "W_dec": torch.randn(d_sae, d_out, generator=gen) * 0.3,
-        "b_dec": torch.randn(d_out, generator=gen) * 0.1,
-    }
-    if settings.get("architecture") == "jumprelu":
-        tensors["threshold"] = torch.rand(d_sae, generator=gen) * 0.2
-    if settings.pop("skip", False):
-        tensors["W_skip"] = torch.randn(d_out, d_in, generator=gen) * 0.1
-    return SparseDictionary(**tensors, **settings)
+    return random_dictionary(d_in, d_sae, d_out=d_out, seed=seed, **settings)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Each case attaches one dictionary (ReLU, JumpReLU and TopK autoencoders, a skip
 transcoder) to both drivers and compares logits and the dictionary's sites over a ragged
 batch whose longest prompt is prefilled in chunks (32-token steps), with per-prompt feature
-edits, one prompt unedited. TP=2 runs the replicated dictionary on both ranks.
+edits, one prompt unedited (TP=2: ``test_dictionaries_tp.py``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 from _tlv_support import ENGINE_OPTIONS  # noqa: E402
 
-from tl_core import RemoteBridge, TransformerBridge, UnsupportedFeatureError  # noqa: E402
-from tl_core.sae import SparseDictionary  # noqa: E402
+from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
+from tl_core.sae import SparseDictionary, random_dictionary  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -28,18 +28,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _dictionary(d_in: int, d_sae: int, seed: int, **settings: Any) -> SparseDictionary:
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {
-        "W_enc": torch.randn(d_in, d_sae, generator=gen) * 0.2,
-        "b_enc": torch.randn(d_sae, generator=gen) * 0.05,
-        "W_dec": torch.randn(d_sae, d_in, generator=gen) * 0.2,
-        "b_dec": torch.randn(d_in, generator=gen) * 0.05,
-    }
-    if settings.get("architecture") == "jumprelu":
-        tensors["threshold"] = torch.rand(d_sae, generator=gen) * 0.1
-    if settings.pop("skip", False):
-        tensors["W_skip"] = torch.randn(d_in, d_in, generator=gen) * 0.05
-    return SparseDictionary(**tensors, **settings)
+    return random_dictionary(d_in, d_sae, seed=seed, scale=0.2, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -121,35 +110,6 @@ def test_steered_generation_through_a_feature(pair: tuple[RemoteBridge, Transfor
     assert torch.equal(tokens[0][0], tokens[1][0])
     assert torch.equal(tokens[0][1], tokens[1][1])
     assert not torch.equal(tokens[1][0], tokens[1][1])  # the feature steered the text
-
-
-def test_tensor_parallel_2_runs_the_dictionary_on_both_ranks(checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    folder = checkpoint("llama")
-    hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32)
-    d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=5, architecture="jumprelu")
-    prompts = _prompts(hf.cfg.d_vocab)
-    acts = "blocks.1.hook_out.hook_sae_acts_post"
-    per_prompt: list[Any] = [{acts: {"op": "add", "value": 3.0, "features": [1, 2]}}, None, None, {acts: {"op": "suppress", "features": 9, "pos": -1}}]
-    vllm = RemoteBridge.boot_vllm(folder, dtype="float32", tensor_parallel_size=2, **ENGINE_OPTIONS)
-    try:
-        assert sorted(w["tp_rank"] for w in vllm.driver.workers) == [0, 1]
-        with pytest.raises(UnsupportedFeatureError, match="cannot run under tensor parallelism"):
-            vllm.add_sae(_dictionary(hf.cfg.d_mlp, 64, seed=1), hook_name="blocks.0.mlp.hook_post")
-        results = []
-        for bridge in (hf, vllm):
-            spliced = bridge.add_sae(d, hook_name="blocks.1.hook_out")
-            try:
-                results.append(bridge.run_with_cache(prompts, names_filter=[acts], intervene=per_prompt))
-            finally:
-                spliced.remove()
-    finally:
-        vllm.close()
-    (hf_logits, hf_cache), (vllm_logits, vllm_cache) = results
-    for b, n in enumerate(LENGTHS):
-        torch.testing.assert_close(vllm_logits[b, :n], hf_logits[b, :n], **TOL)
-        torch.testing.assert_close(vllm_cache[acts][b, :n], hf_cache[acts][b, :n], **TOL)
 
 
 def test_the_evaluation_runs_through_the_engine_and_equals_the_hf_driver(pair: tuple[RemoteBridge, TransformerBridge]) -> None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         evaluate_dictionary as evaluate_dictionary,
     )
     from tl_core.sae._load import from_sae_lens as from_sae_lens, load_dictionary as load_dictionary
+    from tl_core.sae._random import random_dictionary as random_dictionary
     from tl_core.sae._splice import (
         DEFAULT_TOP_K as DEFAULT_TOP_K,
         Splice as Splice,
@@ -54,6 +55,7 @@ __getattr__, __dir__, __all__ = attach(
         "evaluate_dictionary": "_evaluate",
         "from_sae_lens": "_load",
         "load_dictionary": "_load",
+        "random_dictionary": "_random",
         "DICTIONARY_SITES": "tl_core.hooks._dictionary_sites",
         "DictionarySite": "tl_core.hooks._dictionary_sites",
         "DEFAULT_TOP_K": "_splice",
