@@ -54,6 +54,11 @@ class CaptureConfig:
         dtype: Storage dtype of floating activations (``None``: as the driver returns them).
         max_tokens: Stop after the context that reaches this many input tokens.
         intervene: Specs applied while capturing (JSON, as ``run_with_cache(intervene=)``).
+        dictionaries: Sparse dictionaries attached while capturing, so their sites
+            (``<hook>.hook_sae_top_indices``, ...) can be captured: one mapping each with
+            ``path`` (a sae-lens folder) and optionally ``hook_name``, ``output_hook_name``,
+            ``top_k`` and ``use_error_term`` (default ``True``: the model downstream stays
+            as it is, so later hooks hold the model's own values).
     """
 
     model: str
@@ -74,6 +79,7 @@ class CaptureConfig:
     dtype: str | None = None
     max_tokens: int | None = None
     intervene: Any = None
+    dictionaries: tuple[Mapping[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.hooks, str) or not isinstance(self.hooks, Sequence) or not self.hooks:
@@ -84,6 +90,7 @@ class CaptureConfig:
         object.__setattr__(self, "hooks", tuple(self.hooks))
         object.__setattr__(self, "input", str(Path(self.input).expanduser().resolve()))
         object.__setattr__(self, "boot_options", dict(self.boot_options))
+        object.__setattr__(self, "dictionaries", tuple(_dictionary_entry(d, i) for i, d in enumerate(self.dictionaries)))
         for name in ("context_size", "batch_size"):
             _positive(name, getattr(self, name))
         if self.shard_contexts is not None:
@@ -116,12 +123,29 @@ class CaptureConfig:
         """The config as JSON values (hooks as a list)."""
         data = asdict(self)
         data["hooks"] = list(self.hooks)
+        data["dictionaries"] = [dict(d) for d in self.dictionaries]
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CaptureConfig:
         """The config recorded in a manifest."""
-        return cls(**{**data, "hooks": tuple(data["hooks"])})
+        return cls(**{**data, "hooks": tuple(data["hooks"]), "dictionaries": tuple(data.get("dictionaries", ()))})
+
+
+_DICTIONARY_KEYS = ("path", "hook_name", "output_hook_name", "top_k", "use_error_term")
+
+
+def _dictionary_entry(entry: object, index: int) -> dict[str, Any]:
+    """One ``dictionaries`` entry, checked, its path absolute and ``use_error_term`` set."""
+    if not isinstance(entry, Mapping) or "path" not in entry:
+        raise UserError(f"dictionaries[{index}] must be a mapping with a 'path' (a sae-lens folder), got {entry!r}")
+    unknown = sorted(set(entry) - set(_DICTIONARY_KEYS))
+    if unknown:
+        raise UserError(f"dictionaries[{index}] has unknown keys {unknown}; its keys are {', '.join(_DICTIONARY_KEYS)}")
+    out = dict(entry)
+    out["path"] = str(Path(str(entry["path"])).expanduser().resolve())
+    out.setdefault("use_error_term", True)
+    return out
 
 
 def _positive(name: str, value: object) -> None:

@@ -3,9 +3,11 @@ checks that let a rerun continue a store (same job, intact shards) or refuse it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -128,8 +130,44 @@ def _versions(driver: str) -> dict[str, str]:
     return versions
 
 
+def attach_dictionaries(bridge: Any, config: CaptureConfig) -> list[Any]:
+    """Attach the config's dictionaries to ``bridge``; the caller removes each (``Splice``).
+
+    Raises:
+        UserError: A folder that is not a sae-lens dictionary, or one that does not fit the
+            model (see ``tl_core.sae.splice``); nothing stays attached then.
+    """
+    from tl_core.sae import load_dictionary
+
+    attached: list[Any] = []
+    try:
+        for entry in config.dictionaries:
+            options = {k: v for k, v in entry.items() if k != "path"}
+            attached.append(bridge.add_sae(load_dictionary(entry["path"]), **options))
+    except BaseException:
+        for splice in attached:
+            splice.remove()
+        raise
+    return attached
+
+
+def _dictionary_digest(folder: str) -> str:
+    """The sha256 of a dictionary folder's config and weights (a store records what it used)."""
+    digest = hashlib.sha256()
+    for name in ("cfg.json", "sae_weights.safetensors"):
+        with (Path(folder) / name).open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def identity(
-    config: CaptureConfig, plan: HookPlan, bridge: Any, input_digest: str, contexts_per_shard: int
+    config: CaptureConfig,
+    plan: HookPlan,
+    bridge: Any,
+    input_digest: str,
+    contexts_per_shard: int,
+    attached: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """What decides a store's content; two runs may share a store only when it is equal."""
     info = {k: v for k, v in asdict(bridge.cfg).items() if k != "device"}
@@ -140,6 +178,8 @@ def identity(
         "hooks": {name: [h.requested, list(h.shape), h.dtype] for name, h in plan.hooks.items()},
         "versions": _versions(config.driver),
     }
+    if attached:
+        wanted["dictionaries"] = [_dictionary_digest(entry["path"]) for entry in config.dictionaries]
     # As the manifest records it (tuples become lists), so an unchanged job compares equal.
     return dict(json.loads(json.dumps(wanted)))
 

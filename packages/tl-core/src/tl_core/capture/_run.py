@@ -33,6 +33,7 @@ from tl_core.capture._config import CaptureConfig
 from tl_core.capture._contexts import Context, Tokens, contexts
 from tl_core.capture._job import (
     HookPlan,
+    attach_dictionaries,
     check_resumable,
     identity,
     open_store,
@@ -45,6 +46,7 @@ from tl_core.capture._manifest import FORMAT, MANIFEST, Manifest
 from tl_core.capture._progress import Progress
 from tl_core.capture._shards import shard_name, write_shard
 from tl_core.capture._source import DocumentSource, open_source
+from tl_core.sae._load import load_dictionary
 
 __all__ = ["CaptureSummary", "capture", "disk_full", "parse_part"]
 
@@ -313,6 +315,8 @@ def capture(
     source = open_source(config.input, config.input_format, config.text_field)
     digest = source.digest()  # reads the whole input: empty, binary, not UTF-8, no text field
     check_intervene(config.intervene, _SPECS)
+    for entry in config.dictionaries:
+        load_dictionary(entry["path"])  # a missing or inconsistent dictionary, before the boot
     limit = context_limit_before_boot(config)
     if limit is not None:
         check_context_size(config, limit, booted=False)
@@ -365,7 +369,9 @@ def _boot_and_run(
         from tl_core.bridges._boot import boot
 
         bridge = boot(config.model, driver=config.driver, **config.boot_options)
+    spliced: list[Any] = []
     try:
+        spliced.extend(attach_dictionaries(bridge, config))
         limit = booted_limit(bridge, config)
         if limit is not None:
             check_context_size(config, limit, booted=True)
@@ -373,7 +379,7 @@ def _boot_and_run(
         check_intervene_on(bridge, config, _SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
-        wanted = identity(config, plan, bridge, digest, shard_contexts(config, plan))
+        wanted = identity(config, plan, bridge, digest, shard_contexts(config, plan), spliced)
         with _no_space(folder, "writing the store"):
             manifest, notes = open_store(folder, wanted, plan, part, repair=repair)
             before = len(manifest.shards)
@@ -382,6 +388,9 @@ def _boot_and_run(
             display.close()
         return (*written, before), manifest, notes
     finally:
+        # A given bridge goes back as it came.
+        for splice in spliced:
+            splice.remove()
         if owned:
             bridge.close()
 

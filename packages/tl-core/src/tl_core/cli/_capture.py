@@ -38,6 +38,8 @@ def register(sub: Any) -> None:
     run.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="storage dtype of activations")
     run.add_argument("--max-tokens", type=int, help="stop after this many input tokens")
     run.add_argument("--intervene", type=Path, help="a JSON file of specs applied while capturing")
+    run.add_argument("--sae", action="append", default=[], metavar="FOLDER[@HOOK]", help="a sae-lens dictionary folder to attach while capturing (at HOOK, default its own hook_name), so --hooks can name its sites, e.g. blocks.3.hook_out.hook_sae_top_indices; repeatable")
+    run.add_argument("--sae-top-k", type=int, default=None, metavar="K", help="features per token the dictionaries' hook_sae_top_indices/_top_values keep (default: a TopK dictionary's k, else 32)")
     run.add_argument("--shard", default="0/1", metavar="I/N", help="run part I of N (each part in its own folder)")
     run.add_argument("--repair", action="store_true", help="redo recorded shards that are missing or damaged")
     run.add_argument("--quiet", action="store_true", help="no progress line")
@@ -95,6 +97,17 @@ def _specs(path: Path | None) -> Any:
     return specs
 
 
+def _dictionary(entry: str, top_k: int | None) -> dict[str, Any]:
+    """``FOLDER`` or ``FOLDER@HOOK`` as a ``CaptureConfig.dictionaries`` entry."""
+    folder, _, hook = entry.partition("@")
+    out: dict[str, Any] = {"path": folder}
+    if hook:
+        out["hook_name"] = hook
+    if top_k is not None:
+        out["top_k"] = top_k
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     from tl_core.capture import CaptureConfig, capture
     from tl_core.cli._model_arg import check_model, default_driver
@@ -119,6 +132,7 @@ def _run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_tokens=args.max_tokens,
         intervene=_specs(args.intervene),
+        dictionaries=tuple(_dictionary(entry, args.sae_top_k) for entry in args.sae),
     )
     try:
         summary = capture(config, args.output, part=args.shard, repair=args.repair, progress=not args.quiet)
