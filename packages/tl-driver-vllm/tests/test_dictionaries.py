@@ -93,6 +93,24 @@ def test_a_spliced_dictionary_equals_the_hf_driver(pair: tuple[RemoteBridge, Tra
         torch.testing.assert_close(hf_logits[2, : LENGTHS[2]], hf_plain[2, : LENGTHS[2]], **TOL)
 
 
+def test_a_single_prompt_equals_the_hf_driver(pair: tuple[RemoteBridge, TransformerBridge]) -> None:
+    vllm, hf = pair
+    d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=3, architecture="jumprelu")
+    prompt = _prompts(hf.cfg.d_vocab)[1]  # 70 tokens: prefilled in three chunks
+    acts = "blocks.1.hook_in.hook_sae_acts_post"
+    steer = {acts: {"op": "add", "value": 2.0, "features": [5, 6]}}
+    results = []
+    for bridge in (hf, vllm):
+        spliced = bridge.add_sae(d, hook_name="blocks.1.hook_in")
+        try:
+            results.append(bridge.run_with_cache([prompt], names_filter=[acts], intervene=steer))
+        finally:
+            spliced.remove()
+    (hf_logits, hf_cache), (vllm_logits, vllm_cache) = results
+    torch.testing.assert_close(vllm_logits, hf_logits, **TOL)
+    torch.testing.assert_close(vllm_cache[acts], hf_cache[acts], **TOL)
+
+
 def test_steered_generation_through_a_feature(pair: tuple[RemoteBridge, TransformerBridge]) -> None:
     vllm, hf = pair
     d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=2)
