@@ -9,7 +9,9 @@ generation), then tensor parallelism 2 and pipeline parallelism 2 when the machi
 GPUs. Float32, each result measured against the hf driver on the CPU in float64 and
 required within the parity suite's ``VLLM_FACTOR`` times the float32 hf driver's own error
 (``tl_core.driver_api.check_rounding``: a band that holds on any processor, GPU included);
-generation against plain transformers. Budget: under 8 minutes on one GPU.
+generation against plain transformers; and a JumpReLU SAE spliced at one block with
+per-prompt feature edits (logits and feature activations; the float64 reference runs the
+dictionary in float64). Budget: under 8 minutes on one GPU.
 
 Usage (a GPU machine with tl-core, tl-driver-hf and tl-driver-vllm[cuda] installed)::
 
@@ -45,6 +47,7 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
 
     from tl_core import RemoteBridge, TransformerBridge
     from tl_core.driver_api import check_rounding
+    from tl_core.sae import random_dictionary
     from tl_driver_hf.testing import write_tiny_checkpoint
 
     def ratio(got: Any, peer: Any, exact: Any) -> float:
@@ -70,10 +73,11 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     report: dict[str, float] = {}
     try:
         driver, ref = bridge.driver, Reference(folder)
-        hf, exact = (
-            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True, device="cpu").driver
+        hf_bridge, exact_bridge = (
+            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True, device="cpu")
             for dtype in (torch.float32, torch.float64)
         )
+        hf, exact = hf_bridge.driver, exact_bridge.driver
         prompts = _prompts(driver.info.d_vocab)
         served = sorted(driver.supported_hook_points)
         specs = _per_prompt_specs(driver.info.d_model, driver.supported_hook_points)
@@ -96,6 +100,24 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
         assert out.new_tokens is not None
         same = all(out.new_tokens[b].tolist() == ref.generate(ids, 6, steer[b]) for b, ids in enumerate(chosen))
         report["generate: greedy tokens differ"] = 0.0 if same else float("inf")
+        # A dictionary inside the engine: per-prompt feature edits, logits and features.
+        sae = random_dictionary(driver.info.d_model, 4 * driver.info.d_model, seed=5, scale=0.2, architecture="jumprelu")
+        acts = "blocks.1.hook_out.hook_sae_acts_post"
+        edits: list[Any] = [None] * len(prompts)
+        edits[0] = {acts: {"op": "add", "value": 3.0, "features": [1, 2], "pos": -1}}
+        edits[-1] = {acts: {"op": "suppress", "features": list(range(0, 4 * driver.info.d_model, 5))}}
+        runs = []
+        for b, dictionary in ((bridge, sae), (hf_bridge, sae), (exact_bridge, sae.to(dtype=torch.float64))):
+            spliced = b.add_sae(dictionary, hook_name="blocks.1.hook_out")
+            try:
+                runs.append(b.driver.forward(prompts, capture=[acts], intervene=edits, max_new_tokens=0))
+            finally:
+                spliced.remove()
+        for b, ids in enumerate(prompts):
+            n = len(ids)
+            for key, pick in (("sae:logits", lambda r: r.logits), (f"sae:{acts}", lambda r: r.captured[acts])):
+                got, peer, sure = (prompt_part(pick(r), b, n) for r in runs)
+                report[key] = max(report.get(key, 0.0), ratio(got, peer, sure))
     finally:
         bridge.close()
     worst = max(report, key=lambda k: report[k])
