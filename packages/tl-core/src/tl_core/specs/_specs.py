@@ -431,53 +431,43 @@ def _vector(raw: object, where: str, key: str, row: int | None = None) -> tuple[
     return tuple(out)
 
 
-def _position(raw: object, where: str) -> int:
-    if isinstance(raw, float) and raw.is_integer():
-        return int(raw)
-    if isinstance(raw, bool) or not isinstance(raw, numbers.Integral):
-        raise _error(
-            f"{where}: key 'pos' expects an int or a non-empty list of distinct ints, found "
-            f"{_describe(raw)}"
-        )
-    return int(raw)
+def _distinct_ints(
+    raw: object, where: str, key: str, *, expected: str, omit: str, noun: str, distinct: str, minimum: int | None = None
+) -> tuple[int, ...]:
+    """An int or a non-empty list of distinct ints (``pos``, ``features``), as a tuple.
 
-
-def _positions(raw: object, where: str) -> tuple[int, ...]:
-    raw = _plain(raw)
-    if not isinstance(raw, Sequence) or isinstance(raw, str | bytes):
-        return (_position(raw, where),)
-    if len(raw) == 0:
-        raise _error(
-            f"{where}: key 'pos' expects an int or a non-empty list of distinct ints, found "
-            "an empty list; omit 'pos' to edit every position"
-        )
-    out = tuple(_position(item, where) for item in raw)
-    if len(set(out)) != len(out):
-        repeated = next(p for p in out if out.count(p) > 1)
-        raise _error(
-            f"{where}: key 'pos' lists position {repeated} more than once; expected distinct "
-            "positions"
-        )
-    return out
-
-
-def _features(raw: object, where: str) -> tuple[int, ...]:
+    ``expected`` says what the key takes, ``omit`` what leaving it out does, ``noun`` and
+    ``distinct`` name a repeated value; ``minimum`` bounds every value from below.
+    """
     raw = _plain(raw)
     items = raw if isinstance(raw, Sequence) and not isinstance(raw, str | bytes) else [raw]
-    expected = "a feature index (an int >= 0) or a non-empty list of distinct ones"
     if len(items) == 0:
-        raise _error(f"{where}: key 'features' expects {expected}, found an empty list; omit it to edit every feature")
+        raise _error(f"{where}: key {key!r} expects {expected}, found an empty list; {omit}")
     out = []
     for item in items:
         if isinstance(item, float) and item.is_integer():
             item = int(item)
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
-            raise _error(f"{where}: key 'features' expects {expected}, found {_describe(item)}")
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or (minimum is not None and item < minimum):
+            raise _error(f"{where}: key {key!r} expects {expected}, found {_describe(item)}")
         out.append(int(item))
     if len(set(out)) != len(out):
-        repeated = next(f for f in out if out.count(f) > 1)
-        raise _error(f"{where}: key 'features' lists feature {repeated} more than once; expected distinct indices")
+        repeated = next(v for v in out if out.count(v) > 1)
+        raise _error(f"{where}: key {key!r} lists {noun} {repeated} more than once; expected {distinct}")
     return tuple(out)
+
+
+def _positions(raw: object, where: str) -> tuple[int, ...]:
+    return _distinct_ints(
+        raw, where, "pos", expected="an int or a non-empty list of distinct ints",
+        omit="omit 'pos' to edit every position", noun="position", distinct="distinct positions",
+    )  # fmt: skip
+
+
+def _features(raw: object, where: str) -> tuple[int, ...]:
+    return _distinct_ints(
+        raw, where, "features", expected="a feature index (an int >= 0) or a non-empty list of distinct ones",
+        omit="omit it to edit every feature", noun="feature", distinct="distinct indices", minimum=0,
+    )  # fmt: skip
 
 
 def _to_lists(value: SpecValue) -> float | list[float] | list[list[float]]:
