@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tl_core import TLError
-from tl_core.sae import Attachment, Decoded, encode_and_decode, finish
+from tl_core.sae import Attachment, DictionaryRun
 from tl_driver_vllm._wire import unpack
 
 __all__ = ["NORMED", "Allocate", "RequestPlan", "RunState", "Step", "copy_rows"]
@@ -111,10 +111,9 @@ class RunState:
         dictionaries: Mapping[str, Attachment] | None = None,
     ) -> None:
         self.allocate: Allocate = allocate or _empty
-        self.dictionaries = dict(dictionaries or {})
-        #: Transcoders by the site they write, and each one's decoded input this step.
-        self.writers = {a.site.output_hook: a for a in self.dictionaries.values() if a.site.output_hook != a.site.hook}
-        self.pending: dict[str, Decoded] = {}
+        #: Each dictionary's run by the site it reads, and transcoders' by the site they write.
+        self.readers = {hook: self._run_of(a) for hook, a in (dictionaries or {}).items()}
+        self.writers = {r.attachment.site.output_hook: r for r in self.readers.values() if r.attachment.site.output_hook != r.attachment.site.hook}
         columns = columns or {}
         needs = needs or {}
         self.raw = bool(config.get("raw", False))
@@ -159,7 +158,7 @@ class RunState:
 
     def needed(self) -> set[str]:
         """Every hook name some request captures or edits, and every dictionary's sites."""
-        return self.captured | set(self.tables) | set(self.dictionaries) | set(self.writers)
+        return self.captured | set(self.tables) | set(self.readers) | set(self.writers)
 
     # -- per-site work -----------------------------------------------------------------
 
@@ -173,39 +172,22 @@ class RunState:
                 x = self._edit(name, x, step)
             if name in self.captured:
                 self.capture(name, x)
-            if name in self.dictionaries:
-                x = self._read_dictionary(self.dictionaries[name], x)
+            if name in self.readers:
+                x = self.readers[name].read(x)
             if name in self.writers:
-                x = self._write_dictionary(self.writers[name], x)
+                x = self.writers[name].write(x)
         return x
 
-    def _read_dictionary(self, attachment: Attachment, x: torch.Tensor) -> torch.Tensor:
-        """Run a dictionary on the value at its site; an autoencoder's output replaces it."""
+    def _run_of(self, attachment: Attachment) -> DictionaryRun:
+        """A dictionary's run at its sites: its own sites fire through ``visit`` (edit
+        tables, capture buffers); captures are copies, so it may work in place."""
         site = attachment.site
+        top = (site.name("hook_sae_top_indices"), site.name("hook_sae_top_values"))
 
         def visit(short: str, value: torch.Tensor) -> torch.Tensor:
             return self.visit((site.name(short),), value)
 
-        top_k = site.name("hook_sae_top_indices") in self.captured or site.name("hook_sae_top_values") in self.captured
-        flat = x.flatten(-2) if attachment.dictionary.flatten_heads else x
-        # Captures are copied into the run's buffers, so the stage may work in place.
-        decoded = encode_and_decode(attachment, flat, visit, top_k=top_k, copies=True)
-        if site.output_hook != site.hook:
-            self.pending[site.hook] = decoded
-            return x
-        return finish(attachment, flat, decoded, visit).to(x.dtype).view(x.shape)
-
-    def _write_dictionary(self, attachment: Attachment, y: torch.Tensor) -> torch.Tensor:
-        """A transcoder's output replaces the value at the site it writes."""
-        site = attachment.site
-        decoded = self.pending.pop(site.hook, None)
-        if decoded is None:
-            raise TLError(f"the transcoder writing {site.output_hook!r} found no input: {site.hook!r} did not fire first")
-
-        def visit(short: str, value: torch.Tensor) -> torch.Tensor:
-            return self.visit((site.name(short),), value)
-
-        return finish(attachment, y, decoded, visit).to(y.dtype)
+        return DictionaryRun(attachment, visit, lambda: any(n in self.captured for n in top), copies=True)
 
     def capture(
         self,

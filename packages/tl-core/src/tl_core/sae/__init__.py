@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from tl_core.sae._stage import (
         Attachment as Attachment,
         Decoded as Decoded,
+        DictionaryRun as DictionaryRun,
         encode_and_decode as encode_and_decode,
         finish as finish,
     )
@@ -64,6 +65,7 @@ __getattr__, __dir__, __all__ = attach(
         "splice": "_splice",
         "Attachment": "_stage",
         "Decoded": "_stage",
+        "DictionaryRun": "_stage",
         "encode_and_decode": "_stage",
         "finish": "_stage",
     },

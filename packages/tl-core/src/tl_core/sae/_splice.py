@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from tl_core._errors import ConfigError, TLError, UnsupportedFeatureError
+from tl_core._errors import ConfigError, UnsupportedFeatureError
 from tl_core.driver_api._local import LocalDriver
 from tl_core.hooks._dictionary_sites import DICTIONARY_SITES, DictionarySite
 from tl_core.hooks._hook_point import HookPoint
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._order import forward_order
 from tl_core.sae._dictionary import SparseDictionary
-from tl_core.sae._stage import Attachment, Decoded, encode_and_decode, finish
+from tl_core.sae._stage import Attachment, DictionaryRun
 
 __all__ = ["DEFAULT_TOP_K", "Splice", "plan_attachment", "splice"]
 
@@ -191,8 +191,7 @@ def splice(
 
 def _attach_local(driver: LocalDriver, attachment: Attachment) -> Callable[[], None]:
     site = attachment.site
-    device = next((p.device for p in driver.module.parameters()), torch.device("cpu"))
-    attachment = Attachment(attachment.dictionary.to(device), site, attachment.use_error_term)
+    attachment = Attachment(attachment.dictionary.to(driver.device), site, attachment.use_error_term)
     points = {name: HookPoint(name) for name in site.names}
     by_site = {short: points[site.name(short)] for short in DICTIONARY_SITES}
 
@@ -203,29 +202,13 @@ def _attach_local(driver: LocalDriver, attachment: Attachment) -> Callable[[], N
     def wants_top_k() -> bool:
         return by_site["hook_sae_top_indices"].has_hooks or by_site["hook_sae_top_values"].has_hooks
 
-    flatten = attachment.dictionary.flatten_heads
+    # Hooks may keep references to what they see (captures do), so nothing runs in place.
+    run = DictionaryRun(attachment, visit, wants_top_k, copies=False)
     read, write = driver.hook_points[site.hook], driver.hook_points[site.output_hook]
-    pending: list[Decoded] = []
-
-    def replace_value(x: torch.Tensor) -> torch.Tensor:
-        flat = x.flatten(-2) if flatten else x
-        decoded = encode_and_decode(attachment, flat, visit, top_k=wants_top_k())
-        return finish(attachment, flat, decoded, visit).to(x.dtype).reshape(x.shape)
-
-    def read_input(x: torch.Tensor) -> torch.Tensor:
-        pending[:] = [encode_and_decode(attachment, x, visit, top_k=wants_top_k())]
-        return x
-
-    def write_output(y: torch.Tensor) -> torch.Tensor:
-        if not pending:
-            raise TLError(f"the transcoder writing {site.output_hook!r} found no input: {site.hook!r} did not fire first")
-        return finish(attachment, y, pending.pop(), visit).to(y.dtype)
-
     driver.add_dictionary_sites(site, points)
-    if site.output_hook == site.hook:
-        read.replacement = replace_value
-    else:
-        read.replacement, write.replacement = read_input, write_output
+    read.replacement = run.read
+    if site.output_hook != site.hook:
+        write.replacement = run.write
 
     def detach() -> None:
         read.replacement = None

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tl_core._errors import TLError
 from tl_core.hooks._dictionary_sites import DictionarySite
 from tl_core.sae._dictionary import Linear, SparseDictionary
 
-__all__ = ["Attachment", "Decoded", "Visit", "encode_and_decode", "finish"]
+__all__ = ["Attachment", "Decoded", "DictionaryRun", "Visit", "encode_and_decode", "finish"]
 
 #: ``visit(site, value) -> value``: fire one of ``DICTIONARY_SITES`` (its short name) and
 #: return the value the dictionary goes on with.
@@ -117,3 +118,47 @@ def finish(attachment: Attachment, actual: torch.Tensor, decoded: Decoded, visit
             error = visit("hook_sae_error", actual.to(decoded.clean.dtype) - decoded.clean)
         output = output + error
     return visit("hook_sae_output", output)
+
+
+class DictionaryRun:
+    """One attachment at work in a driver's forwards: the driver hands ``read`` the value at
+    the site the dictionary reads and ``write`` the value at the site a transcoder writes,
+    and passes on what they return.
+
+    Args:
+        attachment: The dictionary and its settings.
+        visit: Fires one of its sites (by short name) and returns the value to go on with.
+        wants_top_k: Whether someone reads ``hook_sae_top_indices``/``_values`` now.
+        copies: Whether ``visit`` copies what it keeps (see ``encode_and_decode``).
+    """
+
+    def __init__(self, attachment: Attachment, visit: Visit, wants_top_k: Callable[[], bool], *, copies: bool) -> None:
+        self.attachment = attachment
+        self._visit = visit
+        self._wants_top_k = wants_top_k
+        self._copies = copies
+        self._pending: Decoded | None = None
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the dictionary on its site's value (heads flattened where it reads them so):
+        an autoencoder's output, in ``x``'s dtype and shape, replaces it; a transcoder keeps
+        its reconstruction for ``write`` and leaves ``x`` as it is."""
+        attachment = self.attachment
+        flat = x.flatten(-2) if attachment.dictionary.flatten_heads else x
+        decoded = encode_and_decode(attachment, flat, self._visit, top_k=self._wants_top_k(), copies=self._copies)
+        if attachment.site.output_hook != attachment.site.hook:
+            self._pending = decoded
+            return x
+        return finish(attachment, flat, decoded, self._visit).to(x.dtype).reshape(x.shape)
+
+    def write(self, y: torch.Tensor) -> torch.Tensor:
+        """What a transcoder's output site passes on, in ``y``'s dtype.
+
+        Raises:
+            TLError: The site it reads did not fire first in this forward.
+        """
+        site = self.attachment.site
+        if self._pending is None:
+            raise TLError(f"the transcoder writing {site.output_hook!r} found no input: {site.hook!r} did not fire first")
+        decoded, self._pending = self._pending, None
+        return finish(self.attachment, y, decoded, self._visit).to(y.dtype)
