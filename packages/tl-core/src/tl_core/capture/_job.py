@@ -130,20 +130,19 @@ def _versions(driver: str) -> dict[str, str]:
     return versions
 
 
-def attach_dictionaries(bridge: Any, config: CaptureConfig) -> list[Any]:
-    """Attach the config's dictionaries to ``bridge``; the caller removes each (``Splice``).
+def attach_dictionaries(bridge: Any, config: CaptureConfig, dictionaries: Sequence[Any]) -> list[Any]:
+    """Attach ``dictionaries`` (loaded from ``config.dictionaries``' folders, in order) to
+    ``bridge`` with each entry's options; the caller removes each (``Splice``).
 
     Raises:
-        UserError: A folder that is not a sae-lens dictionary, or one that does not fit the
-            model (see ``tl_core.sae.splice``); nothing stays attached then.
+        UserError: A dictionary that does not fit the model (see ``tl_core.sae.splice``);
+            nothing stays attached then.
     """
-    from tl_core.sae import load_dictionary
-
     attached: list[Any] = []
     try:
-        for entry in config.dictionaries:
+        for entry, dictionary in zip(config.dictionaries, dictionaries, strict=True):
             options = {k: v for k, v in entry.items() if k != "path"}
-            attached.append(bridge.add_sae(load_dictionary(entry["path"]), **options))
+            attached.append(bridge.add_sae(dictionary, **options))
     except BaseException:
         for splice in attached:
             splice.remove()
@@ -162,12 +161,7 @@ def _dictionary_digest(folder: str) -> str:
 
 
 def identity(
-    config: CaptureConfig,
-    plan: HookPlan,
-    bridge: Any,
-    input_digest: str,
-    contexts_per_shard: int,
-    attached: Sequence[Any] = (),
+    config: CaptureConfig, plan: HookPlan, bridge: Any, input_digest: str, contexts_per_shard: int
 ) -> dict[str, Any]:
     """What decides a store's content; two runs may share a store only when it is equal."""
     info = {k: v for k, v in asdict(bridge.cfg).items() if k != "device"}
@@ -178,7 +172,7 @@ def identity(
         "hooks": {name: [h.requested, list(h.shape), h.dtype] for name, h in plan.hooks.items()},
         "versions": _versions(config.driver),
     }
-    if attached:
+    if config.dictionaries:
         wanted["dictionaries"] = [_dictionary_digest(entry["path"]) for entry in config.dictionaries]
     # As the manifest records it (tuples become lists), so an unchanged job compares equal.
     return dict(json.loads(json.dumps(wanted)))

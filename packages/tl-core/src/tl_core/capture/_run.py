@@ -46,6 +46,7 @@ from tl_core.capture._manifest import FORMAT, MANIFEST, Manifest
 from tl_core.capture._progress import Progress
 from tl_core.capture._shards import shard_name, write_shard
 from tl_core.capture._source import DocumentSource, open_source
+from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._load import load_dictionary
 
 __all__ = ["CaptureSummary", "capture", "disk_full", "parse_part"]
@@ -315,8 +316,8 @@ def capture(
     source = open_source(config.input, config.input_format, config.text_field)
     digest = source.digest()  # reads the whole input: empty, binary, not UTF-8, no text field
     check_intervene(config.intervene, _SPECS)
-    for entry in config.dictionaries:
-        load_dictionary(entry["path"])  # a missing or inconsistent dictionary, before the boot
+    # A missing or inconsistent dictionary is refused before the boot; attached after it.
+    dictionaries = [load_dictionary(entry["path"]) for entry in config.dictionaries]
     limit = context_limit_before_boot(config)
     if limit is not None:
         check_context_size(config, limit, booted=False)
@@ -331,7 +332,9 @@ def capture(
         try:
             for note in lock.notes:
                 _LOG.warning("tl capture: %s", note)
-            counts, manifest, notes = _boot_and_run(config, folder, source, digest, part, repair, progress, bridge)
+            counts, manifest, notes = _boot_and_run(
+                config, folder, source, digest, part, repair, progress, bridge, dictionaries
+            )
         finally:
             lock.release()
     finally:
@@ -358,6 +361,7 @@ def _boot_and_run(
     repair: bool,
     progress: bool,
     bridge: Any,
+    dictionaries: Sequence[SparseDictionary],
 ) -> tuple[tuple[int, int, int, int], Manifest, list[str]]:
     """Boot (unless given a bridge), check what the model decides, then write the store.
 
@@ -371,7 +375,7 @@ def _boot_and_run(
         bridge = boot(config.model, driver=config.driver, **config.boot_options)
     spliced: list[Any] = []
     try:
-        spliced.extend(attach_dictionaries(bridge, config))
+        spliced.extend(attach_dictionaries(bridge, config, dictionaries))
         limit = booted_limit(bridge, config)
         if limit is not None:
             check_context_size(config, limit, booted=True)
@@ -379,7 +383,7 @@ def _boot_and_run(
         check_intervene_on(bridge, config, _SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
-        wanted = identity(config, plan, bridge, digest, shard_contexts(config, plan), spliced)
+        wanted = identity(config, plan, bridge, digest, shard_contexts(config, plan))
         with _no_space(folder, "writing the store"):
             manifest, notes = open_store(folder, wanted, plan, part, repair=repair)
             before = len(manifest.shards)
