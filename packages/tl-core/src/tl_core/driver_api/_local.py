@@ -163,15 +163,19 @@ class LocalDriver(NamespaceFacts, ABC):
     # -- dictionary sites ------------------------------------------------------------------
 
     @property
+    def _dictionaries(self) -> dict[str, tuple[DictionarySite, dict[str, HookPoint]]]:
+        """Canonical site -> the dictionary attached there and the HookPoints of its sites."""
+        entries: dict[str, tuple[DictionarySite, dict[str, HookPoint]]] = self.__dict__.setdefault("_dictionary_entries", {})
+        return entries
+
+    @property
     def _dictionary_points(self) -> dict[str, HookPoint]:
-        points: dict[str, HookPoint] = self.__dict__.setdefault("_dictionary_point_map", {})
-        return points
+        return {name: point for _, points in self._dictionaries.values() for name, point in points.items()}
 
     @property
     def dictionary_sites(self) -> Mapping[str, DictionarySite]:
         """Canonical site -> the dictionary attached there."""
-        sites: dict[str, DictionarySite] = self.__dict__.setdefault("_dictionary_site_map", {})
-        return sites
+        return {hook: site for hook, (site, _) in self._dictionaries.items()}
 
     def add_dictionary_sites(self, site: DictionarySite, points: Mapping[str, HookPoint]) -> None:
         """Serve a dictionary's sites (``site.names``), fired by ``points``.
@@ -186,18 +190,13 @@ class LocalDriver(NamespaceFacts, ABC):
         if set(points) != set(site.names):
             raise DriverContractError(f"dictionary sites {sorted(points)} are not {list(site.names)}")
         namespace = self.namespace.with_dictionary(site)
-        self.__dict__.setdefault("_dictionary_site_map", {})[site.hook] = site
-        self._dictionary_points.update(points)
+        self._dictionaries[site.hook] = (site, dict(points))
         self._namespace = namespace
 
     def remove_dictionary_sites(self, hook: str) -> None:
         """Stop serving the sites of the dictionary at canonical ``hook`` (if any)."""
-        site = self.__dict__.get("_dictionary_site_map", {}).pop(hook, None)
-        if site is None:
-            return
-        for name in site.names:
-            self._dictionary_points.pop(name, None)
-        self.__dict__.pop("_namespace", None)
+        if self._dictionaries.pop(hook, None) is not None:
+            self.__dict__.pop("_namespace", None)
 
     def _split_read_only(self) -> dict[str, str]:
         if not self.split_qkv_input:
@@ -221,7 +220,8 @@ class LocalDriver(NamespaceFacts, ABC):
         """
         built: HookNamespace | None = self.__dict__.get("_namespace")
         if built is None:
-            model_points = {n: p for n, p in self.hook_points.items() if n not in self._dictionary_points}
+            extra = self._dictionary_points
+            model_points = {n: p for n, p in self.hook_points.items() if n not in extra}
             built = HookNamespace.build(
                 self.info,
                 model_points,
