@@ -27,11 +27,29 @@ def _sae(kind: str, normalization: str = "none", apply_b_dec: bool = True, **ext
     }
     cls, cfg_cls = classes[kind]
     sae = cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, normalize_activations=normalization, apply_b_dec_to_input=apply_b_dec, **extra))
-    gen = torch.Generator().manual_seed(7)
+    return _randomised(sae, seed=7, scale=0.2)
+
+
+def _randomised(module: Any, *, seed: int, scale: float) -> Any:
+    """``module`` with every parameter drawn from N(0, scale^2) (sae-lens initialises some to 0)."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for param in sae.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
-    return sae
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    return module
+
+
+def _reconstructions_equal_sae_lens(module: Any, x: torch.Tensor) -> list[Any]:
+    """tl's dictionary of ``module``, from the object and from its saved folder, each
+    reconstructing ``x`` as sae-lens's own forward does (1e-5); returns both."""
+    with torch.no_grad():
+        want = module(x)
+    folder = Path(tempfile.mkdtemp())
+    module.save_model(folder)
+    dictionaries = [from_sae_lens(module), load_dictionary(folder)]
+    for dictionary in dictionaries:
+        torch.testing.assert_close(dictionary.reconstruct(x), want, rtol=1e-5, atol=1e-5)
+    return dictionaries
 
 
 CASES = [
@@ -44,14 +62,8 @@ CASES = [
 
 @pytest.mark.parametrize(("kind", "norm", "apply_b_dec", "extra"), CASES)
 def test_reconstruction_equals_sae_lens_forward(kind: str, norm: str, apply_b_dec: bool, extra: dict[str, Any]) -> None:
-    sae = _sae(kind, norm, apply_b_dec, **extra)
     x = torch.randn(3, 7, D_IN, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = sae(x)
-    folder = Path(tempfile.mkdtemp())
-    sae.save_model(folder)
-    for dictionary in (from_sae_lens(sae), load_dictionary(folder)):
-        torch.testing.assert_close(dictionary.reconstruct(x), want, rtol=1e-5, atol=1e-5)
+    _reconstructions_equal_sae_lens(_sae(kind, norm, apply_b_dec, **extra), x)
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +138,7 @@ def _transcoder(kind: str) -> Any:
     }
     cls, cfg_cls = classes[kind]
     # Square, as an MLP's input and output are: a W_skip read in the wrong orientation fails.
-    tc = cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, d_out=D_IN, apply_b_dec_to_input=False))
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for param in tc.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    return tc
+    return _randomised(cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, d_out=D_IN, apply_b_dec_to_input=False)), seed=11, scale=0.1)
 
 
 TRANSCODERS = ["transcoder", "skip_transcoder", "jumprelu_transcoder", "jumprelu_skip_transcoder"]
@@ -139,15 +146,9 @@ TRANSCODERS = ["transcoder", "skip_transcoder", "jumprelu_transcoder", "jumprelu
 
 @pytest.mark.parametrize("kind", TRANSCODERS)
 def test_transcoders_compute_what_sae_lens_computes(kind: str) -> None:
-    tc = _transcoder(kind)
     x = torch.randn(2, 5, D_IN, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = tc(x)
-    folder = Path(tempfile.mkdtemp())
-    tc.save_model(folder)
-    for dictionary in (from_sae_lens(tc), load_dictionary(folder)):
+    for dictionary in _reconstructions_equal_sae_lens(_transcoder(kind), x):
         assert dictionary.is_transcoder
-        torch.testing.assert_close(dictionary.reconstruct(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["transcoder", "jumprelu_skip_transcoder"])
