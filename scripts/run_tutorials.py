@@ -7,11 +7,16 @@ without one must print nothing. Outputs compare as in ``check_doc_examples.py`` 
 may be off by one unit in its last shown digit); ``--write`` rewrites stale outputs.
 
 Drivers: a page names the drivers it runs on in a comment, ``<!-- tutorial drivers: hf,
-vllm -->``. Its shown output is the hf driver's. ``--driver vllm`` runs the same blocks with
-only the boot line replaced (``BOOTS``) and checks them against the same shown output
-(the boot block's own output, the bridge's repr, excepted); its figures are drawn and
-checked but the hf driver's stay in the docs. A page that does not name the driver is
-reported as skipped, with the drivers it does name, unless it is named on the command line.
+vllm -->``. Its shown output, and the boot line it shows (``BOOTS``), are its first driver's
+(hf when it names none). ``--driver vllm`` on a page shown on hf runs the same blocks with
+only the boot line replaced and checks them against the same shown output (the boot block's
+own output, the bridge's repr, excepted); its figures are drawn and checked but the shown
+driver's stay in the docs. A page that does not name the driver is reported as skipped,
+with the drivers it does name, unless it is named on the command line.
+
+Modules: a page that needs more than the docs environment names the modules in a comment,
+``<!-- tutorial needs: sae_lens -->``. Where one is missing the page is reported as skipped
+with the reason, or, when it is named on the command line, as a problem.
 
 Figures: every image the page shows from ``figures/`` (``![...](figures/NAME.png)``) must be
 written by the run into its own ``figures/`` folder, must not be blank, and is then copied
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -56,6 +62,7 @@ BOOTS = {
         "model = RemoteBridge.boot_vllm(smollm2_gguf(), dtype=\"float32\", max_model_len=512, kv_cache_memory_bytes=256 * 2**20)\n"
     ),
 }
+_NEEDS = re.compile(r"<!-- tutorial needs: (?P<names>[a-z_, ]+) -->")
 _FIGURE = re.compile(r"!\[[^\]]*\]\(figures/(?P<name>[^)\s]+\.png)\)")
 _MARK = "\x1etl-tutorial-block "
 # Runs inside the fresh interpreter: every block in one namespace, a marker line before each.
@@ -93,15 +100,23 @@ def drivers_of(text: str) -> list[str]:
     return [n.strip() for n in match.group("names").split(",")] if match else ["hf"]
 
 
-def with_boot(path: Path, blocks: list[Block], driver: str) -> tuple[list[Block], int]:
-    """The blocks with the boot line for ``driver``, and the index of the boot block."""
-    if driver == "hf":
+def missing_modules(text: str) -> list[str]:
+    """The modules a page needs (``<!-- tutorial needs: ... -->``) that this Python lacks."""
+    match = _NEEDS.search(text)
+    names = [n.strip() for n in match.group("names").split(",")] if match else []
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def with_boot(path: Path, blocks: list[Block], driver: str, shown: str = "hf") -> tuple[list[Block], int]:
+    """The blocks with the boot line for ``driver`` instead of the ``shown`` driver's, and the
+    index of the boot block (-1: nothing replaced)."""
+    if driver == shown:
         return blocks, -1
-    booting = [i for i, b in enumerate(blocks) if HF_BOOT in b.code]
+    booting = [i for i, b in enumerate(blocks) if BOOTS[shown] in b.code]
     if len(booting) != 1:
-        raise RuntimeError(f"{_shown(path)}: {len(booting)} blocks boot with {HF_BOOT.strip()!r}; a tutorial has one")
+        raise RuntimeError(f"{_shown(path)}: {len(booting)} blocks boot with {BOOTS[shown].strip()!r}; a tutorial has one")
     index = booting[0]
-    code = blocks[index].code.replace(HF_BOOT, BOOTS[driver])
+    code = blocks[index].code.replace(BOOTS[shown], BOOTS[driver])
     return [*blocks[:index], Block(code, blocks[index].shown), *blocks[index + 1 :]], index
 
 
@@ -156,9 +171,13 @@ def blank(png: Path) -> str | None:
 def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
     """Run one tutorial; return its problems (stale outputs rewritten with ``write``)."""
     text = path.read_text()
-    blocks, boot = with_boot(path, blocks_of(text), driver)
+    shown_driver = drivers_of(text)[0]
+    missing = missing_modules(text)
+    if missing:
+        return [f"{path.name}: needs {', '.join(missing)}, which this Python cannot import"]
+    blocks, boot = with_boot(path, blocks_of(text), driver, shown_driver)
     problems: list[str] = []
-    if driver != "hf" and BOOTS[driver] not in text:
+    if driver != shown_driver and BOOTS[driver] not in text:
         problems.append(f"{path.name}: runs on {driver} but does not show its boot line:\n{BOOTS[driver]}")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "work"
@@ -176,7 +195,7 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
             why = blank(folder / "figures" / name)
             if why:
                 problems.append(f"{path.name}: figures/{name} {why}")
-            if driver == "hf":
+            if driver == shown_driver:
                 FIGURES.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(folder / "figures" / name, FIGURES / name)
     print(f"{_shown(path)} on {driver}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
@@ -186,8 +205,8 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
     last = 0
     for index, (match, block, actual) in enumerate(zip(_BLOCK.finditer(text), blocks, outputs, strict=True)):
         shown_out = block.shown
-        if driver != "hf" and index == boot:
-            kept = match.group(0)  # it prints the hf bridge's repr
+        if index == boot:
+            kept = match.group(0)  # it prints the shown driver's bridge repr
         elif shown_out is None and actual:
             stale.append(f"{path.name}: a block prints but the page shows no output after it:\n{block.code}{actual}")
             kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
@@ -200,15 +219,15 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         pieces += [text[last : match.start()], kept]
         last = match.end()
     new = "".join(pieces) + text[last:]
-    if write and new != text:
+    if write and driver == shown_driver and new != text:
         path.write_text(new)
-    return problems if write else problems + stale
+    return problems if write and driver == shown_driver else problems + stale
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the tutorials; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite stale outputs")
+    parser.add_argument("--write", action="store_true", help="rewrite stale outputs (of pages shown on --driver)")
     parser.add_argument("--driver", choices=sorted(BOOTS), default="hf", help="the driver to boot (default: hf)")
     parser.add_argument("names", nargs="*", help="tutorials to run (default: all)")
     args = parser.parse_args(argv)
@@ -218,13 +237,23 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"no tutorial named {sorted(unknown)}; there are {[p.stem for p in paths]}")
         paths = [p for p in paths if p.stem in args.names]
-    if args.write and args.driver != "hf":
-        parser.error("--write rewrites the hf driver's outputs; run it without --driver")
     problems: list[str] = []
     for path in paths:
-        named = drivers_of(path.read_text())
-        if args.driver not in named and not args.names:  # a page named on the command line runs
+        text = path.read_text()
+        named = drivers_of(text)
+        if args.write and named[0] != args.driver:
+            if args.names:
+                parser.error(f"--write rewrites what a page shows, and {path.name} shows the {named[0]} driver's "
+                             f"output: run it with --driver {named[0]}")
+            print(f"{_shown(path)}: not rewritten (it shows the {named[0]} driver's output; --driver {named[0]} does)")
+            continue
+        if args.names:  # a page named on the command line runs
+            pass
+        elif args.driver not in named:
             print(f"{_shown(path)}: skipped on {args.driver} (the page runs on {', '.join(named)})")
+            continue
+        elif missing_modules(text):
+            print(f"{_shown(path)}: skipped (it needs {', '.join(missing_modules(text))}, not installed here)")
             continue
         problems += check(path, args.write, args.driver)
     if problems:

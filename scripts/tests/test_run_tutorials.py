@@ -121,3 +121,35 @@ def test_another_driver_changes_only_the_boot_line() -> None:
     assert swapped[0].code == blocks[0].code.replace(run_tutorials.HF_BOOT, run_tutorials.BOOTS["vllm"])
     with pytest.raises(RuntimeError, match="0 blocks boot with"):
         run_tutorials.with_boot(Path("page.md"), blocks[1:], "vllm")
+
+
+def test_a_page_shown_on_vllm_swaps_its_own_boot_line_for_another_driver() -> None:
+    page = (
+        "<!-- tutorial drivers: vllm -->\n\n```python\n"
+        f"{run_tutorials.BOOTS['vllm']}print(model)\n```\n\n```\nshown\n```\n"
+    )
+    blocks = run_tutorials.blocks_of(page)
+    same, index = run_tutorials.with_boot(Path("page.md"), blocks, "vllm", "vllm")
+    assert same == blocks and index == -1
+    swapped, index = run_tutorials.with_boot(Path("page.md"), blocks, "hf", "vllm")
+    assert index == 0 and run_tutorials.HF_BOOT in swapped[0].code
+    assert run_tutorials.BOOTS["vllm"] not in swapped[0].code
+
+
+def test_a_page_that_needs_a_missing_module_is_a_problem_not_a_run(tutorials: Path) -> None:
+    page = tutorials / "needs.md"
+    page.write_text("<!-- tutorial needs: json, no_such_module_here -->\n\n" + _PAGE)
+    assert run_tutorials.missing_modules(page.read_text()) == ["no_such_module_here"]
+    assert run_tutorials.missing_modules(_PAGE) == []
+    problems = run_tutorials.check(page, write=False)
+    assert len(problems) == 1 and "needs no_such_module_here" in problems[0]
+    assert not (tutorials / "figures").exists(), "the page ran although a module it needs is missing"
+
+
+def test_main_skips_a_page_needing_a_missing_module_and_says_why(
+    tutorials: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tutorials / "needs.md").write_text("<!-- tutorial needs: no_such_module_here -->\n\n" + _PAGE)
+    assert run_tutorials.main([]) == 0
+    assert "needs.md: skipped (it needs no_such_module_here" in capsys.readouterr().out
+    assert run_tutorials.main(["needs"]) == 1

@@ -451,3 +451,14 @@ def test_the_model_argument_picks_the_driver_as_tl_hooks_does(
     missing[missing.index("--output") + 1] = str(tmp_path / "other")
     error = refused(missing, capsys, monkeypatch)
     assert "--model='./no-such-folder' is a path, but folder" in error
+
+
+def test_a_model_folder_given_as_a_path_is_recorded_as_its_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = CaptureConfig(model=Path("model"), hooks=("blocks.0.hook_resid_post",), input="corpus.txt")  # type: ignore[arg-type]
+    assert config.model == str(tmp_path / "model")
+    assert json.loads(json.dumps(config.to_json()))["model"] == str(tmp_path / "model")
+    # A string stays as written: it may be a hub id or a native preset.
+    assert CaptureConfig(model="org/name", hooks=("blocks.0.hook_resid_post",), input="x").model == "org/name"

@@ -250,3 +250,12 @@ def test_local_drivers_refuse_work_past_n_ctx_themselves() -> None:
             driver.forward([[5] * 10], max_new_tokens=8)
         assert driver.forward([[5] * 10], max_new_tokens=7).new_tokens.shape == (1, 7)
         assert driver.forward([[5] * N_CTX], max_new_tokens=1).new_tokens.shape == (1, 1)
+
+
+def test_decode_takes_one_id_a_sequence_or_a_tensor_row(bridge: Bridge) -> None:
+    ids = bridge.to_tokens("Hi!", prepend_bos=False)[0]
+    tokenizer = bridge.tokenizer
+    assert tokenizer.decode(ids) == tokenizer.decode(ids.tolist()) == "Hi!"
+    assert tokenizer.decode(ids[0]) == tokenizer.decode(int(ids[0])) == "H"  # a 0-d tensor, an int
+    with pytest.raises(TypeError, match="decode each row"):
+        tokenizer.decode(ids[None])

@@ -133,3 +133,9 @@ def test_a_splice_is_refused_before_any_forward_when_it_does_not_fit(llama: Tran
     transcoder = SparseDictionary(torch.zeros(8, 32), torch.zeros(32), torch.zeros(32, 6), torch.zeros(6), apply_b_dec_to_input=False)
     with pytest.raises(ConfigError, match="names no output site: pass output_hook_name="):
         splice(llama, transcoder, hook_name="blocks.1.hook_in")
+
+
+def test_the_repr_names_the_shape_and_settings_not_the_weights() -> None:
+    text = repr(_dictionary(architecture="topk", k=4, hook_name="blocks.0.hook_resid_post"))
+    assert text.startswith("SparseDictionary('topk', d_in=8, d_sae=32, k=4, hook_name='blocks.0.hook_resid_post'")
+    assert text.endswith("dtype=float32)") and "tensor" not in text and len(text) < 200

@@ -37,7 +37,7 @@ class MissingTokenizer:
         """Raises: no tokenizer."""
         raise self._fail()
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: int | Sequence[int]) -> str:
         """Raises: no tokenizer."""
         raise self._fail()
 

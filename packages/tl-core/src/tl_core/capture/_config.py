@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ class CaptureConfig:
     """What to capture, from which input, with which model, and how to cut it into shards.
 
     Attributes:
-        model: What the driver loads (a folder, a hub id, a native preset).
+        model: What the driver loads (a folder, a hub id, a native preset); a path object
+            is stored as its absolute path.
         hooks: Hook names to capture (canonical names or aliases).
         input: The input: a text file (one document per line), a JSONL file, or a
             folder written by ``datasets.Dataset.save_to_disk``.
@@ -88,6 +90,8 @@ class CaptureConfig:
                 f"['blocks.0.hook_resid_post']"
             )
         object.__setattr__(self, "hooks", tuple(self.hooks))
+        if isinstance(self.model, os.PathLike):  # a folder given as a path; a str may be a hub id
+            object.__setattr__(self, "model", str(Path(self.model).expanduser().resolve()))
         object.__setattr__(self, "input", str(Path(self.input).expanduser().resolve()))
         object.__setattr__(self, "boot_options", dict(self.boot_options))
         object.__setattr__(self, "dictionaries", tuple(_dictionary_entry(d, i) for i, d in enumerate(self.dictionaries)))

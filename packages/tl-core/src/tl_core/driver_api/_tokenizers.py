@@ -24,13 +24,25 @@ class Tokenizer(Protocol):
         """Token ids of ``text`` without any special tokens."""
         ...
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``; special tokens are dropped."""
+    def decode(self, ids: int | Sequence[int]) -> str:
+        """Text of ``ids`` (one id, a sequence, or a 0-d or 1-d tensor); special tokens are dropped."""
         ...
 
     def token_to_str(self, token_id: int) -> str:
         """A readable form of one token (for ``to_str_tokens``)."""
         ...
+
+
+def id_list(ids: Any) -> list[int]:
+    """``ids`` for ``decode`` as a list: one id, a sequence of ids, or a 0-d or 1-d tensor."""
+    if hasattr(ids, "tolist"):  # tensors and arrays; a 0-d one gives a plain number
+        ids = ids.tolist()
+    if isinstance(ids, int):
+        return [ids]
+    out = list(ids)
+    if any(isinstance(i, (list, tuple)) for i in out):
+        raise TypeError("decode takes one sequence of token ids; decode each row of a batch on its own")
+    return [int(i) for i in out]
 
 
 def padding_id(tokenizer: Tokenizer) -> int:
@@ -63,9 +75,9 @@ class ByteTokenizer:
         """The UTF-8 bytes of ``text``."""
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: int | Sequence[int]) -> str:
         """Bytes back to text; invalid UTF-8 shows as the replacement character."""
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in id_list(ids) if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def token_to_str(self, token_id: int) -> str:
         """Specials as ``<bos>``/``<eos>``/``<pad>``; bytes as text where printable."""
@@ -148,9 +160,9 @@ class HFTokenizer:
         """Token ids of ``text`` without special tokens."""
         return list(self.hf_tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` with special tokens dropped."""
-        return str(self.hf_tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+    def decode(self, ids: int | Sequence[int]) -> str:
+        """Text of ``ids`` (one id, a sequence, or a 0-d or 1-d tensor) with special tokens dropped."""
+        return str(self.hf_tokenizer.decode(id_list(ids), skip_special_tokens=True))
 
     def token_to_str(self, token_id: int) -> str:
         """The text one token stands for; special tokens by name (``<|endoftext|>``)."""

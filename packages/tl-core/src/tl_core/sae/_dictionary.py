@@ -120,6 +120,25 @@ class SparseDictionary:
             out.append("a transcoder cannot read heads flattened")
         return out
 
+    def __repr__(self) -> str:
+        # The tensors' shapes, not their values: a default dataclass repr prints every weight.
+        parts = [f"{self.architecture!r}", f"d_in={self.d_in}", f"d_sae={self.d_sae}"]
+        if self.d_out != self.d_in:
+            parts.append(f"d_out={self.d_out}")
+        if self.k is not None:
+            parts.append(f"k={self.k}")
+        flags = {
+            "hook_name": self.hook_name, "output_hook_name": self.output_hook_name,
+            "normalize_activations": None if self.normalize_activations == "none" else self.normalize_activations,
+            "apply_b_dec_to_input": self.apply_b_dec_to_input or None,
+            "rescale_acts_by_decoder_norm": self.rescale_acts_by_decoder_norm or None,
+            "skip": True if self.W_skip is not None else None,
+            "flatten_heads": self.flatten_heads or None, "transcoder": self.transcoder or None,
+        }  # fmt: skip
+        parts += [f"{key}={value!r}" for key, value in flags.items() if value is not None]
+        parts.append(f"dtype={str(self.dtype).removeprefix('torch.')}")
+        return f"SparseDictionary({', '.join(parts)})"
+
     @property
     def is_transcoder(self) -> bool:
         """Whether it writes another site than it reads."""
