@@ -228,6 +228,8 @@ def sae_lens(session: nox.Session) -> None:
     )
     _install_smollm2(session)
     session.run("pytest", str(ROOT / "tests-peers" / "sae_lens"), "-q", *session.posargs)
+    # The SAE tutorial needs sae-lens and vLLM together, which only this session has.
+    session.run("python", "scripts/run_tutorials.py", "--driver", "vllm", "sae-features", env=SHARED_TL_CACHE)
 
 
 @nox.session(python=PYTHON, tags=["check"])
