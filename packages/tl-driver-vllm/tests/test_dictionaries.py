@@ -140,3 +140,15 @@ def test_the_evaluation_runs_through_the_engine_and_equals_the_hf_driver(pair: t
     for field in ("ce_clean", "ce_splice", "ce_zero", "ce_recovered", "kl", "explained_variance", "l0"):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-4, abs=1e-5), field
     assert torch.equal(got.feature_counts, want.feature_counts)
+
+
+def test_removing_a_splice_after_the_engine_closed_is_quiet(checkpoint: Any) -> None:
+    bridge = RemoteBridge.boot_vllm(checkpoint("llama"), dtype="float32", **ENGINE_OPTIONS)
+    try:
+        d = _dictionary(bridge.cfg.d_model, 2 * bridge.cfg.d_model, seed=5)
+        spliced = bridge.add_sae(d, hook_name="blocks.0.hook_out")
+        assert "blocks.0.hook_out.hook_sae_acts_post" in bridge.hook_dict
+    finally:
+        bridge.close()
+    spliced.remove()  # as a `finally:` after a failed run does
+    assert "blocks.0.hook_out.hook_sae_acts_post" not in bridge.hook_dict

@@ -344,7 +344,8 @@ class VLLMDriver(NamespaceFacts):
         """Take the dictionary at canonical ``hook`` out of every worker (and its sites)."""
         if hook not in self.namespace.dictionaries:
             return
-        self._engine().collective_rpc("tl_detach_dictionary", args=(hook,))
+        if self._llm is not None:  # a closed engine runs nothing: only its sites go
+            self._llm.collective_rpc("tl_detach_dictionary", args=(hook,))
         self._namespace = self.namespace.without_dictionary(hook)
 
     # -- running ----------------------------------------------------------------------
