@@ -61,12 +61,30 @@ class _DropsAHook(_IgnoresSpecs):
         return ForwardResult(result.logits, captured, result.new_tokens, None, result.lengths)
 
 
+class _DropsAnOption(_IgnoresSpecs):
+    """Runs without one sampling option, as a driver that never reads it would."""
+
+    option = ""
+
+    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
+        kwargs.pop(self.option, None)
+        return self._inner.forward(input_ids, **kwargs)  # type: ignore[no-any-return]
+
+
+def _dropping(option: str) -> type:
+    return type(f"_Drops_{option}", (_DropsAnOption,), {"option": option})
+
+
 @pytest.mark.parametrize(
     ("wrapper", "message"),
     [
         (_IgnoresSpecs, "accepted a spec on read-only"),
         (_ValidatesThenIgnoresSpecs, "left non-zero values"),
         (_DropsAHook, "returned no tensor"),
+        (_dropping("do_sample"), "it ignores do_sample"),
+        (_dropping("seed"), "it ignores seed"),
+        (_dropping("top_k"), "it ignores top_k"),
+        (_dropping("top_p"), "it ignores top_p"),
     ],
 )
 def test_a_driver_that_breaks_a_promise_fails(wrapper: type, message: str) -> None:

@@ -94,11 +94,17 @@ def test_hooks_replay_read_only(booted: tuple[RemoteBridge, Reference]) -> None:
 
 
 def test_steered_text_generation_and_sampling(booted: tuple[RemoteBridge, Reference]) -> None:
-    bridge, _ = booted
-    plain = bridge.generate("The baker opened", max_new_tokens=5)
+    bridge, ref = booted
+    local = TransformerBridge.boot_transformers(ref.model.name_or_path, dtype=torch.float32)
     steer = {"blocks.0.hook_out": {"op": "add", "value": 8.0}}
-    steered = bridge.generate("The baker opened", max_new_tokens=5, intervene=steer)
-    assert isinstance(plain, str) and isinstance(steered, str) and plain != steered
+    runs = {
+        (name, label): b.generate("The baker opened", max_new_tokens=5, intervene=spec, stop_at_eos=False, return_type="tokens")
+        for name, b in (("vllm", bridge), ("hf", local)) for label, spec in (("plain", None), ("steered", steer))
+    }  # fmt: skip
+    assert not torch.equal(runs["vllm", "plain"], runs["vllm", "steered"]), "the spec changed nothing"
+    for label in ("plain", "steered"):  # the steering is the hf driver's steering
+        assert runs["vllm", label].tolist() == runs["hf", label].tolist(), label
+    assert isinstance(bridge.generate("The baker opened", max_new_tokens=5, intervene=steer), str)
     a = bridge.generate("The baker opened", max_new_tokens=5, do_sample=True, temperature=1.0, seed=3, return_type="tokens")
     b = bridge.generate("The baker opened", max_new_tokens=5, do_sample=True, temperature=1.0, seed=3, return_type="tokens")
     assert torch.equal(a, b)

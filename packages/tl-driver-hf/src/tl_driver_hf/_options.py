@@ -113,11 +113,6 @@ class BootOptions:
     gguf_path: Path | None = None
     certify: bool = True
 
-    @property
-    def is_local_folder(self) -> bool:
-        """Whether ``model_name`` is a folder on this machine."""
-        return self.model_name is not None and os.path.isdir(self.model_name)
-
     @classmethod
     def parse(cls, model_name: Any, options: Mapping[str, Any]) -> BootOptions:
         """Check every option and combination; nothing is loaded.

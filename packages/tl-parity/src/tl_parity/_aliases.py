@@ -155,10 +155,6 @@ class AliasReport:
         """The rows keyed by name."""
         return {row.name: row for row in self.rows}
 
-    def with_status(self, status: AliasStatus) -> list[AliasRow]:
-        """The rows with ``status``, in report order."""
-        return [row for row in self.rows if row.status == status]
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict: metadata, counts and every row."""
         return {

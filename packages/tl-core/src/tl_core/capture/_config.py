@@ -130,11 +130,6 @@ class CaptureConfig:
         data["dictionaries"] = [dict(d) for d in self.dictionaries]
         return data
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> CaptureConfig:
-        """The config recorded in a manifest."""
-        return cls(**{**data, "hooks": tuple(data["hooks"]), "dictionaries": tuple(data.get("dictionaries", ()))})
-
 
 _DICTIONARY_KEYS = ("path", "hook_name", "output_hook_name", "top_k", "use_error_term")
 

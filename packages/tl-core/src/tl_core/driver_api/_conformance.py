@@ -64,6 +64,35 @@ def check_driver(driver: Driver, *, prompts: Sequence[Sequence[int]] | None = No
         out = driver.forward(rows[:1], max_new_tokens=3, stop_at_eos=False)
         if out.new_tokens is None or tuple(out.new_tokens.shape) != (1, 3):
             raise _fail(driver, "generation did not return [batch, 3] new tokens")
+        _check_sampling(driver, rows[:2])
+
+
+#: Tokens sampled per prompt: on a model with a flat next-token distribution (the tiny random
+#: ones drivers are tested on), two samplings of this many agree only by a chance of about
+#: ``d_vocab ** -8``, and a sampling agrees with greedy decoding as rarely.
+_SAMPLED = 8
+
+
+def _check_sampling(driver: Any, rows: list[list[int]]) -> None:
+    """Each sampling option changes what is generated, as it promises."""
+
+    def generate(**options: Any) -> torch.Tensor:
+        out = driver.forward(rows, max_new_tokens=_SAMPLED, stop_at_eos=False, return_logits=False, **options)
+        return torch.as_tensor(out.new_tokens)
+
+    greedy = generate()
+    first = generate(do_sample=True, seed=1)
+    if torch.equal(first, greedy):
+        raise _fail(driver, f"do_sample=True generated the greedy tokens ({_SAMPLED} per prompt): it ignores do_sample")
+    if not torch.equal(generate(do_sample=True, seed=1), first):
+        raise _fail(driver, "two samplings with seed=1 differ: it ignores seed")
+    if torch.equal(generate(do_sample=True, seed=2), first):
+        raise _fail(driver, "seed=1 and seed=2 sampled the same tokens: it ignores seed")
+    if not torch.equal(generate(do_sample=True, seed=1, top_k=1), greedy):
+        raise _fail(driver, "sampling with top_k=1 differs from greedy decoding: it ignores top_k")
+    # The most likely token alone reaches this nucleus on any vocabulary under a million.
+    if not torch.equal(generate(do_sample=True, seed=1, top_p=1e-6), greedy):
+        raise _fail(driver, "sampling with top_p=1e-6 differs from greedy decoding: it ignores top_p")
 
 
 def _check_shape(driver: Any, name: str, tensor: Any, batch: int, pos: int) -> None:

@@ -291,10 +291,6 @@ class HookNamespace:
             f"with {self.info.n_layers} blocks. {self._nearest(canonical, self.served, 'Served hooks')}"
         )
 
-    def suggest(self, name: str, n: int = 3) -> list[str]:
-        """Up to ``n`` served hooks nearest to ``name``, best first."""
-        return suggest_names(name, self.served, n)
-
     def _nearest(self, name: str, pool: frozenset[str], what: str) -> str:
         close = suggest_names(name, pool)
         if close:
