@@ -18,6 +18,7 @@ from tl_core.driver_api import (
     LocalDriver,
     ModelReadout,
     Tokenizer,
+    block_index,
     canonical_hook_names,
 )
 from tl_driver_hf._architecture import served_architecture
@@ -37,7 +38,7 @@ from tl_driver_hf._loading import (
 from tl_driver_hf._model import HFHookedModel
 from tl_driver_hf._modules import has_attention_sinks, resolve_modules
 from tl_driver_hf._options import BootOptions
-from tl_driver_hf._stopping import Stop, configs_of, layer_index, prober, stop_after, stopper
+from tl_driver_hf._stopping import Stop, configs_of, prober, stop_after, stopper
 from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, RunState, _with_input
 from tl_driver_hf._wiring import Wiring
 from tl_driver_hf.adapters import ArchitectureAdapter
@@ -487,8 +488,8 @@ class HFDriver(LocalDriver):
         """One forward of the transformers model with the attached hooks."""
         self._check_runnable()
         n_layers = self.info.n_layers
-        start = layer_index(start_at_layer, "start_at_layer", n_layers)
-        stop = layer_index(stop_at_layer, "stop_at_layer", n_layers)
+        start = None if start_at_layer is None else block_index(start_at_layer, "start_at_layer", n_layers)
+        stop = None if stop_at_layer is None else block_index(stop_at_layer, "stop_at_layer", n_layers)
         if start is not None and stop is not None and start > stop:
             raise UserError(
                 f"start_at_layer ({start_at_layer}) resolves to block {start}, after "

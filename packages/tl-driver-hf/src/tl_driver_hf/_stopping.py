@@ -11,10 +11,9 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig
 
-from tl_core import UserError
 from tl_driver_hf._torch_hooks import _input_of
 
-__all__ = ["Stop", "configs_of", "layer_index", "prober", "stop_after", "stopper"]
+__all__ = ["Stop", "configs_of", "prober", "stop_after", "stopper"]
 
 
 class Stop(Exception):
@@ -38,20 +37,6 @@ def stop_after(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
 def prober(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A forward pre-hook ending the run with the module's call arguments."""
     raise Stop(None, args, kwargs)
-
-
-def layer_index(value: int | None, name: str, n_layers: int) -> int | None:
-    """``value`` as a layer index from 0 (negative counts from the end), range-checked."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise UserError(f"{name} must be an int, got {value!r}")
-    if not -n_layers <= value <= n_layers:
-        raise UserError(
-            f"{name}={value} is out of range for a model with {n_layers} blocks; use a value "
-            f"from {-n_layers} to {n_layers}"
-        )
-    return value + n_layers if value < 0 else value
 
 
 def configs_of(model: nn.Module) -> list[PretrainedConfig]:

@@ -22,6 +22,7 @@ from tl_core.driver_api._architecture import Architecture
 from tl_core.driver_api._batching import TokenBatch, check_token_range, describe_value, pad_batch
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
+from tl_core.driver_api._layers import block_index
 from tl_core.driver_api._protocol import ForwardResult, validate_driver
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._hook_point import HookHandle, HookPoint
@@ -605,7 +606,7 @@ class Bridge:
         _check_return_type(return_type)
         names = self.select_hooks(names_filter)
         if stop_at_layer is not None:
-            stop = _layer_index(stop_at_layer, self.cfg.n_layers)
+            stop = block_index(stop_at_layer, "stop_at_layer", self.cfg.n_layers)
             names = [n for n in names if _reached(n, stop)]
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         self._check_context(batch)
@@ -761,16 +762,6 @@ def _check_return_type(return_type: object) -> None:
         raise UserError(
             f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
         )
-
-
-def _layer_index(value: int, n_layers: int) -> int:
-    """``stop_at_layer`` as a block index in ``0..n_layers`` (negatives count back)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not -n_layers <= value <= n_layers:
-        raise UserError(
-            f"stop_at_layer={value!r} is out of range for a model with {n_layers} blocks; "
-            f"use an int from {-n_layers} to {n_layers}"
-        )
-    return value + n_layers if value < 0 else value
 
 
 def _reached(name: str, stop: int) -> bool:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from tl_core._errors import RemoteHookMutationError, UnsupportedFeatureError
-from tl_core.bridges._base import Bridge, EngineCall, _layer_index, _reached
+from tl_core.bridges._base import Bridge, EngineCall, _reached
 from tl_core.driver_api._batching import TokenBatch
+from tl_core.driver_api._layers import block_index
 from tl_core.driver_api._protocol import ForwardResult
 from tl_core.hooks._hook_point import HookPoint
 
@@ -79,7 +80,7 @@ class RemoteBridge(Bridge):
         # Points are in forward order, so the replay fires hooks in that order too.
         hooked = [n for n, p in self.hook_dict.items() if p.has_hooks]
         if stop_at_layer is not None:
-            stop = _layer_index(stop_at_layer, self.driver.info.n_layers)
+            stop = block_index(stop_at_layer, "stop_at_layer", self.driver.info.n_layers)
             hooked = [n for n in hooked if _reached(n, stop)]
         names = list(dict.fromkeys([*capture, *hooked, *([stop_hook] if stop_hook else [])]))
         result = self.driver.forward(
@@ -100,7 +101,7 @@ class RemoteBridge(Bridge):
     def _stop_hook(self, stop_at_layer: int) -> str:
         """The hook holding the residual stream that enters block ``stop_at_layer``."""
         info = self.driver.info
-        stop = _layer_index(stop_at_layer, info.n_layers)
+        stop = block_index(stop_at_layer, "stop_at_layer", info.n_layers)
         if stop < info.n_layers:
             name = f"blocks.{stop}.hook_in"
         elif info.normalization_type is not None:

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
         require_gguf_packages as require_gguf_packages,
     )
     from tl_core.driver_api._hf_config import model_info_from_config as model_info_from_config
+    from tl_core.driver_api._layers import block_index as block_index
     from tl_core.driver_api._local import LocalDriver as LocalDriver
     from tl_core.driver_api._norms import (
         NORM_KINDS as NORM_KINDS,
@@ -144,6 +145,7 @@ __getattr__, __dir__, __all__ = attach(
             "tl_core.driver_api._norms",
         ),
         "check_driver": "tl_core.driver_api._conformance",
+        "block_index": "tl_core.driver_api._layers",
         "DriverEntry": "tl_core.driver_api._discovery",
         "EngineRequirement": "tl_core.driver_api._discovery",
         "InstalledDriver": "tl_core.driver_api._discovery",

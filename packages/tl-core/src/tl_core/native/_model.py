@@ -7,6 +7,7 @@ from torch import nn
 
 from tl_core._errors import ConfigError, UnsupportedFeatureError, UserError
 from tl_core.cache._readout import ModelReadout
+from tl_core.driver_api._layers import block_index
 from tl_core.hooks._hook_point import HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.native._config import NativeConfig
@@ -225,10 +226,10 @@ class NativeTransformer(nn.Module):
         n_layers = self.cfg.n_layers
         start = 0
         if start_at_layer is not None:
-            start = self._layer_index(start_at_layer, "start_at_layer")
+            start = block_index(start_at_layer, "start_at_layer", self.cfg.n_layers)
         stop = n_layers
         if stop_at_layer is not None:
-            stop = self._layer_index(stop_at_layer, "stop_at_layer")
+            stop = block_index(stop_at_layer, "stop_at_layer", self.cfg.n_layers)
         if start > stop:
             raise UserError(
                 f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
@@ -265,17 +266,6 @@ class NativeTransformer(nn.Module):
             return x
         logits: torch.Tensor = self.unembed(self.ln_final(x), self.W_U)
         return logits
-
-    def _layer_index(self, value: int, name: str) -> int:
-        n_layers = self.cfg.n_layers
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{name} must be an int, got {value!r}.")
-        if not -n_layers <= value <= n_layers:
-            raise UserError(
-                f"{name}={value} is out of range for a model with {n_layers} blocks; "
-                f"use a value from {-n_layers} to {n_layers}."
-            )
-        return value + n_layers if value < 0 else value
 
     def _check_input_ids(self, input_ids: torch.Tensor | None) -> torch.Tensor:
         if input_ids is None:
