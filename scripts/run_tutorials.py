@@ -133,6 +133,8 @@ def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(folder.parent / "vllm-cache"),
         "VLLM_RPC_BASE_PATH": str(folder.parent),
+        # vLLM logs to stdout by default; a page shows what its code prints, not the engine's log.
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     }
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(source)],
