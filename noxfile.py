@@ -23,6 +23,8 @@ ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 FIXTURES = ROOT / "packages" / "tl-core" / "tests" / "fixtures"
 PYTHON = "3.11"
+#: One ruff for the lint session and the docs (a new ruff release adds rules and changes formatting).
+RUFF = "ruff==0.17.6"
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = [
@@ -235,9 +237,11 @@ def sae_lens(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["check"])
 @_frees_its_env
 def lint(session: nox.Session) -> None:
-    """Ruff over every package, test and script."""
-    session.install("ruff")
+    """Ruff over every package, test and script; the packages import one another down their
+    floors and through public modules only (``scripts/check_layout.py``)."""
+    session.install(RUFF)
     session.run("ruff", "check", ".")
+    session.run("python", "scripts/check_layout.py")
 
 
 @nox.session(python=PYTHON, tags=["check"])
@@ -273,7 +277,7 @@ DOCS_TOOLS = (
     "griffe-sphinx==0.3.1",
     "griffe-inherited-docstrings==1.1.4",
     "pymdown-extensions==13.1",
-    "ruff==0.17.6",  # mkdocstrings formats the rendered signatures with it
+    RUFF,  # mkdocstrings formats the rendered signatures with it
 )
 
 

@@ -39,7 +39,7 @@ from tl_driver_hf._torch_hooks import _with_input
 if TYPE_CHECKING:
     from tl_driver_hf._driver import HFDriver
 
-__all__ = ["boot_refusal", "certify_driver", "on_residual", "on_residual_stream", "residual_holds"]
+__all__ = ["boot_refusal", "certify_driver", "on_residual_stream"]
 
 
 def _rtol(dtype: torch.dtype) -> float:
@@ -546,16 +546,6 @@ def on_residual_stream(name: str) -> bool:
     return not name.startswith("blocks.") or (name.count(".") == 2 and name.endswith((".hook_in", ".hook_out")))
 
 
-def on_residual(check: CertificationCheck) -> bool:
-    """Whether a check vouches for a residual-stream hook (``blocks.i.hook_in``/``hook_out``)."""
-    return any(h.endswith((".hook_in", ".hook_out")) and h.count(".") == 2 for h in check.hooks)
-
-
-def residual_holds(cert: Certification) -> bool:
-    """Whether the run reproduces the model (logits, causality) and the residual stream certified."""
-    return not any(c.equation.startswith("logits") or on_residual(c) for c in cert.failed)
-
-
 def boot_refusal(
     cert: Certification, *, inferred: bool, architecture: str | None, family: str, layers: str, name: str
 ) -> ConfigError | None:
@@ -578,9 +568,9 @@ def boot_refusal(
             f"model's residual stream ({unconfirmed[0].detail}); describe it with an "
             f"ArchitectureAdapter (docs/adding-a-family.md)."
         )
-    if residual_holds(cert):
+    if cert.residual_holds:
         return None
-    first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not on_residual(c)))
+    first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not c.on_residual))
     failed = "; ".join(c.line() for c in first[:3])
     if inferred:
         return ConfigError(

@@ -23,7 +23,7 @@ from tl_core.driver_api import (
 )
 from tl_driver_hf._architecture import served_architecture
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
-from tl_driver_hf._certify import boot_refusal, certify_driver, on_residual_stream, residual_holds
+from tl_driver_hf._certify import boot_refusal, certify_driver, on_residual_stream
 from tl_driver_hf._compat import CompatState, enable_compatibility
 from tl_driver_hf._infer import InferredArchitecture, infer_architecture
 from tl_driver_hf._inline_attention import inline_attention
@@ -206,7 +206,7 @@ class HFDriver(LocalDriver):
             except Exception as exc:  # the family's code does not run with these hooks
                 error = exc
                 continue
-            if residual_holds(cert):
+            if cert.residual_holds:
                 return cert
         if cert is not None:
             return cert  # refused by the caller, with the failing equations

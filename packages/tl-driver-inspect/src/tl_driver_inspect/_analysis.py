@@ -240,7 +240,7 @@ def _canonical(hook: str) -> str:
 
 def _layout(name: str) -> str:
     from tl_core import HookNameError
-    from tl_core.hooks._resolution import template_of
+    from tl_core.driver_api import template_of
 
     try:
         return template_of(name).layout

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tl_driver_vllm._driver import VLLMDriver
     from tl_driver_vllm._worker import TLWorkerExtension
 
-__all__ = ["ENGINE", "ENTRY", "TLWorkerExtension", "VLLMDriver", "__version__"]
+__all__ = ["ENGINE", "ENTRY", "TLWorkerExtension", "VLLMDriver", "__version__", "supported_architectures"]
 
 #: The tested vLLM window. The driver hooks vLLM's model classes and reads the model
 #: runner's batch bookkeeping, which change between minor releases: widen only after the
@@ -33,6 +33,15 @@ ENTRY = DriverEntry(
     kind="remote",
     description="vLLM engine (CPU or CUDA build): batched capture and steering",
 )
+
+
+def supported_architectures() -> frozenset[str]:
+    """The ``config.architectures`` names in the driver's family table. Cheap: no vLLM or torch
+    import."""
+    from tl_driver_vllm._families import LAYOUTS
+
+    return frozenset(LAYOUTS)
+
 
 _LAZY = {
     "VLLMDriver": "tl_driver_vllm._driver",

@@ -159,9 +159,7 @@ def _greedy_check(last: torch.Tensor, token: int, rtol: float) -> CertificationC
 
 def refusal(cert: Certification, architecture: str) -> ConfigError | None:
     """Why a boot is refused after certification: the residual stream or logits fail."""
-    from tl_driver_hf._certify import residual_holds  # imports transformers: only when certifying
-
-    if residual_holds(cert):
+    if cert.residual_holds:
         return None
     first = next(c for c in cert.failed)
     return ConfigError(

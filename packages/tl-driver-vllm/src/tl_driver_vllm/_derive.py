@@ -180,7 +180,7 @@ def _row_withheld(config: Any) -> dict[str, str]:
     """What a row must not serve because the hf driver does not: nothing for a family it
     describes by hand; for one it infers, what it did not certify on a shrunk copy (a name
     means the same tensor on both drivers, or is served by neither)."""
-    from tl_driver_hf._describe import describe_architecture
+    from tl_driver_hf import describe_architecture
     from tl_driver_hf.adapters import find_adapter
 
     if find_adapter(getattr(config, "model_type", None), getattr(config, "architectures", None)) is not None:
@@ -197,7 +197,7 @@ def derived_layout(config: Any) -> Serving:
         ConfigError: The hf driver does not serve the architecture with attention and MLP
             sites, or its description holds something vLLM's backend cannot place.
     """
-    from tl_driver_hf._describe import describe_architecture
+    from tl_driver_hf import describe_architecture
 
     architecture = architecture_of(config)
     description = describe_architecture(config)

@@ -25,16 +25,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tl_core.driver_api import known_alias_templates
 from tl_core.hooks import (
     CANONICAL_TEMPLATES,
     HookNamespace,
     canonical_hook_names,
     resolve_hook_name,
 )
-
-# The alias-table listing lives in _resolution's __all__ but is not re-exported by
-# tl_core.hooks; import it from its module until tl-core exports it.
-from tl_core.hooks._resolution import known_alias_templates
 
 __all__ = [
     "ALIAS_STATUSES",

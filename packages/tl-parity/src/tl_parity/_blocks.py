@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tl_core._errors import UserError
+from tl_core import UserError
 
 __all__ = ["LayerRangeError", "declared_blocks", "layers_text", "resolve_layers"]
 

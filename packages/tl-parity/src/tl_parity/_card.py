@@ -55,7 +55,7 @@ def tiny_checkpoints(families: list[str] | None, cache: Path) -> tuple[dict[str,
     chosen = list(TINY_FAMILIES) if families is None else families
     unknown = [f for f in chosen if f not in TINY_FAMILIES]
     if unknown:
-        from tl_core._errors import UserError
+        from tl_core import UserError
 
         raise UserError(f"unknown tiny families {unknown}; known: {', '.join(TINY_FAMILIES)}")
     paths = {}
@@ -118,7 +118,7 @@ def _check_args(args: argparse.Namespace, families: list[str] | None, only: set[
         if unknown:
             import difflib
 
-            from tl_core._errors import UserError
+            from tl_core import UserError
 
             close = {f: difflib.get_close_matches(f, TINY_FAMILIES, n=1) for f in unknown}
             hints = [f"{f!r} (did you mean {c[0]!r}?)" if c else repr(f) for f, c in close.items()]

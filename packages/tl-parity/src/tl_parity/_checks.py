@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tl_core._errors import DriverLoadError, DriverNotFoundError
+from tl_core import DriverLoadError, DriverNotFoundError
 from tl_core.driver_api import checked_path
 
 __all__ = ["check_driver", "check_model"]

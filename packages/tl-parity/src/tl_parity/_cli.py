@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``tl parity``; returns 0 when everything passes, 1 on any FAIL/ERROR."""
-    from tl_core._errors import UserError
+    from tl_core import UserError
 
     if args.aliases:
         return _aliases(args)
@@ -103,7 +103,7 @@ def write_outputs(report: Any, args: argparse.Namespace) -> None:
 
 
 def _aliases(args: argparse.Namespace) -> int:
-    from tl_core._errors import UserError
+    from tl_core import UserError
 
     try:
         from tl_parity._aliases import alias_report, check_generation

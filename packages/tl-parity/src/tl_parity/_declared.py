@@ -31,14 +31,12 @@ def _hf_architectures() -> Iterable[str]:
 
 
 def _vllm_architectures() -> Iterable[str]:
-    # The vllm driver's family table (no torch or vLLM import); read from its module until
-    # the driver class exposes ``supported_architectures``.
-    from tl_driver_vllm._families import LAYOUTS
+    from tl_driver_vllm import supported_architectures
 
-    return list(LAYOUTS)
+    return supported_architectures()
 
 
-#: First-party drivers whose class does not (yet) carry ``supported_architectures``.
+#: First-party drivers whose class does not carry ``supported_architectures``: their packages' tables.
 _FAMILY_TABLES: Mapping[str, Callable[[], Iterable[str]]] = {
     "hf": _hf_architectures,
     "vllm": _vllm_architectures,

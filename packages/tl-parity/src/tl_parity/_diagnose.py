@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tl_core.hooks._vocabulary import split_canonical
+from tl_core.driver_api import split_canonical
 
 if TYPE_CHECKING:
-    from tl_core.hooks._model_info import ModelInfo
+    from tl_core.driver_api import ModelInfo
 
 __all__ = ["DEFAULT_ATOL", "DEFAULT_RTOL", "diagnose"]
 

@@ -98,7 +98,14 @@ if TYPE_CHECKING:
     from tl_core.hooks._model_info import ModelInfo as ModelInfo
     from tl_core.hooks._namespace import HookNamespace as HookNamespace
     from tl_core.hooks._order import forward_order as forward_order
-    from tl_core.hooks._vocabulary import canonical_hook_names as canonical_hook_names
+    from tl_core.hooks._resolution import (
+        known_alias_templates as known_alias_templates,
+        template_of as template_of,
+    )
+    from tl_core.hooks._vocabulary import (
+        canonical_hook_names as canonical_hook_names,
+        split_canonical as split_canonical,
+    )
     from tl_core.specs._affine import (
         AffineEdit as AffineEdit,
         compile_plan as compile_plan,
@@ -190,6 +197,9 @@ __getattr__, __dir__, __all__ = attach(
         "HookNamespace": "tl_core.hooks._namespace",
         "forward_order": "tl_core.hooks._order",
         "canonical_hook_names": "tl_core.hooks._vocabulary",
+        "split_canonical": "tl_core.hooks._vocabulary",
+        "known_alias_templates": "tl_core.hooks._resolution",
+        "template_of": "tl_core.hooks._resolution",
         "AffineEdit": "tl_core.specs._affine",
         "compile_plan": "tl_core.specs._affine",
         "compile_specs": "tl_core.specs._affine",

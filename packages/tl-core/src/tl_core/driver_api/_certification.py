@@ -82,6 +82,11 @@ class CertificationCheck:
         extra = f" ({self.detail})" if self.detail else ""
         return f"{mark} {self.equation}  [err {self.error:.2e} <= {self.allowed:.2e}]{extra}"
 
+    @property
+    def on_residual(self) -> bool:
+        """Whether the check vouches for a residual-stream hook (``blocks.i.hook_in``/``hook_out``)."""
+        return any(h.endswith((".hook_in", ".hook_out")) and h.count(".") == 2 for h in self.hooks)
+
 
 @dataclass(frozen=True)
 class HookCertificate:
@@ -143,6 +148,12 @@ class Certification:
     def failed(self) -> tuple[CertificationCheck, ...]:
         """The checks that failed."""
         return tuple(c for c in self.checks if not c.passed)
+
+    @property
+    def residual_holds(self) -> bool:
+        """Whether the run reproduces the model (logits, causality) and the residual stream
+        certified: no failed check is a logits check or vouches for a residual hook."""
+        return not any(c.equation.startswith("logits") or c.on_residual for c in self.failed)
 
     def by_status(self) -> dict[CertifiedStatus, list[str]]:
         """Hook names grouped by status (every status present, possibly empty)."""
