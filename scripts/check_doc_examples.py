@@ -45,14 +45,14 @@ def run(code: str) -> str:
     return done.stdout
 
 
-_NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:[eE][-+]?\d+)?")
+NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?(?:[eE][-+]?\d+)?")
 
 
 def same_up_to_last_digit(shown: str, actual: str) -> bool:
     """Whether ``actual`` reads as ``shown`` with each number off by at most one last-digit unit."""
-    if _NUMBER.sub("#", shown) != _NUMBER.sub("#", actual):
+    if NUMBER.sub("#", shown) != NUMBER.sub("#", actual):
         return False
-    for s, a in zip(_NUMBER.finditer(shown), _NUMBER.finditer(actual), strict=True):
+    for s, a in zip(NUMBER.finditer(shown), NUMBER.finditer(actual), strict=True):
         if s.group() == a.group():
             continue
         if "e" in s.group().lower() or "e" in a.group().lower():

@@ -14,6 +14,15 @@ own output, the bridge's repr, excepted); its figures are drawn and checked but 
 driver's stay in the docs. A page that does not name the driver is reported as skipped,
 with the drivers it does name, unless it is named on the command line.
 
+Processors: a page whose output depends on float32 rounding beyond the last shown digit (a
+model trained on float32 activations picks other features when their last bits differ)
+marks each such block with ``<!-- tutorial output varies by processor -->`` on the line before
+it, and says once where its output was recorded, ``<!-- tutorial recorded on: PROCESSOR -->``
+(the processor as ``processor()`` and ``.ci/run`` name it). On that processor every block is
+checked as above; on another, a marked block's output only has to keep its form: the same
+text with every number and quoted string free to differ. ``--write`` records the page on
+this processor.
+
 Modules: a page that needs more than the docs environment names the modules in a comment,
 ``<!-- tutorial needs: sae_lens -->``. Where one is missing the page is reported as skipped
 with the reason, or, when it is named on the command line, as a problem.
@@ -34,6 +43,7 @@ import difflib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -44,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_doc_examples import same_up_to_last_digit
+from check_doc_examples import NUMBER, same_up_to_last_digit
 
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "docs" / "tutorials"
@@ -62,6 +72,9 @@ BOOTS = {
         "model = RemoteBridge.boot_vllm(smollm2_gguf(), dtype=\"float32\", max_model_len=512, kv_cache_memory_bytes=256 * 2**20)\n"
     ),
 }
+VARIES = "<!-- tutorial output varies by processor -->"
+_RECORDED = re.compile(r"<!-- tutorial recorded on: (?P<cpu>[^\n]*?) -->")
+_QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"")
 _NEEDS = re.compile(r"<!-- tutorial needs: (?P<names>[a-z_, ]+) -->")
 _FIGURE = re.compile(r"!\[[^\]]*\]\(figures/(?P<name>[^)\s]+\.png)\)")
 _MARK = "\x1etl-tutorial-block "
@@ -105,6 +118,37 @@ def missing_modules(text: str) -> list[str]:
     match = _NEEDS.search(text)
     names = [n.strip() for n in match.group("names").split(",")] if match else []
     return [name for name in names if importlib.util.find_spec(name) is None]
+
+
+def processor() -> str:
+    """This machine's processor as ``.ci/run`` names it: model name, family, model and the widest
+    vector extension (float32 results can differ in their last bits between any two of these)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine() or "unknown"
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = fields.get("flags", "").split()
+    width = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+    return f"{name}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {width}"
+
+
+def same_form(shown: str, actual: str) -> bool:
+    """Whether ``actual`` reads as ``shown`` with every number and quoted string free to differ."""
+
+    def form(text: str) -> str:
+        return NUMBER.sub("#", _QUOTED.sub("''", text))
+
+    return form(shown) == form(actual)
+
+
+def varying_blocks(text: str) -> set[int]:
+    """The indices of the python blocks marked as printing processor-dependent output."""
+    return {i for i, m in enumerate(_BLOCK.finditer(text)) if text[: m.start()].rstrip().endswith(VARIES)}
 
 
 def with_boot(path: Path, blocks: list[Block], driver: str, shown: str = "hf") -> tuple[list[Block], int]:
@@ -179,6 +223,13 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         return [f"{path.name}: needs {', '.join(missing)}, which this Python cannot import"]
     blocks, boot = with_boot(path, blocks_of(text), driver, shown_driver)
     problems: list[str] = []
+    varying, recorded, here = varying_blocks(text), _RECORDED.search(text), processor()
+    rewriting = write and driver == shown_driver
+    if varying and recorded is None and not rewriting:
+        problems.append(f"{path.name}: marks blocks whose output varies by processor but does not say where it was "
+                        f"recorded; run it with --write, or add <!-- tutorial recorded on: {here} -->")
+    # Elsewhere than where it was recorded a marked block keeps only its form; --write records it here.
+    loose = varying if recorded and recorded["cpu"] != here and not rewriting else set()
     if driver != shown_driver and BOOTS[driver] not in text:
         problems.append(f"{path.name}: runs on {driver} but does not show its boot line:\n{BOOTS[driver]}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,6 +252,9 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
                 FIGURES.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(folder / "figures" / name, FIGURES / name)
     print(f"{_shown(path)} on {driver}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
+    if loose:
+        print(f"  {len(loose)} blocks checked by form only: recorded on {recorded['cpu'] if recorded else '?'}, "
+              f"run on {here}")
 
     stale: list[str] = []
     pieces: list[str] = []
@@ -212,7 +266,12 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         elif shown_out is None and actual:
             stale.append(f"{path.name}: a block prints but the page shows no output after it:\n{block.code}{actual}")
             kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
-        elif shown_out is None or actual == shown_out or same_up_to_last_digit(shown_out, actual):
+        elif (
+            shown_out is None
+            or actual == shown_out
+            or same_up_to_last_digit(shown_out, actual)
+            or (index in loose and same_form(shown_out, actual))
+        ):
             kept = match.group(0)
         else:
             diff = "".join(difflib.unified_diff(shown_out.splitlines(True), actual.splitlines(True), "shown", "actual"))
@@ -221,9 +280,12 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         pieces += [text[last : match.start()], kept]
         last = match.end()
     new = "".join(pieces) + text[last:]
-    if write and driver == shown_driver and new != text:
+    if rewriting and varying and (new != text or recorded is None):
+        mark = f"<!-- tutorial recorded on: {here} -->"
+        new = _RECORDED.sub(lambda _: mark, new) if recorded else new.replace("\n\n", f"\n\n{mark}\n", 1)
+    if rewriting and new != text:
         path.write_text(new)
-    return problems if write and driver == shown_driver else problems + stale
+    return problems if rewriting else problems + stale
 
 
 def main(argv: list[str] | None = None) -> int:

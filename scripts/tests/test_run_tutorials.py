@@ -153,3 +153,82 @@ def test_main_skips_a_page_needing_a_missing_module_and_says_why(
     assert run_tutorials.main([]) == 0
     assert "needs.md: skipped (it needs no_such_module_here" in capsys.readouterr().out
     assert run_tutorials.main(["needs"]) == 1
+
+
+_TRAINED = """# A trained page
+
+<!-- tutorial recorded on: Chip A -->
+
+<!-- tutorial output varies by processor -->
+
+```python
+print("feature", 7, "fires on", repr(" dog"), "at 13.2")
+```
+
+```
+feature 7 fires on ' dog' at 13.2
+```
+
+```python
+print("steps", 400)
+```
+
+```
+steps 400
+```
+"""
+
+
+def _recorded_elsewhere(page: str) -> str:
+    """The page as if a run on another processor had shown other features and values."""
+    return page.replace("feature 7 fires on ' dog' at 13.2", "feature 2040 fires on \" cat's\" at 9.75")
+
+
+def test_a_marked_block_keeps_only_its_form_on_another_processor(
+    tutorials: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = tutorials / "trained.md"
+    page.write_text(_recorded_elsewhere(_TRAINED))
+    assert run_tutorials.varying_blocks(page.read_text()) == {0}
+    monkeypatch.setattr(run_tutorials, "processor", lambda: "Chip B")
+    assert run_tutorials.check(page, write=False) == []
+    assert "1 blocks checked by form only: recorded on Chip A, run on Chip B" in capsys.readouterr().out
+    # The form still counts: another word, and an unmarked block's numbers, are stale anywhere.
+    page.write_text(_recorded_elsewhere(_TRAINED).replace("fires on \"", "dies on \""))
+    assert len(run_tutorials.check(page, write=False)) == 1
+    page.write_text(_recorded_elsewhere(_TRAINED).replace("steps 400", "steps 401"))
+    problems = run_tutorials.check(page, write=False)
+    assert len(problems) == 1 and "+steps 400" in problems[0]
+
+
+def test_a_marked_block_is_checked_exactly_where_it_was_recorded(
+    tutorials: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = tutorials / "trained.md"
+    page.write_text(_recorded_elsewhere(_TRAINED))
+    monkeypatch.setattr(run_tutorials, "processor", lambda: "Chip A")
+    problems = run_tutorials.check(page, write=False)
+    assert len(problems) == 1 and "+feature 7 fires on ' dog' at 13.2" in problems[0]
+
+
+def test_write_records_the_page_on_this_processor(tutorials: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = tutorials / "trained.md"
+    page.write_text(_recorded_elsewhere(_TRAINED))
+    monkeypatch.setattr(run_tutorials, "processor", lambda: "Chip B")
+    assert run_tutorials.check(page, write=True) == []
+    assert page.read_text() == _TRAINED.replace("Chip A", "Chip B")
+    # Without a recorded line, a page with marked blocks is a problem, and --write adds the line.
+    unrecorded = _recorded_elsewhere(_TRAINED).replace("<!-- tutorial recorded on: Chip A -->\n\n", "")
+    page.write_text(unrecorded)
+    problems = run_tutorials.check(page, write=False)
+    assert any("does not say where it was recorded" in p for p in problems)
+    run_tutorials.check(page, write=True)
+    assert "<!-- tutorial recorded on: Chip B -->" in page.read_text()
+    assert run_tutorials.check(page, write=False) == []
+
+
+def test_processor_names_the_model_family_and_vector_width() -> None:
+    name = run_tutorials.processor()
+    assert name and name != "unknown"
+    if Path("/proc/cpuinfo").exists():
+        assert " family " in name and name.rsplit(", ", 1)[1] in {"avx512", "avx2", "no avx2"}
