@@ -945,3 +945,18 @@ def test_an_edit_that_zeroes_a_norm_divisor_is_refused(spec: dict[str, Any]) -> 
     assert calls == []
     kept = bridge("Divide by what?", intervene={"blocks.0.ln2.hook_scale": {"op": "scale", "factor": 2.0}})
     assert bool(torch.isfinite(kept).all())
+
+
+@settings(max_examples=200, deadline=None)
+@given(length=st.integers(1, 12), data=st.data())
+def test_absolute_positions_count_negatives_from_the_end_and_refuse_the_rest(length: int, data: st.DataObject) -> None:
+    from tl_core.driver_api import absolute_positions
+
+    positions = data.draw(st.lists(st.integers(-length - 3, length + 2), min_size=1, max_size=6))
+    inside = all(-length <= p < length for p in positions)
+    resolved = [p % length for p in positions] if inside else []
+    if inside and len(set(resolved)) == len(resolved):
+        assert absolute_positions(positions, length) == tuple(resolved)
+    else:
+        with pytest.raises(SpecError, match="out of range" if not inside else "names one position twice"):
+            absolute_positions(positions, length, where="here")

@@ -101,3 +101,17 @@ def test_vllm_provider_without_driver(tmp_path: Path) -> None:
 
     with pytest.raises(Exception, match="pip install tl-driver-vllm"):
         get_model(f"tl_vllm/{tmp_path}")
+
+
+def test_positions_resolve_against_the_prompt_or_fail() -> None:
+    from tl_driver_inspect._specs import absolute_specs
+
+    hook = "blocks.0.hook_resid_post"
+    fixed = absolute_specs({hook: [{"op": "add", "value": 1.0, "pos": [-1, 0]}, {"op": "suppress", "pos": -2}]}, 5)
+    assert fixed == {hook: [{"op": "add", "value": 1.0, "pos": [4, 0]}, {"op": "suppress", "pos": 3}]}
+    # -9 on a 5-token prompt would count from the end of prompt plus completion: refused.
+    with pytest.raises(SpecError, match=r"'blocks\.0\.hook_resid_post': key 'pos' lists position -9, out of range "
+                       r"for a prompt of 5 tokens \(valid positions: -5\.\.4\)"):
+        absolute_specs({hook: [{"op": "suppress", "pos": -9}]}, 5)
+    with pytest.raises(SpecError, match=r"names one position twice in a prompt of 5 tokens \(as \[4, 4\]\)"):
+        absolute_specs({hook: [{"op": "suppress", "pos": [-1, 4]}]}, 5)

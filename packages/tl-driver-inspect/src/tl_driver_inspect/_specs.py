@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tl_core import SpecError, canonical_name, parse_spec
+from tl_core.driver_api import absolute_positions
 
 if TYPE_CHECKING:
     from tl_core.hooks import HookNamespace
@@ -85,6 +86,11 @@ def absolute_specs(
 
     Generation resolves ``pos=-1`` against the prompt; a later forward over prompt plus
     generated tokens must edit the same positions.
+
+    Raises:
+        SpecError: A position outside the prompt (``pos=-9`` on a 5-token prompt would
+            otherwise count from the end of prompt plus completion instead), or two that
+            name one position.
     """
     if not specs:
         return None
@@ -96,8 +102,11 @@ def absolute_specs(
             if "pos" in spec:
                 pos = spec["pos"]
                 many = isinstance(pos, list | tuple)
-                values = [int(p) + prompt_len if int(p) < 0 else int(p) for p in (pos if many else [pos])]
-                spec["pos"] = values if many else values[0]
+                values = absolute_positions(
+                    [int(p) for p in (pos if many else [pos])], prompt_len,
+                    where=f"intervention on {hook!r}", span=f"a prompt of {prompt_len} tokens",
+                )  # fmt: skip
+                spec["pos"] = list(values) if many else values[0]
             fixed.append(spec)
         out[hook] = fixed
     return out

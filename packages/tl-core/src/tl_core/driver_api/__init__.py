@@ -112,6 +112,7 @@ if TYPE_CHECKING:
         compile_specs as compile_specs,
     )
     from tl_core.specs._plan import InterventionPlan as InterventionPlan, build_plan as build_plan
+    from tl_core.specs._specs import absolute_positions as absolute_positions
 
 __getattr__, __dir__, __all__ = attach(
     __name__,
@@ -205,5 +206,6 @@ __getattr__, __dir__, __all__ = attach(
         "compile_specs": "tl_core.specs._affine",
         "InterventionPlan": "tl_core.specs._plan",
         "build_plan": "tl_core.specs._plan",
+        "absolute_positions": "tl_core.specs._specs",
     },
 )

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from tl_core.specs._specs import (
         SPEC_JSON_SCHEMA as SPEC_JSON_SCHEMA,
         InterventionSpec as InterventionSpec,
+        absolute_positions as absolute_positions,
         parse_spec as parse_spec,
     )
 
@@ -31,5 +32,6 @@ __getattr__, __dir__, __all__ = attach(
         "SPEC_JSON_SCHEMA": "_specs",
         "InterventionSpec": "_specs",
         "parse_spec": "_specs",
+        "absolute_positions": "_specs",
     },
 )

@@ -15,7 +15,7 @@ import torch
 
 from tl_core._errors import SpecError, TLError
 from tl_core.specs._plan import InterventionPlan
-from tl_core.specs._specs import InterventionSpec
+from tl_core.specs._specs import InterventionSpec, absolute_positions
 
 __all__ = ["AffineEdit", "compile_plan", "compile_specs"]
 
@@ -101,7 +101,7 @@ def compile_specs(
             bias = bias * factor + value
             scale = scale * factor
             continue
-        rows = torch.tensor(_absolute(spec.pos, seq_len), dtype=torch.long, device=device)
+        rows = torch.tensor(absolute_positions(spec.pos, seq_len), dtype=torch.long, device=device)
         bias[rows] = bias[rows] * factor + value
         scale[rows] = scale[rows] * factor
     return AffineEdit(scale.to(dtype), bias.to(dtype), scale == 0 if _zeroes_scale(specs) else None)
@@ -132,7 +132,7 @@ def _edit_features(
     rows = (
         torch.arange(s2.shape[0], device=device)
         if spec.pos is None
-        else torch.tensor(_absolute(spec.pos, seq_len), dtype=torch.long, device=device)
+        else torch.tensor(absolute_positions(spec.pos, seq_len), dtype=torch.long, device=device)
     )
     grid = (rows[:, None], cols[None, :])
     b2[grid] = b2[grid] * factor + value
@@ -274,20 +274,3 @@ def _value_tensor(
             f"(feature shape {feature_shape})"
         )
     return tensor.reshape(*tensor.shape[:-1], *feature_shape)
-
-
-def _absolute(positions: tuple[int, ...], seq_len: int) -> list[int]:
-    out = []
-    for p in positions:
-        if not -seq_len <= p < seq_len:
-            raise SpecError(
-                f"key 'pos' lists position {p}, out of range for {seq_len} position(s) "
-                f"(valid positions: {-seq_len}..{seq_len - 1})"
-            )
-        out.append(p + seq_len if p < 0 else p)
-    if len(set(out)) != len(out):
-        raise SpecError(
-            f"key 'pos' {list(positions)} names one position twice among {seq_len} "
-            f"position(s) (as {out}); expected distinct positions"
-        )
-    return out

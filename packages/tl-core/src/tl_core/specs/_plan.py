@@ -17,6 +17,7 @@ from tl_core.specs._specs import (
     _describe,
     _error,
     _parse,
+    absolute_positions,
 )
 
 if TYPE_CHECKING:
@@ -292,18 +293,5 @@ def _resolve_positions(
 ) -> InterventionSpec:
     if spec.pos is None:
         return spec
-    absolute = []
-    for p in spec.pos:
-        if not -length <= p < length:
-            raise _error(
-                f"{where} for prompt {index}: key 'pos' lists position {p}, out of range for "
-                f"a prompt of length {length} (valid positions: {-length}..{length - 1})"
-            )
-        absolute.append(p + length if p < 0 else p)
-    if len(set(absolute)) != len(absolute):
-        raise _error(
-            f"{where} for prompt {index}: key 'pos' {list(spec.pos)} names one position twice "
-            f"in a prompt of length {length} (as {absolute}); expected distinct positions"
-        )
-    resolved = tuple(absolute)
+    resolved = absolute_positions(spec.pos, length, where=f"{where} for prompt {index}", span=f"a prompt of length {length}")
     return spec if resolved == spec.pos else replace(spec, pos=resolved)

@@ -30,6 +30,7 @@ __all__ = [
     "SpecLike",
     "SpecValue",
     "SpecValueLike",
+    "absolute_positions",
     "parse_spec",
 ]
 
@@ -461,6 +462,38 @@ def _positions(raw: object, where: str) -> tuple[int, ...]:
         raw, where, "pos", expected="an int or a non-empty list of distinct ints",
         omit="omit 'pos' to edit every position", noun="position", distinct="distinct positions",
     )  # fmt: skip
+
+
+def absolute_positions(positions: Sequence[int], length: int, *, where: str = "", span: str = "") -> tuple[int, ...]:
+    """``pos`` resolved against a sequence: negative positions count from its end.
+
+    Args:
+        positions: The spec's positions (already parsed: ints).
+        length: The sequence's length.
+        where: What the message names first (``"intervention on 'blocks.0.hook_out' for
+            prompt 1"``), or ``""``.
+        span: How the message names the sequence; default ``"{length} position(s)"``.
+
+    Raises:
+        SpecError: A position outside ``-length..length-1``, or two that name the same
+            position once resolved (``[-1, 3]`` in a sequence of 4).
+    """
+    prefix = f"{where}: " if where else ""
+    span = span or f"{length} position(s)"
+    absolute = []
+    for p in positions:
+        if not -length <= p < length:
+            raise _error(
+                f"{prefix}key 'pos' lists position {p}, out of range for {span} "
+                f"(valid positions: {-length}..{length - 1})"
+            )
+        absolute.append(p + length if p < 0 else p)
+    if len(set(absolute)) != len(absolute):
+        raise _error(
+            f"{prefix}key 'pos' {list(positions)} names one position twice in {span} (as {absolute}); "
+            "expected distinct positions"
+        )
+    return tuple(absolute)
 
 
 def _features(raw: object, where: str) -> tuple[int, ...]:
