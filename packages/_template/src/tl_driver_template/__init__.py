@@ -22,8 +22,9 @@ ENTRY = DriverEntry(
     name="template",
     distribution="tl-driver-template",
     loader="tl_driver_template._driver:TemplateDriver",
-    # A real driver names its engine and the tested version window here, e.g.
-    # EngineRequirement(("my-engine",), ">=1.4,<1.5"): it is checked before loading.
+    # A real driver requires its engine in pyproject.toml with the tested version window
+    # ("my-engine>=1.4,<1.5") and names it here, read from that metadata:
+    # EngineRequirement.declared_by("tl-driver-NAME", ("my-engine",)); it is checked before loading.
     engine=None,
     features=frozenset({"generation", "batching", "position_interventions"}),
     kind="remote",

@@ -52,8 +52,7 @@ ENTRY = DriverEntry(
     name="hf",
     distribution="tl-driver-hf",
     loader="tl_driver_hf._driver:HFDriver",
-    # Keep in step with the transformers pin in pyproject.toml.
-    engine=EngineRequirement(("transformers",), ">=5.0,<6"),
+    engine=EngineRequirement.declared_by("tl-driver-hf", ("transformers",)),
     features=FEATURES,
     kind="local",
     description="HuggingFace transformers models: full hook tree, gradients, weights",

