@@ -182,6 +182,27 @@ def test_no_logits_are_computed_or_sent_when_not_asked(bridge: Any, monkeypatch:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_in_process_edit_tables_reach_the_workers_as_tensors(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = bridge.driver._llm
+    original = llm.collective_rpc
+    configs: list[Any] = []
+
+    def spy(method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "tl_begin":
+            configs.append(kwargs.get("args", args[0] if args else None)[0])
+        return original(method, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "collective_rpc", spy)
+    hook = "blocks.0.hook_out"
+    plain = bridge.driver.forward(PROMPTS, max_new_tokens=0).logits
+    steered = bridge.driver.forward(PROMPTS, intervene={hook: {"op": "add", "value": 1.0, "pos": -1}}, max_new_tokens=0)
+    assert not torch.equal(plain, steered.logits)
+    edits = [request["edits"][hook] for request in configs[-1]["requests"].values()]
+    assert len(edits) == 3 and all(isinstance(e["scale"], torch.Tensor) and isinstance(e["bias"], torch.Tensor) for e in edits)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_a_bad_return_logits_is_refused_before_the_engine(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _collected(bridge, monkeypatch)
     for bad in ("first", 1, None):

@@ -60,6 +60,15 @@ def test_edit_table_rows_prompt_positions_then_generated() -> None:
     assert unpack(flat["bias"]).tolist() == [[3.0, 4.0], [3.0, 4.0]]
 
 
+def test_an_in_process_edit_table_holds_the_tensors_themselves() -> None:
+    specs = [InterventionSpec.scale(2.0), InterventionSpec.add(1.0, pos=(1,))]
+    packed = edit_table(specs, length=3, feature_shape=(2,))
+    raw = edit_table(specs, length=3, feature_shape=(2,), raw=True)
+    assert isinstance(packed["scale"]["data"], bytes)
+    assert isinstance(raw["scale"], torch.Tensor) and isinstance(raw["bias"], torch.Tensor)
+    assert torch.equal(raw["scale"], unpack(packed["scale"])) and torch.equal(raw["bias"], unpack(packed["bias"]))
+
+
 def test_edit_table_of_a_head_site_is_head_major() -> None:
     # A [heads=2, d_head=3] site takes 6 numbers (head-major), here at position 1 only.
     value = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

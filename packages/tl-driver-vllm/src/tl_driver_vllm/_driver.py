@@ -433,7 +433,7 @@ class VLLMDriver(NamespaceFacts):
                 "capture": engine_names,
                 "logits": return_logits,
                 "edits": {
-                    hook: edit_table(specs, length=length, feature_shape=self._features(hook))
+                    hook: edit_table(specs, length=length, feature_shape=self._features(hook), raw=self._raw)
                     for hook, specs in specs_by_hook.items()
                     if specs
                 },

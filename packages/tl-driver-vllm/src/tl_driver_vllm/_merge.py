@@ -31,19 +31,20 @@ _SHARDED = ("logits", "unembed.hook_out")
 
 
 def edit_table(
-    specs: Sequence[InterventionSpec], *, length: int, feature_shape: tuple[int, ...]
+    specs: Sequence[InterventionSpec], *, length: int, feature_shape: tuple[int, ...], raw: bool = False
 ) -> dict[str, Any]:
-    """One prompt's specs on one hook as packed table rows, features flattened.
+    """One prompt's specs on one hook as table rows, features flattened.
 
     Args:
         specs: The prompt's specs on the hook, positions already absolute.
         length: The prompt's length.
         feature_shape: The hook's per-position shape (``(d_model,)``, ``(heads, d_head)``).
+        raw: The workers run in this process: hand the tensors over as they are (``pack``).
 
     Returns:
-        ``{"scale", "bias"}`` (packed float32 ``[rows, prod(feature_shape)]``, head-major for
-        head sites, so a tensor-parallel rank takes its heads as a column range) and
-        ``"positional"``.
+        ``{"scale", "bias"}`` (float32 ``[rows, prod(feature_shape)]``, packed unless ``raw``;
+        head-major for head sites, so a tensor-parallel rank takes its heads as a column
+        range) and ``"positional"``.
     """
     width = math.prod(feature_shape)
     positional = any(spec.pos is not None for spec in specs)
@@ -61,7 +62,7 @@ def edit_table(
 
     scale = torch.cat([flat(prompt.scale, rows), flat(generated.scale, 1)])
     bias = torch.cat([flat(prompt.bias, rows), flat(generated.bias, 1)])
-    return {"scale": pack(scale), "bias": pack(bias), "positional": positional}
+    return {"scale": pack(scale, raw=raw), "bias": pack(bias, raw=raw), "positional": positional}
 
 
 def merge_batched(
