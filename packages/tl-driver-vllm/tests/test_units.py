@@ -21,7 +21,7 @@ from tl_core import (  # noqa: E402
 from tl_core.driver_api import get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
 from tl_driver_vllm._derive import serving_layout  # noqa: E402
-from tl_driver_vllm._families import LAYOUTS, layout_for, model_info  # noqa: E402
+from tl_driver_vllm._families import FAMILY_LAYOUTS, layout_for, model_info  # noqa: E402
 from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace  # noqa: E402
 from tl_driver_vllm._merge import edit_table, merge_batched, pad_rows  # noqa: E402
 from tl_driver_vllm._options import engine_kwargs, sampling_kwargs  # noqa: E402
@@ -182,7 +182,7 @@ def _info(arch: str) -> ModelInfo:
     )
 
 
-@pytest.mark.parametrize("arch", sorted(LAYOUTS))
+@pytest.mark.parametrize("arch", sorted(FAMILY_LAYOUTS))
 @pytest.mark.parametrize("attn_result", [False, True])
 def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> None:
     layout = layout_for(arch)
@@ -399,7 +399,7 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
     )  # fmt: skip
     assert (olmo2.qkv, olmo2.gate_up, olmo2.q_norm, olmo2.qk_norm_layout) == ("qkv_proj", "gate_up_proj", "q_norm", "flat")
     assert (olmo2.residual_pair, olmo2.layer_input, olmo2.norm) == (False, 0, "rms_weight_first")
-    assert not ({"GPTNeoXForCausalLM", "Olmo2ForCausalLM"} & set(LAYOUTS))
+    assert not ({"GPTNeoXForCausalLM", "Olmo2ForCausalLM"} & set(FAMILY_LAYOUTS))
 
 
 @pytest.mark.parametrize(
@@ -450,7 +450,7 @@ def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_des
     llama = transformers.AutoConfig.for_model("llama")
     llama.architectures = ["LlamaForCausalLM"]
     row = serving_layout(llama)
-    assert row.model_impl is None and not row.derived and row.layout is LAYOUTS["LlamaForCausalLM"]
+    assert row.model_impl is None and not row.derived and row.layout is FAMILY_LAYOUTS["LlamaForCausalLM"]
     mamba = transformers.AutoConfig.for_model("mamba")
     mamba.architectures = ["MambaForCausalLM"]
     with pytest.raises(ConfigError, match=r"'MambaForCausalLM'.*certifies only its residual hooks"):
@@ -460,7 +460,7 @@ def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_des
 def test_withheld_hooks_are_not_served_and_say_why() -> None:
     info = _info("LlamaForCausalLM")
     names = hook_namespace(
-        info, LAYOUTS["LlamaForCausalLM"],
+        info, FAMILY_LAYOUTS["LlamaForCausalLM"],
         withheld={"blocks.{i}.ln2.hook_in": "uncertified: failed: x", "blocks.0.attn.hook_z": "uncertified: y"},
     )  # fmt: skip
     assert "blocks.1.ln2.hook_in" not in names.served and "blocks.0.attn.hook_z" not in names.served

@@ -39,7 +39,7 @@ from tl_driver_hf._model import HFHookedModel
 from tl_driver_hf._modules import has_attention_sinks, resolve_modules
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._stopping import Stop, configs_of, prober, stop_after, stopper
-from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, RunState, _with_input
+from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, ForwardBookkeeping, _with_input
 from tl_driver_hf._wiring import Wiring
 from tl_driver_hf.adapters import ArchitectureAdapter
 
@@ -571,10 +571,10 @@ class HFDriver(LocalDriver):
         return input_ids
 
     @contextmanager
-    def _session(self, *, wire: bool = True) -> Iterator[RunState]:
+    def _session(self, *, wire: bool = True) -> Iterator[ForwardBookkeeping]:
         """Hooked attention and the needed torch hooks for one forward; all undone after."""
         saved = [(cfg, getattr(cfg, _IMPL_ATTR, None)) for cfg in self._configs]
-        state = RunState()
+        state = ForwardBookkeeping()
         handles = []
         try:
             for cfg, _ in saved:

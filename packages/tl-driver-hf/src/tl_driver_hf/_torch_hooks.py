@@ -1,7 +1,7 @@
 """The torch hooks the hf driver's wiring installs: each fires a HookPoint on a module's
 input or output and hands an edited tensor downstream.
 
-Factories only (no state of their own beyond ``RunState``, the per-forward bookkeeping);
+Factories only (no state of their own beyond ``ForwardBookkeeping``, the per-forward bookkeeping);
 ``tl_driver_hf._wiring.Wiring`` decides which of them to install where.
 """
 
@@ -19,7 +19,7 @@ from tl_driver_hf._norms import apply_weight, norm_eps, normalize
 __all__ = [
     "HeadView",
     "ROUTER_LOGITS_READ_ONLY",
-    "RunState",
+    "ForwardBookkeeping",
     "_heads_hook",
     "_ids_hook",
     "_input_hook",
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-class RunState:
+class ForwardBookkeeping:
     """Per-forward bookkeeping: residual edits made at ``resid_mid`` awaiting the block end."""
 
     def __init__(self) -> None:
@@ -71,14 +71,14 @@ def _input_hook(point: HookPoint) -> Callable[..., Any]:
     return hook
 
 
-def _stash_input_hook(i: int, state: RunState) -> Callable[..., Any]:
+def _stash_input_hook(i: int, state: ForwardBookkeeping) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         state.block_inputs[i] = _input_of(args, kwargs)
 
     return hook
 
 
-def _shared_norm_mlp_hook(i: int, norm: nn.Module, point: HookPoint, state: RunState) -> Callable[..., Any]:
+def _shared_norm_mlp_hook(i: int, norm: nn.Module, point: HookPoint, state: ForwardBookkeeping) -> Callable[..., Any]:
     """The MLP reads ``norm(ln2.hook_in)`` instead of the shared norm's output.
 
     ``norm.forward`` on the unedited block input gives the shared norm's output bit for bit
@@ -170,7 +170,7 @@ def _router_hook(
     weights: HookPoint | None,
     indices: HookPoint | None,
     i: int,
-    state: RunState,
+    state: ForwardBookkeeping,
 ) -> Callable[..., Any]:
     """Fire the routing hooks on a router's ``(logits, top-k weights, top-k indices)``.
 
@@ -204,7 +204,7 @@ def _router_hook(
     return hook
 
 
-def _shape_hook(i: int, state: RunState) -> Callable[..., Any]:
+def _shape_hook(i: int, state: ForwardBookkeeping) -> Callable[..., Any]:
     """Record a layer's batch and position shape (for layers that flatten them)."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -25,8 +25,8 @@ from tl_driver_hf._flat import FLAT_SUFFIXES, FlatPoint, flat_points
 from tl_driver_hf._modules import LayerModules, ModelModules
 from tl_driver_hf._split_inputs import install_split_inputs
 from tl_driver_hf._torch_hooks import (
+    ForwardBookkeeping,
     HeadView,
-    RunState,
     _heads_hook,
     _ids_hook,
     _input_hook,
@@ -47,7 +47,7 @@ from tl_driver_hf._torch_hooks import (
 from tl_driver_hf._weights import head_weights
 from tl_driver_hf.adapters import ArchitectureAdapter
 
-__all__ = ["RunState", "Wiring"]
+__all__ = ["ForwardBookkeeping", "Wiring"]
 
 
 class Wiring:
@@ -104,7 +104,7 @@ class Wiring:
             )
         return sites
 
-    def install(self, state: RunState) -> list[RemovableHandle]:
+    def install(self, state: ForwardBookkeeping) -> list[RemovableHandle]:
         """Register the needed torch hooks, in forward order; returns their handles."""
         handles: list[RemovableHandle] = []
         m = self.modules
@@ -149,7 +149,7 @@ class Wiring:
             hook = _norm_hook(self.adapter.norm, scale, normed, out, view=view)
             handles.append(module.register_forward_hook(hook))
 
-    def _install_layer(self, i: int, layer: LayerModules, state: RunState, handles: list[RemovableHandle]) -> None:
+    def _install_layer(self, i: int, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]) -> None:
         b = f"blocks.{i}."
         if self._active(b + "hook_in"):
             handles.append(layer.layer.register_forward_pre_hook(_input_hook(self.points[b + "hook_in"]), with_kwargs=True))
@@ -252,7 +252,7 @@ class Wiring:
             self._install_norm(f"{b}attn.{name}", module, handles, view=view)
 
     def _install_shared_expert(
-        self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]
+        self, i: int, p: str, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]
     ) -> bool:
         """The routed experts' output and the shared expert's sites (Qwen2-MoE), which run
         on flattened positions: the hooks see ``[batch, pos, ...]``. Whether any is hooked
@@ -279,7 +279,7 @@ class Wiring:
         return bool(active)
 
     def _install_router(
-        self, i: int, p: str, layer: LayerModules, state: RunState, handles: list[RemovableHandle]
+        self, i: int, p: str, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]
     ) -> bool:
         """The routing sites; whether they are hooked (the caller then records the layer's
         shape)."""
@@ -319,7 +319,7 @@ class Wiring:
 
         return hook
 
-    def _resid_mid_hook(self, i: int, state: RunState) -> Callable[..., Any]:
+    def _resid_mid_hook(self, i: int, state: ForwardBookkeeping) -> Callable[..., Any]:
         point = self.points[f"blocks.{i}.ln2.hook_in"]
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -333,7 +333,7 @@ class Wiring:
 
         return hook
 
-    def _block_out_hook(self, i: int, state: RunState) -> Callable[..., Any]:
+    def _block_out_hook(self, i: int, state: ForwardBookkeeping) -> Callable[..., Any]:
         point = self.points.get(f"blocks.{i}.hook_out")
 
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:

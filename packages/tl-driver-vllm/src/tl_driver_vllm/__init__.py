@@ -38,9 +38,9 @@ ENTRY = DriverEntry(
 def supported_architectures() -> frozenset[str]:
     """The ``config.architectures`` names in the driver's family table. Cheap: no vLLM or torch
     import."""
-    from tl_driver_vllm._families import LAYOUTS
+    from tl_driver_vllm._families import FAMILY_LAYOUTS
 
-    return frozenset(LAYOUTS)
+    return frozenset(FAMILY_LAYOUTS)
 
 
 _LAZY = {

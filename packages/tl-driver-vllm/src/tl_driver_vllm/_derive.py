@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from tl_core import ConfigError
 from tl_driver_vllm._families import (
-    LAYOUTS,
+    FAMILY_LAYOUTS,
     NOT_RUN_BY_VLLM,
     Layout,
     architecture_of,
@@ -238,7 +238,7 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
             describe it fully, or its description cannot be placed (all named).
     """
     architecture = architecture_of(config)
-    if architecture in LAYOUTS and model_impl != "transformers":
+    if architecture in FAMILY_LAYOUTS and model_impl != "transformers":
         layout = resolve(config)
         facts = {"layout": f"tl's row for vLLM's {architecture} model class", "backend": "vLLM's own model class"}
         return Serving(layout, withheld=_row_withheld(config), description=facts)

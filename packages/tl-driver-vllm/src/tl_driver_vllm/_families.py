@@ -16,7 +16,7 @@ from tl_core import ConfigError, ModelInfo
 from tl_core.driver_api import NormKind, model_info_from_config, normalization_type
 
 __all__ = [
-    "LAYOUTS",
+    "FAMILY_LAYOUTS",
     "NOT_RUN_BY_VLLM",
     "Layout",
     "NormKind",
@@ -33,7 +33,7 @@ __all__ = [
 class Layout:
     """How one architecture family is laid out inside vLLM's ``*ForCausalLM`` module.
 
-    One instance per family, keyed by architecture name in ``LAYOUTS``. The worker installs
+    One instance per family, keyed by architecture name in ``FAMILY_LAYOUTS``. The worker installs
     hooks from these fields alone (``tl_driver_vllm._sites``), and the driver derives the
     ``ModelInfo`` and the hook namespace from them, so adding a family whose vLLM module has
     this shape is one table row plus its parity test.
@@ -82,7 +82,7 @@ class Layout:
 
     **Adding a family.** Start from the row of a family with the same module shape
     (``dataclasses.replace``), change the paths and flags that differ, add the row to
-    ``LAYOUTS`` and the family to the parity tests. A new structural variant (a parallel
+    ``FAMILY_LAYOUTS`` and the family to the parity tests. A new structural variant (a parallel
     block, a norm placement vLLM fuses differently) gets a new field with a default that
     keeps the existing rows unchanged, and its handling in ``_sites``.
 
@@ -448,7 +448,7 @@ _FALCON = replace(
 #: vLLM architecture name -> layout of vLLM's own model class. Every entry is covered by the
 #: parity tests. Architectures vLLM runs on its Transformers backend (GPT-NeoX, OLMo 2, ...)
 #: have no row: their layout is read from the hf driver's description (``_derive``).
-LAYOUTS: dict[str, Layout] = {
+FAMILY_LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
@@ -500,7 +500,7 @@ def layout_for(architecture: str) -> Layout:
         ConfigError: The architecture is not supported, naming the supported ones (and
             why, where vLLM itself cannot run it).
     """
-    layout = LAYOUTS.get(architecture)
+    layout = FAMILY_LAYOUTS.get(architecture)
     if layout is None:
         why = NOT_RUN_BY_VLLM.get(architecture)
         if why is not None:
@@ -510,7 +510,7 @@ def layout_for(architecture: str) -> Layout:
             )
         raise ConfigError(
             f"the vllm driver has no row for vLLM's own {architecture!r} model class; rows: "
-            f"{', '.join(sorted(LAYOUTS))}. Other architectures run on vLLM's Transformers "
+            f"{', '.join(sorted(FAMILY_LAYOUTS))}. Other architectures run on vLLM's Transformers "
             "backend, placed by the hf driver's description (tl_driver_vllm._derive)."
         )
     return layout
