@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import tl_core
 
 ROOT = Path(tl_core.__file__).parent
@@ -124,3 +126,34 @@ def test_researcher_and_driver_author_apis_are_separate() -> None:
     for package in (tl_core, driver_api):
         for name in package.__all__:
             assert getattr(package, name) is not None, (package.__name__, name)
+
+
+def test_lazy_exports_are_the_type_checking_imports() -> None:
+    """Each package declares an export once, as its ``if TYPE_CHECKING:`` import; the lazy
+    table is read from it, so the two cannot drift apart."""
+    import importlib
+
+    from tl_core._errors import __all__ as errors
+    from tl_core._lazy import declared_exports
+
+    packages = sorted({_module_name(p) for p in ROOT.rglob("__init__.py")})
+    for name in packages:
+        package = importlib.import_module(name)
+        table = declared_exports(Path(package.__file__).read_text())
+        if not table:
+            continue
+        assert set(table) <= set(package.__all__), name
+        for export, module in table.items():  # the value is the declared module's own object
+            assert getattr(package, export) is getattr(importlib.import_module(module), export), (name, export)
+    assert set(errors) <= set(tl_core.__all__), "every error class is exported from tl_core"
+
+
+def test_a_relative_lazy_export_is_refused() -> None:
+    from tl_core._lazy import declared_exports
+
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._x import A as A\n"
+    with pytest.raises(ImportError, match="absolute import, got line 3"):
+        declared_exports(source)
+    assert declared_exports("import typing\nif typing.TYPE_CHECKING:\n    from a.b import C as C, d\n") == {
+        "C": "a.b", "d": "a.b"
+    }

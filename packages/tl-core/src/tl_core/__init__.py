@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tl_core._errors import __all__ as _ERRORS
 from tl_core._lazy import attach
 from tl_core._version import __version__
 
@@ -56,28 +55,5 @@ if TYPE_CHECKING:
     )
 
 
-__getattr__, __dir__, _names = attach(
-    __name__,
-    {
-        **dict.fromkeys(_ERRORS, "_errors"),
-        "boot": "bridges._boot",
-        "RemoteBridge": "bridges._remote",
-        "TransformerBridge": "bridges._transformer",
-        "ActivationCache": "cache._cache",
-        "available_drivers": "driver_api._discovery",
-        "HookPoint": "hooks._hook_point",
-        "ModelInfo": "hooks._model_info",
-        "HookResolution": "hooks._resolution",
-        "canonical_name": "hooks._resolution",
-        "resolve_hook_name": "hooks._resolution",
-        "suggest_names": "hooks._resolution",
-        "CANONICAL_TEMPLATES": "hooks._vocabulary",
-        "HookTemplate": "hooks._vocabulary",
-        "canonical_hook_names": "hooks._vocabulary",
-        "layout_of": "hooks._resolution",
-        "SPEC_JSON_SCHEMA": "specs._specs",
-        "InterventionSpec": "specs._specs",
-        "parse_spec": "specs._specs",
-    },
-)
+__getattr__, __dir__, _names = attach(__name__)
 __all__ = ["__version__", *_names]

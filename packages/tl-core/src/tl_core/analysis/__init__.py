@@ -36,18 +36,4 @@ if TYPE_CHECKING:
         use_relevance_rules as use_relevance_rules,
     )
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {
-        "attribution_patch": "_attribution",
-        "AttributionResult": "_attribution",
-        "backward_lens": "_backward_lens",
-        "BackwardLensResult": "_backward_lens",
-        "WeightSite": "_backward_lens",
-        "logit_diff": "_metrics",
-        "logit_diff_metric": "_metrics",
-        "RelevanceRules": "_relevance",
-        "RelevanceCoverage": "_relevance",
-        "use_relevance_rules": "_relevance",
-    },
-)
+__getattr__, __dir__, __all__ = attach(__name__)

@@ -11,7 +11,4 @@ if TYPE_CHECKING:
     from tl_core.bridges._remote import RemoteBridge as RemoteBridge
     from tl_core.bridges._transformer import TransformerBridge as TransformerBridge
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {"boot": "_boot", "RemoteBridge": "_remote", "TransformerBridge": "_transformer"},
-)
+__getattr__, __dir__, __all__ = attach(__name__)

@@ -13,7 +13,4 @@ if TYPE_CHECKING:
     )
     from tl_core.cache._readout import ModelReadout as ModelReadout
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {"ActivationCache": "_cache", "tl_style_name": "_cache", "ModelReadout": "_readout"},
-)
+__getattr__, __dir__, __all__ = attach(__name__)

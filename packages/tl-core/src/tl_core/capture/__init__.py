@@ -22,16 +22,4 @@ if TYPE_CHECKING:
     from tl_core.capture._reader import CaptureStore as CaptureStore, RowDataset as RowDataset
     from tl_core.capture._run import CaptureSummary as CaptureSummary, capture as capture
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {
-        "CaptureConfig": "_config",
-        "capture": "_run",
-        "CaptureSummary": "_run",
-        "CaptureStore": "_reader",
-        "RowDataset": "_reader",
-        "merge_stores": "_merge",
-        "export_sae_lens": "_export",
-        "SaeLensExport": "_export",
-    },
-)
+__getattr__, __dir__, __all__ = attach(__name__)

@@ -29,21 +29,4 @@ if TYPE_CHECKING:
         canonical_hook_names as canonical_hook_names,
     )
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {
-        "HookPoint": "_hook_point",
-        "ModelInfo": "_model_info",
-        "HookNamespace": "_namespace",
-        "forward_order": "_order",
-        "HookResolution": "_resolution",
-        "canonical_name": "_resolution",
-        "resolve_hook_name": "_resolution",
-        "suggest_names": "_resolution",
-        "feature_shape": "_shapes",
-        "CANONICAL_TEMPLATES": "_vocabulary",
-        "HookTemplate": "_vocabulary",
-        "canonical_hook_names": "_vocabulary",
-        "layout_of": "_resolution",
-    },
-)
+__getattr__, __dir__, __all__ = attach(__name__)

@@ -22,7 +22,4 @@ if TYPE_CHECKING:
         smollm2_gguf as smollm2_gguf,
     )
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {"BundledModel": "_bundled", "SMOLLM2": "_bundled", "smollm2_gguf": "_bundled"},
-)
+__getattr__, __dir__, __all__ = attach(__name__)

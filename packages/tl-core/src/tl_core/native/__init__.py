@@ -27,8 +27,5 @@ ENTRY = DriverEntry(
     description="small random GPT-2- or Llama-style transformer in plain torch",
 )
 
-__getattr__, __dir__, _names = attach(
-    __name__,
-    {"NativeConfig": "_config", "NativeDriver": "_driver", "NativeTransformer": "_model"},
-)
+__getattr__, __dir__, _names = attach(__name__)
 __all__ = ["ENTRY", *_names]

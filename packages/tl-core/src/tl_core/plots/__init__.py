@@ -28,17 +28,4 @@ if TYPE_CHECKING:
         plot_pattern as plot_pattern,
     )
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    dict.fromkeys(
-        (
-            "PLOTS_EXTRA",
-            "plot_head_scores",
-            "plot_layer_sweep",
-            "plot_logit_lens",
-            "plot_patching",
-            "plot_pattern",
-        ),
-        "_figures",
-    ),
-)
+__getattr__, __dir__, __all__ = attach(__name__)

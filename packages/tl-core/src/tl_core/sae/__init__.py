@@ -45,28 +45,4 @@ if TYPE_CHECKING:
         finish as finish,
     )
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {
-        "ARCHITECTURES": "_dictionary",
-        "NORMALIZATIONS": "_dictionary",
-        "Linear": "_dictionary",
-        "SparseDictionary": "_dictionary",
-        "DictionaryEvaluation": "_evaluate",
-        "evaluate_dictionary": "_evaluate",
-        "from_sae_lens": "_load",
-        "load_dictionary": "_load",
-        "random_dictionary": "_random",
-        "DICTIONARY_SITES": "tl_core.hooks._dictionary_sites",
-        "DictionarySite": "tl_core.hooks._dictionary_sites",
-        "DEFAULT_TOP_K": "_splice",
-        "Splice": "_splice",
-        "plan_attachment": "_splice",
-        "splice": "_splice",
-        "Attachment": "_stage",
-        "Decoded": "_stage",
-        "DictionaryRun": "_stage",
-        "encode_and_decode": "_stage",
-        "finish": "_stage",
-    },
-)
+__getattr__, __dir__, __all__ = attach(__name__)

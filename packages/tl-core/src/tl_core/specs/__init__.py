@@ -21,17 +21,4 @@ if TYPE_CHECKING:
         parse_spec as parse_spec,
     )
 
-__getattr__, __dir__, __all__ = attach(
-    __name__,
-    {
-        "AffineEdit": "_affine",
-        "compile_plan": "_affine",
-        "compile_specs": "_affine",
-        "InterventionPlan": "_plan",
-        "build_plan": "_plan",
-        "SPEC_JSON_SCHEMA": "_specs",
-        "InterventionSpec": "_specs",
-        "parse_spec": "_specs",
-        "absolute_positions": "_specs",
-    },
-)
+__getattr__, __dir__, __all__ = attach(__name__)
