@@ -46,3 +46,32 @@ def test_the_store_equals_run_with_cache_on_hf(family: str, checkpoint: Callable
                 if b == len(batch) - 1:
                     _, alone = bridge.run_with_cache(torch.tensor([ids[b]]), names_filter=hook)
                     torch.testing.assert_close(got, alone[hook][0], atol=2e-5, rtol=1e-5)
+
+
+def test_served_points_are_kept_between_reads_and_follow_every_change(
+    bridge_of: Callable[[str], TransformerBridge],
+) -> None:
+    """The driver's point map is read several times per forward, so it is kept; attaching,
+    detaching and re-attaching a dictionary and the per-head switch each give a new one."""
+    from tl_core.sae import random_dictionary
+
+    bridge = bridge_of("llama")
+    driver = bridge.driver
+    assert driver.hook_points is driver.hook_points
+    site, hook = "blocks.0.hook_out.hook_sae_acts_post", "blocks.0.hook_resid_post"  # canonical, alias
+    dictionary = random_dictionary(bridge.cfg.d_model, 8)
+    spliced = bridge.add_sae(dictionary, hook_name=hook)
+    first = driver.hook_points[site]
+    spliced.remove()
+    assert site not in driver.hook_points
+    spliced = bridge.add_sae(dictionary, hook_name=hook)
+    assert site in driver.hook_points and driver.hook_points[site] is not first
+    spliced.remove()
+    split = "blocks.0.attn.hook_q_input"
+    assert split not in driver.hook_points
+    bridge.set_use_split_qkv_input(True)
+    try:
+        assert split in driver.hook_points
+    finally:
+        bridge.set_use_split_qkv_input(False)
+    assert split not in driver.hook_points

@@ -155,10 +155,21 @@ class LocalDriver(NamespaceFacts, ABC):
     def _served(self, points: Mapping[str, HookPoint]) -> dict[str, HookPoint]:
         """``points`` without the per-head inputs unless they are on, plus the sites of
         attached dictionaries (for ``hook_points``)."""
+        # Read several times per forward: rebuilt only when the model's points (the same
+        # object, same size), the per-head switch or the attached dictionaries change.
+        # The key holds the dictionaries' point maps themselves (compared by identity), not ids
+        # that a detached and re-attached dictionary could reuse.
+        key = (len(points), self.split_qkv_input, tuple((site, hp) for site, (_, hp) in self._dictionaries.items()))
+        cached: tuple[Mapping[str, HookPoint], object, dict[str, HookPoint]] | None = self.__dict__.get("_served_points")
+        if cached is not None and cached[0] is points and cached[1] == key:
+            return cached[2]
         extra = self._dictionary_points
         if self.split_qkv_input:
-            return {**points, **extra}
-        return {**{n: p for n, p in points.items() if not n.endswith(_SPLIT_INPUTS)}, **extra}
+            served = {**points, **extra}
+        else:
+            served = {**{n: p for n, p in points.items() if not n.endswith(_SPLIT_INPUTS)}, **extra}
+        self.__dict__["_served_points"] = (points, key, served)
+        return served
 
     # -- dictionary sites ------------------------------------------------------------------
 

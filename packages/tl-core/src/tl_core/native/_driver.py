@@ -72,7 +72,7 @@ class NativeDriver(LocalDriver):
     @property
     def hook_points(self) -> Mapping[str, HookPoint]:
         """Canonical name -> HookPoint of every site the model fires."""
-        return self._served(self._model.hook_points)
+        return self._served(self._model.all_hook_points)
 
     def _apply_split_qkv_input(self, enabled: bool) -> None:
         self._model.set_use_split_qkv_input(enabled)

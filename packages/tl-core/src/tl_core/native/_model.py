@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -158,6 +160,12 @@ class NativeTransformer(nn.Module):
             if isinstance(module, HookPoint):
                 module.name = name
                 self._hook_points[name] = module
+
+    @property
+    def all_hook_points(self) -> Mapping[str, HookPoint]:
+        """Canonical name -> HookPoint of every site, the per-head q/k/v inputs whether on or
+        off (one mapping for the model's life)."""
+        return self._hook_points
 
     @property
     def hook_points(self) -> dict[str, HookPoint]:
