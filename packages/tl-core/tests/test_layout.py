@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import tl_core
+from tl_core._lazy import is_type_checking
 
 ROOT = Path(tl_core.__file__).parent
 #: Lowest first. A module may import from its own floor and the floors below it.
@@ -36,18 +37,11 @@ def _floor(module: str) -> int:
     return FLOORS.index(parts[1])
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _runtime_imports(tree: ast.AST) -> set[str]:
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return

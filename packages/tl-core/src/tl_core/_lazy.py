@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["attach", "declared_exports"]
+__all__ = ["attach", "declared_exports", "is_type_checking"]
 
 
-def _is_type_checking(test: ast.expr) -> bool:
+def is_type_checking(test: ast.expr) -> bool:
+    """Whether an ``if`` test is ``TYPE_CHECKING`` (or ``typing.TYPE_CHECKING``)."""
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
     )
@@ -35,7 +36,7 @@ def declared_exports(source: str) -> dict[str, str]:
     """
     table: dict[str, str] = {}
     for node in ast.parse(source).body:
-        if not (isinstance(node, ast.If) and _is_type_checking(node.test)):
+        if not (isinstance(node, ast.If) and is_type_checking(node.test)):
             continue
         for statement in ast.walk(node):
             if isinstance(statement, ast.ImportFrom):
