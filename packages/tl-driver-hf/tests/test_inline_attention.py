@@ -1,4 +1,5 @@
-"""Families whose attention is re-implemented in ``_inline_attention`` (GPT-Neo, BLOOM, Falcon)."""
+"""Families whose attention is re-implemented in ``_inline_attention`` (GPT-Neo, BLOOM; Falcon
+before transformers 5.25)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.falcon.modeling_falcon import FalconAttention
 
 from tl_core import ConfigError, TransformerBridge
 
-INLINE = ("gpt_neo", "bloom", "falcon")
+#: Falcon's attention calls ``AttentionInterface`` from transformers 5.25 (no ``_split_heads``).
+FALCON_INLINE = hasattr(FalconAttention, "_split_heads")
+INLINE = ("gpt_neo", "bloom", "falcon") if FALCON_INLINE else ("gpt_neo", "bloom")
 
 
 def _attention_modules(bridge: TransformerBridge) -> list[torch.nn.Module]:
@@ -38,7 +42,7 @@ def test_forward_is_replaced_only_during_a_run(family: str, bridge_of: Callable[
     assert not any("forward" in vars(m) for m in _attention_modules(bridge))
 
 
-@pytest.mark.parametrize("family", INLINE)
+@pytest.mark.parametrize("family", (*INLINE, "falcon") if not FALCON_INLINE else INLINE)
 def test_bfloat16_equals_eager_transformers(family: str, checkpoint: Callable[[str], Path]) -> None:
     path = checkpoint(family)
     bridge = TransformerBridge.boot_transformers(str(path), dtype="bfloat16")

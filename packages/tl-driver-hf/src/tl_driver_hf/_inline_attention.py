@@ -1,6 +1,6 @@
 """Hooked re-implementations of attention modules that never call ``AttentionInterface``.
 
-GPT-Neo, BLOOM and Falcon (transformers 5.x) compute attention inside the module's own
+GPT-Neo, BLOOM, and Falcon and GPT-J in earlier 5.x releases, compute attention inside the module's own
 ``forward`` instead of calling the function ``config._attn_implementation`` names, so the
 driver's hooked attention function never sees their q/k/v, scores or pattern. For these
 families the driver replaces each attention module's ``forward`` for the duration of a run
@@ -13,8 +13,10 @@ that performs the same operations in the same order and fires the canonical hook
 * ``bloom``: fused ``query_key_value`` split per head (``[h, 3, dh]``); scores are
   ``alibi + q k^T / sqrt(dh)`` (the ALiBi bias is part of ``hook_attn_scores``, as in
   HookedTransformer); softmax in float32; the module adds the residual to its output.
-* ``falcon`` (Falcon-7B layout): one shared key/value head, rotary on the whole head,
-  scores ``q k^T / sqrt(dh)``, softmax in the activations' dtype.
+* ``falcon_legacy``: Falcon (Falcon-7B layout) as transformers up to 5.24 writes it (its
+  attention has ``_split_heads``): one shared key/value head, rotary on the whole head,
+  scores ``q k^T / sqrt(dh)``, softmax in the activations' dtype. 5.25 calls
+  ``AttentionInterface`` (with ``alibi`` no longer an argument) and needs nothing here.
 * ``gptj_legacy``: GPT-J as transformers up to 5.19 writes it (``GPTJAttention._attn``,
   the rotary table a buffer of the module), which adds the attention mask to the scores
   and so would read the driver's boolean (or absent) mask as no mask at all. Rotary
@@ -170,7 +172,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _falcon(
+def _falcon_legacy(
     module: Any,
     site: AttentionSite,
     hidden_states: torch.Tensor,
@@ -183,7 +185,7 @@ def _falcon(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FalconAttention.forward`` (multi-query, rotary, old decoder layout) with hooks."""
+    """``FalconAttention.forward`` before 5.25 (multi-query, rotary, old decoder layout) with hooks."""
     if alibi is not None or module.new_decoder_architecture or not module.multi_query:
         raise UserError(
             "the hf driver serves Falcon's multi-query rotary layout only (Falcon-7B: "
@@ -262,14 +264,17 @@ def _gptj_legacy(
 INLINE_FORWARDS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gpt_neo": _gpt_neo,
     "bloom": _bloom,
-    "falcon": _falcon,
+    "falcon_legacy": _falcon_legacy,
     "gptj_legacy": _gptj_legacy,
 }
 
 #: Families that call ``AttentionInterface`` in current transformers but computed attention
 #: inline in older 5.x releases: family -> (attribute only the older module has, the
 #: re-implementation to run there).
-LEGACY_FORWARDS: dict[str, tuple[str, str]] = {"gptj": ("_attn", "gptj_legacy")}
+LEGACY_FORWARDS: dict[str, tuple[str, str]] = {
+    "gptj": ("_attn", "gptj_legacy"),
+    "falcon": ("_split_heads", "falcon_legacy"),
+}
 
 
 def _forward_name(sites: Mapping[nn.Module, AttentionSite], adapter: ArchitectureAdapter) -> str | None:

@@ -10,8 +10,9 @@ there reaches the MLP only).
 The layer adds the attention output into the MLP's output tensor in place, so
 ``mlp.hook_out`` hands the layer a copy (``mlp_out_inplace``).
 
-Attention is computed inside ``FalconAttention`` (not through ``AttentionInterface``), so
-the driver runs its hooked re-implementation there (``inline_attention="falcon"``).
+transformers 5.25 computes attention through ``AttentionInterface``; earlier 5.x releases
+compute it inside ``FalconAttention``, where the driver runs its hooked re-implementation
+(``falcon_legacy``, picked by ``LEGACY_FORWARDS`` where the module has ``_split_heads``).
 Falcon-40B/180B (``new_decoder_architecture``) and Falcon-RW (ALiBi, per-head fused
 layout) are refused at boot with the reason.
 """
@@ -50,7 +51,6 @@ ADAPTERS = (
         down="dense_4h_to_h",
         norm="layernorm",
         parallel=True,
-        inline_attention="falcon",
         mlp_out_inplace=True,
         absent={
             f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
