@@ -709,6 +709,15 @@ def test_zero_padded_index_is_refused_with_the_fix() -> None:
     assert "'blocks.3.hook_out'" in str(raised.value)
 
 
+@pytest.mark.parametrize("name", ["attn_in.{i}", "blocks.{i}.hook_out", "blocks.{last}.hook_out"])
+def test_a_table_row_with_its_placeholder_is_refused_as_a_name(name: str) -> None:
+    # 'attn_in.{i}' once matched its own alias row and resolved to 'blocks.{i}.attn.hook_in'.
+    for given in (None, GPT2):
+        with pytest.raises(HookNameError, match="placeholder in braces") as raised:
+            resolve_hook_name(name, info=given)
+        assert "{" not in str(raised.value).rsplit("e.g.", 1)[1]
+
+
 def test_block_index_of_aliases_and_unknown_names() -> None:
     assert block_index("resid_post.5") == 5
     assert block_index("layers_input[0]") == 0

@@ -180,6 +180,13 @@ def _fill(text: str, layer: int | None, info: ModelInfo | None) -> str:
 
 @lru_cache(maxsize=8192)
 def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
+    if "{" in name or "}" in name:
+        # A table row itself (``attn_in.{i}``) would match its own rule with no index.
+        example = name.replace("{i}", "0").replace("{last}", "0")
+        raise HookNameError(
+            f"hook name {name!r} holds a placeholder in braces, so it names no hook: write "
+            f"a block index in its place (e.g. {example!r})."
+        )
     key, layer = _parse(name)
     rule = _TABLE.get(key)
     if rule is None:
