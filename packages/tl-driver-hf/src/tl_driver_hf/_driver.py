@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
@@ -11,7 +10,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from tl_core import ConfigError, HookPoint, ModelInfo, UnsupportedFeatureError, UserError
+from tl_core import HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
     Architecture,
     Certification,
@@ -23,7 +22,8 @@ from tl_core.driver_api import (
 )
 from tl_driver_hf._architecture import served_architecture
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
-from tl_driver_hf._certify import boot_refusal, certify_driver, on_residual_stream
+from tl_driver_hf._boot_certification import certify_at_boot
+from tl_driver_hf._certify import certify_driver
 from tl_driver_hf._compat import CompatState, enable_compatibility
 from tl_driver_hf._infer import InferredArchitecture, infer_architecture
 from tl_driver_hf._inline_attention import inline_attention
@@ -42,8 +42,6 @@ from tl_driver_hf._stopping import Stop, configs_of, prober, stop_after, stopper
 from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, ForwardBookkeeping, _with_input
 from tl_driver_hf._wiring import Wiring
 from tl_driver_hf.adapters import ArchitectureAdapter
-
-_LOG = logging.getLogger("tl_driver_hf")
 
 __all__ = ["HFDriver"]
 
@@ -179,79 +177,6 @@ class HFDriver(LocalDriver):
         sinks = has_attention_sinks(self._modules)
         return served_architecture(self._hf_model, self._adapter, self._info, opaque=opaque, sinks=sinks)
 
-    def _first_certifiable(self) -> Certification:
-        """Certify an inferred model in stages, each serving less, until its run holds.
-
-        First with every candidate hook and tl's hooked attention; then with the model's own
-        attention (tl's may not reproduce a family's: sinks, extra inputs); then with the
-        residual stream alone (a block whose insides do not run with tl's hooks).
-
-        Raises:
-            ConfigError: Not even the residual stream runs (names the error).
-        """
-        error: Exception | None = None
-        cert: Certification | None = None
-        for hooked, residual_only in ((True, False), (False, False), (False, True)):
-            self._hooked_attention = hooked
-            if residual_only:
-                names = list(self._model.hook_points)
-                kept = [n for n in names if on_residual_stream(n)]
-                why = f"{type(error).__name__}: {error}" if error is not None else "its block equations failed"
-                for n in names:
-                    if n not in kept:
-                        self._absent[n] = f"uncertified: tl's hooks inside this inferred block do not run ({why})"
-                self._build(kept)
-            try:
-                cert = self.certify()
-            except Exception as exc:  # the family's code does not run with these hooks
-                error = exc
-                continue
-            if cert.residual_holds:
-                return cert
-        if cert is not None:
-            return cert  # refused by the caller, with the failing equations
-        raise ConfigError(
-            f"architecture {self._info.architecture!r} has no hand-written description and tl "
-            f"cannot run the one inferred from its modules ({type(error).__name__}: {error}); "
-            f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
-        )
-
-    def _certify_at_boot(self) -> None:
-        """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
-        name = self._name
-        inferred = self._inferred is not None
-        cert = self._first_certifiable() if inferred else self.certify(thorough=False)
-        refused = boot_refusal(
-            cert, inferred=inferred, architecture=self._info.architecture, family=self._adapter.family,
-            layers=self._adapter.layers, name=name,
-        )  # fmt: skip
-        if refused is not None:
-            raise refused
-        dropped = [n for n in self._model.hook_points if cert.statuses.get(n) is None or cert.statuses[n].status != "real"]
-        if dropped:
-            for n in dropped:
-                cert_n = cert.statuses.get(n)
-                self._absent[n] = f"uncertified: {cert_n.reason if cert_n else 'not checked'}"
-            self._build([n for n in self._model.hook_points if n not in dropped])
-            if not inferred:
-                _LOG.warning(
-                    "%d hooks of %s failed certification and are not served (first: %s); see "
-                    "bridge.certification", len(dropped), name, dropped[0],
-                )  # fmt: skip
-        self._certification = cert
-        wrong_readout = [c for c in cert.failed if c.hooks and set(c.hooks) <= {"unembed.hook_out", "ln_final.hook_out"}]
-        if wrong_readout:
-            self._readout_refused = f"failed: {wrong_readout[0].equation}"
-        self._model.refused_weights.update(
-            {name: w.reason for name, w in cert.weights.items() if w.status != "real"}
-        )
-        if inferred:
-            _LOG.warning(
-                "%s: architecture %s inferred from its modules (no hand-written description); "
-                "%d hooks certified and served at level %r (tl certify %s shows the report)",
-                name, self._info.architecture, len(cert.served), cert.level, name,
-            )  # fmt: skip
-
     @classmethod
     def boot(cls, model_name: Any = None, **options: Any) -> HFDriver:
         """Load a transformers model (or wrap one) for tl.
@@ -336,7 +261,7 @@ class HFDriver(LocalDriver):
         driver._inferred = inferred
         driver._name = name
         if (opts.certify or inferred is not None) and not driver._meta:
-            driver._certify_at_boot()
+            certify_at_boot(driver)
         return driver
 
     def enable_compatibility_mode(self, **options: Any) -> None:

@@ -22,8 +22,7 @@ What the probe proposes is only a hypothesis: the driver serves a hook after cer
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -32,10 +31,11 @@ from torch import nn
 
 from tl_core import ConfigError, ModelInfo
 from tl_core.driver_api import canonical_hook_names, model_info_from_config
-from tl_driver_hf._norms import apply_weight, norm_eps, normalize
+from tl_driver_hf._norms import is_norm_module, norm_kind_of
+from tl_driver_hf._probe import ModuleCall, path_of, probe_ids, recording, same_tensor
 from tl_driver_hf.adapters import ArchitectureAdapter, NormKind
 
-__all__ = ["InferredArchitecture", "infer_architecture", "probe_ids"]
+__all__ = ["InferredArchitecture", "infer_architecture"]
 
 _ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention", "attn_layer")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "mlp_block", "feedforward")
@@ -57,20 +57,6 @@ _DOWN = ("down_proj", "w2", "fc2", "c_proj", "dense_4h_to_h", "fc_out", "out_pro
 _MLP_IN = ("fc1", "c_fc", "dense_h_to_4h", "fc_in", "up_proj", "proj_in")
 _SHARED = ("shared_expert", "shared_experts", "shared_mlp")
 _SHARED_GATE = ("shared_expert_gate",)
-_KINDS: tuple[NormKind, ...] = ("rms", "rms_weight_first", "rms_plus_one", "layernorm")
-
-
-@dataclass
-class _Call:
-    """One module's first call in the probe."""
-
-    start: int
-    end: int = -1
-    input: torch.Tensor | None = None
-    output: torch.Tensor | None = None
-    kwargs: tuple[str, ...] = ()
-    #: The output is ``(logits, top-k weights, top-k indices)``: a router.
-    routes: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,83 +75,6 @@ class InferredArchitecture:
     description: Mapping[str, str]
     blocks: Literal["sublayers", "opaque"]
     info: ModelInfo
-
-
-def probe_ids(vocab: int, n: int = 6) -> torch.Tensor:
-    """Fixed, varied token ids for probes and certification: ``[1, n]`` below ``vocab``."""
-    ids = [(7 + 13 * i) % max(1, vocab - 1) + 1 for i in range(n)]
-    return torch.tensor([ids], dtype=torch.long)
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-        return None
-    hidden = getattr(value, "last_hidden_state", None)
-    return hidden if isinstance(hidden, torch.Tensor) else None
-
-
-@contextmanager
-def _recording(model: nn.Module) -> Iterator[dict[int, _Call]]:
-    calls: dict[int, _Call] = {}
-    clock = [0]
-    handles = []
-
-    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if id(module) in calls:
-            return
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-        keys = tuple(kwargs)
-        table = kwargs.get("position_embeddings")
-        if not (isinstance(table, (tuple, list)) and len(table) == 2):
-            # Only a (cos, sin) pair is a rotary table tl serves (Llama 4 passes complex ones).
-            keys = tuple(k for k in keys if k != "position_embeddings")
-        calls[id(module)] = _Call(clock[0], input=x if isinstance(x, torch.Tensor) else None, kwargs=keys)
-        clock[0] += 1
-
-    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        call = calls.get(id(module))
-        if call is not None and call.end < 0:
-            call.end = clock[0]
-            call.output = _first_tensor(output)
-            call.routes = (
-                isinstance(output, tuple)
-                and len(output) == 3
-                and all(isinstance(t, torch.Tensor) for t in output)
-                and not output[2].dtype.is_floating_point
-            )
-            clock[0] += 1
-
-    for module in model.modules():
-        handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(module.register_forward_hook(post))
-    try:
-        yield calls
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _path_of(model: nn.Module, target: nn.Module | None) -> str | None:
-    if target is None:
-        return None
-    for name, module in model.named_modules():
-        if module is target:
-            return str(name)
-    return None
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b))
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower() or isinstance(module, nn.LayerNorm)
 
 
 def _shared_expert(mlp: nn.Module) -> tuple[str, tuple[str, str, str], str | None, int] | None:
@@ -194,7 +103,7 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _layer_list(model: nn.Module, calls: Mapping[int, _Call], d_model: int, n_pos: int, n_layers: int | None) -> str:
+def _layer_list(model: nn.Module, calls: Mapping[int, ModuleCall], d_model: int, n_pos: int, n_layers: int | None) -> str:
     best: tuple[int, int, str] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -227,7 +136,7 @@ def _layer_list(model: nn.Module, calls: Mapping[int, _Call], d_model: int, n_po
 
 
 def _final_norm(
-    model: nn.Module, layers: nn.ModuleList, lm_head: nn.Module, calls: Mapping[int, _Call]
+    model: nn.Module, layers: nn.ModuleList, lm_head: nn.Module, calls: Mapping[int, ModuleCall]
 ) -> tuple[str | None, bool]:
     """The final norm's path (``None``: none), and whether the unembedding reads something
     else than the last block's output through that one norm (a head transform)."""
@@ -241,14 +150,14 @@ def _final_norm(
         if call is None or id(module) in inside or module is lm_head:
             continue
         between = call.start > last.end and call.end < head.start
-        if between and _is_norm(module) and _same(call.output, head.input) and _same(call.input, last.output):
+        if between and is_norm_module(module) and same_tensor(call.output, head.input) and same_tensor(call.input, last.output):
             return str(name), False
-    if _same(head.input, last.output):
+    if same_tensor(head.input, last.output):
         return None, False
     return None, True
 
 def _position_embedding(
-    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, _Call]
+    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
 ) -> str | None:
     """A second embedding table that runs before the first layer: learned positions."""
     first = calls[id(layers[0])]
@@ -276,28 +185,6 @@ def _counts_positions(ids: torch.Tensor) -> bool:
     return bool((steps == 1).all())
 
 
-def _norm_kind(module: nn.Module, call: _Call | None) -> NormKind | None:
-    if call is None or call.input is None or call.output is None:
-        return None
-    x = call.input
-    if x.shape != call.output.shape:
-        return None
-    for kind in _KINDS:
-        try:
-            # An epsilon kept in code, not in an attribute (OLMo), is measured per rule.
-            eps = norm_eps(module, kind, x.shape[-1])
-        except AttributeError:
-            continue
-        try:
-            _, _, normed = normalize(x, kind, eps)
-            out = apply_weight(normed, module, kind, x.dtype)
-        except (RuntimeError, TypeError):
-            continue
-        if out.shape == call.output.shape and torch.allclose(out.double(), call.output.double(), rtol=1e-5, atol=1e-6):
-            return kind
-    return None
-
-
 @dataclass
 class _Block:
     attn: str | None = None
@@ -318,7 +205,7 @@ def _find_child(layer: nn.Module, names: tuple[str, ...], classes: tuple[str, ..
     return found[0] if len(found) == 1 else None
 
 
-def _block(layer: nn.Module, calls: Mapping[int, _Call]) -> _Block:
+def _block(layer: nn.Module, calls: Mapping[int, ModuleCall]) -> _Block:
     block = _Block()
     attn = _find_child(layer, _ATTN_NAMES, ("Attention",))
     mlp = _find_child(layer, _MLP_NAMES, ("MLP", "MoE", "Moe", "FeedForward", "Experts"))
@@ -332,29 +219,29 @@ def _block(layer: nn.Module, calls: Mapping[int, _Call]) -> _Block:
         return block
     block.attn, block.mlp = attn, mlp
     for name, child in layer.named_children():
-        if not _is_norm(child):
+        if not is_norm_module(child):
             continue
         call = calls.get(id(child))
         if call is None:
             continue
-        if block.ln1 is None and _same(call.output, a.input):
+        if block.ln1 is None and same_tensor(call.output, a.input):
             block.ln1 = name
-        elif block.ln2 is None and _same(call.output, m.input):
+        elif block.ln2 is None and same_tensor(call.output, m.input):
             block.ln2 = name
-        elif block.ln1_post is None and _same(call.input, a.output):
+        elif block.ln1_post is None and same_tensor(call.input, a.output):
             block.ln1_post = name
-        elif block.ln2_post is None and _same(call.input, m.output):
+        elif block.ln2_post is None and same_tensor(call.input, m.output):
             block.ln2_post = name
         else:
             continue
-        block.kinds[name] = _norm_kind(child, call)
+        block.kinds[name] = norm_kind_of(child, call)
     if block.ln2 is not None:
         norm_in = calls[id(getattr(layer, block.ln2))].input
-        block.parallel = _same(norm_in, layer_call.input)
+        block.parallel = same_tensor(norm_in, layer_call.input)
     elif block.ln1 is not None:
-        block.parallel = _same(m.input, calls[id(getattr(layer, block.ln1))].output)
+        block.parallel = same_tensor(m.input, calls[id(getattr(layer, block.ln1))].output)
     else:
-        block.parallel = _same(m.input, layer_call.input)
+        block.parallel = same_tensor(m.input, layer_call.input)
     return block
 
 
@@ -388,7 +275,7 @@ def _info(config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: i
     return dataclasses.replace(info, n_layers=n_layers, d_model=d_model, d_vocab=d_vocab)
 
 
-def _mixer_norm(layers: nn.ModuleList, calls: Mapping[int, _Call], d_model: int) -> str | None:
+def _mixer_norm(layers: nn.ModuleList, calls: Mapping[int, ModuleCall], d_model: int) -> str | None:
     """The norm before each layer's ``mixer`` where every layer is a norm and a state-space
     mixer (Mamba, Mamba-2: ``x + mixer(norm(x))``), else ``None``. The block equation
     certifies the claim."""
@@ -429,14 +316,14 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     d_model = int(cast(torch.Tensor, embed.weight).shape[1])
     ids = probe_ids(int(cast(torch.Tensor, embed.weight).shape[0]))
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
-    with _recording(model) as calls, torch.no_grad():
+    with recording(model) as calls, torch.no_grad():
         model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), use_cache=False)
     declared = getattr(config.get_text_config(), "num_hidden_layers", None)
     n_declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else None
     layers_path = _layer_list(model, calls, d_model, ids.shape[1], n_declared)
     layers = cast(nn.ModuleList, model.get_submodule(layers_path))
     final_norm, readout_opaque = _final_norm(model, layers, lm_head, calls)
-    embed_path, head_path = _path_of(model, embed), _path_of(model, lm_head)
+    embed_path, head_path = path_of(model, embed), path_of(model, lm_head)
     assert embed_path is not None and head_path is not None
     blocks = [_block(layer, calls) for layer in layers]
     first = blocks[0]
@@ -446,7 +333,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     text = config.get_text_config()
     rotary = any(getattr(text, k, None) is not None for k in ("rope_parameters", "rope_theta", "rotary_emb_base"))
     final_module = model.get_submodule(final_norm) if final_norm is not None else None
-    final_kind = _norm_kind(final_module, calls.get(id(final_module))) if final_module is not None else None
+    final_kind = norm_kind_of(final_module, calls.get(id(final_module))) if final_module is not None else None
     kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
     known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
     norm: NormKind = known[0] if known else "rms"
@@ -519,7 +406,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         for key, (norm, up) in (("q", _Q_LATENT), ("kv", _KV_LATENT))
     }
     for key, child in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if child is not None and _norm_kind(attn_module.get_submodule(child), calls.get(id(attn_module.get_submodule(child)))) != norm:
+        if child is not None and norm_kind_of(attn_module.get_submodule(child), calls.get(id(attn_module.get_submodule(child)))) != norm:
             absent.update({f"blocks.{{i}}.attn.{key}.hook_scale": unknown, f"blocks.{{i}}.attn.{key}.hook_normalized": unknown})
     layout: Literal["positions_first", "heads_first", "flat"] = "positions_first"
     if q_norm is not None:

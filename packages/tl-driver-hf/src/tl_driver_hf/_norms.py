@@ -9,13 +9,20 @@ with the family's weight rule, so the edit propagates.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tl_core import UserError
 from tl_core.driver_api import NormKind, apply_norm_weight, norm_module_eps, norm_statistics
 
-__all__ = ["norm_eps", "normalize", "apply_weight"]
+if TYPE_CHECKING:
+    from tl_driver_hf._probe import ModuleCall
+
+__all__ = ["norm_eps", "normalize", "apply_weight", "is_norm_module", "norm_kind_of"]
+
+_KINDS: tuple[NormKind, ...] = ("rms", "rms_weight_first", "rms_plus_one", "layernorm")
 
 
 def norm_eps(module: nn.Module, kind: NormKind | None = None, width: int | None = None) -> float:
@@ -45,3 +52,31 @@ def apply_weight(
             f"Keep norms in memory (device_map) to edit them."
         )
     return apply_norm_weight(normalized, weight, bias, kind, input_dtype)
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    """Whether a module is a norm, by its class name (or a torch ``LayerNorm``)."""
+    return "norm" in type(module).__name__.lower() or isinstance(module, nn.LayerNorm)
+
+
+def norm_kind_of(module: nn.Module, call: ModuleCall | None) -> NormKind | None:
+    """Which of tl's norm kinds reproduces the output ``module`` gave in ``call``, if any."""
+    if call is None or call.input is None or call.output is None:
+        return None
+    x = call.input
+    if x.shape != call.output.shape:
+        return None
+    for kind in _KINDS:
+        try:
+            # An epsilon kept in code, not in an attribute (OLMo), is measured per rule.
+            eps = norm_eps(module, kind, x.shape[-1])
+        except AttributeError:
+            continue
+        try:
+            _, _, normed = normalize(x, kind, eps)
+            out = apply_weight(normed, module, kind, x.dtype)
+        except (RuntimeError, TypeError):
+            continue
+        if out.shape == call.output.shape and torch.allclose(out.double(), call.output.double(), rtol=1e-5, atol=1e-6):
+            return kind
+    return None

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import torch
 
 from tl_core._errors import UnsupportedFeatureError, UserError
+from tl_core.bridges._engine_call import EngineCall, reached
 from tl_core.bridges._loss import next_token_loss
+from tl_core.bridges._prompts import check_context, encode, generated_output, prompt_rows
 from tl_core.cache._cache import ActivationCache
 from tl_core.driver_api._architecture import Architecture
-from tl_core.driver_api._batching import TokenBatch, check_token_range, describe_value, pad_batch
+from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
 from tl_core.driver_api._layers import block_index
@@ -28,11 +30,10 @@ from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
-from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
 from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._splice import Splice, splice
 
-__all__ = ["Bridge", "EngineCall", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
+__all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
 
 #: Text, texts, or token ids (1-D/2-D tensor, list, or ragged list of lists).
 ModelInput = Union[str, Sequence[str], torch.Tensor, Sequence[int], Sequence[Sequence[int]]]
@@ -43,33 +44,6 @@ ReturnType = Literal["logits", "loss", "both"] | None
 
 _B = TypeVar("_B", bound="Bridge")
 _RETURN_TYPES = ("logits", "loss", "both", None)
-
-
-@dataclass(frozen=True)
-class EngineCall:
-    """What one engine call of a bridge method asks for (see ``Bridge._execute``).
-
-    Attributes:
-        capture: Canonical hooks to return.
-        intervene: The ``intervene=`` argument as the user gave it.
-        max_new_tokens: Tokens to generate (0: prefill only).
-        need_logits: Whether the caller uses the sequence logits.
-        capture_device: Where captures go (``None``: where computed).
-        start_at_layer: Start at this block from ``residual`` (local drivers).
-        stop_at_layer: Stop before this block; ``logits`` then holds the residual stream.
-        residual: The residual stream entering ``start_at_layer``.
-        sampling: Sampling options and ``stop_at_eos`` for generation.
-    """
-
-    capture: Sequence[str] = ()
-    intervene: Any = None
-    max_new_tokens: int = 0
-    need_logits: bool = True
-    capture_device: torch.device | str | None = None
-    start_at_layer: int | None = None
-    stop_at_layer: int | None = None
-    residual: torch.Tensor | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 class Bridge:
@@ -223,7 +197,7 @@ class Bridge:
     ) -> list[str]:
         """One readable string per token of ``text`` (or of the given ids)."""
         if isinstance(text, str):
-            ids = self._encode(text, prepend_bos)
+            ids = encode(self.tokenizer, text, prepend_bos)
         else:
             ids = text.flatten().tolist() if isinstance(text, torch.Tensor) else list(text)
         return [self.tokenizer.token_to_str(int(i)) for i in ids]
@@ -239,11 +213,6 @@ class Bridge:
             raise UserError(f"{text!r} is {len(ids)} tokens ({ids}), not a single token")
         return ids[0]
 
-    def _encode(self, text: str, prepend_bos: bool) -> list[int]:
-        ids = self.tokenizer.encode(text)
-        bos = self.tokenizer.bos_token_id
-        return [bos, *ids] if prepend_bos and bos is not None else ids
-
     def _token_batch(
         self,
         inputs: ModelInput,
@@ -257,129 +226,15 @@ class Bridge:
         Every malformed input is refused here, before any engine work, with the prompt (and
         position) at fault; ``check_vocab`` also refuses ids outside ``0..d_vocab-1``.
         """
-        rows = self._prompt_rows(inputs, prepend_bos)
+        rows = prompt_rows(self.tokenizer, inputs, prepend_bos)
         batch = pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
         if check_vocab:
             check_token_range(batch, self.driver.info.d_vocab)
         return batch
 
-    def _prompt_rows(self, inputs: object, prepend_bos: bool) -> Any:
-        """Texts encoded to id lists; ids (lists, tensors) passed on for ``pad_batch``."""
-        if isinstance(inputs, str):
-            return [self._encode_prompt(inputs, 0, prepend_bos)]
-        if isinstance(inputs, torch.Tensor):
-            return inputs
-        if inputs is None or not isinstance(inputs, Sequence) or isinstance(inputs, bytes):
-            hint = ""
-            if isinstance(inputs, int) and not isinstance(inputs, bool):
-                hint = f"; a single token id goes in a list: [{inputs!r}]"
-            elif hasattr(inputs, "__array__"):
-                hint = "; convert an array of token ids with torch.as_tensor(ids)"
-            raise UserError(
-                f"the input is {describe_value(inputs)}; expected a text, a list of texts, "
-                f"or token ids (a list of ints, a list of such lists, or a [pos] or "
-                f"[batch, pos] integer tensor){hint}"
-            )
-        items = list(inputs)
-        if not items:
-            raise UserError(
-                "the input is an empty list, so there is no prompt to run; pass a text, a "
-                "non-empty list of texts, or token ids"
-            )
-        if not any(isinstance(item, str) for item in items):
-            return items  # token ids: pad_batch names the prompt and position at fault
-        for index, item in enumerate(items):
-            if not isinstance(item, str):
-                raise UserError(
-                    f"prompt {index} is {describe_value(item)}, but the input is a list of "
-                    f"texts; every prompt in it must be a str (drop or replace that entry)"
-                )
-        return [self._encode_prompt(text, index, prepend_bos) for index, text in enumerate(items)]
-
-    def _encode_prompt(self, text: str, index: int, prepend_bos: bool) -> list[int]:
-        """One prompt's ids, refusing text no tokenizer can encode and empty results."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise UserError(
-                f"prompt {index} holds {text[exc.start:exc.end]!r} at character {exc.start}, "
-                f"a lone surrogate: it is not valid Unicode, so the tokenizer cannot encode "
-                f"it; remove it, or clean the text with "
-                f"text.encode('utf-8', errors='replace').decode('utf-8')"
-            ) from None
-        ids = self._encode(text, prepend_bos)
-        if not ids:
-            what = "is an empty text" if not text else f"({text!r}) encodes to no tokens"
-            why = "prepend_bos=False" if not prepend_bos else "this tokenizer has no BOS token"
-            fix = " or pass prepend_bos=True" if not prepend_bos else ""
-            raise UserError(
-                f"prompt {index} {what} and {why}, so it has nothing to run; give it some "
-                f"text{fix}"
-            )
-        return ids
-
     def _check_context(self, batch: TokenBatch, max_new_tokens: int = 0) -> None:
-        """Refuse prompts (plus new tokens) longer than the model's context ``cfg.n_ctx``.
-
-        Every driver refuses the same inputs before any engine work: rotary models would
-        otherwise run past their context without a word, and generation would decode up
-        to the limit, fail there and lose the text.
-        """
-        n_ctx = self.driver.info.n_ctx
-        if n_ctx <= 0:
-            return
-        lengths = batch.lengths
-        longest = max(lengths)
-        if longest + max_new_tokens <= n_ctx:
-            return
-        index = lengths.index(longest)
-        over = sum(1 for n in lengths if n + max_new_tokens > n_ctx)
-        others = f" ({over} of the {len(lengths)} prompts are too long)" if over > 1 else ""
-        shorten = "Shorten it (to_tokens(..., truncate=True) cuts text to n_ctx tokens), or"
-        if not max_new_tokens:
-            raise UserError(
-                f"prompt {index} is {longest} tokens long, which exceeds n_ctx={n_ctx}, the "
-                f"longest input this model takes{others}. {shorten} "
-                f"{self._longer_context_hint()}"
-            )
-        if longest >= n_ctx:
-            raise UserError(
-                f"generate: prompt {index} is {longest} tokens long and this model's context "
-                f"is n_ctx={n_ctx}, so there is no room for new tokens{others}. Nothing was "
-                f"generated. {shorten} {self._longer_context_hint()}"
-            )
-        raise UserError(
-            f"generate: prompt {index} is {longest} tokens and max_new_tokens="
-            f"{max_new_tokens}, {longest + max_new_tokens} tokens in all, which exceeds "
-            f"n_ctx={n_ctx}, this model's context{others}; the largest max_new_tokens that "
-            f"fits is {n_ctx - longest}. Nothing was generated. Pass max_new_tokens="
-            f"{n_ctx - longest} or less, shorten the prompt, or {self._longer_context_hint()}"
-        )
-
-    def _longer_context_hint(self) -> str:
-        """How to boot this model with a longer context, where that can work."""
-        info = self.driver.info
-        if self._name != "native" and info.positional_embedding_type == "standard":
-            return (
-                f"use another model: this one has {info.n_ctx} learned positions, so it "
-                f"cannot take longer inputs"
-            )
-        how = _CONTEXT_OPTIONS.get(
-            self._name, "boot it with the driver's context-length option (n_ctx=N on hf)"
-        )
-        return f"if the model supports longer contexts, {how}"
-
-    def _generated(
-        self, inputs: ModelInput, new_tokens: torch.Tensor, return_type: str | None
-    ) -> str | list[str] | torch.Tensor:
-        """What ``generate`` returns: text for text input (cut at EOS), else the new ids."""
-        texts_in = isinstance(inputs, str) or _is_texts(inputs)
-        if (return_type or ("str" if texts_in else "tokens")) == "tokens":
-            return new_tokens
-        eos = self.tokenizer.eos_token_id
-        rows = [row[: row.index(eos)] if eos in row else row for row in new_tokens.tolist()]
-        texts = [self.tokenizer.decode(row) for row in rows]
-        return texts[0] if isinstance(inputs, str) else texts
+        """Refuse prompts (plus new tokens) past the model's context, before engine work."""
+        check_context(self.driver.info, self._name, batch, max_new_tokens)
 
     # -- hooks ------------------------------------------------------------------------
 
@@ -607,7 +462,7 @@ class Bridge:
         names = self.select_hooks(names_filter)
         if stop_at_layer is not None:
             stop = block_index(stop_at_layer, "stop_at_layer", self.cfg.n_layers)
-            names = [n for n in names if _reached(n, stop)]
+            names = [n for n in names if reached(n, stop)]
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         self._check_context(batch)
         grads: dict[str, torch.Tensor] = {}
@@ -691,7 +546,7 @@ class Bridge:
         with torch.no_grad():
             result = self._execute(batch, call)
         assert result.new_tokens is not None
-        return self._generated(input, result.new_tokens, return_type)
+        return generated_output(self.tokenizer, input, result.new_tokens, return_type)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -740,37 +595,11 @@ class Bridge:
         )
 
 
-#: How to boot each driver with a longer context (shown when a prompt exceeds ``n_ctx``).
-_CONTEXT_OPTIONS = {
-    "hf": "boot it with a larger n_ctx: TransformerBridge.boot_transformers(model, n_ctx=N)",
-    "native": "boot a model with a larger n_ctx: TransformerBridge.boot_native(config, n_ctx=N)",
-    "vllm": "boot it with a larger max_model_len: RemoteBridge.boot_vllm(model, max_model_len=N)",
-}
-
-
-def _is_texts(inputs: object) -> bool:
-    return (
-        isinstance(inputs, Sequence)
-        and not isinstance(inputs, str)
-        and bool(inputs)
-        and all(isinstance(t, str) for t in inputs)
-    )
-
-
 def _check_return_type(return_type: object) -> None:
     if return_type not in _RETURN_TYPES:
         raise UserError(
             f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}"
         )
-
-
-def _reached(name: str, stop: int) -> bool:
-    """Whether a forward stopped before block ``stop`` reaches canonical hook ``name``."""
-    split = split_canonical(name)
-    layer = None if split is None else split[1]
-    if layer is not None:
-        return layer < stop
-    return name in BEFORE_BLOCKS
 
 
 class _GradCapture:

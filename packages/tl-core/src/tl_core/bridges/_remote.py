@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from tl_core._errors import RemoteHookMutationError, UnsupportedFeatureError
-from tl_core.bridges._base import Bridge, EngineCall, _reached
+from tl_core.bridges._base import Bridge
+from tl_core.bridges._engine_call import EngineCall, reached
 from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._layers import block_index
 from tl_core.driver_api._protocol import ForwardResult
@@ -81,7 +82,7 @@ class RemoteBridge(Bridge):
         hooked = [n for n, p in self.hook_dict.items() if p.has_hooks]
         if stop_at_layer is not None:
             stop = block_index(stop_at_layer, "stop_at_layer", self.driver.info.n_layers)
-            hooked = [n for n in hooked if _reached(n, stop)]
+            hooked = [n for n in hooked if reached(n, stop)]
         names = list(dict.fromkeys([*capture, *hooked, *([stop_hook] if stop_hook else [])]))
         result = self.driver.forward(
             batch.rows(),

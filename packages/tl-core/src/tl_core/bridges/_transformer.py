@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from tl_core._errors import UnsupportedFeatureError
-from tl_core.bridges._base import Bridge, EngineCall
+from tl_core.bridges._base import Bridge
+from tl_core.bridges._engine_call import EngineCall
 from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._local import LocalDriver
 from tl_core.driver_api._protocol import ForwardResult
