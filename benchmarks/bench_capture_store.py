@@ -42,7 +42,19 @@ from _harness import time_call, write_json
 def _text(path: Path, tokens: int) -> Path:
     """Documents of random words, about ``tokens`` tokens in all."""
     rng = random.Random(0)
-    words = [f"w{i}" for i in range(400)] + ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with"]
+    words = [f"w{i}" for i in range(400)] + [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+    ]
     lines, count = [], 0
     while count < tokens:
         n = rng.randint(20, 200)
@@ -56,7 +68,12 @@ def _boot(args: argparse.Namespace, tmp: Path) -> tuple[Any, str, dict[str, Any]
     from tl_core import boot
 
     if args.driver == "native":
-        options: dict[str, Any] = {"n_layers": 6, "d_model": 256, "n_ctx": args.context_size, "seed": 0}
+        options: dict[str, Any] = {
+            "n_layers": 6,
+            "d_model": 256,
+            "n_ctx": args.context_size,
+            "seed": 0,
+        }
         return boot("llama", driver="native", **options), "llama", options
     model = args.model
     if model is None:
@@ -117,21 +134,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cut = torch.searchsorted(contexts, torch.arange(int(contexts.max()) + 2))
             ids = [tokens[cut[i] : cut[i + 1]].tolist() for i in range(len(cut) - 1)]
             n_tokens = sum(len(i) for i in ids)
-            row_bytes = sum(
-                int(torch.tensor(store.row_shape(h)).prod()) * 4 for h in store.hooks
-            )
+            row_bytes = sum(int(torch.tensor(store.row_shape(h)).prod()) * 4 for h in store.hooks)
 
             def plain() -> None:
                 with torch.no_grad():
                     for start in range(0, len(ids), args.batch_size):
-                        bridge.forward(ids[start : start + args.batch_size], return_type=None, prepend_bos=False)
+                        bridge.forward(
+                            ids[start : start + args.batch_size],
+                            return_type=None,
+                            prepend_bos=False,
+                        )
 
             def captured() -> None:
                 shutil.rmtree(store_dir, ignore_errors=True)
                 capture(config, store_dir, progress=False, bridge=bridge)
 
             plain()
-            times: dict[str, list[tuple[float, float]]] = {"plain forward": [], "capture to disk": []}
+            times: dict[str, list[tuple[float, float]]] = {
+                "plain forward": [],
+                "capture to disk": [],
+            }
             for _ in range(args.repeats):
                 times["plain forward"].append(time_call(plain))
                 times["capture to disk"].append(time_call(captured))
@@ -142,7 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             store = CaptureStore(store_dir, verify=False)
             stored = len(store) * row_bytes
             for _ in range(2):  # the second pass reads from the page cache
-                streamed = time_call(lambda: [None for h in store.hooks for _ in store.iter_batches(h, 8192)])
+                streamed = time_call(
+                    lambda: [None for h in store.hooks for _ in store.iter_batches(h, 8192)]
+                )
             verify = time_call(lambda: CaptureStore(store_dir, verify=True))
         finally:
             bridge.close()
@@ -161,11 +185,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key in times:
         wall, cpu = median(key, "wall"), median(key, "cpu")
         ratio = median("plain forward", clock) / median(key, clock)
-        rows.append({"case": key, "tokens_per_s": n_tokens / wall, "tokens_per_cpu_s": n_tokens / cpu, "ratio": ratio})
-        print(f"{key:20s} {n_tokens / wall:10.0f} tok/s {n_tokens / cpu:10.0f} tok/CPU-s {ratio:6.2f}x")
+        rows.append(
+            {
+                "case": key,
+                "tokens_per_s": n_tokens / wall,
+                "tokens_per_cpu_s": n_tokens / cpu,
+                "ratio": ratio,
+            }
+        )
+        print(
+            f"{key:20s} {n_tokens / wall:10.0f} tok/s {n_tokens / cpu:10.0f} tok/CPU-s {ratio:6.2f}x"
+        )
     gbps = stored / streamed[0] / 1e9
     verify_gbps = stored / verify[0] / 1e9
-    print(f"reader: {stored / 1e6:.0f} MB streamed from the page cache at {gbps:.2f} GB/s; opened with checksums at {verify_gbps:.2f} GB/s")
+    print(
+        f"reader: {stored / 1e6:.0f} MB streamed from the page cache at {gbps:.2f} GB/s; opened with checksums at {verify_gbps:.2f} GB/s"
+    )
     report = {
         "driver": args.driver, "contexts": len(ids), "context_size": args.context_size, "tokens": n_tokens,
         "batch_size": args.batch_size, "clock": clock, "rows": rows,

@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(["variant", "median s", "ratio to boot without"], rows))
     share = stats["boot, certified"].median / base - 1.0
     thorough = stats["certify() alone"].median / base
-    print(f"\ncertification at boot costs {share:+.1%} of a boot without it; every check on demand {thorough:.2f}x a boot")
+    print(
+        f"\ncertification at boot costs {share:+.1%} of a boot without it; every check on demand {thorough:.2f}x a boot"
+    )
     write_json(args.json, {"samples": samples, "share": share, "environment": environment_line()})
     return 0
 

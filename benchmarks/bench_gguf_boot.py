@@ -82,10 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     base = medians["transformers_gguf"]
     print(environment_line())
-    print(f"SmolLM2-135M-Instruct Q4_1 GGUF, float32, {args.repeats} interleaved rounds, child processes\n")
-    rows = [[name, f"{medians[name]:.1f}", f"{medians[name] / base:.2f}x", VARIANTS[name]] for name in VARIANTS]
+    print(
+        f"SmolLM2-135M-Instruct Q4_1 GGUF, float32, {args.repeats} interleaved rounds, child processes\n"
+    )
+    rows = [
+        [name, f"{medians[name]:.1f}", f"{medians[name] / base:.2f}x", VARIANTS[name]]
+        for name in VARIANTS
+    ]
     print(format_table(["variant", "median s", "ratio", "what"], rows))
-    write_json(args.json, {"samples": samples, "medians": medians, "environment": environment_line()})
+    write_json(
+        args.json, {"samples": samples, "medians": medians, "environment": environment_line()}
+    )
     return 0
 
 

@@ -44,29 +44,43 @@ _FULL = {"layers": 12, "d_model": 768, "heads": 12, "vocab": 50257, "batch": 8, 
 _QUICK = {"layers": 2, "d_model": 128, "heads": 4, "vocab": 1000, "batch": 2, "seq": 32}
 _MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 #: Optional libraries -> the variant they add.
-_OPTIONAL = {"transformer_lens": "transformer_lens_all", "nnsight": "nnsight_blocks", "torchlens": "torchlens_all"}
+_OPTIONAL = {
+    "transformer_lens": "transformer_lens_all",
+    "nnsight": "nnsight_blocks",
+    "torchlens": "torchlens_all",
+}
 
 
-def write_model(folder: Path, layers: int, d_model: int, heads: int, vocab: int, seed: int = 0) -> Path:
+def write_model(
+    folder: Path, layers: int, d_model: int, heads: int, vocab: int, seed: int = 0
+) -> Path:
     """Save a random GPT-2 of the given shape (float32, eager attention) to ``folder``."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=layers, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=1024)
+    config = GPT2Config(
+        n_layer=layers, n_embd=d_model, n_head=heads, vocab_size=vocab, n_positions=1024
+    )
     GPT2LMHeadModel(config).eval().save_pretrained(folder)
     return folder
 
 
 def available_optional() -> list[str]:
     """The optional comparison variants whose library imports here."""
-    return [variant for module, variant in _OPTIONAL.items() if importlib.util.find_spec(module) is not None]
+    return [
+        variant
+        for module, variant in _OPTIONAL.items()
+        if importlib.util.find_spec(module) is not None
+    ]
 
 
 class Workload:
     """The booted bridge, its transformers model, a token batch and one callable per variant."""
 
-    def __init__(self, folder: Path, batch: int, seq: int, threads: int | None, seed: int = 0) -> None:
+    def __init__(
+        self, folder: Path, batch: int, seq: int, threads: int | None, seed: int = 0
+    ) -> None:
         import torch
 
         from tl_core import TransformerBridge
@@ -79,7 +93,9 @@ class Workload:
         self.model: Any = self.bridge.driver.hf_model  # type: ignore[attr-defined]
         self.model.config._attn_implementation = "eager"
         vocab = self.model.config.vocab_size
-        self.ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+        self.ids = torch.randint(
+            0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed)
+        )
         self.n_layers = self.model.config.n_layer
         self._ht: Any = None
         self._nn: Any = None
@@ -164,7 +180,9 @@ class Workload:
         return torchlens.trace(self.model, self.ids)
 
 
-def measure_memory(folder: Path, name: str, batch: int, seq: int, threads: int | None) -> PeakMemory:
+def measure_memory(
+    folder: Path, name: str, batch: int, seq: int, threads: int | None
+) -> PeakMemory:
     """Peak resident memory of one call of ``name`` in a fresh process."""
     here = str(Path(__file__).resolve().parent)
     setup = (
@@ -181,12 +199,18 @@ def measure_memory(folder: Path, name: str, batch: int, seq: int, threads: int |
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="a tiny model: a smoke run of a few seconds")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 5; 3 with --quick)")
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model: a smoke run of a few seconds"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed rounds (default 5; 3 with --quick)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
-    p.add_argument("--no-optional", action="store_true", help="leave out transformer_lens/nnsight/torchlens")
+    p.add_argument(
+        "--no-optional", action="store_true", help="leave out transformer_lens/nnsight/torchlens"
+    )
     return p.parse_args(argv)
 
 
@@ -199,7 +223,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     optional = [] if args.no_optional else available_optional()
     missing = [m for m, v in _OPTIONAL.items() if v not in optional]
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_model(Path(tmp) / "gpt2-random", shape["layers"], shape["d_model"], shape["heads"], shape["vocab"])
+        folder = write_model(
+            Path(tmp) / "gpt2-random",
+            shape["layers"],
+            shape["d_model"],
+            shape["heads"],
+            shape["vocab"],
+        )
         work = Workload(folder, shape["batch"], shape["seq"], args.threads)
         fns = work.fns(names + optional)
         failed: dict[str, str] = {}
@@ -215,7 +245,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_memory:
             with ThreadPoolExecutor(max_workers=2) as pool:
                 futures = {
-                    n: pool.submit(measure_memory, folder, n, shape["batch"], shape["seq"], args.threads) for n in fns
+                    n: pool.submit(
+                        measure_memory, folder, n, shape["batch"], shape["seq"], args.threads
+                    )
+                    for n in fns
                 }
                 memory = {n: f.result() for n, f in futures.items()}
     base = summarize(samples["plain"]).median
@@ -240,7 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{shape['heads']} heads, vocab {shape['vocab']}; batch {shape['batch']} x {shape['seq']}; "
         f"{repeats} timed rounds after {args.warmup} warm-up, interleaved"
     )
-    print(format_table(["variant", "median ms", "q1-q3 ms", "x plain", "peak MB", "mem x plain"], rows))
+    print(
+        format_table(
+            ["variant", "median ms", "q1-q3 ms", "x plain", "peak MB", "mem x plain"], rows
+        )
+    )
     for module in missing:
         print(f"not importable here: {module}")
     for name, why in failed.items():

@@ -65,7 +65,14 @@ CAPTURE = "residual capture, every layer"
 STEER = "intervention only (1 add spec)"
 SITES = "every head/neuron site, every layer"
 TARGETS = {CAPTURE: 0.9, SITES: 0.7, STEER: 0.95}
-_HEAD_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z")
+_HEAD_SITES = (
+    "attn.hook_q",
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_rot_q",
+    "attn.hook_rot_k",
+    "attn.hook_z",
+)
 _NEURON_SITES = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 
 
@@ -73,8 +80,14 @@ def _random_checkpoint(tmp: Path) -> Path:
     from tl_driver_hf.testing import write_tiny_checkpoint
 
     return write_tiny_checkpoint(
-        "llama", tmp / "bench-llama", dtype="float32", n_layers=8, d_model=512, head_dim=64,
-        vocab_size=2048, n_ctx=1024,
+        "llama",
+        tmp / "bench-llama",
+        dtype="float32",
+        n_layers=8,
+        d_model=512,
+        head_dim=64,
+        vocab_size=2048,
+        n_ctx=1024,
     )
 
 
@@ -102,7 +115,12 @@ def cases(bridge: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]
     sites = site_names(driver)
     results = [f"blocks.{i}.attn.hook_result" for i in layers]
     patterns = [f"blocks.{i}.attn.hook_pattern" for i in layers]
-    steer = {f"blocks.{info.n_layers // 2}.hook_out": {"op": "add", "value": torch.randn(info.d_model, generator=gen).tolist()}}
+    steer = {
+        f"blocks.{info.n_layers // 2}.hook_out": {
+            "op": "add",
+            "value": torch.randn(info.d_model, generator=gen).tolist(),
+        }
+    }
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     requests = [{"prompt_token_ids": p} for p in prompts]
 
@@ -118,7 +136,9 @@ def cases(bridge: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]
         "hook_result, every layer": cache(results),
         "patterns, every layer": cache(patterns),
         "sequence logits [batch, pos, vocab]": lambda: bridge.forward(prompts),
-        "last-position logits": lambda: driver.forward(prompts, max_new_tokens=0, return_logits="last"),
+        "last-position logits": lambda: driver.forward(
+            prompts, max_new_tokens=0, return_logits="last"
+        ),
     }
 
 
@@ -129,14 +149,20 @@ def _child(args: argparse.Namespace) -> None:
     from tl_core import RemoteBridge
 
     bridge = RemoteBridge.boot_vllm(
-        str(args.model), dtype=args.dtype, max_model_len=args.tokens + 8,
-        max_num_batched_tokens=max(2048, args.tokens), max_num_seqs=args.prompts,
-        kv_cache_memory_bytes=512 * 2**20, use_attn_result=True,
+        str(args.model),
+        dtype=args.dtype,
+        max_model_len=args.tokens + 8,
+        max_num_batched_tokens=max(2048, args.tokens),
+        max_num_seqs=args.prompts,
+        kv_cache_memory_bytes=512 * 2**20,
+        use_attn_result=True,
     )
     try:
         info = bridge.driver.info
         gen = torch.Generator().manual_seed(0)
-        prompts = torch.randint(4, info.d_vocab, (args.prompts, args.tokens), generator=gen).tolist()
+        prompts = torch.randint(
+            4, info.d_vocab, (args.prompts, args.tokens), generator=gen
+        ).tolist()
         timed = cases(bridge, prompts)
         load_before = load_average()
         samples, cpu = _time_both(timed, repeats=args.repeats)
@@ -148,15 +174,28 @@ def _child(args: argparse.Namespace) -> None:
     rows = []
     for name, values in samples.items():
         stats, cpu_stats = summarize(values), summarize(cpu[name])
-        rows.append({
-            "case": name, "median_s": stats.median, "min_s": stats.minimum, "q1_s": stats.q1, "q3_s": stats.q3,
-            "tokens_per_s": args.prompts * args.tokens / stats.median, "ratio": base.median / stats.median,
-            "ratio_best": base.minimum / stats.minimum, "cpu_s": cpu_stats.median,
-            "ratio_cpu": base_cpu.median / cpu_stats.median,
-        })
-    payload = {"layers": info.n_layers, "d_model": info.d_model, "d_vocab": info.d_vocab,
-               "engine_process": workers_elsewhere, "rows": rows,
-               "load": [None if v is None else v[0] for v in (load_before, load_after)]}
+        rows.append(
+            {
+                "case": name,
+                "median_s": stats.median,
+                "min_s": stats.minimum,
+                "q1_s": stats.q1,
+                "q3_s": stats.q3,
+                "tokens_per_s": args.prompts * args.tokens / stats.median,
+                "ratio": base.median / stats.median,
+                "ratio_best": base.minimum / stats.minimum,
+                "cpu_s": cpu_stats.median,
+                "ratio_cpu": base_cpu.median / cpu_stats.median,
+            }
+        )
+    payload = {
+        "layers": info.n_layers,
+        "d_model": info.d_model,
+        "d_vocab": info.d_vocab,
+        "engine_process": workers_elsewhere,
+        "rows": rows,
+        "load": [None if v is None else v[0] for v in (load_before, load_after)],
+    }
     Path(args.child_json).write_text(json.dumps(payload))
 
 
@@ -209,8 +248,20 @@ def _run_child(args: argparse.Namespace, model: Path, mode: str, tmp: Path) -> d
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
     command = [
-        sys.executable, __file__, "--child-json", str(out), "--model", str(model), "--dtype", args.dtype,
-        "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+        sys.executable,
+        __file__,
+        "--child-json",
+        str(out),
+        "--model",
+        str(model),
+        "--dtype",
+        args.dtype,
+        "--prompts",
+        str(args.prompts),
+        "--tokens",
+        str(args.tokens),
+        "--repeats",
+        str(args.repeats),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
@@ -222,8 +273,12 @@ def _run_child(args: argparse.Namespace, model: Path, mode: str, tmp: Path) -> d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print one table per model, and return the numbers."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--models", default="random,smollm2", help="comma-separated: random, smollm2")
-    parser.add_argument("--modes", default="in-process,multiprocess", help="comma-separated: " + ", ".join(MODES))
+    parser.add_argument(
+        "--models", default="random,smollm2", help="comma-separated: random, smollm2"
+    )
+    parser.add_argument(
+        "--modes", default="in-process,multiprocess", help="comma-separated: " + ", ".join(MODES)
+    )
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
@@ -244,11 +299,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"unknown {name}(s) {unknown}; choose from {sorted(known)}")
 
     print(environment_line())
-    print(f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
-          f"{args.repeats} interleaved rounds; ratio = plain vLLM prefill time / case time in the same mode, "
-          f"of the medians (best: of the fastest rounds; cpu: of the median CPU seconds of this process and "
-          f"the engine's, the steadiest on a shared machine)")
-    report: dict[str, Any] = {"prompts": args.prompts, "tokens": args.tokens, "dtype": args.dtype, "models": {}}
+    print(
+        f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
+        f"{args.repeats} interleaved rounds; ratio = plain vLLM prefill time / case time in the same mode, "
+        f"of the medians (best: of the fastest rounds; cpu: of the median CPU seconds of this process and "
+        f"the engine's, the steadiest on a shared machine)"
+    )
+    report: dict[str, Any] = {
+        "prompts": args.prompts,
+        "tokens": args.tokens,
+        "dtype": args.dtype,
+        "models": {},
+    }
     with tempfile.TemporaryDirectory(prefix="tl-bench-vllm-") as name:
         tmp = Path(name)
         for model_name in models:
@@ -262,7 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     folder = smollm2_gguf()
                 except ModelNotInstalledError as error:
                     raise SystemExit(str(error)) from None
-                label = "SmolLM2-135M-Instruct (real, dequantised from Q4_1), 30 layers, d_model 576"
+                label = (
+                    "SmolLM2-135M-Instruct (real, dequantised from Q4_1), 30 layers, d_model 576"
+                )
             results = {mode: _run_child(args, folder, mode, tmp) for mode in modes}
             report["models"][model_name] = results
             _print_table(label, results)
@@ -280,17 +344,24 @@ def _print_table(label: str, results: dict[str, dict[str, Any]]) -> None:
         for mode in modes:
             row = next(r for r in results[mode]["rows"] if r["case"] == case)
             cells += [
-                f"{row['tokens_per_s']:.0f}", f"{row['ratio']:.2f}x", f"{row['ratio_best']:.2f}x",
+                f"{row['tokens_per_s']:.0f}",
+                f"{row['ratio']:.2f}x",
+                f"{row['ratio_best']:.2f}x",
                 f"{row['ratio_cpu']:.2f}x",
             ]
         table.append(cells)
     loads = ", ".join(
-        f"{m} {results[m]['load'][0]:.1f}->{results[m]['load'][1]:.1f}" for m in modes if None not in results[m]["load"]
+        f"{m} {results[m]['load'][0]:.1f}->{results[m]['load'][1]:.1f}"
+        for m in modes
+        if None not in results[m]["load"]
     )
     print(f"\n{label}" + (f" (1-minute load average while timed: {loads})" if loads else ""))
     print(format_table(header, table))
     if len(modes) > 1:
-        base = {m: next(r for r in results[m]["rows"] if r["case"] == BASELINE)["median_s"] for m in modes}
+        base = {
+            m: next(r for r in results[m]["rows"] if r["case"] == BASELINE)["median_s"]
+            for m in modes
+        }
         print(f"raw vLLM itself, {modes[1]} vs {modes[0]}: {base[modes[0]] / base[modes[1]]:.2f}x")
     for case, target in TARGETS.items():
         for mode in modes:

@@ -80,7 +80,9 @@ def _to(value: int) -> Callable[[Any], Any]:
 
 
 def _at_most(value: int) -> Callable[[Any], Any]:
-    return lambda old: min(old, value) if isinstance(old, int) and not isinstance(old, bool) else _KEEP
+    return lambda old: (
+        min(old, value) if isinstance(old, int) and not isinstance(old, bool) else _KEEP
+    )
 
 
 def _names(*names: str, rule: Callable[[Any], Any]) -> dict[str, Callable[[Any], Any]]:
@@ -89,43 +91,88 @@ def _names(*names: str, rule: Callable[[Any], Any]) -> dict[str, Callable[[Any],
 
 _PRIMARY: dict[str, Callable[[Any], Any]] = {
     **_names(
-        "hidden_size", "n_embd", "d_model", "dim", "embed_dim", "emb_dim", "model_dim",
-        "hidden_dim", "embedding_size", "word_embed_proj_dim", "input_embedding_size",
-        "output_embedding_size", "lru_width", "embedding_dim", "backbone_hidden_size",
+        "hidden_size",
+        "n_embd",
+        "d_model",
+        "dim",
+        "embed_dim",
+        "emb_dim",
+        "model_dim",
+        "hidden_dim",
+        "embedding_size",
+        "word_embed_proj_dim",
+        "input_embedding_size",
+        "output_embedding_size",
+        "lru_width",
+        "embedding_dim",
+        "backbone_hidden_size",
         rule=_to(WIDTH),
     ),
     **_names(
-        "num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers",
-        "encoder_layers", "num_decoder_layers", "num_encoder_layers",
+        "num_hidden_layers",
+        "n_layer",
+        "n_layers",
+        "num_layers",
+        "decoder_layers",
+        "encoder_layers",
+        "num_decoder_layers",
+        "num_encoder_layers",
         rule=_to(LAYERS),
     ),
     **_names(
-        "num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
-        "encoder_attention_heads", "attention_heads", "num_decoder_attention_heads",
-        "num_encoder_attention_heads", "swa_num_attention_heads", "num_attention_heads_per_layer",
+        "num_attention_heads",
+        "n_head",
+        "n_heads",
+        "num_heads",
+        "decoder_attention_heads",
+        "encoder_attention_heads",
+        "attention_heads",
+        "num_decoder_attention_heads",
+        "num_encoder_attention_heads",
+        "swa_num_attention_heads",
+        "num_attention_heads_per_layer",
         rule=_to(HEADS),
     ),
 }
 
 _SECONDARY: dict[str, Callable[[Any], Any]] = {
     **_names(
-        "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "decoder_ffn_dim",
-        "encoder_ffn_dim", "feed_forward_size", "dim_ff", "dff", "intermediate_size_mlp",
-        "dense_intermediate_size", "d_ff", "d_inner",
+        "intermediate_size",
+        "n_inner",
+        "ffn_dim",
+        "ffn_hidden_size",
+        "decoder_ffn_dim",
+        "encoder_ffn_dim",
+        "feed_forward_size",
+        "dim_ff",
+        "dff",
+        "intermediate_size_mlp",
+        "dense_intermediate_size",
+        "d_ff",
+        "d_inner",
         rule=_to(FFN),
     ),
     **_names(
-        "moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
-        "moe_shared_expert_intermediate_size", "shared_intermediate_size",
+        "moe_intermediate_size",
+        "expert_ffn_hidden_size",
+        "shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "shared_intermediate_size",
         "shared_experts_intermediate_size",
         rule=_to(EXPERT_FFN),
     ),
     **_names(
-        "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+        "num_experts",
+        "num_local_experts",
+        "n_routed_experts",
+        "moe_num_experts",
         rule=_at_most(EXPERTS),
     ),
     **_names(
-        "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k",
+        "num_experts_per_tok",
+        "num_experts_per_token",
+        "moe_topk",
+        "moe_k",
         rule=_at_most(EXPERTS_PER_TOKEN),
     ),
     # Grouped routing (DeepSeek): one group holding every expert.
@@ -133,7 +180,9 @@ _SECONDARY: dict[str, Callable[[Any], Any]] = {
     **_names("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", rule=_at_most(1)),
     "zero_expert_num": _at_most(EXPERTS),
     # One dense layer before the sparse ones: both kinds are built.
-    **_names("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index", rule=_at_most(1)),
+    **_names(
+        "first_k_dense_replace", "num_dense_layers", "moe_layer_start_index", rule=_at_most(1)
+    ),
     # Multi-head latent attention: rope + nope = the tiny head_dim.
     **_names("q_lora_rank", "kv_lora_rank", "o_lora_rank", rule=_to(32)),
     **_names("qk_rope_head_dim", "qk_nope_head_dim", rule=_to(HEAD_DIM // 2)),
@@ -143,8 +192,13 @@ _SECONDARY: dict[str, Callable[[Any], Any]] = {
     **_names("state_size", "mamba_d_state", "ssm_state_size", "d_state", rule=_to(16)),
     **_names("expand", "mamba_expand", rule=_to(2)),
     **_names(
-        "conv_kernel", "mamba_d_conv", "conv_kernel_size", "linear_conv_kernel_dim", "d_conv",
-        "conv1d_width", "short_conv_kernel_size",
+        "conv_kernel",
+        "mamba_d_conv",
+        "conv_kernel_size",
+        "linear_conv_kernel_dim",
+        "d_conv",
+        "conv1d_width",
+        "short_conv_kernel_size",
         rule=_at_most(4),
     ),
     **_names("n_groups", "mamba_n_groups", "mamba_ngroups", rule=_to(1)),
@@ -170,8 +224,14 @@ _SECONDARY: dict[str, Callable[[Any], Any]] = {
 #: Sizes a config class often derives from others: set last, and only when not derived.
 _LATE: dict[str, Callable[[Any], Any]] = {
     **_names(
-        "head_dim", "d_head", "attention_head_dim", "kv_channels", "dim_head",
-        "attention_head_size", "swa_head_dim", "qk_head_dim",
+        "head_dim",
+        "d_head",
+        "attention_head_dim",
+        "kv_channels",
+        "dim_head",
+        "attention_head_size",
+        "swa_head_dim",
+        "qk_head_dim",
         rule=_to(HEAD_DIM),
     ),
     "mamba_d_ssm": _to(2 * WIDTH),
@@ -189,11 +249,18 @@ _SSM_HEADS = (
 #: Key/value head counts keep their kind: multi-query stays 1, full multi-head stays
 #: equal to the head count, grouped becomes 2.
 _KV_HEAD_FIELDS = (
-    "num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num",
-    "num_query_groups", "n_head_kv",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_heads",
+    "multi_query_group_num",
+    "num_query_groups",
+    "n_head_kv",
 )
 _HEAD_FIELDS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
-_OFFSET_FIELDS = {"attn_layer_offset": "attn_layer_period", "expert_layer_offset": "expert_layer_period"}
+_OFFSET_FIELDS = {
+    "attn_layer_offset": "attn_layer_period",
+    "expert_layer_offset": "expert_layer_period",
+}
 _ROTARY_FIELDS = ("rotary_dim",)
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
 
@@ -234,9 +301,31 @@ _FILL: dict[str, int] = {
 #: Name parts of fields that may repeat another config's width (an adapter's input and
 #: output, a cross-attention's global width), and of those that never do.
 _WIDTH_LIKE = ("dim", "size", "hidden")
-_NOT_WIDTH = ("vocab", "position", "window", "chunk", "patch", "image", "batch", "kernel",
-              "group", "sample", "feature", "hop", "merge", "block", "rank", "head", "expert",
-              "intermediate", "layer", "state", "conv", "bucket", "budget")
+_NOT_WIDTH = (
+    "vocab",
+    "position",
+    "window",
+    "chunk",
+    "patch",
+    "image",
+    "batch",
+    "kernel",
+    "group",
+    "sample",
+    "feature",
+    "hop",
+    "merge",
+    "block",
+    "rank",
+    "head",
+    "expert",
+    "intermediate",
+    "layer",
+    "state",
+    "conv",
+    "bucket",
+    "budget",
+)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -265,12 +354,20 @@ def _is_index_list(value: Any, n_layers: int) -> bool:
 
 def _layer_lists(d: Mapping[str, Any], n_layers: int) -> tuple[list[str], list[str]]:
     """Fields holding one entry per layer, and fields holding a list of layer indices."""
-    per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == n_layers and n_layers > LAYERS]
-    indices = [k for k, v in d.items() if k not in per_layer and n_layers > LAYERS and _is_index_list(v, n_layers)]
+    per_layer = [
+        k for k, v in d.items() if isinstance(v, list) and len(v) == n_layers and n_layers > LAYERS
+    ]
+    indices = [
+        k
+        for k, v in d.items()
+        if k not in per_layer and n_layers > LAYERS and _is_index_list(v, n_layers)
+    ]
     return per_layer, indices
 
 
-def _chosen_layers(d: Mapping[str, Any], n_layers: int, per_layer: list[str], indices: list[str]) -> list[int]:
+def _chosen_layers(
+    d: Mapping[str, Any], n_layers: int, per_layer: list[str], indices: list[str]
+) -> list[int]:
     """Layer 0 and the first layer unlike it (another kind of mixer, MLP or attention), so
     that a hybrid model keeps both kinds in two layers."""
 
@@ -306,7 +403,9 @@ def _vocab_overrides(d: Mapping[str, Any]) -> dict[str, Any]:
     (each distinct id to its own slot counted down from the top)."""
     out: dict[str, Any] = {}
     vocab_fields = [
-        k for k, v in d.items() if isinstance(k, str) and "vocab" in k and k != "type_vocab_size" and _is_int(v)
+        k
+        for k, v in d.items()
+        if isinstance(k, str) and "vocab" in k and k != "type_vocab_size" and _is_int(v)
     ]
     for k in vocab_fields:
         if d[k] > VOCAB:
@@ -385,10 +484,14 @@ def _tiny_layer_fields(fields: Any, default: Mapping[str, Any]) -> Any:
 
 
 def _width(d: Mapping[str, Any]) -> int | None:
-    return next((int(d[f]) for f in ("hidden_size", "n_embd", "d_model") if _is_int(d.get(f))), None)
+    return next(
+        (int(d[f]) for f in ("hidden_size", "n_embd", "d_model") if _is_int(d.get(f))), None
+    )
 
 
-def _field_rules(default: Mapping[str, Any], current: Mapping[str, Any], stage: int) -> dict[str, Any]:
+def _field_rules(
+    default: Mapping[str, Any], current: Mapping[str, Any], stage: int
+) -> dict[str, Any]:
     """Rules over several fields at once, by stage (see ``_shrink``)."""
     out: dict[str, Any] = {}
     if stage == 1:
@@ -398,7 +501,11 @@ def _field_rules(default: Mapping[str, Any], current: Mapping[str, Any], stage: 
             if _is_int(old) and old > 0:
                 out[field] = 1 if old == 1 else HEADS if old == heads else KV_HEADS
         for offset, period in _OFFSET_FIELDS.items():
-            if _is_int(default.get(offset)) and _is_int(default.get(period)) and default[period] > 2:
+            if (
+                _is_int(default.get(offset))
+                and _is_int(default.get(period))
+                and default[period] > 2
+            ):
                 out[offset] = default[offset] % 2
     if stage == 2:
         for field, value in _FILL.items():
@@ -406,7 +513,11 @@ def _field_rules(default: Mapping[str, Any], current: Mapping[str, Any], stage: 
                 out[field] = value
         # Multi-head latent attention whose head_dim is the rotary part stays so.
         rope = "qk_rope_head_dim"
-        if _is_int(default.get(rope)) and default.get("head_dim") == default[rope] and current.get("head_dim") != current.get(rope):
+        if (
+            _is_int(default.get(rope))
+            and default.get("head_dim") == default[rope]
+            and current.get("head_dim") != current.get(rope)
+        ):
             out["head_dim"] = current[rope]
         heads, width = _head_count(default), _width(default)
         old_head_dim = default.get("head_dim") if _is_int(default.get("head_dim")) else None
@@ -420,7 +531,13 @@ def _field_rules(default: Mapping[str, Any], current: Mapping[str, Any], stage: 
         # A state-space mixer's heads tile its inner width (expand * hidden).
         for n_field, dim_field, expand_field in _SSM_HEADS:
             n, dim, expand = (default.get(f) for f in (n_field, dim_field, expand_field))
-            if _is_int(n) and _is_int(dim) and _is_int(expand) and width and n * dim == expand * width:
+            if (
+                _is_int(n)
+                and _is_int(dim)
+                and _is_int(expand)
+                and width
+                and n * dim == expand * width
+            ):
                 new_dim = current.get(dim_field)
                 new_expand = current.get(expand_field)
                 if _is_int(new_dim) and _is_int(new_expand) and new_dim > 0:
@@ -468,9 +585,7 @@ def _sub_maker(sub: Any) -> Callable[..., Any]:
     return lambda **fields: cls(**{**base, **fields})
 
 
-def _shrink(
-    make: Callable[..., Any], default: Any, widths: Mapping[int, int] | None = None
-) -> Any:
+def _shrink(make: Callable[..., Any], default: Any, widths: Mapping[int, int] | None = None) -> Any:
     """The tiny version of ``default`` (a ``PretrainedConfig``), built by ``make(**fields)``.
 
     Three stages, each building the config anew from the fields set so far: the primary
@@ -499,7 +614,9 @@ def _shrink(
         still = {k: v for k, v in d.items() if k not in fields and current.get(k, _KEEP) == v}
         fields.update(_overrides(still, rules))
         if stage == 1:
-            fields.update(_width_aliases({k: v for k, v in still.items() if k not in fields}, widths))
+            fields.update(
+                _width_aliases({k: v for k, v in still.items() if k not in fields}, widths)
+            )
         fields.update(_field_rules(d, {**current, **fields}, stage))
     fields.update(OVERRIDES.get(d.get("model_type", ""), {}))
     return make(**fields)
@@ -655,7 +772,11 @@ def _perturb_constants(model: Any, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, param in sorted(model.named_parameters()):
-            if param.is_floating_point() and param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+            if (
+                param.is_floating_point()
+                and param.numel() > 1
+                and bool((param == param.flatten()[0]).all())
+            ):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
@@ -745,7 +866,9 @@ def _try_build(model_type: str, folder: Path) -> tuple[str | None, list[list[int
     return None, ids
 
 
-def build(model_type: str, cache: Path, *, time_limit_s: float = 120.0, rebuild: bool = False) -> Built:
+def build(
+    model_type: str, cache: Path, *, time_limit_s: float = 120.0, rebuild: bool = False
+) -> Built:
     """Build, run and save the tiny ``model_type`` under ``cache`` (or reuse it).
 
     Never raises for the model: a failure is recorded in ``Built.error`` and in the
@@ -777,9 +900,16 @@ def build(model_type: str, cache: Path, *, time_limit_s: float = 120.0, rebuild:
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     marker.write_text(
-        json.dumps({"builder": BUILDER_FINGERPRINT, "model_type": model_type, "error": error, "ids": ids}, indent=1),
+        json.dumps(
+            {"builder": BUILDER_FINGERPRINT, "model_type": model_type, "error": error, "ids": ids},
+            indent=1,
+        ),
         encoding="utf-8",
     )
     return Built(
-        model_type, class_name, folder if error is None else None, error, tuple(tuple(r) for r in ids)
+        model_type,
+        class_name,
+        folder if error is None else None,
+        error,
+        tuple(tuple(r) for r in ids),
     )

@@ -200,7 +200,11 @@ def independent_check(driver: Any, ids: Any) -> Checked:
     model = driver.hf_model
     layers = tiny.decoder_layers(model, ids)
     if layers is None:
-        return Checked(("no nn.ModuleList of the config's layer count runs: the decoder layers cannot be found",))
+        return Checked(
+            (
+                "no nn.ModuleList of the config's layer count runs: the decoder layers cannot be found",
+            )
+        )
     n_layers = len(layers)
     seen: list[list[Any]] = [[] for _ in range(n_layers)]
     with _layer_inputs(layers, seen):
@@ -211,8 +215,10 @@ def independent_check(driver: Any, ids: Any) -> Checked:
     inputs = [calls[0] for calls in seen]
     remarks = []
     hidden = getattr(reference, "hidden_states", None)
-    if hidden is None or len(hidden) < n_layers or any(
-        _difference(hidden[i], inputs[i], "") for i in range(n_layers)
+    if (
+        hidden is None
+        or len(hidden) < n_layers
+        or any(_difference(hidden[i], inputs[i], "") for i in range(n_layers))
     ):
         remarks.append("transformers' hidden_states[i] is not layer i's input")
     names = [f"blocks.{i}.hook_in" for i in range(n_layers)]
@@ -268,7 +274,10 @@ def _level(driver: Any) -> tuple[str, str]:
     certification = getattr(driver, "certification", None)
     n_layers = driver.info.n_layers
     if certification is None:
-        if all(any(site.format(i=i) in driver.hook_points for i in range(n_layers)) for site in _FULL_SITES):
+        if all(
+            any(site.format(i=i) in driver.hook_points for i in range(n_layers))
+            for site in _FULL_SITES
+        ):
             return "full", source
         return "residual", f"{source}; no attention pattern or MLP output site"
     level = str(getattr(certification, "level", "residual"))
@@ -370,7 +379,9 @@ def scan(
         verdicts.append(verdict)
         took = time.perf_counter() - start
         note = f": {verdict.note}" if verdict.note else ""
-        progress(f"[{n:3d}/{len(types)}] {model_type:32s} {took:5.1f}s {verdict.verdict}{note}"[:220])
+        progress(
+            f"[{n:3d}/{len(types)}] {model_type:32s} {took:5.1f}s {verdict.verdict}{note}"[:220]
+        )
     return verdicts
 
 
@@ -497,7 +508,9 @@ def _check_targets(totals: Totals) -> int:
     """1 (and why) when tl serves less than the targets, else 0."""
     short = []
     if totals.served < SERVED_TARGET * totals.runnable:
-        short.append(f"{totals.served} of {totals.runnable} runnable types served (target {SERVED_TARGET:.0%})")
+        short.append(
+            f"{totals.served} of {totals.runnable} runnable types served (target {SERVED_TARGET:.0%})"
+        )
     if totals.full < FULL_TARGET:
         short.append(f"{totals.full} types with full hooks (target {FULL_TARGET})")
     if short:
@@ -509,11 +522,21 @@ def _check_targets(totals: Totals) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Write (or with ``--check`` verify) docs/architectures.md; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if docs/architectures.md is stale; write nothing")
-    parser.add_argument("--cache", type=Path, help="the tiny checkpoints' folder (default: see the module doc)")
-    parser.add_argument("--only", nargs="+", metavar="TYPE", help="judge these model types only; write nothing")
-    parser.add_argument("--rebuild", action="store_true", help="rebuild the tiny checkpoints, ignoring the cache")
-    parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per type and step")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if docs/architectures.md is stale; write nothing"
+    )
+    parser.add_argument(
+        "--cache", type=Path, help="the tiny checkpoints' folder (default: see the module doc)"
+    )
+    parser.add_argument(
+        "--only", nargs="+", metavar="TYPE", help="judge these model types only; write nothing"
+    )
+    parser.add_argument(
+        "--rebuild", action="store_true", help="rebuild the tiny checkpoints, ignoring the cache"
+    )
+    parser.add_argument(
+        "--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per type and step"
+    )
     args = parser.parse_args(argv)
 
     import transformers
@@ -525,12 +548,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         unknown = [t for t in args.only if t not in known]
         if unknown:
-            print(f"not causal-LM model types of transformers {transformers.__version__}: {', '.join(unknown)}", file=sys.stderr)
+            print(
+                f"not causal-LM model types of transformers {transformers.__version__}: {', '.join(unknown)}",
+                file=sys.stderr,
+            )
             return 2
         types = sorted(args.only)
     print(f"{len(types)} model types, tiny checkpoints in {cache}", flush=True)
     start = time.perf_counter()
-    verdicts = scan(types, cache, rebuild=args.rebuild, time_limit_s=args.time_limit, progress=lambda s: print(s, flush=True))
+    verdicts = scan(
+        types,
+        cache,
+        rebuild=args.rebuild,
+        time_limit_s=args.time_limit,
+        progress=lambda s: print(s, flush=True),
+    )
     print(f"{summary(verdicts)} in {time.perf_counter() - start:.0f} s")
     status = 0
     wrong = [v for v in verdicts if v.verdict == WRONG]
@@ -560,7 +592,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             return status
         if on_disk != text:
-            print(f"{PAGE.relative_to(ROOT)} is stale: it differs from what the scan gives now. Run {COMMAND} to rewrite it.", file=sys.stderr)
+            print(
+                f"{PAGE.relative_to(ROOT)} is stale: it differs from what the scan gives now. Run {COMMAND} to rewrite it.",
+                file=sys.stderr,
+            )
             return 1
         print(f"{PAGE.relative_to(ROOT)} is up to date")
         return status

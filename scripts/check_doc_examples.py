@@ -31,7 +31,9 @@ FILES = [
     ROOT / "packages" / "tl-driver-inspect" / "README.md",
 ]
 # Neither block may contain a fence: an example is two adjacent blocks, nothing between.
-_EXAMPLE = re.compile(r"```python\n(?P<code>(?:(?!```).)*)```\n\n```\n(?P<out>(?:(?!```).)*)```", re.S)
+_EXAMPLE = re.compile(
+    r"```python\n(?P<code>(?:(?!```).)*)```\n\n```\n(?P<out>(?:(?!```).)*)```", re.S
+)
 
 
 def run(code: str) -> str:
@@ -73,7 +75,11 @@ def check(path: Path, write: bool) -> list[str]:
     def replace(match: re.Match[str]) -> str:
         shown, actual = match.group("out"), run(match.group("code"))
         if actual != shown and not same_up_to_last_digit(shown, actual):
-            diff = "".join(difflib.unified_diff(shown.splitlines(True), actual.splitlines(True), "shown", "actual"))
+            diff = "".join(
+                difflib.unified_diff(
+                    shown.splitlines(True), actual.splitlines(True), "shown", "actual"
+                )
+            )
             stale.append(f"{path.relative_to(ROOT)}:\n{diff}")
         kept = shown if same_up_to_last_digit(shown, actual) else actual
         return f"```python\n{match.group('code')}```\n\n```\n{kept}```"
@@ -90,7 +96,9 @@ def main() -> int:
     args = parser.parse_args()
     stale = [entry for path in FILES for entry in check(path, args.write)]
     if stale and not args.write:
-        print("stale doc outputs (run python scripts/check_doc_examples.py --write):", file=sys.stderr)
+        print(
+            "stale doc outputs (run python scripts/check_doc_examples.py --write):", file=sys.stderr
+        )
         print("\n".join(stale), file=sys.stderr)
         return 1
     return 0

@@ -67,8 +67,17 @@ def packages(root: Path = ROOT) -> list[Package]:
             requirements += extra
         modules = [p for p in (pyproject.parent / "src").iterdir() if (p / "__init__.py").exists()]
         if len(modules) != 1:
-            raise SystemExit(f"{pyproject.parent}: expected one package under src/, found {[m.name for m in modules]}")
-        found.append(Package(project["name"], modules[0].name, modules[0], frozenset(map(_requirement_name, requirements))))
+            raise SystemExit(
+                f"{pyproject.parent}: expected one package under src/, found {[m.name for m in modules]}"
+            )
+        found.append(
+            Package(
+                project["name"],
+                modules[0].name,
+                modules[0],
+                frozenset(map(_requirement_name, requirements)),
+            )
+        )
     return found
 
 
@@ -79,7 +88,11 @@ def _imports(tree: ast.AST) -> list[tuple[str, int]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.module, node.lineno))
-            found += [(f"{node.module}.{a.name}", node.lineno) for a in node.names if a.name.startswith("_")]
+            found += [
+                (f"{node.module}.{a.name}", node.lineno)
+                for a in node.names
+                if a.name.startswith("_")
+            ]
         elif isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names]
     return sorted(found, key=lambda item: item[1])
@@ -102,16 +115,26 @@ def problems(root: Path = ROOT) -> list[str]:
                     continue
                 if target.floor >= package.floor:
                     side = "sideways" if target.floor == package.floor else "upward"
-                    found.append(f"{where}:{line}: {package.name} imports {module} ({side}: {target.name} is on "
-                                 f"floor {target.floor + 1}, {package.name} on floor {package.floor + 1})")
+                    found.append(
+                        f"{where}:{line}: {package.name} imports {module} ({side}: {target.name} is on "
+                        f"floor {target.floor + 1}, {package.name} on floor {package.floor + 1})"
+                    )
                 elif target.name not in package.requires:
-                    found.append(f"{where}:{line}: {package.name} imports {module}, but its pyproject.toml does not "
-                                 f"require {target.name} (add it to the dependencies or to an extra)")
-                private = [part for part in module.split(".")[1:] if part.startswith("_") and not part.startswith("__")]
+                    found.append(
+                        f"{where}:{line}: {package.name} imports {module}, but its pyproject.toml does not "
+                        f"require {target.name} (add it to the dependencies or to an extra)"
+                    )
+                private = [
+                    part
+                    for part in module.split(".")[1:]
+                    if part.startswith("_") and not part.startswith("__")
+                ]
                 if private:
-                    found.append(f"{where}:{line}: {package.name} imports {module}, a private module of "
-                                 f"{target.name} ({'.'.join(private)}); import it from a public module, or make "
-                                 f"{target.name} export it")
+                    found.append(
+                        f"{where}:{line}: {package.name} imports {module}, a private module of "
+                        f"{target.name} ({'.'.join(private)}); import it from a public module, or make "
+                        f"{target.name} export it"
+                    )
     return found
 
 

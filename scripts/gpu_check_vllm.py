@@ -58,8 +58,12 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
 
     folder = write_tiny_checkpoint(family, tmp / f"{family}-{name}")
     options: dict[str, Any] = {
-        "dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 8,
-        "max_model_len": 256, "kv_cache_memory_bytes": 256 * 2**20, "use_attn_result": True,
+        "dtype": "float32",
+        "max_num_batched_tokens": 32,
+        "max_num_seqs": 8,
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 256 * 2**20,
+        "use_attn_result": True,
     }
     if torch.cuda.is_available():
         options["gpu_memory_utilization"] = 0.3
@@ -74,7 +78,9 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     try:
         driver, ref = bridge.driver, Reference(folder)
         hf_bridge, exact_bridge = (
-            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True, device="cpu")
+            TransformerBridge.boot_transformers(
+                str(folder), dtype=dtype, use_attn_result=True, device="cpu"
+            )
             for dtype in (torch.float32, torch.float64)
         )
         hf, exact = hf_bridge.driver, exact_bridge.driver
@@ -90,40 +96,65 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
                 n = len(ids)
                 for hook in served:
                     key = f"{label}:{hook}"
-                    got, peer, sure = (prompt_part(r.captured[hook], b, n) for r in (result, want, truth))
+                    got, peer, sure = (
+                        prompt_part(r.captured[hook], b, n) for r in (result, want, truth)
+                    )
                     report[key] = max(report.get(key, 0.0), ratio(got, peer, sure))
                 key = f"{label}:logits"
-                report[key] = max(report.get(key, 0.0), ratio(result.logits[b, :n], want.logits[b, :n], truth.logits[b, :n]))
+                report[key] = max(
+                    report.get(key, 0.0),
+                    ratio(result.logits[b, :n], want.logits[b, :n], truth.logits[b, :n]),
+                )
         steer = [{"blocks.0.hook_out": {"op": "add", "value": 2.0}}, None]
         chosen = prompts[:2]
         out = driver.forward(chosen, intervene=steer, max_new_tokens=6, stop_at_eos=False)
         assert out.new_tokens is not None
-        same = all(out.new_tokens[b].tolist() == ref.generate(ids, 6, steer[b]) for b, ids in enumerate(chosen))
+        same = all(
+            out.new_tokens[b].tolist() == ref.generate(ids, 6, steer[b])
+            for b, ids in enumerate(chosen)
+        )
         report["generate: greedy tokens differ"] = 0.0 if same else float("inf")
         # A dictionary inside the engine: per-prompt feature edits, logits and features.
-        sae = random_dictionary(driver.info.d_model, 4 * driver.info.d_model, seed=5, scale=0.2, architecture="jumprelu")
+        sae = random_dictionary(
+            driver.info.d_model, 4 * driver.info.d_model, seed=5, scale=0.2, architecture="jumprelu"
+        )
         acts = "blocks.1.hook_out.hook_sae_acts_post"
         edits: list[Any] = [None] * len(prompts)
         edits[0] = {acts: {"op": "add", "value": 3.0, "features": [1, 2], "pos": -1}}
-        edits[-1] = {acts: {"op": "suppress", "features": list(range(0, 4 * driver.info.d_model, 5))}}
+        edits[-1] = {
+            acts: {"op": "suppress", "features": list(range(0, 4 * driver.info.d_model, 5))}
+        }
         runs = []
-        for b, dictionary in ((bridge, sae), (hf_bridge, sae), (exact_bridge, sae.to(dtype=torch.float64))):
+        for b, dictionary in (
+            (bridge, sae),
+            (hf_bridge, sae),
+            (exact_bridge, sae.to(dtype=torch.float64)),
+        ):
             spliced = b.add_sae(dictionary, hook_name="blocks.1.hook_out")
             try:
-                runs.append(b.driver.forward(prompts, capture=[acts], intervene=edits, max_new_tokens=0))
+                runs.append(
+                    b.driver.forward(prompts, capture=[acts], intervene=edits, max_new_tokens=0)
+                )
             finally:
                 spliced.remove()
         for b, ids in enumerate(prompts):
             n = len(ids)
-            for key, pick in (("sae:logits", lambda r: r.logits), (f"sae:{acts}", lambda r: r.captured[acts])):
+            for key, pick in (
+                ("sae:logits", lambda r: r.logits),
+                (f"sae:{acts}", lambda r: r.captured[acts]),
+            ):
                 got, peer, sure = (prompt_part(pick(r), b, n) for r in runs)
                 report[key] = max(report.get(key, 0.0), ratio(got, peer, sure))
     finally:
         bridge.close()
     worst = max(report, key=lambda k: report[k])
     return {
-        "stage": f"{family}/{name}", "boot_s": round(boot, 1), "checks": len(report),
-        "worst": worst, "worst_ratio": report[worst], "ok": report[worst] <= 1.0,
+        "stage": f"{family}/{name}",
+        "boot_s": round(boot, 1),
+        "checks": len(report),
+        "worst": worst,
+        "worst_ratio": report[worst],
+        "ok": report[worst] <= 1.0,
     }
 
 
@@ -169,12 +200,17 @@ def main(argv: list[str] | None = None) -> int:
     if gpus >= 2:
         stages += [("tp2", "llama"), ("pp2", "llama")]
     results = [_run_stage(name, family, args.allow_cpu) for name, family in stages]
-    print(f"\nvllm driver GPU check on {gpus} GPU(s) ({torch.cuda.get_device_name(0) if gpus else 'CPU'})")
+    print(
+        f"\nvllm driver GPU check on {gpus} GPU(s) ({torch.cuda.get_device_name(0) if gpus else 'CPU'})"
+    )
     if gpus < 2:
         print("tensor/pipeline parallelism 2: skipped (needs two GPUs)")
     for r in results:
         status = "PASS" if r["ok"] else "FAIL"
-        detail = r.get("error") or f"{r['checks']} checks, worst {r['worst']} at {r['worst_ratio']:.2f}x the allowed error, boot {r['boot_s']}s"
+        detail = (
+            r.get("error")
+            or f"{r['checks']} checks, worst {r['worst']} at {r['worst_ratio']:.2f}x the allowed error, boot {r['boot_s']}s"
+        )
         print(f"{status}  {r['stage']:14s} {detail}")
     print(f"total {time.perf_counter() - started:.0f}s")
     return 0 if all(r["ok"] for r in results) else 1

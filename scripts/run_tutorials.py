@@ -60,7 +60,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TUTORIALS = ROOT / "docs" / "tutorials"
 FIGURES = TUTORIALS / "figures"
 
-_BLOCK = re.compile(r"```python\n(?P<code>(?:(?!```).)*)```\n(?:\n```\n(?P<out>(?:(?!```).)*)```\n)?", re.S)
+_BLOCK = re.compile(
+    r"```python\n(?P<code>(?:(?!```).)*)```\n(?:\n```\n(?P<out>(?:(?!```).)*)```\n)?", re.S
+)
 _DRIVERS = re.compile(r"<!-- tutorial drivers: (?P<names>[a-z_, ]+) -->")
 #: The boot line every tutorial has, and what replaces it on each driver; nothing else changes.
 HF_BOOT = "model = TransformerBridge.boot_transformers(smollm2_gguf())\n"
@@ -69,7 +71,7 @@ BOOTS = {
     # A small KV cache and context: the CPU build's default asks for ~11 GiB of KV cache.
     "vllm": (
         "from tl_core import RemoteBridge\n"
-        "model = RemoteBridge.boot_vllm(smollm2_gguf(), dtype=\"float32\", max_model_len=512, kv_cache_memory_bytes=256 * 2**20)\n"
+        'model = RemoteBridge.boot_vllm(smollm2_gguf(), dtype="float32", max_model_len=512, kv_cache_memory_bytes=256 * 2**20)\n'
     ),
 }
 VARIES = "<!-- tutorial output varies by processor -->"
@@ -134,7 +136,9 @@ def processor() -> str:
     flags = fields.get("flags", "").split()
     width = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
     name = fields.get("model name") or platform.processor() or platform.machine() or "unknown"
-    return f"{name}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {width}"
+    return (
+        f"{name}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {width}"
+    )
 
 
 def same_form(shown: str, actual: str) -> bool:
@@ -148,17 +152,25 @@ def same_form(shown: str, actual: str) -> bool:
 
 def varying_blocks(text: str) -> set[int]:
     """The indices of the python blocks marked as printing processor-dependent output."""
-    return {i for i, m in enumerate(_BLOCK.finditer(text)) if text[: m.start()].rstrip().endswith(VARIES)}
+    return {
+        i
+        for i, m in enumerate(_BLOCK.finditer(text))
+        if text[: m.start()].rstrip().endswith(VARIES)
+    }
 
 
-def with_boot(path: Path, blocks: list[Block], driver: str, shown: str = "hf") -> tuple[list[Block], int]:
+def with_boot(
+    path: Path, blocks: list[Block], driver: str, shown: str = "hf"
+) -> tuple[list[Block], int]:
     """The blocks with the boot line for ``driver`` instead of the ``shown`` driver's, and the
     index of the boot block (-1: nothing replaced)."""
     if driver == shown:
         return blocks, -1
     booting = [i for i, b in enumerate(blocks) if BOOTS[shown] in b.code]
     if len(booting) != 1:
-        raise RuntimeError(f"{_shown(path)}: {len(booting)} blocks boot with {BOOTS[shown].strip()!r}; a tutorial has one")
+        raise RuntimeError(
+            f"{_shown(path)}: {len(booting)} blocks boot with {BOOTS[shown].strip()!r}; a tutorial has one"
+        )
     index = booting[0]
     code = blocks[index].code.replace(BOOTS[shown], BOOTS[driver])
     return [*blocks[:index], Block(code, blocks[index].shown), *blocks[index + 1 :]], index
@@ -182,7 +194,11 @@ def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
     }
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER, str(source)],
-        cwd=folder, capture_output=True, text=True, timeout=900, env=env,
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
     )
     parts = done.stdout.split(_MARK)[1:]
     outputs = [part.split("\n", 1)[1] if "\n" in part else "" for part in parts]
@@ -226,12 +242,16 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
     varying, recorded, here = varying_blocks(text), _RECORDED.search(text), processor()
     rewriting = write and driver == shown_driver
     if varying and recorded is None and not rewriting:
-        problems.append(f"{path.name}: marks blocks whose output varies by processor but does not say where it was "
-                        f"recorded; run it with --write, or add <!-- tutorial recorded on: {here} -->")
+        problems.append(
+            f"{path.name}: marks blocks whose output varies by processor but does not say where it was "
+            f"recorded; run it with --write, or add <!-- tutorial recorded on: {here} -->"
+        )
     # Elsewhere than where it was recorded a marked block keeps only its form; --write records it here.
     loose = varying if recorded and recorded["cpu"] != here and not rewriting else set()
     if driver != shown_driver and BOOTS[driver] not in text:
-        problems.append(f"{path.name}: runs on {driver} but does not show its boot line:\n{BOOTS[driver]}")
+        problems.append(
+            f"{path.name}: runs on {driver} but does not show its boot line:\n{BOOTS[driver]}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "work"
         folder.mkdir()
@@ -243,7 +263,9 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         for name in sorted(shown - drawn):
             problems.append(f"{path.name}: shows figures/{name}, which the run did not write")
         for name in sorted(drawn - shown):
-            problems.append(f"{path.name}: the run writes figures/{name}, which the page does not show")
+            problems.append(
+                f"{path.name}: the run writes figures/{name}, which the page does not show"
+            )
         for name in sorted(shown & drawn):
             why = blank(folder / "figures" / name)
             if why:
@@ -251,20 +273,28 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
             if driver == shown_driver:
                 FIGURES.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(folder / "figures" / name, FIGURES / name)
-    print(f"{_shown(path)} on {driver}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s")
+    print(
+        f"{_shown(path)} on {driver}: {len(blocks)} blocks, {len(shown & drawn)} figures, {seconds:.1f}s"
+    )
     if loose:
-        print(f"  {len(loose)} blocks checked by form only: recorded on {recorded['cpu'] if recorded else '?'}, "
-              f"run on {here}")
+        print(
+            f"  {len(loose)} blocks checked by form only: recorded on {recorded['cpu'] if recorded else '?'}, "
+            f"run on {here}"
+        )
 
     stale: list[str] = []
     pieces: list[str] = []
     last = 0
-    for index, (match, block, actual) in enumerate(zip(_BLOCK.finditer(text), blocks, outputs, strict=True)):
+    for index, (match, block, actual) in enumerate(
+        zip(_BLOCK.finditer(text), blocks, outputs, strict=True)
+    ):
         shown_out = block.shown
         if index == boot:
             kept = match.group(0)  # it prints the shown driver's bridge repr
         elif shown_out is None and actual:
-            stale.append(f"{path.name}: a block prints but the page shows no output after it:\n{block.code}{actual}")
+            stale.append(
+                f"{path.name}: a block prints but the page shows no output after it:\n{block.code}{actual}"
+            )
             kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
         elif (
             shown_out is None
@@ -274,7 +304,11 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         ):
             kept = match.group(0)
         else:
-            diff = "".join(difflib.unified_diff(shown_out.splitlines(True), actual.splitlines(True), "shown", "actual"))
+            diff = "".join(
+                difflib.unified_diff(
+                    shown_out.splitlines(True), actual.splitlines(True), "shown", "actual"
+                )
+            )
             stale.append(f"{path.name}: stale output\n{diff}")
             kept = f"```python\n{block.code}```\n\n```\n{actual}```\n"
         pieces += [text[last : match.start()], kept]
@@ -282,7 +316,11 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
     new = "".join(pieces) + text[last:]
     if rewriting and varying and (new != text or recorded is None):
         mark = f"<!-- tutorial recorded on: {here} -->"
-        new = _RECORDED.sub(lambda _: mark, new) if recorded else new.replace("\n\n", f"\n\n{mark}\n", 1)
+        new = (
+            _RECORDED.sub(lambda _: mark, new)
+            if recorded
+            else new.replace("\n\n", f"\n\n{mark}\n", 1)
+        )
     if rewriting and new != text:
         path.write_text(new)
     return problems if rewriting else problems + stale
@@ -291,15 +329,23 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run the tutorials; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite stale outputs (of pages shown on --driver)")
-    parser.add_argument("--driver", choices=sorted(BOOTS), default="hf", help="the driver to boot (default: hf)")
+    parser.add_argument(
+        "--write", action="store_true", help="rewrite stale outputs (of pages shown on --driver)"
+    )
+    parser.add_argument(
+        "--driver", choices=sorted(BOOTS), default="hf", help="the driver to boot (default: hf)"
+    )
     parser.add_argument("names", nargs="*", help="tutorials to run (default: all)")
     args = parser.parse_args(argv)
-    paths = sorted(p for p in TUTORIALS.glob("*.md") if blocks_of(p.read_text()))  # index.md has none
+    paths = sorted(
+        p for p in TUTORIALS.glob("*.md") if blocks_of(p.read_text())
+    )  # index.md has none
     if args.names:
         unknown = set(args.names) - {p.stem for p in paths}
         if unknown:
-            parser.error(f"no tutorial named {sorted(unknown)}; there are {[p.stem for p in paths]}")
+            parser.error(
+                f"no tutorial named {sorted(unknown)}; there are {[p.stem for p in paths]}"
+            )
         paths = [p for p in paths if p.stem in args.names]
     problems: list[str] = []
     for path in paths:
@@ -307,9 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         named = drivers_of(text)
         if args.write and named[0] != args.driver:
             if args.names:
-                parser.error(f"--write rewrites what a page shows, and {path.name} shows the {named[0]} driver's "
-                             f"output: run it with --driver {named[0]}")
-            print(f"{_shown(path)}: not rewritten (it shows the {named[0]} driver's output; --driver {named[0]} does)")
+                parser.error(
+                    f"--write rewrites what a page shows, and {path.name} shows the {named[0]} driver's "
+                    f"output: run it with --driver {named[0]}"
+                )
+            print(
+                f"{_shown(path)}: not rewritten (it shows the {named[0]} driver's output; --driver {named[0]} does)"
+            )
             continue
         if args.names:  # a page named on the command line runs
             pass
@@ -317,11 +367,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{_shown(path)}: skipped on {args.driver} (the page runs on {', '.join(named)})")
             continue
         elif missing_modules(text):
-            print(f"{_shown(path)}: skipped (it needs {', '.join(missing_modules(text))}, not installed here)")
+            print(
+                f"{_shown(path)}: skipped (it needs {', '.join(missing_modules(text))}, not installed here)"
+            )
             continue
         problems += check(path, args.write, args.driver)
     if problems:
-        print("tutorial problems (run python scripts/run_tutorials.py --write for stale outputs):", file=sys.stderr)
+        print(
+            "tutorial problems (run python scripts/run_tutorials.py --write for stale outputs):",
+            file=sys.stderr,
+        )
         print("\n".join(problems), file=sys.stderr)
         return 1
     return 0

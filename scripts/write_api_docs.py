@@ -87,7 +87,9 @@ def public_modules(distributions: Mapping[str, str] = DISTRIBUTIONS) -> list[Mod
             module = importlib.import_module(name)
             exports = getattr(module, "__all__", None)
             if exports is None:
-                raise SystemExit(f"public module {name!r} has no __all__: list its public names there")
+                raise SystemExit(
+                    f"public module {name!r} has no __all__: list its public names there"
+                )
             doc = (module.__doc__ or "").strip()
             found.append(Module(dist, name, tuple(exports), doc.splitlines()[0] if doc else ""))
     return found
@@ -126,7 +128,9 @@ def homes(modules: list[Module]) -> dict[str, str]:
 
 def render_page(module: Module, home: dict[str, str]) -> str:
     """The Markdown of one module's reference page."""
-    own = [n for n in module.exports if n not in EXEMPT and home[f"{module.name}.{n}"] == module.name]
+    own = [
+        n for n in module.exports if n not in EXEMPT and home[f"{module.name}.{n}"] == module.name
+    ]
     elsewhere = [n for n in module.exports if n not in EXEMPT and n not in own]
     lines = [
         f"# `{module.name}`",
@@ -134,7 +138,11 @@ def render_page(module: Module, home: dict[str, str]) -> str:
         GENERATED,
         "",
         f"Distribution: `{module.distribution}`."
-        + (f" `{module.name}.__version__` is its installed version." if "__version__" in module.exports else ""),
+        + (
+            f" `{module.name}.__version__` is its installed version."
+            if "__version__" in module.exports
+            else ""
+        ),
         "",
         f"::: {module.name}",
         "    options:",
@@ -189,7 +197,9 @@ def with_nav(mkdocs_yml: str, modules: list[Module]) -> str:
     """``mkdocs.yml`` with the reference's part of the nav (between its markers) rewritten."""
     start, end = mkdocs_yml.find(_NAV_START), mkdocs_yml.find(_NAV_END)
     if start < 0 or end < start:
-        raise SystemExit(f"{MKDOCS_YML} lacks the nav markers {_NAV_START.strip()!r} ... {_NAV_END.strip()!r}")
+        raise SystemExit(
+            f"{MKDOCS_YML} lacks the nav markers {_NAV_START.strip()!r} ... {_NAV_END.strip()!r}"
+        )
     entries = ["      - Overview: reference/index.md\n"]
     entries += [f"      - {m.name}: reference/{m.name}.md\n" for m in modules]
     return mkdocs_yml[: start + len(_NAV_START)] + "".join(entries) + mkdocs_yml[end:]
@@ -225,7 +235,9 @@ def _documented_attributes(cls: Any) -> set[str]:
     for klass in (cls, *cls.mro()):
         init = klass.members.get("__init__")
         for holder in (klass, init):
-            for section in holder.docstring.parsed if holder is not None and holder.docstring else ():
+            for section in (
+                holder.docstring.parsed if holder is not None and holder.docstring else ()
+            ):
                 if section.kind.value in ("attributes", "parameters"):
                     names |= {item.name for item in section.value}
     return names
@@ -246,7 +258,9 @@ def undocumented(modules: list[Module]) -> list[str]:
             if name.startswith("_"):
                 continue
             target = member.final_target if member.is_alias else member
-            if not target.path.startswith(roots) or (target.is_class and target.path != f"{obj.path}.{name}"):
+            if not target.path.startswith(roots) or (
+                target.is_class and target.path != f"{obj.path}.{name}"
+            ):
                 continue  # an external base's member, or a class merely referenced
             if target.docstring and target.docstring.value.strip():
                 continue
@@ -263,7 +277,9 @@ def _shown(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Write (or with ``--check`` verify) the reference pages; return the exit code."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if a page is stale or a docstring missing")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if a page is stale or a docstring missing"
+    )
     args = parser.parse_args(argv)
     modules = public_modules()
     wanted = pages(modules)
@@ -282,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         for path, text in wanted.items():
             if not path.exists() or path.read_text(encoding="utf-8") != text:
                 problems.append(f"stale or missing: {_shown(path)}")
-        problems += [f"page of no public module: {_shown(p)}" for p in sorted(on_disk - set(wanted))]
+        problems += [
+            f"page of no public module: {_shown(p)}" for p in sorted(on_disk - set(wanted))
+        ]
         if problems:
             problems.append("run python scripts/write_api_docs.py to rewrite the pages")
     problems += [f"no docstring: {entry}" for entry in undocumented(modules)]
@@ -290,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         print("API reference check failed:", *problems, sep="\n  ", file=sys.stderr)
         return 1
     exported = sum(len(m.exports) for m in modules)
-    print(f"API reference: {len(modules)} public modules, {exported} exported names, every one documented")
+    print(
+        f"API reference: {len(modules)} public modules, {exported} exported names, every one documented"
+    )
     return 0
 
 

@@ -23,14 +23,21 @@ def test_tl_drivers_lists_every_installed_driver() -> None:
     rows = {r["name"]: r for r in json.loads(result.stdout)}
     assert rows["native"]["status"] == "ok"
     for row in rows.values():
-        if "tl-fake" not in row["distribution"]:  # fixtures of tl-core's own suite are broken on purpose
+        if (
+            "tl-fake" not in row["distribution"]
+        ):  # fixtures of tl-core's own suite are broken on purpose
             assert row["status"] == "ok", row
 
 
 def test_tl_demo_native_prints_every_section() -> None:
     result = _tl("demo", "--native", "--layers", "2", "--preset", "llama")
     assert result.returncode == 0, result.stderr
-    for heading in ("== capture", "== intervention", "== residual-stream analysis", "== generation"):
+    for heading in (
+        "== capture",
+        "== intervention",
+        "== residual-stream analysis",
+        "== generation",
+    ):
         assert heading in result.stdout
 
 

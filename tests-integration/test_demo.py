@@ -28,7 +28,11 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.(\d+))?")
 
 def _shown(command: str) -> str:
     text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- demo-output: {re.escape(command)} -->\n```\n(.*?)```\n<!-- /demo-output -->", text, re.S)
+    match = re.search(
+        rf"<!-- demo-output: {re.escape(command)} -->\n```\n(.*?)```\n<!-- /demo-output -->",
+        text,
+        re.S,
+    )
     assert match, f"README.md has no shown output for {command!r} between demo-output markers"
     return match.group(1)
 

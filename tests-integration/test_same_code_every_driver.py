@@ -26,7 +26,9 @@ def _analyse(bridge: TransformerBridge, prompt: str) -> tuple[torch.Tensor, Acti
 def bridges(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TransformerBridge]:
     folder = write_tiny_checkpoint("llama", Path(tmp_path_factory.mktemp("ckpt")) / "llama")
     return {
-        "native": TransformerBridge.boot_native("llama", n_layers=2, d_model=128, n_heads=4, d_head=32),
+        "native": TransformerBridge.boot_native(
+            "llama", n_layers=2, d_model=128, n_heads=4, d_head=32
+        ),
         "hf": TransformerBridge.boot_transformers(str(folder)),
     }
 
@@ -54,10 +56,19 @@ def test_decomposition_sums_to_the_residual_and_attributions_to_the_logit(
 
 
 @pytest.mark.parametrize("driver", ["native", "hf"])
-def test_specs_mean_the_same_on_every_driver(bridges: dict[str, TransformerBridge], driver: str) -> None:
+def test_specs_mean_the_same_on_every_driver(
+    bridges: dict[str, TransformerBridge], driver: str
+) -> None:
     bridge = bridges[driver]
-    spec = {"blocks.0.hook_resid_post": [{"op": "scale", "factor": 0.0, "pos": 1}, {"op": "add", "value": 0.5, "pos": 1}]}
+    spec = {
+        "blocks.0.hook_resid_post": [
+            {"op": "scale", "factor": 0.0, "pos": 1},
+            {"op": "add", "value": 0.5, "pos": 1},
+        ]
+    }
     with torch.no_grad():
-        _, cache = bridge.run_with_cache("Specs agree", names_filter="blocks.0.hook_out", intervene=spec)
+        _, cache = bridge.run_with_cache(
+            "Specs agree", names_filter="blocks.0.hook_out", intervene=spec
+        )
     edited = cache["blocks.0.hook_out"][0, 1]
     torch.testing.assert_close(edited, torch.full_like(edited, 0.5))

@@ -116,7 +116,9 @@ def test_page_is_sorted_and_escaped() -> None:
     assert report.page_version(text) == "9.9.9"
 
 
-def test_check_fails_on_a_stale_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_check_fails_on_a_stale_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     page = tmp_path / "docs" / "architectures.md"
     page.parent.mkdir()
     monkeypatch.setattr(report, "ROOT", tmp_path)
@@ -147,9 +149,29 @@ def test_check_fails_on_a_stale_page(tmp_path: Path, monkeypatch: pytest.MonkeyP
 NAMED_FAMILIES: dict[str, str] = {
     **dict.fromkeys(
         (
-            "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "granitemoe", "phimoe",
-            "granite", "cohere", "cohere2", "smollm3", "phi", "gpt_bigcode", "starcoder2", "olmo",
-            "olmo3", "internlm3", "glm4", "exaone4", "ministral", "helium", "seed_oss", "gpt_oss",
+            "qwen2_moe",
+            "qwen3_moe",
+            "olmoe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "granitemoe",
+            "phimoe",
+            "granite",
+            "cohere",
+            "cohere2",
+            "smollm3",
+            "phi",
+            "gpt_bigcode",
+            "starcoder2",
+            "olmo",
+            "olmo3",
+            "internlm3",
+            "glm4",
+            "exaone4",
+            "ministral",
+            "helium",
+            "seed_oss",
+            "gpt_oss",
         ),
         report.FULL,
     ),

@@ -19,7 +19,9 @@ def repo(tmp_path: Path) -> Path:
         target = tmp_path / "packages" / pyproject.parent.name
         target.mkdir(parents=True)
         shutil.copy(pyproject, target / "pyproject.toml")
-        shutil.copytree(pyproject.parent / "src", target / "src", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            pyproject.parent / "src", target / "src", ignore=shutil.ignore_patterns("__pycache__")
+        )
     return tmp_path
 
 
@@ -54,14 +56,20 @@ def test_an_upward_import_inside_a_function_fails(repo: Path) -> None:
 
 
 def test_a_private_import_fails_even_for_types(repo: Path) -> None:
-    _plant(repo, "tl-driver-inspect", (
-        "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n"
-        "    from tl_core.hooks._vocabulary import split_canonical\n"
-        "from tl_core.hooks import _vocabulary\n"
-    ))
+    _plant(
+        repo,
+        "tl-driver-inspect",
+        (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from tl_core.hooks._vocabulary import split_canonical\n"
+            "from tl_core.hooks import _vocabulary\n"
+        ),
+    )
     problems = check_layout.problems(repo)
-    assert len(problems) == 2 and all("a private module of tl-core (_vocabulary)" in p for p in problems)
+    assert len(problems) == 2 and all(
+        "a private module of tl-core (_vocabulary)" in p for p in problems
+    )
     assert "_planted.py:3" in problems[0] and "_planted.py:4" in problems[1]
 
 
@@ -75,6 +83,8 @@ def test_an_import_the_package_does_not_require_fails(repo: Path) -> None:
 def test_a_package_on_no_floor_is_named(repo: Path) -> None:
     shutil.copytree(repo / "packages" / "_template", repo / "packages" / "other")
     pyproject = repo / "packages" / "other" / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('name = "tl-driver-template"', 'name = "tl-other"'))
+    pyproject.write_text(
+        pyproject.read_text().replace('name = "tl-driver-template"', 'name = "tl-other"')
+    )
     (problem,) = check_layout.problems(repo)
     assert "on no floor" in problem and "tl-other" in problem

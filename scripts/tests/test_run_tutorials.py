@@ -87,7 +87,10 @@ def test_a_block_that_prints_needs_its_output_shown(tutorials: Path) -> None:
     ("change", "message"),
     [
         (("linewidth=4)\n", "linewidth=4)\naxes.remove()\n"), "nearly blank"),
-        (('figure.savefig("figures/line.png")', 'figure.savefig("figures/other.png")'), "did not write"),
+        (
+            ('figure.savefig("figures/line.png")', 'figure.savefig("figures/other.png")'),
+            "did not write",
+        ),
         (("![a line](figures/line.png)\n", ""), "does not show"),
     ],
 )
@@ -118,7 +121,9 @@ def test_another_driver_changes_only_the_boot_line() -> None:
     assert same == blocks and index == -1
     swapped, index = run_tutorials.with_boot(Path("page.md"), blocks, "vllm")
     assert index == 0 and swapped[1:] == blocks[1:]
-    assert swapped[0].code == blocks[0].code.replace(run_tutorials.HF_BOOT, run_tutorials.BOOTS["vllm"])
+    assert swapped[0].code == blocks[0].code.replace(
+        run_tutorials.HF_BOOT, run_tutorials.BOOTS["vllm"]
+    )
     with pytest.raises(RuntimeError, match="0 blocks boot with"):
         run_tutorials.with_boot(Path("page.md"), blocks[1:], "vllm")
 
@@ -143,7 +148,9 @@ def test_a_page_that_needs_a_missing_module_is_a_problem_not_a_run(tutorials: Pa
     assert run_tutorials.missing_modules(_PAGE) == []
     problems = run_tutorials.check(page, write=False)
     assert len(problems) == 1 and "needs no_such_module_here" in problems[0]
-    assert not (tutorials / "figures").exists(), "the page ran although a module it needs is missing"
+    assert not (tutorials / "figures").exists(), (
+        "the page ran although a module it needs is missing"
+    )
 
 
 def test_main_skips_a_page_needing_a_missing_module_and_says_why(
@@ -181,7 +188,9 @@ steps 400
 
 def _recorded_elsewhere(page: str) -> str:
     """The page as if a run on another processor had shown other features and values."""
-    return page.replace("feature 7 fires on ' dog' at 13.2", "feature 2040 fires on \" cat's\" at 9.75")
+    return page.replace(
+        "feature 7 fires on ' dog' at 13.2", 'feature 2040 fires on " cat\'s" at 9.75'
+    )
 
 
 def test_a_marked_block_keeps_only_its_form_on_another_processor(
@@ -192,9 +201,12 @@ def test_a_marked_block_keeps_only_its_form_on_another_processor(
     assert run_tutorials.varying_blocks(page.read_text()) == {0}
     monkeypatch.setattr(run_tutorials, "processor", lambda: "Chip B")
     assert run_tutorials.check(page, write=False) == []
-    assert "1 blocks checked by form only: recorded on Chip A, run on Chip B" in capsys.readouterr().out
+    assert (
+        "1 blocks checked by form only: recorded on Chip A, run on Chip B"
+        in capsys.readouterr().out
+    )
     # The form still counts: another word, and an unmarked block's numbers, are stale anywhere.
-    page.write_text(_recorded_elsewhere(_TRAINED).replace("fires on \"", "dies on \""))
+    page.write_text(_recorded_elsewhere(_TRAINED).replace('fires on "', 'dies on "'))
     assert len(run_tutorials.check(page, write=False)) == 1
     page.write_text(_recorded_elsewhere(_TRAINED).replace("steps 400", "steps 401"))
     problems = run_tutorials.check(page, write=False)
@@ -211,14 +223,18 @@ def test_a_marked_block_is_checked_exactly_where_it_was_recorded(
     assert len(problems) == 1 and "+feature 7 fires on ' dog' at 13.2" in problems[0]
 
 
-def test_write_records_the_page_on_this_processor(tutorials: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_records_the_page_on_this_processor(
+    tutorials: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     page = tutorials / "trained.md"
     page.write_text(_recorded_elsewhere(_TRAINED))
     monkeypatch.setattr(run_tutorials, "processor", lambda: "Chip B")
     assert run_tutorials.check(page, write=True) == []
     assert page.read_text() == _TRAINED.replace("Chip A", "Chip B")
     # Without a recorded line, a page with marked blocks is a problem, and --write adds the line.
-    unrecorded = _recorded_elsewhere(_TRAINED).replace("<!-- tutorial recorded on: Chip A -->\n\n", "")
+    unrecorded = _recorded_elsewhere(_TRAINED).replace(
+        "<!-- tutorial recorded on: Chip A -->\n\n", ""
+    )
     page.write_text(unrecorded)
     problems = run_tutorials.check(page, write=False)
     assert any("does not say where it was recorded" in p for p in problems)

@@ -90,7 +90,9 @@ def test_a_fully_documented_package_passes_and_reexports_link_home(package) -> N
     home = write_api_docs.homes(modules)
     assert home["fakepkg.sub.Thing"] == "fakepkg"
     sub_page = write_api_docs.render_page(modules[1], home)
-    assert "[`fakepkg.Thing`][fakepkg.Thing]" in sub_page and "::: fakepkg.sub.Thing" not in sub_page
+    assert (
+        "[`fakepkg.Thing`][fakepkg.Thing]" in sub_page and "::: fakepkg.sub.Thing" not in sub_page
+    )
     top_page = write_api_docs.render_page(modules[0], home)
     assert all(f"::: fakepkg.{n}" in top_page for n in ("Thing", "make", "LIMIT"))
 
@@ -110,7 +112,10 @@ def test_a_missing_docstring_is_named(package, old: str, new: str, missing: str)
 
 
 def test_an_undocumented_constant_is_named(package) -> None:
-    files = dict(_DOCUMENTED, **{"__init__.py": _DOCUMENTED["__init__.py"].replace("#: The largest thing.", "")})
+    files = dict(
+        _DOCUMENTED,
+        **{"__init__.py": _DOCUMENTED["__init__.py"].replace("#: The largest thing.", "")},
+    )
     found = write_api_docs.undocumented(write_api_docs.public_modules(package(files)))
     assert [entry.split(" ")[0] for entry in found] == ["fakepkg.LIMIT"]
 
@@ -121,7 +126,9 @@ def test_a_public_module_without_all_is_refused(package) -> None:
         write_api_docs.public_modules(package(files))
 
 
-def test_a_missing_or_extra_page_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_a_missing_or_extra_page_fails_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     reference = tmp_path / "reference"
     reference.mkdir()
     (reference / "gone_module.md").write_text("# a module that no longer exists\n")

@@ -26,7 +26,15 @@ def _sae(kind: str, normalization: str = "none", apply_b_dec: bool = True, **ext
         "topk": (sae_lens.TopKSAE, sae_lens.TopKSAEConfig),
     }
     cls, cfg_cls = classes[kind]
-    sae = cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, normalize_activations=normalization, apply_b_dec_to_input=apply_b_dec, **extra))
+    sae = cls(
+        cfg_cls(
+            d_in=D_IN,
+            d_sae=4 * D_IN,
+            normalize_activations=normalization,
+            apply_b_dec_to_input=apply_b_dec,
+            **extra,
+        )
+    )
     return _randomised(sae, seed=7, scale=0.2)
 
 
@@ -54,14 +62,21 @@ def _reconstructions_equal_sae_lens(module: Any, x: torch.Tensor) -> list[Any]:
 
 CASES = [
     (kind, norm, apply_b_dec, extra)
-    for kind, extra in (("standard", {}), ("jumprelu", {}), ("topk", {"k": 8}), ("topk", {"k": 8, "rescale_acts_by_decoder_norm": True}))
+    for kind, extra in (
+        ("standard", {}),
+        ("jumprelu", {}),
+        ("topk", {"k": 8}),
+        ("topk", {"k": 8, "rescale_acts_by_decoder_norm": True}),
+    )
     for norm in ("none", "constant_norm_rescale", "layer_norm")
     for apply_b_dec in (True, False)
 ]
 
 
 @pytest.mark.parametrize(("kind", "norm", "apply_b_dec", "extra"), CASES)
-def test_reconstruction_equals_sae_lens_forward(kind: str, norm: str, apply_b_dec: bool, extra: dict[str, Any]) -> None:
+def test_reconstruction_equals_sae_lens_forward(
+    kind: str, norm: str, apply_b_dec: bool, extra: dict[str, Any]
+) -> None:
     x = torch.randn(3, 7, D_IN, generator=torch.Generator().manual_seed(1))
     _reconstructions_equal_sae_lens(_sae(kind, norm, apply_b_dec, **extra), x)
 
@@ -98,7 +113,9 @@ def _logits_with_block_1_input_through(bridge: TransformerBridge, sae: Any) -> t
 
 
 @pytest.mark.parametrize("kind", ["standard", "jumprelu", "topk"])
-def test_a_splice_equals_a_plain_hook_running_sae_lens(bridge: TransformerBridge, kind: str) -> None:
+def test_a_splice_equals_a_plain_hook_running_sae_lens(
+    bridge: TransformerBridge, kind: str
+) -> None:
     sae = _sae(kind, **({"k": 8} if kind == "topk" else {}))
     want = _logits_with_block_1_input_through(bridge, sae)
     spliced = splice(bridge, from_sae_lens(sae), hook_name="blocks.1.hook_in")
@@ -112,18 +129,24 @@ def test_a_splice_equals_a_plain_hook_running_sae_lens(bridge: TransformerBridge
 
 def test_with_the_error_term_an_unedited_splice_changes_nothing(bridge: TransformerBridge) -> None:
     plain = bridge.forward(_ids())
-    spliced = splice(bridge, from_sae_lens(_sae("standard")), hook_name="blocks.1.hook_in", use_error_term=True)
+    spliced = splice(
+        bridge, from_sae_lens(_sae("standard")), hook_name="blocks.1.hook_in", use_error_term=True
+    )
     try:
         torch.testing.assert_close(bridge.forward(_ids()), plain, rtol=1e-5, atol=1e-5)
     finally:
         spliced.remove()
 
 
-def test_a_dictionary_of_another_width_is_refused_before_any_forward(bridge: TransformerBridge) -> None:
+def test_a_dictionary_of_another_width_is_refused_before_any_forward(
+    bridge: TransformerBridge,
+) -> None:
     from tl_core import ConfigError
 
     narrow = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=32, d_sae=64))
-    with pytest.raises(ConfigError, match=r"reads width 32, but 'blocks.1.hook_in' has shape \(128,\)"):
+    with pytest.raises(
+        ConfigError, match=r"reads width 32, but 'blocks.1.hook_in' has shape \(128,\)"
+    ):
         splice(bridge, from_sae_lens(narrow), hook_name="blocks.1.hook_in")
 
 
@@ -138,7 +161,11 @@ def _transcoder(kind: str) -> Any:
     }
     cls, cfg_cls = classes[kind]
     # Square, as an MLP's input and output are: a W_skip read in the wrong orientation fails.
-    return _randomised(cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, d_out=D_IN, apply_b_dec_to_input=False)), seed=11, scale=0.1)
+    return _randomised(
+        cls(cfg_cls(d_in=D_IN, d_sae=4 * D_IN, d_out=D_IN, apply_b_dec_to_input=False)),
+        seed=11,
+        scale=0.1,
+    )
 
 
 TRANSCODERS = ["transcoder", "skip_transcoder", "jumprelu_transcoder", "jumprelu_skip_transcoder"]
@@ -152,7 +179,9 @@ def test_transcoders_compute_what_sae_lens_computes(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["transcoder", "jumprelu_skip_transcoder"])
-def test_a_transcoder_splice_equals_plain_hooks_running_sae_lens(bridge: TransformerBridge, kind: str) -> None:
+def test_a_transcoder_splice_equals_plain_hooks_running_sae_lens(
+    bridge: TransformerBridge, kind: str
+) -> None:
     tc = _transcoder(kind)
     layer = bridge.driver.hf_model.model.layers[1]
     seen: dict[str, torch.Tensor] = {}
@@ -164,14 +193,21 @@ def test_a_transcoder_splice_equals_plain_hooks_running_sae_lens(bridge: Transfo
         with torch.no_grad():
             return tc(seen["in"])
 
-    handles = [layer.mlp.register_forward_pre_hook(read, with_kwargs=True), layer.mlp.register_forward_hook(write)]
+    handles = [
+        layer.mlp.register_forward_pre_hook(read, with_kwargs=True),
+        layer.mlp.register_forward_hook(write),
+    ]
     try:
         with torch.no_grad():
             want = bridge.driver.hf_model(input_ids=_ids(), use_cache=False).logits
     finally:
         for handle in handles:
             handle.remove()
-    spliced = bridge.add_sae(from_sae_lens(tc), hook_name="blocks.1.mlp.hook_in", output_hook_name="blocks.1.mlp.hook_out")
+    spliced = bridge.add_sae(
+        from_sae_lens(tc),
+        hook_name="blocks.1.mlp.hook_in",
+        output_hook_name="blocks.1.mlp.hook_out",
+    )
     try:
         got = bridge.forward(_ids())
     finally:
@@ -179,19 +215,28 @@ def test_a_transcoder_splice_equals_plain_hooks_running_sae_lens(bridge: Transfo
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_feature_edit_equals_a_hook_on_sae_lens_own_feature_site(bridge: TransformerBridge) -> None:
+def test_a_feature_edit_equals_a_hook_on_sae_lens_own_feature_site(
+    bridge: TransformerBridge,
+) -> None:
     """sae-lens with its error term on and a hook adding 2.5 to feature 7 on its own
     ``hook_sae_acts_post``, spliced by a plain torch hook, against tl's spec."""
     sae = _sae("jumprelu")
     sae.use_error_term = True
-    sae.hook_sae_acts_post.add_hook(lambda acts, hook: acts + 2.5 * (torch.arange(acts.shape[-1]) == 7))
+    sae.hook_sae_acts_post.add_hook(
+        lambda acts, hook: acts + 2.5 * (torch.arange(acts.shape[-1]) == 7)
+    )
     try:
         want = _logits_with_block_1_input_through(bridge, sae)
     finally:
         sae.hook_sae_acts_post.remove_hooks()
     spliced = bridge.add_sae(from_sae_lens(sae), hook_name="blocks.1.hook_in", use_error_term=True)
     try:
-        got = bridge.forward(_ids(), intervene={spliced.site("hook_sae_acts_post"): {"op": "add", "value": 2.5, "features": 7}})
+        got = bridge.forward(
+            _ids(),
+            intervene={
+                spliced.site("hook_sae_acts_post"): {"op": "add", "value": 2.5, "features": 7}
+            },
+        )
     finally:
         spliced.remove()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -218,7 +263,9 @@ def test_ce_recovered_on_smollm2_equals_sae_lens_by_hand(smollm2: TransformerBri
     from tl_core.sae import evaluate_dictionary
 
     torch.manual_seed(0)
-    sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=smollm2.cfg.d_model, d_sae=16 * smollm2.cfg.d_model))
+    sae = sae_lens.StandardSAE(
+        sae_lens.StandardSAEConfig(d_in=smollm2.cfg.d_model, d_sae=16 * smollm2.cfg.d_model)
+    )
     ids = smollm2.to_tokens(TEXT)[0]
     tokens = ids[: (ids.numel() // 16) * 16].reshape(-1, 16)
     layer = smollm2.driver.hf_model.model.layers[3]
@@ -236,11 +283,19 @@ def test_ce_recovered_on_smollm2_equals_sae_lens_by_hand(smollm2: TransformerBri
         finally:
             if handle is not None:
                 handle.remove()
-        return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), tokens[:, 1:].flatten()))
+        return float(
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1).double(), tokens[:, 1:].flatten()
+            )
+        )
 
     clean, spliced, zero = ce(None), ce(lambda h: sae(h)), ce(torch.zeros_like)
     want = (zero - spliced) / (zero - clean)
-    got = evaluate_dictionary(smollm2, from_sae_lens(sae), tokens, hook_name="blocks.3.hook_out", batch_size=4)
-    assert (got.ce_clean, got.ce_splice, got.ce_zero) == pytest.approx((clean, spliced, zero), rel=1e-4)
+    got = evaluate_dictionary(
+        smollm2, from_sae_lens(sae), tokens, hook_name="blocks.3.hook_out", batch_size=4
+    )
+    assert (got.ce_clean, got.ce_splice, got.ce_zero) == pytest.approx(
+        (clean, spliced, zero), rel=1e-4
+    )
     assert got.ce_recovered == pytest.approx(want, abs=1e-3)
     assert 0 < got.l0 < sae.cfg.d_sae

@@ -27,12 +27,16 @@ CONTEXT = 16
 
 
 def _documents(folder: Path) -> Path:
-    texts = [f"record {i}: {' '.join(str(i * j % 97) for j in range(3 + i % 11))}" for i in range(120)]
+    texts = [
+        f"record {i}: {' '.join(str(i * j % 97) for j in range(3 + i % 11))}" for i in range(120)
+    ]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(folder))
     return folder
 
 
-def test_sae_lens_trains_from_an_exported_vllm_capture(tmp_path: Path, engine_options: dict[str, Any]) -> None:
+def test_sae_lens_trains_from_an_exported_vllm_capture(
+    tmp_path: Path, engine_options: dict[str, Any]
+) -> None:
     from sae_lens import (
         LanguageModelSAERunnerConfig,
         LanguageModelSAETrainingRunner,

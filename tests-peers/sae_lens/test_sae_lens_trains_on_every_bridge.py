@@ -33,7 +33,9 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def bridge(request: pytest.FixtureRequest, folder: Path, engine_options: dict[str, Any]) -> Iterator[Any]:
+def bridge(
+    request: pytest.FixtureRequest, folder: Path, engine_options: dict[str, Any]
+) -> Iterator[Any]:
     if request.param == "hf":
         yield TransformerBridge.boot_transformers(str(folder))
         return
@@ -93,7 +95,8 @@ def test_sae_lens_trains_on_the_bridge(bridge: Any, tmp_path: Path) -> None:
     bridge.run_with_cache = spy
     try:
         runner = LanguageModelSAETrainingRunner(
-            _config(bridge.cfg.d_model, tmp_path), override_dataset=_dataset(bridge.cfg.d_vocab),
+            _config(bridge.cfg.d_model, tmp_path),
+            override_dataset=_dataset(bridge.cfg.d_vocab),
             override_model=bridge,
         )
         before = runner.sae.W_dec.detach().clone()
@@ -114,14 +117,18 @@ def test_sae_lens_trains_on_the_bridge(bridge: Any, tmp_path: Path) -> None:
     assert error < acts.pow(2).sum(-1).mean()
 
 
-def test_vllm_serves_sae_lens_the_hf_drivers_activations(folder: Path, engine_options: dict[str, Any]) -> None:
+def test_vllm_serves_sae_lens_the_hf_drivers_activations(
+    folder: Path, engine_options: dict[str, Any]
+) -> None:
     pytest.importorskip("vllm")
     tokens = torch.tensor(_dataset(512)["input_ids"][:6])
     local = TransformerBridge.boot_transformers(str(folder))
     _, want = local.run_with_cache(tokens, names_filter=[HOOK], stop_at_layer=1, prepend_bos=False)
     remote = RemoteBridge.boot_vllm(folder, dtype="float32", **engine_options)
     try:
-        resid, got = remote.run_with_cache(tokens, names_filter=[HOOK], stop_at_layer=1, prepend_bos=False)
+        resid, got = remote.run_with_cache(
+            tokens, names_filter=[HOOK], stop_at_layer=1, prepend_bos=False
+        )
     finally:
         remote.close()
     torch.testing.assert_close(got[HOOK], want[HOOK], atol=1e-4, rtol=1e-4)

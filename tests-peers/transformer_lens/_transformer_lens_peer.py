@@ -71,6 +71,7 @@ INFERRED = [
     "qwen2_moe",
 ]
 
+
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:
     """A tiny random checkpoint of ``model_type`` from its default config, with the tiny
     tokenizer of ``tokenizer_from`` (TransformerLens loads one); weights are widened from

@@ -26,10 +26,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
 
     def get(name: str) -> Path:
         if name not in made and name in _shared.INFERRED:
-            made[name] = _shared.write_inferred_checkpoint(name, tmp_path_factory.mktemp(name), get("llama"))
+            made[name] = _shared.write_inferred_checkpoint(
+                name, tmp_path_factory.mktemp(name), get("llama")
+            )
         if name not in made:
             family, overrides = _shared.VARIANTS.get(name, (name, None))
-            made[name] = write_tiny_checkpoint(family, tmp_path_factory.mktemp(name), overrides=overrides)
+            made[name] = write_tiny_checkpoint(
+                family, tmp_path_factory.mktemp(name), overrides=overrides
+            )
         return made[name]
 
     return get

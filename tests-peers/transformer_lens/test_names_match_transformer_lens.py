@@ -234,7 +234,9 @@ TL_SLIPS = [
     Slip(
         ("bloom",),
         r"attn\.(hook_out|hook_hidden_states)$",
-        lambda name, run: run.ours[_block(name) + "hook_in"] + run.ours[_block(name) + "attn.hook_out"],
+        lambda name, run: (
+            run.ours[_block(name) + "hook_in"] + run.ours[_block(name) + "attn.hook_out"]
+        ),
         "BLOOM's attention module returns its output plus the residual stream; TransformerLens "
         "4.3 serves that sum as attn.hook_out (its own hook_attn_out is the contribution, as "
         "in tl)",
@@ -242,7 +244,9 @@ TL_SLIPS = [
     Slip(
         ("bloom",),
         r"mlp\.hook_out$",
-        lambda name, run: run.ours[_block(name) + "ln2.hook_in"] + run.ours[_block(name) + "mlp.hook_out"],
+        lambda name, run: (
+            run.ours[_block(name) + "ln2.hook_in"] + run.ours[_block(name) + "mlp.hook_out"]
+        ),
         "as for attention: TransformerLens 4.3's mlp.hook_out on BLOOM includes the residual",
     ),
     Slip(
@@ -329,7 +333,12 @@ def _caches(
         logits, our_cache = ours.run_with_cache(ids)
         plain = _shared.boot_ours(folder, False).run_with_cache(ids)[1] if compat else our_cache
     config = transformers.AutoConfig.from_pretrained(folder)
-    return dict(their_cache.items()), ours, Run(our_cache, plain, ids, logits, config), dict(exact_cache.items())
+    return (
+        dict(their_cache.items()),
+        ours,
+        Run(our_cache, plain, ids, logits, config),
+        dict(exact_cache.items()),
+    )
 
 
 def _difference(name: str, got: Any, want: Any, exact: Any) -> float:
@@ -372,14 +381,18 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
             status = resolve_hook_name(name, info=bridge.driver.info).status
             diff = _difference(name, rule.value(name, run), want, exact[name])
             if status != "derived" or not diff <= 1:
-                failures.append(f"{name}: tl resolves it as {status!r}; its rule is off by {diff:.3g}x the band")
+                failures.append(
+                    f"{name}: tl resolves it as {status!r}; its rule is off by {diff:.3g}x the band"
+                )
             derived += 1
             continue
         slip = _find(TL_SLIPS, family, name, compat)
         if slip is not None:
             # The evidence says what TransformerLens's tensor is; it must hold exactly.
             diff = _difference(name, slip.evidence(name, run), want, exact[name])
-            (slips if diff <= 1 else failures).append(f"{name}: TL slip, evidence off by {diff:.3g}x the band")
+            (slips if diff <= 1 else failures).append(
+                f"{name}: TL slip, evidence off by {diff:.3g}x the band"
+            )
             continue
         try:
             canonical = bridge.namespace.lookup(name)
@@ -396,11 +409,15 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
                 f"{name} -> {canonical}: tl {tuple(got.shape)} vs TL {tuple(want.shape)}, "
                 f"error {diff:.3g}x the allowed {FACTOR:g}x TransformerLens's own float32 error"
             )
-    assert not failures, f"{checkpoint}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
+    assert not failures, (
+        f"{checkpoint}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
+    )
     equal = len(theirs) - len(slips) - derived
     mode = " (compatibility mode)" if compat else ""
     rule = f", {derived} equal to tl's derivation rule" if derived else ""
-    print(f"{checkpoint}{mode}: {equal} of {len(theirs)} names equal{rule}, {len(slips)} TransformerLens slips confirmed")
+    print(
+        f"{checkpoint}{mode}: {equal} of {len(theirs)} names equal{rule}, {len(slips)} TransformerLens slips confirmed"
+    )
 
 
 def test_every_table_entry_is_used(checkpoints: Callable[[str], Path]) -> None:

@@ -122,7 +122,11 @@ WEIGHT_SLIPS = [
 
 def _slip(family: str, accessor: str, compat: bool) -> WeightSlip | None:
     for slip in WEIGHT_SLIPS:
-        if family in slip.families and slip.accessor == accessor and (compat or not slip.compat_only):
+        if (
+            family in slip.families
+            and slip.accessor == accessor
+            and (compat or not slip.compat_only)
+        ):
             return slip
     return None
 
@@ -172,7 +176,11 @@ def test_every_weight_reads_back_as_transformer_lens_reads_it(
             slips += 1
         diff = _shared.relative_difference(got, want)
         if diff > ATOL:
-            what = "TL slip, evidence off" if slip else f"tl {tuple(got.shape)} vs TL {tuple(want.shape)}"
+            what = (
+                "TL slip, evidence off"
+                if slip
+                else f"tl {tuple(got.shape)} vs TL {tuple(want.shape)}"
+            )
             failures.append(f"{name}: {what} by {diff:.3g}")
         compared.add(name)
     assert not failures, f"{checkpoint}: {len(failures)} accessors differ:\n" + "\n".join(failures)
@@ -183,4 +191,3 @@ def test_every_weight_reads_back_as_transformer_lens_reads_it(
         f"{checkpoint}{mode}: {len(compared) - slips} of {len(compared)} weights equal, "
         f"{slips} TransformerLens slips confirmed"
     )
-

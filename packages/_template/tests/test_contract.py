@@ -25,7 +25,9 @@ def test_keeps_the_driver_contract(driver: TemplateDriver) -> None:
 
 def test_bridge_api_over_the_template() -> None:
     with RemoteBridge.boot("llama", driver="template", n_layers=2, seed=3) as bridge:
-        logits, cache = bridge.run_with_cache(["a template", "b"], names_filter=["blocks.1.hook_resid_post"])
+        logits, cache = bridge.run_with_cache(
+            ["a template", "b"], names_filter=["blocks.1.hook_resid_post"]
+        )
         assert cache["blocks.1.hook_out"].shape == (2, 11, bridge.cfg.d_model)
         assert cache.lengths == (11, 2)
         steer = {"blocks.0.hook_out": {"op": "add", "value": 3.0, "pos": -1}}

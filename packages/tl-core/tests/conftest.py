@@ -27,7 +27,25 @@ def _fp32_determinism() -> None:
 
 def _write_documents(path: Path, n: int = 40, seed: int = 0) -> Path:
     rng = random.Random(seed)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "over", "hills", "and", "birds", "sang", "in", "old", "trees"]
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "over",
+        "hills",
+        "and",
+        "birds",
+        "sang",
+        "in",
+        "old",
+        "trees",
+    ]
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 30))) for _ in range(n)]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -10,11 +10,24 @@ from tl_core import HookNameError, TransformerBridge, canonical_hook_names, layo
 PROMPTS = ["The quick brown fox", "Hi", "A longer prompt than the others, padded"]
 
 
-def _expected_shape(layout: str, bridge: TransformerBridge, name: str, b: int, p: int) -> tuple[int, ...]:
+def _expected_shape(
+    layout: str, bridge: TransformerBridge, name: str, b: int, p: int
+) -> tuple[int, ...]:
     cfg = bridge.cfg
     heads = cfg.kv_heads if name.endswith(("hook_k", "hook_v", "hook_rot_k")) else cfg.n_heads
-    sizes = {"b": b, "p": p, "q": p, "k": p, "d": cfg.d_model, "1": 1, "h": heads,
-             "dh": cfg.d_head, "dm": cfg.d_mlp, "vocab": cfg.d_vocab, "r": cfg.rotary_width}
+    sizes = {
+        "b": b,
+        "p": p,
+        "q": p,
+        "k": p,
+        "d": cfg.d_model,
+        "1": 1,
+        "h": heads,
+        "dh": cfg.d_head,
+        "dm": cfg.d_mlp,
+        "vocab": cfg.d_vocab,
+        "r": cfg.rotary_width,
+    }
     if layout == "b h q k":
         sizes["h"] = cfg.n_heads
     return tuple(sizes[a] for a in layout.split())
@@ -33,14 +46,27 @@ def test_capture_equals_logits_and_residual_identities(bridge: TransformerBridge
     logits, cache = bridge.run_with_cache("Residual identities hold")
     torch.testing.assert_close(cache["unembed.hook_out"], logits)
     for i in range(bridge.cfg.n_layers):
-        resid = cache[f"blocks.{i}.hook_in"] + cache[f"blocks.{i}.attn.hook_out"] + cache[f"blocks.{i}.mlp.hook_out"]
+        resid = (
+            cache[f"blocks.{i}.hook_in"]
+            + cache[f"blocks.{i}.attn.hook_out"]
+            + cache[f"blocks.{i}.mlp.hook_out"]
+        )
         torch.testing.assert_close(cache[f"blocks.{i}.hook_out"], resid, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cache[f"blocks.{i}.attn.hook_result"].sum(2), cache[f"blocks.{i}.attn.hook_out"] - bridge.b_O[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            cache[f"blocks.{i}.attn.hook_result"].sum(2),
+            cache[f"blocks.{i}.attn.hook_out"] - bridge.b_O[i],
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_names_filter_spellings_select_the_same_hooks(bridge: TransformerBridge) -> None:
-    _, by_alias = bridge.run_with_cache("x y", names_filter=["blocks.1.hook_resid_post", "hook_embed"])
-    _, by_pred = bridge.run_with_cache("x y", names_filter=lambda n: n in ("blocks.1.hook_out", "embed.hook_out"))
+    _, by_alias = bridge.run_with_cache(
+        "x y", names_filter=["blocks.1.hook_resid_post", "hook_embed"]
+    )
+    _, by_pred = bridge.run_with_cache(
+        "x y", names_filter=lambda n: n in ("blocks.1.hook_out", "embed.hook_out")
+    )
     _, by_str = bridge.run_with_cache("x y", names_filter="blocks.1.hook_out")
     assert set(by_alias) == set(by_pred) == {"blocks.1.hook_out", "embed.hook_out"}
     assert set(by_str) == {"blocks.1.hook_out"}
@@ -60,7 +86,9 @@ def test_ragged_batch_matches_single_prompts(bridge: TransformerBridge) -> None:
 
 
 def test_device_and_remove_batch_dim(bridge: TransformerBridge) -> None:
-    _, cache = bridge.run_with_cache("abc", device="cpu", remove_batch_dim=True, names_filter="blocks.0.hook_out")
+    _, cache = bridge.run_with_cache(
+        "abc", device="cpu", remove_batch_dim=True, names_filter="blocks.0.hook_out"
+    )
     assert cache["blocks.0.hook_out"].shape == (4, bridge.cfg.d_model)
 
 
@@ -81,6 +109,8 @@ def test_stop_and_start_at_layer_round_trip(bridge: TransformerBridge) -> None:
     resid = bridge(tokens, stop_at_layer=2)
     _, cache = bridge.run_with_cache(tokens, names_filter="blocks.2.hook_in")
     torch.testing.assert_close(resid, cache["blocks.2.hook_in"])
-    torch.testing.assert_close(bridge(tokens), bridge(tokens, start_at_layer=2, residual=resid), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        bridge(tokens), bridge(tokens, start_at_layer=2, residual=resid), atol=1e-5, rtol=1e-5
+    )
     _, partial = bridge.run_with_cache(tokens, stop_at_layer=1)
     assert "blocks.0.hook_out" in partial and "blocks.1.hook_out" not in partial

@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from tl_core import TransformerBridge, UserError
 
 
-def _greedy_by_hand(bridge: TransformerBridge, prompt: str, n: int, intervene: object = None) -> list[int]:
+def _greedy_by_hand(
+    bridge: TransformerBridge, prompt: str, n: int, intervene: object = None
+) -> list[int]:
     ids = bridge.to_tokens(prompt)[0].tolist()
     out = []
     for _ in range(n):
@@ -35,7 +37,9 @@ def test_batched_generation_with_left_padding_matches_single(bridge: Transformer
 
 def test_specs_and_hooks_are_active_at_every_step(bridge: TransformerBridge) -> None:
     steer = {"blocks.0.hook_out": {"op": "add", "value": 3.0}}
-    steered = bridge.generate("Steer", max_new_tokens=5, intervene=steer, stop_at_eos=False, return_type="tokens")
+    steered = bridge.generate(
+        "Steer", max_new_tokens=5, intervene=steer, stop_at_eos=False, return_type="tokens"
+    )
     assert steered[0].tolist() == _greedy_by_hand(bridge, "Steer", 5, steer)
     calls: list[int] = []
     with bridge.hooks([("blocks.0.hook_out", lambda x, hook: calls.append(x.shape[1]))]):
@@ -47,7 +51,15 @@ def test_sampling_is_seeded_and_respects_top_k(bridge: TransformerBridge) -> Non
     a = bridge.generate("Sample", max_new_tokens=8, do_sample=True, seed=3, return_type="tokens")
     b = bridge.generate("Sample", max_new_tokens=8, do_sample=True, seed=3, return_type="tokens")
     assert torch.equal(a, b)
-    top1 = bridge.generate("Sample", max_new_tokens=4, do_sample=True, top_k=1, seed=5, stop_at_eos=False, return_type="tokens")
+    top1 = bridge.generate(
+        "Sample",
+        max_new_tokens=4,
+        do_sample=True,
+        top_k=1,
+        seed=5,
+        stop_at_eos=False,
+        return_type="tokens",
+    )
     greedy = bridge.generate("Sample", max_new_tokens=4, stop_at_eos=False, return_type="tokens")
     assert torch.equal(top1, greedy)
 
@@ -67,7 +79,9 @@ def test_loss_matches_cross_entropy_and_ignores_padding(bridge: TransformerBridg
     per_token = bridge.loss(["ab", "abcdef"], per_token=True)
     assert per_token.shape == (2, 6)
     assert per_token[0, 2:].abs().sum() == 0
-    torch.testing.assert_close(per_token[1], bridge.loss("abcdef", per_token=True)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        per_token[1], bridge.loss("abcdef", per_token=True)[0], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_token_helpers_round_trip(bridge: TransformerBridge) -> None:

@@ -40,7 +40,10 @@ def test_hooks_are_removed_when_the_forward_raises(bridge: TransformerBridge) ->
 def test_predicate_hooks_and_read_only_hooks(bridge: TransformerBridge) -> None:
     seen: list[str] = []
     logits = bridge.run_with_hooks(
-        "abc", fwd_hooks=[(lambda n: n.endswith("attn.hook_pattern"), lambda x, hook: seen.append(hook.name))]
+        "abc",
+        fwd_hooks=[
+            (lambda n: n.endswith("attn.hook_pattern"), lambda x, hook: seen.append(hook.name))
+        ],
     )
     assert seen == [f"blocks.{i}.attn.hook_pattern" for i in range(bridge.cfg.n_layers)]
     torch.testing.assert_close(logits, bridge("abc"))
@@ -72,14 +75,22 @@ def test_gradient_of_a_hook_value_matches_autograd(bridge: TransformerBridge) ->
         return x
 
     grads: dict[str, torch.Tensor] = {}
-    with bridge.hooks([("blocks.1.hook_in", grab)], [("blocks.1.hook_in", lambda g, hook: grads.setdefault("g", g))]):
+    with bridge.hooks(
+        [("blocks.1.hook_in", grab)],
+        [("blocks.1.hook_in", lambda g, hook: grads.setdefault("g", g))],
+    ):
         bridge.loss("check the gradient").backward()
     torch.testing.assert_close(grads["g"], captured["x"].grad)
     bridge.zero_grad()
 
 
 def test_incl_bwd_caches_gradients(bridge: TransformerBridge) -> None:
-    loss, cache = bridge.run_with_cache("grad cache", names_filter=["blocks.0.hook_out", "blocks.2.hook_out"], incl_bwd=True, return_type="loss")
+    loss, cache = bridge.run_with_cache(
+        "grad cache",
+        names_filter=["blocks.0.hook_out", "blocks.2.hook_out"],
+        incl_bwd=True,
+        return_type="loss",
+    )
     assert loss.ndim == 0
     assert set(cache.grads) == {"blocks.0.hook_out", "blocks.2.hook_out"}
     assert cache.grads["blocks.0.hook_out"].shape == cache["blocks.0.hook_out"].shape

@@ -13,7 +13,9 @@ PROMPT = "Steering vectors move models"
 HOOK = "blocks.1.hook_out"
 
 
-def _python_edit(spec: InterventionSpec, width: int) -> Callable[[torch.Tensor, HookPoint], torch.Tensor]:
+def _python_edit(
+    spec: InterventionSpec, width: int
+) -> Callable[[torch.Tensor, HookPoint], torch.Tensor]:
     """The same edit a spec describes, written by hand as a hook."""
 
     def edit(x: torch.Tensor, hook: HookPoint) -> torch.Tensor:
@@ -53,7 +55,9 @@ def _specs(width: int) -> list[InterventionSpec]:
 
 
 @pytest.mark.parametrize("index", range(9))
-def test_spec_matches_python_hook_and_touches_only_its_positions(bridge: TransformerBridge, index: int) -> None:
+def test_spec_matches_python_hook_and_touches_only_its_positions(
+    bridge: TransformerBridge, index: int
+) -> None:
     spec = _specs(bridge.cfg.d_model)[index]
     names = [HOOK, "blocks.2.hook_out"]
     clean_logits, clean = bridge.run_with_cache(PROMPT, names_filter=names)
@@ -72,7 +76,11 @@ def test_spec_matches_python_hook_and_touches_only_its_positions(bridge: Transfo
 
 
 def test_composed_specs_apply_in_order(bridge: TransformerBridge) -> None:
-    specs = [InterventionSpec.scale(2.0, pos=1), InterventionSpec.add(1.0, pos=1), InterventionSpec.scale(-1.0)]
+    specs = [
+        InterventionSpec.scale(2.0, pos=1),
+        InterventionSpec.add(1.0, pos=1),
+        InterventionSpec.scale(-1.0),
+    ]
     _, clean = bridge.run_with_cache(PROMPT, names_filter=HOOK)
     _, edited = bridge.run_with_cache(PROMPT, names_filter=HOOK, intervene={HOOK: specs})
     x = clean[HOOK][0]
@@ -82,11 +90,20 @@ def test_composed_specs_apply_in_order(bridge: TransformerBridge) -> None:
 
 
 def test_dict_specs_and_aliases_and_other_hook_layouts(bridge: TransformerBridge) -> None:
-    spec = {"blocks.0.attn.hook_z": {"op": "scale", "factor": 0.0, "pos": 1}, "hook_embed": [{"op": "add", "value": 0.1}]}
-    _, cache = bridge.run_with_cache(PROMPT, names_filter=["blocks.0.attn.hook_z", "embed.hook_out"], intervene=spec)
-    assert torch.equal(cache["blocks.0.attn.hook_z"][0, 1], torch.zeros_like(cache["blocks.0.attn.hook_z"][0, 1]))
+    spec = {
+        "blocks.0.attn.hook_z": {"op": "scale", "factor": 0.0, "pos": 1},
+        "hook_embed": [{"op": "add", "value": 0.1}],
+    }
+    _, cache = bridge.run_with_cache(
+        PROMPT, names_filter=["blocks.0.attn.hook_z", "embed.hook_out"], intervene=spec
+    )
+    assert torch.equal(
+        cache["blocks.0.attn.hook_z"][0, 1], torch.zeros_like(cache["blocks.0.attn.hook_z"][0, 1])
+    )
     pattern_spec = {"blocks.0.attn.hook_pattern": {"op": "set", "value": 0.0, "pos": 3}}
-    _, pc = bridge.run_with_cache(PROMPT, names_filter="blocks.0.attn.hook_pattern", intervene=pattern_spec)
+    _, pc = bridge.run_with_cache(
+        PROMPT, names_filter="blocks.0.attn.hook_pattern", intervene=pattern_spec
+    )
     assert pc["blocks.0.attn.hook_pattern"][0, :, 3].abs().sum() == 0
     assert pc["blocks.0.attn.hook_pattern"][0, :, 2].sum() > 0
 
@@ -94,14 +111,25 @@ def test_dict_specs_and_aliases_and_other_hook_layouts(bridge: TransformerBridge
 def test_per_prompt_specs_in_a_ragged_batch(bridge: TransformerBridge) -> None:
     prompts = ["first prompt here", "second", "a third, longer prompt"]
     per_prompt = [{HOOK: {"op": "suppress", "pos": 1}}, None, {HOOK: {"op": "add", "value": 2.0}}]
-    _, batched = bridge.run_with_cache(prompts, names_filter="blocks.2.hook_out", intervene=per_prompt)
+    _, batched = bridge.run_with_cache(
+        prompts, names_filter="blocks.2.hook_out", intervene=per_prompt
+    )
     for i, prompt in enumerate(prompts):
-        _, single = bridge.run_with_cache(prompt, names_filter="blocks.2.hook_out", intervene=per_prompt[i])
-        torch.testing.assert_close(batched.prompt(i)["blocks.2.hook_out"], single["blocks.2.hook_out"], atol=1e-5, rtol=1e-5)
+        _, single = bridge.run_with_cache(
+            prompt, names_filter="blocks.2.hook_out", intervene=per_prompt[i]
+        )
+        torch.testing.assert_close(
+            batched.prompt(i)["blocks.2.hook_out"],
+            single["blocks.2.hook_out"],
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_callables_in_intervene_run_on_local_drivers(bridge: TransformerBridge) -> None:
-    _, cache = bridge.run_with_cache(PROMPT, names_filter=HOOK, intervene={HOOK: lambda x, hook: x * 0})
+    _, cache = bridge.run_with_cache(
+        PROMPT, names_filter=HOOK, intervene={HOOK: lambda x, hook: x * 0}
+    )
     assert cache[HOOK].abs().sum() == 0
 
 

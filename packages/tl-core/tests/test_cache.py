@@ -558,7 +558,10 @@ def test_stack_activation() -> None:
 def test_names_resolve_against_the_model_the_cache_came_from() -> None:
     tensors = make_tensors()
     g = torch.Generator().manual_seed(7)
-    post = {f"blocks.{i}.ln1_post.hook_out": torch.randn(2, 5, D_MODEL, generator=g) for i in range(N_LAYERS)}
+    post = {
+        f"blocks.{i}.ln1_post.hook_out": torch.randn(2, 5, D_MODEL, generator=g)
+        for i in range(N_LAYERS)
+    }
     sandwich = dataclasses.replace(make_info(), sandwich_norm=True, architecture="gemma2-style")
     cache = ActivationCache({**tensors, **post}, info=sandwich)
     # On a sandwich-norm model TransformerLens's hook_attn_out is the post-norm output ...
@@ -623,7 +626,13 @@ def test_parallel_blocks_have_no_mid_residual() -> None:
 
 def test_a_readout_function_is_called_only_when_analysis_needs_it() -> None:
     calls: list[int] = []
-    readout = ModelReadout(W_U=torch.randn(4, 7), b_U=None, ln_final_weight=None, ln_final_bias=None, normalization_type=None)
+    readout = ModelReadout(
+        W_U=torch.randn(4, 7),
+        b_U=None,
+        ln_final_weight=None,
+        ln_final_bias=None,
+        normalization_type=None,
+    )
 
     def fetch() -> ModelReadout:
         calls.append(1)

@@ -28,7 +28,14 @@ BOS, EOS, PAD = 256, 257, 258
 
 
 def config(source: Path, **changes: Any) -> CaptureConfig:
-    fields: dict[str, Any] = {**MODEL, "hooks": HOOKS, "input": str(source), "context_size": 24, "batch_size": 3, "shard_contexts": 6}
+    fields: dict[str, Any] = {
+        **MODEL,
+        "hooks": HOOKS,
+        "input": str(source),
+        "context_size": 24,
+        "batch_size": 3,
+        "shard_contexts": 6,
+    }
     return CaptureConfig(**{**fields, **changes})
 
 
@@ -54,9 +61,14 @@ def expected_contexts(path: Path, size: int, pack: bool = True) -> list[list[int
     return [[BOS, *stream[i : i + size - 1]] for i in range(0, len(stream), size - 1)]
 
 
-def test_the_store_holds_run_with_cache_of_each_context(source: Path, tmp_path: Path, native: TransformerBridge) -> None:
+def test_the_store_holds_run_with_cache_of_each_context(
+    source: Path, tmp_path: Path, native: TransformerBridge
+) -> None:
     summary = capture(config(source), tmp_path / "store", progress=False)
-    assert summary.complete and summary.shards_written == summary.shards_before + summary.shards_written
+    assert (
+        summary.complete
+        and summary.shards_written == summary.shards_before + summary.shards_written
+    )
     store = CaptureStore(tmp_path / "store")
     wanted = expected_contexts(source, 24)
     assert len(store) == sum(len(c) for c in wanted)
@@ -100,20 +112,32 @@ def test_unpacked_contexts_padding_and_dropped_bos(source: Path, tmp_path: Path)
         assert row == context + [PAD] * (24 - len(context))
 
 
-def test_jsonl_input_max_tokens_dtype_and_steering(tmp_path: Path, native: TransformerBridge) -> None:
+def test_jsonl_input_max_tokens_dtype_and_steering(
+    tmp_path: Path, native: TransformerBridge
+) -> None:
     lines = [json.dumps({"text": f"document number {i} " * 3, "id": i}) for i in range(12)]
     (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
     steer = {"blocks.0.hook_resid_post": {"op": "add", "value": 1.0}}
     # One block-0 hook: the forwards stop after block 0.
-    cfg = config(tmp_path / "docs.jsonl", hooks=("blocks.0.hook_resid_post",), max_tokens=100, dtype="float16", intervene=steer)
+    cfg = config(
+        tmp_path / "docs.jsonl",
+        hooks=("blocks.0.hook_resid_post",),
+        max_tokens=100,
+        dtype="float16",
+        intervene=steer,
+    )
     capture(cfg, tmp_path / "store", progress=False)
     store = CaptureStore(tmp_path / "store")
     assert store.manifest.tokens == 120  # five 24-token contexts: the one reaching 100 is whole
     first = store.read("tokens", 0, 24)
-    _, cache = native.run_with_cache(first[None].long(), names_filter="blocks.0.hook_resid_post", intervene=steer)
+    _, cache = native.run_with_cache(
+        first[None].long(), names_filter="blocks.0.hook_resid_post", intervene=steer
+    )
     got = store.read("blocks.0.hook_resid_post", 0, 24)
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got.float(), cache["blocks.0.hook_resid_post"][0], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        got.float(), cache["blocks.0.hook_resid_post"][0], atol=2e-3, rtol=1e-3
+    )
 
 
 def test_reader_streams_shuffles_and_serves_a_dataset(source: Path, tmp_path: Path) -> None:
@@ -123,7 +147,11 @@ def test_reader_streams_shuffles_and_serves_a_dataset(source: Path, tmp_path: Pa
     batches = list(store.iter_batches("blocks.1.attn.hook_z", batch_size=50))
     assert [len(b) for b in batches[:-1]] == [50] * (len(batches) - 1)
     torch.testing.assert_close(torch.cat(batches), every, atol=0, rtol=0)
-    mixed = list(store.iter_batches("blocks.0.hook_resid_post", 64, fields=["tokens"], shuffle=True, seed=1, buffer_rows=200))
+    mixed = list(
+        store.iter_batches(
+            "blocks.0.hook_resid_post", 64, fields=["tokens"], shuffle=True, seed=1, buffer_rows=200
+        )
+    )
     rows = torch.cat([b["blocks.0.hook_resid_post"] for b in mixed])
     assert not torch.equal(rows, store.read("blocks.0.hook_resid_post"))
     order = torch.cat([b["tokens"] for b in mixed])
@@ -131,17 +159,29 @@ def test_reader_streams_shuffles_and_serves_a_dataset(source: Path, tmp_path: Pa
     # Sorting both row sets the same way shows the shuffle is a permutation of the rows.
     key = lambda t: sorted(map(tuple, t.tolist()))  # noqa: E731
     assert key(rows) == key(store.read("blocks.0.hook_resid_post"))
-    again = torch.cat([b["tokens"] for b in store.iter_batches("resid_post.0", 64, fields=["tokens"], shuffle=True, seed=1, buffer_rows=200)])
+    again = torch.cat(
+        [
+            b["tokens"]
+            for b in store.iter_batches(
+                "resid_post.0", 64, fields=["tokens"], shuffle=True, seed=1, buffer_rows=200
+            )
+        ]
+    )
     assert torch.equal(order, again)
     dataset = store.dataset("blocks.0.hook_resid_post", fields=["tokens"])
     assert len(dataset) == len(store)
     loader = torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=False)
-    torch.testing.assert_close(torch.cat([b["blocks.0.hook_resid_post"] for b in loader]), store.read("blocks.0.hook_resid_post"))
+    torch.testing.assert_close(
+        torch.cat([b["blocks.0.hook_resid_post"] for b in loader]),
+        store.read("blocks.0.hook_resid_post"),
+    )
     with pytest.raises(UserError, match="not in the store"):
         store.read("blocks.1.hook_resid_post")
 
 
-def test_a_completed_store_is_left_alone_and_a_changed_job_is_refused(source: Path, tmp_path: Path) -> None:
+def test_a_completed_store_is_left_alone_and_a_changed_job_is_refused(
+    source: Path, tmp_path: Path
+) -> None:
     capture(config(source), tmp_path / "store", progress=False)
     files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "store").iterdir()}
     again = capture(config(source), tmp_path / "store", progress=False)
@@ -165,7 +205,9 @@ def test_bad_jobs_fail_before_the_model_boots(source: Path, tmp_path: Path) -> N
     with pytest.raises(UserError, match="multiple of batch_size"):
         config(source, shard_contexts=7)
     with pytest.raises(UserError, match=r"hook_pattern.*fixed width"):
-        capture(config(source, hooks=("blocks.0.attn.hook_pattern",)), tmp_path / "b", progress=False)
+        capture(
+            config(source, hooks=("blocks.0.attn.hook_pattern",)), tmp_path / "b", progress=False
+        )
     with pytest.raises(UserError, match="0 <= i < N"):
         capture(config(source), tmp_path / "c", part="3/3", progress=False)
     (tmp_path / "empty.txt").write_text("\n\n")
@@ -198,10 +240,15 @@ def test_progress_reports_rate_share_and_eta() -> None:
     progress.update(tokens=1000, fraction=0.25)
     progress.update(shards=1, fraction=0.5)
     line = stream.getvalue().splitlines()[-1]
-    assert line.startswith("capture: 1,000 tokens, ") and "1 shards written, 50% of the input, ETA 0:00:0" in line
+    assert (
+        line.startswith("capture: 1,000 tokens, ")
+        and "1 shards written, 50% of the input, ETA 0:00:0" in line
+    )
 
 
-def test_the_command_line_runs_reports_and_inspects(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_runs_reports_and_inspects(
+    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "store"
     args = ["capture", "run", "--model", "gpt2", "--driver", "native", "--option", "n_layers=2", "--option", "seed=3",
             "--hooks", "resid_post.0", "--input", str(source), "--output", str(out), "--context-size", "24",

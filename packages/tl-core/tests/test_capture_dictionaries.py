@@ -26,9 +26,17 @@ HOOKS = (f"{SITE}.hook_sae_top_indices", f"{SITE}.hook_sae_top_values", "blocks.
 def _save(folder: Path, seed: int = 0) -> Path:
     d = random_dictionary(64, 256, seed=seed, scale=0.5)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = {"architecture": "standard", "d_in": 64, "d_sae": 256, "metadata": {"hook_name": "blocks.0.hook_resid_post"}}
+    cfg = {
+        "architecture": "standard",
+        "d_in": 64,
+        "d_sae": 256,
+        "metadata": {"hook_name": "blocks.0.hook_resid_post"},
+    }
     (folder / "cfg.json").write_text(json.dumps(cfg))
-    save_file({"W_enc": d.W_enc, "b_enc": d.b_enc, "W_dec": d.W_dec, "b_dec": d.b_dec}, str(folder / "sae_weights.safetensors"))
+    save_file(
+        {"W_enc": d.W_enc, "b_enc": d.b_enc, "W_dec": d.W_dec, "b_dec": d.b_dec},
+        str(folder / "sae_weights.safetensors"),
+    )
     return folder
 
 
@@ -59,7 +67,9 @@ def test_the_store_holds_each_tokens_top_features(source: Path, tmp_path: Path) 
     assert torch.equal(indices[:n], chosen)
     torch.testing.assert_close(store.read(HOOKS[1], 0, n), values)
     # The error term is on by default: the model downstream holds its own values.
-    torch.testing.assert_close(store.read("blocks.1.hook_out", 0, n), cache["blocks.1.hook_out"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        store.read("blocks.1.hook_out", 0, n), cache["blocks.1.hook_out"][0], atol=1e-5, rtol=1e-5
+    )
     assert not native.namespace.dictionaries
 
 
@@ -76,10 +86,16 @@ def test_bad_dictionary_entries_are_refused(source: Path, tmp_path: Path) -> Non
         _config(source, tmp_path, dictionaries=({"path": str(tmp_path), "k": 3},))
     # Checked before the model boots: this model would not boot.
     with pytest.raises(UserError, match=r"has no cfg\.json"):
-        capture(_config(source, tmp_path / "nowhere", model="no-such-preset"), tmp_path / "store", progress=False)
+        capture(
+            _config(source, tmp_path / "nowhere", model="no-such-preset"),
+            tmp_path / "store",
+            progress=False,
+        )
 
 
-def test_the_command_line_attaches_a_dictionary(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_attaches_a_dictionary(
+    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = _save(tmp_path / "sae")
     out = tmp_path / "store"
     args = ["capture", "run", "--model", "gpt2", "--driver", "native", "--option", "n_layers=2", "--option", "seed=3",
@@ -87,4 +103,7 @@ def test_the_command_line_attaches_a_dictionary(source: Path, tmp_path: Path, ca
             "--input", str(source), "--output", str(out), "--context-size", "24", "--quiet"]  # fmt: skip
     assert main(args) == 0
     assert main(["capture", "info", str(out)]) == 0
-    assert f"{SITE}.hook_sae_top_indices (asked as {SITE}.hook_sae_top_indices): rows of [4] int64" in capsys.readouterr().out
+    assert (
+        f"{SITE}.hook_sae_top_indices (asked as {SITE}.hook_sae_top_indices): rows of [4] int64"
+        in capsys.readouterr().out
+    )

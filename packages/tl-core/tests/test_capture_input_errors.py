@@ -62,7 +62,9 @@ def cli(source: Path, out: Path, *extra: str) -> list[str]:
     return ["capture", "run", *ARGS, "--input", str(source), "--output", str(out), *extra]
 
 
-def refused(command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+def refused(
+    command: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> str:
     """Run the CLI with booting forbidden; it must fail, leaving no output folder. Returns stderr."""
     capsys.readouterr()
     with no_boot(monkeypatch):
@@ -83,7 +85,10 @@ def completes(command: list[str]) -> CaptureStore:
 
 
 def test_empty_binary_and_non_utf8_inputs_are_refused_before_the_boot(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "store"
     empty = tmp_path / "empty.txt"
@@ -111,7 +116,9 @@ def test_empty_binary_and_non_utf8_inputs_are_refused_before_the_boot(
 
 def test_a_multibyte_character_split_across_read_chunks_is_utf8(tmp_path: Path) -> None:
     text = tmp_path / "long.txt"
-    text.write_bytes(b"a" * ((1 << 22) - 1) + "é\n".encode())  # é's two bytes straddle the 4 MiB read
+    text.write_bytes(
+        b"a" * ((1 << 22) - 1) + "é\n".encode()
+    )  # é's two bytes straddle the 4 MiB read
     assert _source.open_source(text, None, "text").digest().startswith("sha256:")
     text.write_bytes(b"a" * ((1 << 22) - 1) + b"\xc3\n")  # a lone lead byte at the boundary
     with pytest.raises(UserError, match=r"line 1 \(byte 4,194,303\): not UTF-8"):
@@ -122,10 +129,14 @@ def test_jsonl_records_without_the_text_field_are_refused_before_the_boot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     records = tmp_path / "docs.jsonl"
-    records.write_text("".join(json.dumps({"body": f"document {i} " * 4, "id": i}) + "\n" for i in range(30)))
+    records.write_text(
+        "".join(json.dumps({"body": f"document {i} " * 4, "id": i}) + "\n" for i in range(30))
+    )
     out = tmp_path / "store"
     error = refused(cli(records, out), capsys, monkeypatch)
-    assert f"input {records}, line 1: the record has no field 'text' (found ['body', 'id'])" in error
+    assert (
+        f"input {records}, line 1: the record has no field 'text' (found ['body', 'id'])" in error
+    )
     assert "--text-field" in error
     # Past the records parsed in full, a line without the field's name is still caught.
     monkeypatch.setattr(_source, "CHECKED_RECORDS", 3)
@@ -176,7 +187,10 @@ def test_a_late_record_that_fails_mid_run_names_its_line_and_what_became_of_the_
 
 
 def test_bad_intervene_specs_are_refused_before_the_boot(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out, specs = tmp_path / "store", tmp_path / "specs.json"
     command = cli(source, out, "--intervene", str(specs))
@@ -187,7 +201,10 @@ def test_bad_intervene_specs_are_refused_before_the_boot(
     assert f"--intervene {specs}, line 1 column 57: not JSON" in error
     specs.write_text(json.dumps({"blocks.0.hook_resid_post": {"op": "ad", "value": 1.0}}))
     error = refused(command, capsys, monkeypatch)
-    assert f"--intervene {specs}: intervention on 'blocks.0.hook_resid_post': key 'op' is 'ad'" in error
+    assert (
+        f"--intervene {specs}: intervention on 'blocks.0.hook_resid_post': key 'op' is 'ad'"
+        in error
+    )
     assert "did you mean 'add'?" in error
     specs.write_text(json.dumps([{"blocks.0.hook_resid_post": {"op": "suppress"}}]))
     error = refused(command, capsys, monkeypatch)
@@ -221,11 +238,17 @@ def test_specs_the_booted_model_cannot_apply_are_refused_before_anything_is_writ
 
 
 def test_a_context_longer_than_the_model_takes_is_refused_before_the_boot(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "store"
     error = refused(cli(source, out, "--option", "n_ctx=16"), capsys, monkeypatch)
-    assert "context_size (--context-size) 24 is longer than model 'gpt2' takes on driver 'native': 16 tokens" in error
+    assert (
+        "context_size (--context-size) 24 is longer than model 'gpt2' takes on driver 'native': 16 tokens"
+        in error
+    )
     assert "checked before the model boots" in error and "Pass --context-size 16 or less" in error
     # A folder of an hf-style checkpoint: its config.json says how long.
     folder = tmp_path / "tiny-gpt2"
@@ -236,7 +259,10 @@ def test_a_context_longer_than_the_model_takes_is_refused_before_the_boot(
     ))  # fmt: skip
     hf = [*cli(source, out), "--model", str(folder), "--driver", "hf"]
     error = refused(hf, capsys, monkeypatch)
-    assert f"on driver 'hf': 20 tokens ({folder / 'config.json'}; checked before the model boots)" in error
+    assert (
+        f"on driver 'hf': 20 tokens ({folder / 'config.json'}; checked before the model boots)"
+        in error
+    )
     assert "--option n_ctx=N" in error
     error = refused([*hf[:-1], "vllm", "--option", "max_model_len=12"], capsys, monkeypatch)
     assert "12 tokens (the boot option max_model_len" in error
@@ -244,14 +270,19 @@ def test_a_context_longer_than_the_model_takes_is_refused_before_the_boot(
 
 
 def test_a_context_longer_than_the_booted_model_takes_is_refused_before_anything_is_written(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A driver whose config cannot be read before the boot: the booted model's n_ctx decides.
     monkeypatch.setattr(_run, "context_limit_before_boot", lambda config: None)
     out = tmp_path / "store"
     assert main(cli(source, out, "--option", "n_ctx=16")) == 1
     error = capsys.readouterr().err
-    assert "16 tokens (the booted model's n_ctx; checked after the boot; nothing was written)" in error
+    assert (
+        "16 tokens (the booted model's n_ctx; checked after the boot; nothing was written)" in error
+    )
     assert not out.exists()
     assert len(completes(cli(source, out, "--context-size", "16", "--option", "n_ctx=16"))) > 0
 
@@ -282,7 +313,10 @@ def test_a_manifest_without_shards_gives_way_to_a_new_configuration(
 
 
 def test_another_configuration_is_refused_before_the_boot(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "store"
     assert main(cli(source, out, "--max-tokens", "60")) == 0
@@ -291,7 +325,10 @@ def test_another_configuration_is_refused_before_the_boot(
         assert main(cli(source, out, "--max-tokens", "60", "--context-size", "16")) == 1
         assert main(cli(source, out, "--max-tokens", "60", "--shard", "1/2")) == 1
     error = capsys.readouterr().err
-    assert "config.context_size: 24 -> 16" in error and "holds part 0/1 of the job; this run is part 1/2" in error
+    assert (
+        "config.context_size: 24 -> 16" in error
+        and "holds part 0/1 of the job; this run is part 1/2" in error
+    )
 
 
 # -- a full disk ----------------------------------------------------------------------
@@ -309,7 +346,10 @@ def _fail_shard(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
 
 
 def test_a_full_disk_is_reported_and_the_same_command_continues(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reference = completes(cli(source, tmp_path / "reference"))
     out = tmp_path / "store"
@@ -330,7 +370,10 @@ def test_a_full_disk_is_reported_and_the_same_command_continues(
 
 
 def test_a_full_disk_at_the_first_shard_leaves_no_store(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "store"
     with monkeypatch.context() as patch:
@@ -342,7 +385,10 @@ def test_a_full_disk_at_the_first_shard_leaves_no_store(
 
 
 def test_a_full_disk_while_recording_a_shard_redoes_it(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reference = completes(cli(source, tmp_path / "reference"))
     out = tmp_path / "store"
@@ -357,7 +403,10 @@ def test_a_full_disk_while_recording_a_shard_redoes_it(
         patch.setattr(Manifest, "save", save)
         assert main(cli(source, out)) == 1
     error = capsys.readouterr().err
-    assert "while recording shard 1 in the manifest (the shard is redone on the rerun); 1 shard(s)" in error
+    assert (
+        "while recording shard 1 in the manifest (the shard is redone on the rerun); 1 shard(s)"
+        in error
+    )
     assert (out / "shard-000001.safetensors").exists() and sorted(Manifest.load(out).shards) == [0]
     assert main(cli(source, out)) == 0
     assert "shard-000001.safetensors was written but not recorded" in capsys.readouterr().out
@@ -367,11 +416,16 @@ def test_a_full_disk_while_recording_a_shard_redoes_it(
 def _same_shards(got: Path, reference: CaptureStore) -> None:
     manifest = Manifest.load(got)
     assert manifest.complete
-    assert {i: s.sha256 for i, s in manifest.shards.items()} == {i: s.sha256 for i, s in reference.manifest.shards.items()}
+    assert {i: s.sha256 for i, s in manifest.shards.items()} == {
+        i: s.sha256 for i, s in reference.manifest.shards.items()
+    }
 
 
 def test_leftovers_of_a_first_shard_are_cleared_and_more_shards_without_a_manifest_refused(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = tmp_path / "store"
     out.mkdir()
@@ -387,7 +441,10 @@ def test_leftovers_of_a_first_shard_are_cleared_and_more_shards_without_a_manife
     with no_boot(monkeypatch):
         assert main(cli(source, lost)) == 1
     error = capsys.readouterr().err
-    assert f"{lost} holds 2 shard files but no manifest.json" in error and f"restore {lost / MANIFEST}" in error
+    assert (
+        f"{lost} holds 2 shard files but no manifest.json" in error
+        and f"restore {lost / MANIFEST}" in error
+    )
 
 
 # -- the lock -------------------------------------------------------------------------
@@ -404,15 +461,23 @@ def stranger() -> Iterator[subprocess.Popen[bytes]]:
         process.wait()
 
 
-def test_a_lock_whose_process_id_was_reused_is_taken_over(source: Path, tmp_path: Path, stranger: subprocess.Popen[bytes]) -> None:
+def test_a_lock_whose_process_id_was_reused_is_taken_over(
+    source: Path, tmp_path: Path, stranger: subprocess.Popen[bytes]
+) -> None:
     out = tmp_path / "store"
     out.mkdir()
-    lock = {"pid": stranger.pid, "host": socket.gethostname(), "started": "another-boot:1", "command": "tl capture run"}
+    lock = {
+        "pid": stranger.pid,
+        "host": socket.gethostname(),
+        "started": "another-boot:1",
+        "command": "tl capture run",
+    }
     (out / ".lock").write_text(json.dumps(lock))
     summary = capture(config(source, max_tokens=30), out, progress=False)
     assert summary.complete and not (out / ".lock").exists()
     assert any(
-        f"took over {out / '.lock'}" in n and f"its process {stranger.pid} has exited; that id now belongs to another process" in n
+        f"took over {out / '.lock'}" in n
+        and f"its process {stranger.pid} has exited; that id now belongs to another process" in n
         for n in summary.notes
     )
 
@@ -423,10 +488,18 @@ def test_a_live_capture_holds_the_lock_and_an_unprovable_one_names_the_file_to_d
     out = tmp_path / "store"
     out.mkdir()
     lock = out / ".lock"
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": process_start(os.getpid()), "command": "tl capture run"}
+    me = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": process_start(os.getpid()),
+        "command": "tl capture run",
+    }
     lock.write_text(json.dumps(me))
     with no_boot(monkeypatch):
-        with pytest.raises(UserError, match=rf"another capture \(process {os.getpid()} .*\) is writing {re.escape(str(out))}; wait"):
+        with pytest.raises(
+            UserError,
+            match=rf"another capture \(process {os.getpid()} .*\) is writing {re.escape(str(out))}; wait",
+        ):
             capture(config(source, max_tokens=30), out, progress=False)
         # tl-core 0.1's lock records no start time: a live process with its id may be unrelated.
         lock.write_text(f"{stranger.pid} {socket.gethostname()}")
@@ -440,14 +513,21 @@ def test_a_live_capture_holds_the_lock_and_an_unprovable_one_names_the_file_to_d
 
 
 def test_the_model_argument_picks_the_driver_as_tl_hooks_does(
-    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    source: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No --driver: a native preset boots native, a missing path is refused before any boot."""
     out = tmp_path / "store"
     plain = [a for a in cli(source, out) if a not in ("--driver", "native")]
     store = completes(plain)
     assert store.manifest.identity["config"]["driver"] == "native"
-    missing = [*plain[: plain.index("--model") + 1], "./no-such-folder", *plain[plain.index("--model") + 2 :]]
+    missing = [
+        *plain[: plain.index("--model") + 1],
+        "./no-such-folder",
+        *plain[plain.index("--model") + 2 :],
+    ]
     missing[missing.index("--output") + 1] = str(tmp_path / "other")
     error = refused(missing, capsys, monkeypatch)
     assert "--model='./no-such-folder' is a path, but folder" in error
@@ -457,8 +537,13 @@ def test_a_model_folder_given_as_a_path_is_recorded_as_its_absolute_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    config = CaptureConfig(model=Path("model"), hooks=("blocks.0.hook_resid_post",), input="corpus.txt")  # type: ignore[arg-type]
+    config = CaptureConfig(
+        model=Path("model"), hooks=("blocks.0.hook_resid_post",), input="corpus.txt"
+    )  # type: ignore[arg-type]
     assert config.model == str(tmp_path / "model")
     assert json.loads(json.dumps(config.to_json()))["model"] == str(tmp_path / "model")
     # A string stays as written: it may be a hub id or a native preset.
-    assert CaptureConfig(model="org/name", hooks=("blocks.0.hook_resid_post",), input="x").model == "org/name"
+    assert (
+        CaptureConfig(model="org/name", hooks=("blocks.0.hook_resid_post",), input="x").model
+        == "org/name"
+    )

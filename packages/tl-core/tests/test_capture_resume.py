@@ -76,7 +76,18 @@ def reference(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _command(source: Path, out: Path, *extra: str) -> list[str]:
-    return ["capture", "run", *ARGS, "--hooks", *HOOKS, "--input", str(source), "--output", str(out), *extra]
+    return [
+        "capture",
+        "run",
+        *ARGS,
+        "--hooks",
+        *HOOKS,
+        "--input",
+        str(source),
+        "--output",
+        str(out),
+        *extra,
+    ]
 
 
 def _cli(source: Path, out: Path, *extra: str) -> None:
@@ -87,7 +98,9 @@ def _cli(source: Path, out: Path, *extra: str) -> None:
 
 def _spawn(source: Path, out: Path, mode: str, at: int = -1) -> subprocess.Popen[bytes]:
     env = {**os.environ, "KILL_MODE": mode, "KILL_AT": str(at)}
-    return subprocess.Popen([sys.executable, "-c", KILLER, *_command(source, out)], env=env, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", KILLER, *_command(source, out)], env=env, stderr=subprocess.PIPE
+    )
 
 
 def _same_store(got: Path, want: Path) -> None:
@@ -113,12 +126,16 @@ def test_a_kill_inside_a_shard_write_is_detected_and_redone(
     assert (out / left).exists()
     _cli(source, out)
     printed = capsys.readouterr().out
-    assert ("interrupted write" if mode == "half" else "not recorded before an interruption") in printed
+    assert (
+        "interrupted write" if mode == "half" else "not recorded before an interruption"
+    ) in printed
     assert "3 already there" in printed
     _same_store(out, reference)
 
 
-def test_a_kill_from_outside_mid_run_resumes_to_the_same_store(source: Path, reference: Path, tmp_path: Path) -> None:
+def test_a_kill_from_outside_mid_run_resumes_to_the_same_store(
+    source: Path, reference: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "store"
     process = _spawn(source, out, "slow")
     deadline = time.monotonic() + 120
@@ -135,7 +152,9 @@ def test_a_kill_from_outside_mid_run_resumes_to_the_same_store(source: Path, ref
     _same_store(out, reference)
 
 
-def test_parts_merge_into_the_unsharded_store(source: Path, reference: Path, tmp_path: Path) -> None:
+def test_parts_merge_into_the_unsharded_store(
+    source: Path, reference: Path, tmp_path: Path
+) -> None:
     parts = [tmp_path / f"part-{i}" for i in range(3)]
     for i, part in enumerate(parts):
         _cli(source, part, "--shard", f"{i}/3")
@@ -177,7 +196,9 @@ def _resume_refuses(source: Path, out: Path, match: str) -> None:
         capture(_config(source), out, progress=False)
 
 
-def test_an_altered_shard_is_refused_by_the_reader_and_by_resume(source: Path, reference: Path, tmp_path: Path) -> None:
+def test_an_altered_shard_is_refused_by_the_reader_and_by_resume(
+    source: Path, reference: Path, tmp_path: Path
+) -> None:
     out = _damaged_copy(reference, tmp_path)
     shard = out / "shard-000002.safetensors"
     data = bytearray(shard.read_bytes())
@@ -247,10 +268,21 @@ def _info_refuses(out: Path, capsys: pytest.CaptureFixture[str], *pieces: str) -
 
 @pytest.mark.parametrize(
     ("field", "change"),
-    [("tokens", 1000), ("first_context", 1), ("contexts", -1), ("first_document", -1), ("last_document", 3)],
+    [
+        ("tokens", 1000),
+        ("first_context", 1),
+        ("contexts", -1),
+        ("first_document", -1),
+        ("last_document", 3),
+    ],
 )
 def test_an_edited_shard_record_is_refused_naming_the_field_and_both_values(
-    field: str, change: int, source: Path, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    field: str,
+    change: int,
+    source: Path,
+    reference: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = _damaged_copy(reference, tmp_path)
     recorded = json.loads((out / MANIFEST).read_text())["shards"][2][field]
@@ -261,11 +293,15 @@ def test_an_edited_shard_record_is_refused_naming_the_field_and_both_values(
     )
     with pytest.raises(UserError, match=message):
         CaptureStore(out, verify=False)  # a cheap check: no checksums needed
-    _info_refuses(out, capsys, "shard 2", f"{field}={recorded + change}", f"{field}={recorded}", "--repair")
+    _info_refuses(
+        out, capsys, "shard 2", f"{field}={recorded + change}", f"{field}={recorded}", "--repair"
+    )
     _resume_refuses(source, out, f"records {field}=")
 
 
-def test_a_repair_rewrites_an_edited_shard_record(source: Path, reference: Path, tmp_path: Path) -> None:
+def test_a_repair_rewrites_an_edited_shard_record(
+    source: Path, reference: Path, tmp_path: Path
+) -> None:
     from tl_core.cli import main
 
     out = _damaged_copy(reference, tmp_path)
@@ -286,23 +322,35 @@ def test_two_swapped_shard_entries_are_refused(
         manifest["shards"][0], manifest["shards"][1] = second, first
 
     _edit_manifest(out, swap_contents)
-    with pytest.raises(UserError, match=r"shard 0 \(shard-000001\.safetensors\): the manifest records file="):
+    with pytest.raises(
+        UserError, match=r"shard 0 \(shard-000001\.safetensors\): the manifest records file="
+    ):
         CaptureStore(out, verify=False)
     _info_refuses(out, capsys, "shard 0", "shard-000001.safetensors", "shard-000000.safetensors")
 
     # The same file names, renamed on disk too: the shard numbers in the headers disagree.
     out = _damaged_copy(reference, tmp_path / "renamed")
     _edit_manifest(out, swap_contents)
-    _edit_manifest(out, lambda m: [s.__setitem__("file", f"shard-{s['index']:06d}.safetensors") for s in m["shards"]])
+    _edit_manifest(
+        out,
+        lambda m: [
+            s.__setitem__("file", f"shard-{s['index']:06d}.safetensors") for s in m["shards"]
+        ],
+    )
     (out / "shard-000000.safetensors").rename(out / "swap")
     (out / "shard-000001.safetensors").rename(out / "shard-000000.safetensors")
     (out / "swap").rename(out / "shard-000001.safetensors")
-    with pytest.raises(UserError, match=r"shard 0 \(shard-000000\.safetensors\): the manifest records index=0 but the shard's own header records index=1"):
+    with pytest.raises(
+        UserError,
+        match=r"shard 0 \(shard-000000\.safetensors\): the manifest records index=0 but the shard's own header records index=1",
+    ):
         CaptureStore(out, verify=False)
 
     out = _damaged_copy(reference, tmp_path / "reordered")  # entries moved, each one intact
     _edit_manifest(out, lambda m: m["shards"].insert(0, m["shards"].pop(1)))
-    with pytest.raises(UserError, match=r"lists shard 1 before shard 0, but tl writes the entries in index order"):
+    with pytest.raises(
+        UserError, match=r"lists shard 1 before shard 0, but tl writes the entries in index order"
+    ):
         CaptureStore(out, verify=False)
     _edit_manifest(out, lambda m: m["shards"].__setitem__(0, dict(m["shards"][1])))
     with pytest.raises(UserError, match=r"lists shard 0 twice"):
@@ -317,7 +365,9 @@ def test_edited_totals_and_hooks_in_the_manifest_are_refused(
     out = _damaged_copy(reference, tmp_path)
     tokens = Manifest.load(reference).tokens
     _edit_manifest(out, lambda m: m.__setitem__("tokens", tokens + 1))
-    with pytest.raises(UserError, match=rf"records tokens={tokens + 1}, its shards add up to {tokens}.*--repair"):
+    with pytest.raises(
+        UserError, match=rf"records tokens={tokens + 1}, its shards add up to {tokens}.*--repair"
+    ):
         CaptureStore(out, verify=False)
     _resume_refuses(source, out, rf"records tokens={tokens + 1}")
     assert main(_command(source, out, "--repair")) == 0
@@ -325,7 +375,9 @@ def test_edited_totals_and_hooks_in_the_manifest_are_refused(
     _same_store(out, reference)
     assert json.loads((out / MANIFEST).read_text())["tokens"] == tokens
     shutil.copy(reference / MANIFEST, out / MANIFEST)
-    _edit_manifest(out, lambda m: m["hooks"]["blocks.1.attn.hook_z"].__setitem__("dtype", "float16"))
+    _edit_manifest(
+        out, lambda m: m["hooks"]["blocks.1.attn.hook_z"].__setitem__("dtype", "float16")
+    )
     with pytest.raises(UserError, match=r"hooks.*blocks\.1\.attn\.hook_z.*float16.*identity"):
         CaptureStore(out, verify=False)
 
@@ -336,8 +388,16 @@ def test_a_shard_without_a_record_in_its_header_is_refused(tmp_path: Path) -> No
     from tl_core.capture._shards import HEADER_KEY, ShardRecord, check_shard, file_sha256
 
     path = tmp_path / "shard-000000.safetensors"
-    header = {"format": "tl-capture", "fingerprint": "f" * 8, "shard": "0"}  # as written before records
-    save_file({"tokens": torch.zeros(3, dtype=torch.int32)}, str(path), metadata={HEADER_KEY: json.dumps(header)})
+    header = {
+        "format": "tl-capture",
+        "fingerprint": "f" * 8,
+        "shard": "0",
+    }  # as written before records
+    save_file(
+        {"tokens": torch.zeros(3, dtype=torch.int32)},
+        str(path),
+        metadata={HEADER_KEY: json.dumps(header)},
+    )
     record = ShardRecord(index=0, file=path.name, rows=3, first_context=0, contexts=1, first_document=0,
                          last_document=0, tokens=3, bytes=path.stat().st_size, sha256=file_sha256(path))  # fmt: skip
     with pytest.raises(UserError, match=r"shard 0 .* header records no first_context.*--repair"):

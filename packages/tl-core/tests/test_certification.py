@@ -52,7 +52,11 @@ def test_compare_allows_rtol_of_the_larger_of_1_and_the_reference(
 def test_compare_refuses_a_shape_mismatch_a_missing_side_and_non_finite_values() -> None:
     a = torch.zeros(2, 3)
     shape = compare("x == y", ["x"], a, torch.zeros(3, 2), rtol=1e-4)
-    assert not shape.passed and math.isinf(shape.error) and shape.detail == "shapes differ: (2, 3) vs (3, 2)"
+    assert (
+        not shape.passed
+        and math.isinf(shape.error)
+        and shape.detail == "shapes differ: (2, 3) vs (3, 2)"
+    )
     for got, want in ((None, a), (a, None), (None, None)):
         missing = compare("x == y", ["x"], got, want, rtol=1e-4)
         assert not missing.passed and math.isinf(missing.error)
@@ -62,7 +66,11 @@ def test_compare_refuses_a_shape_mismatch_a_missing_side_and_non_finite_values()
         b[1, 2] = bad
         for got, want in ((b, a), (a, b)):
             check = compare("x == y", ["x"], got, want, rtol=1e-4)
-            assert not check.passed and math.isinf(check.error) and check.detail == "a side is not finite"
+            assert (
+                not check.passed
+                and math.isinf(check.error)
+                and check.detail == "a side is not finite"
+            )
     # NaN in both sides at the same place is not "equal".
     nan = torch.full((2,), math.nan)
     assert not compare("x == y", ["x"], nan, nan.clone(), rtol=1e-4).passed
@@ -96,7 +104,9 @@ def test_check_line() -> None:
 D_MODEL, N_HEADS, N_KV, D_HEAD, D_MLP = 8, 4, 2, 3, 6
 
 
-def _info(form: Form, n_layers: int, norm: Literal["LN", "RMS"], gated: bool, rotary: bool) -> ModelInfo:
+def _info(
+    form: Form, n_layers: int, norm: Literal["LN", "RMS"], gated: bool, rotary: bool
+) -> ModelInfo:
     return ModelInfo(
         n_layers=n_layers, d_model=D_MODEL, n_heads=N_HEADS, d_head=D_HEAD, d_mlp=D_MLP, d_vocab=11,
         n_ctx=16, n_key_value_heads=N_KV, normalization_type=norm,
@@ -106,12 +116,21 @@ def _info(form: Form, n_layers: int, norm: Literal["LN", "RMS"], gated: bool, ro
     )  # fmt: skip
 
 
-def _norm(cache: dict[str, torch.Tensor], prefix: str, x: torch.Tensor, norm: str, gen: torch.Generator) -> torch.Tensor:
+def _norm(
+    cache: dict[str, torch.Tensor], prefix: str, x: torch.Tensor, norm: str, gen: torch.Generator
+) -> torch.Tensor:
     centred = x - x.mean(-1, keepdim=True) if norm == "LN" else x
     scale = (centred.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
     normalized = centred / scale
     out = normalized * (1 + 0.1 * torch.randn(x.shape[-1], generator=gen, dtype=x.dtype))
-    cache.update({f"{prefix}.hook_in": x, f"{prefix}.hook_scale": scale, f"{prefix}.hook_normalized": normalized, f"{prefix}.hook_out": out})
+    cache.update(
+        {
+            f"{prefix}.hook_in": x,
+            f"{prefix}.hook_scale": scale,
+            f"{prefix}.hook_normalized": normalized,
+            f"{prefix}.hook_out": out,
+        }
+    )
     return out
 
 
@@ -138,7 +157,11 @@ def synthetic(
         cache[b + "hook_in"] = resid
         attn_in = _norm(cache, b + "ln1", resid, norm, gen)
         cache[b + "attn.hook_in"] = attn_in
-        q, k, v = rand(1, pos, N_HEADS, D_HEAD), rand(1, pos, N_KV, D_HEAD), rand(1, pos, N_KV, D_HEAD)
+        q, k, v = (
+            rand(1, pos, N_HEADS, D_HEAD),
+            rand(1, pos, N_KV, D_HEAD),
+            rand(1, pos, N_KV, D_HEAD),
+        )
         rep = N_HEADS // N_KV
         dots = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(rep, dim=2)) * scale
         scores = softcap * torch.tanh(dots / softcap) if softcap else dots
@@ -146,7 +169,11 @@ def synthetic(
         pattern = torch.softmax(scores, dim=-1)
         z = torch.einsum("bhqk,bkhd->bqhd", pattern, v.repeat_interleave(rep, dim=2))
         attn_out = torch.einsum("bqhd,hde->bqe", z, W_O[i]) + b_O[i]
-        qn, kn = ("hook_rot_q", "hook_rot_k") if info.positional_embedding_type == "rotary" else ("hook_q", "hook_k")
+        qn, kn = (
+            ("hook_rot_q", "hook_rot_k")
+            if info.positional_embedding_type == "rotary"
+            else ("hook_q", "hook_k")
+        )
         cache.update({
             b + f"attn.{qn}": q, b + f"attn.{kn}": k, b + "attn.hook_v": v, b + "attn.hook_attn_scores": scores,
             b + "attn.hook_pattern": pattern, b + "attn.hook_z": z, b + "attn.hook_out": attn_out,
@@ -164,7 +191,14 @@ def synthetic(
             cache[b + "mlp.hook_pre_linear"] = lin = rand(1, pos, D_MLP)
             post = post * lin
         mlp_out = rand(1, pos, D_MODEL)
-        cache.update({b + "mlp.hook_in": mlp_in, b + "mlp.hook_pre": pre, b + "mlp.hook_post": post, b + "mlp.hook_out": mlp_out})
+        cache.update(
+            {
+                b + "mlp.hook_in": mlp_in,
+                b + "mlp.hook_pre": pre,
+                b + "mlp.hook_post": post,
+                b + "mlp.hook_out": mlp_out,
+            }
+        )
         if info.sandwich_norm:
             mlp_out = _norm(cache, b + "ln2_post", mlp_out, norm, gen)
         resid = (resid + attn_out + mlp_out) if info.parallel_attn_mlp else (mid + mlp_out)
@@ -172,20 +206,34 @@ def synthetic(
     _norm(cache, "ln_final", resid, norm, gen)
     logits = rand(1, pos, 11)
     hidden = [cache[f"blocks.{i}.hook_in"] for i in range(n)] + [cache["ln_final.hook_out"]]
-    extras = {"hidden_states": hidden, "logits": logits, "reference_logits": logits.clone(), "W_O": W_O, "b_O": b_O, "attn_softcap": softcap}
+    extras = {
+        "hidden_states": hidden,
+        "logits": logits,
+        "reference_logits": logits.clone(),
+        "W_O": W_O,
+        "b_O": b_O,
+        "attn_softcap": softcap,
+    }
     # Captures are float32, as a driver's are.
     return {k: v.float() for k, v in cache.items()}, extras
 
 
 forms = st.sampled_from(["sequential", "parallel", "sandwich"])
 infos = st.builds(
-    _info, form=forms, n_layers=st.integers(1, 3), norm=st.sampled_from(["LN", "RMS"]), gated=st.booleans(), rotary=st.booleans()
+    _info,
+    form=forms,
+    n_layers=st.integers(1, 3),
+    norm=st.sampled_from(["LN", "RMS"]),
+    gated=st.booleans(),
+    rotary=st.booleans(),
 )
 
 
 @SETTINGS
 @given(info=infos, seed=st.integers(0, 2**16), softcap=st.sampled_from([None, 5.0]))
-def test_a_capture_that_satisfies_its_form_passes_every_equation(info: ModelInfo, seed: int, softcap: float | None) -> None:
+def test_a_capture_that_satisfies_its_form_passes_every_equation(
+    info: ModelInfo, seed: int, softcap: float | None
+) -> None:
     cache, extras = synthetic(info, seed=seed, softcap=softcap)
     checks = equation_checks(cache, info, **extras)
     assert [c.line() for c in checks if not c.passed] == []
@@ -197,21 +245,33 @@ def test_a_capture_that_satisfies_its_form_passes_every_equation(info: ModelInfo
     attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
     mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
     if info.parallel_attn_mlp:
-        assert f"blocks.0.hook_out == blocks.0.hook_in + blocks.0.{attn_out} + blocks.0.{mlp_out}" in equations
-        assert not any(e.startswith("blocks.0.ln2.hook_in == blocks.0.hook_in +") for e in equations)
+        assert (
+            f"blocks.0.hook_out == blocks.0.hook_in + blocks.0.{attn_out} + blocks.0.{mlp_out}"
+            in equations
+        )
+        assert not any(
+            e.startswith("blocks.0.ln2.hook_in == blocks.0.hook_in +") for e in equations
+        )
     else:
         assert f"blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.{attn_out}" in equations
         assert f"blocks.0.hook_out == blocks.0.ln2.hook_in + blocks.0.{mlp_out}" in equations
-    assert ("blocks.0.attn.hook_out == blocks.0.ln1_post.hook_in" in equations) is info.sandwich_norm
+    assert (
+        "blocks.0.attn.hook_out == blocks.0.ln1_post.hook_in" in equations
+    ) is info.sandwich_norm
     assert "blocks.0.attn.hook_out == blocks.0.attn.hook_z @ W_O + b_O" in equations
     gated = "blocks.0.mlp.hook_post == act(blocks.0.mlp.hook_pre) * blocks.0.mlp.hook_pre_linear"
     assert (gated in equations) is info.gated_mlp
     what = "hook_in - mean" if info.normalization_type == "LN" else "hook_in"
-    assert f"blocks.0.ln1.hook_normalized * blocks.0.ln1.hook_scale == blocks.0.ln1.{what}" in equations
+    assert (
+        f"blocks.0.ln1.hook_normalized * blocks.0.ln1.hook_scale == blocks.0.ln1.{what}"
+        in equations
+    )
 
 
 def _sublayer_outputs(info: ModelInfo) -> list[str]:
-    return ["attn.hook_out", "mlp.hook_out"] + (["ln1_post.hook_out", "ln2_post.hook_out"] if info.sandwich_norm else [])
+    return ["attn.hook_out", "mlp.hook_out"] + (
+        ["ln1_post.hook_out", "ln2_post.hook_out"] if info.sandwich_norm else []
+    )
 
 
 @SETTINGS
@@ -236,7 +296,11 @@ def test_perturbing_one_sublayer_output_fails_exactly_the_equations_naming_it(
 def test_a_hook_that_never_fired_fails_the_equations_that_need_it() -> None:
     info = _info("sequential", 2, "RMS", True, True)
     cache, extras = synthetic(info, seed=0)
-    del cache["blocks.1.attn.hook_z"], cache["blocks.0.mlp.hook_pre_linear"], cache["blocks.0.hook_out"]
+    del (
+        cache["blocks.1.attn.hook_z"],
+        cache["blocks.0.mlp.hook_pre_linear"],
+        cache["blocks.0.hook_out"],
+    )
     failed = {c.equation: c for c in equation_checks(cache, info, **extras) if not c.passed}
     assert set(failed) == {
         "blocks.1.attn.hook_z == blocks.1.attn.hook_pattern @ blocks.1.attn.hook_v",
@@ -261,11 +325,15 @@ def test_a_mixer_block_adds_its_mixer_output_and_reads_its_norm() -> None:
         if i == 0:
             cache["blocks.1.hook_in"] = cache[b + "hook_out"]
     checks = equation_checks(cache, info, rtol=1e-5)
-    assert "blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out" in {c.equation for c in checks}
+    assert "blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out" in {
+        c.equation for c in checks
+    }
     assert all(c.passed for c in checks), [c.line() for c in checks if not c.passed]
     cache["blocks.1.mixer.hook_out"] = cache["blocks.1.mixer.hook_out"] * 1.01
     failed = [c for c in equation_checks(cache, info, rtol=1e-5) if not c.passed]
-    assert [c.equation for c in failed] == ["blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out"]
+    assert [c.equation for c in failed] == [
+        "blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out"
+    ]
     assert failed[0].hooks == ("blocks.1.mixer.hook_out",)
 
 
@@ -275,15 +343,22 @@ def test_hidden_states_may_be_block_inputs_or_block_outputs_but_nothing_else() -
     inputs = extras["hidden_states"]  # [in 0, in 1, in 2, final norm's output]
     # Block inputs (transformers' usual convention): vouch for blocks.i.hook_in.
     passed = [c for c in equation_checks(cache, info, **extras) if "hidden_states" in c.equation]
-    assert [(c.equation, c.passed) for c in passed] == [(f"blocks.{i}.hook_in == the engine's hidden_states[{i}]", True) for i in range(3)]
+    assert [(c.equation, c.passed) for c in passed] == [
+        (f"blocks.{i}.hook_in == the engine's hidden_states[{i}]", True) for i in range(3)
+    ]
     # Block outputs (Mamba's): vouch for blocks.i.hook_out instead.
     outputs = equation_checks(cache, info, **{**extras, "hidden_states": inputs[1:]})
     assert [(c.equation, c.passed) for c in outputs if "hidden_states" in c.equation] == [
-        (f"blocks.{i}.hook_out == the engine's hidden_states[{i}] (it reports block outputs)", True) for i in range(2)
+        (f"blocks.{i}.hook_out == the engine's hidden_states[{i}] (it reports block outputs)", True)
+        for i in range(2)
     ]
     # Neither (a residual stream off by two blocks, or not this model's): the block-input
     # equations fail, and the logits reference catches a wrong run.
-    wrong = {**extras, "hidden_states": [*inputs[2:], inputs[0], inputs[0]], "reference_logits": extras["logits"] + 1.0}
+    wrong = {
+        **extras,
+        "hidden_states": [*inputs[2:], inputs[0], inputs[0]],
+        "reference_logits": extras["logits"] + 1.0,
+    }
     failed = [c.equation for c in equation_checks(cache, info, **wrong) if not c.passed]
     assert failed == [
         "logits == the engine's own logits",
@@ -303,7 +378,9 @@ def test_attention_equations_see_heads_mixed_up() -> None:
     failed = [c.equation for c in equation_checks(cache, info, **extras) if not c.passed]
     assert len(failed) == 2
     assert failed[0] == "blocks.0.attn.hook_z == blocks.0.attn.hook_pattern @ blocks.0.attn.hook_v"
-    assert failed[1].startswith("blocks.0.attn.hook_attn_scores == blocks.0.attn.hook_rot_q . blocks.0.attn.hook_rot_k * scale")
+    assert failed[1].startswith(
+        "blocks.0.attn.hook_attn_scores == blocks.0.attn.hook_rot_q . blocks.0.attn.hook_rot_k * scale"
+    )
 
 
 def test_a_pattern_that_is_not_a_distribution_fails() -> None:
@@ -321,17 +398,30 @@ def test_equation_checks_skip_what_the_capture_does_not_cover() -> None:
     # No references, no W_O, no attention or MLP sites: only the chain and block equations,
     # which fail because the other side never fired.
     assert all(not c.passed for c in checks)
-    assert not any("attn.hook_z" in c.equation or "hidden_states" in c.equation or c.equation.startswith("logits") for c in checks)
+    assert not any(
+        "attn.hook_z" in c.equation
+        or "hidden_states" in c.equation
+        or c.equation.startswith("logits")
+        for c in checks
+    )
 
 
 # -- statuses_from_checks -----------------------------------------------------------------
 
 
-def _check(equation: str, hooks: tuple[str, ...], passed: bool, detail: str = "") -> CertificationCheck:
+def _check(
+    equation: str, hooks: tuple[str, ...], passed: bool, detail: str = ""
+) -> CertificationCheck:
     return CertificationCheck(equation, hooks, passed, 0.0 if passed else 1.0, 1e-4, detail)
 
 
-NAMES = ["embed.hook_out", "blocks.0.hook_in", "blocks.0.attn.hook_out", "blocks.0.mlp.hook_pre", "unembed.hook_out"]
+NAMES = [
+    "embed.hook_out",
+    "blocks.0.hook_in",
+    "blocks.0.attn.hook_out",
+    "blocks.0.mlp.hook_pre",
+    "unembed.hook_out",
+]
 
 
 @pytest.mark.parametrize("described", [True, False])
@@ -342,9 +432,13 @@ def test_statuses_default_by_whether_the_family_is_described(described: bool) ->
     assert statuses["blocks.0.hook_in"] == HookCertificate("real", "checked by an equation")
     unchecked = statuses["blocks.0.attn.hook_out"]
     if described:
-        assert unchecked == HookCertificate("real", "described by hand; checked by the family's parity test")
+        assert unchecked == HookCertificate(
+            "real", "described by hand; checked by the family's parity test"
+        )
     else:
-        assert unchecked == HookCertificate("uncertified", "no equation checks it on an inferred architecture")
+        assert unchecked == HookCertificate(
+            "uncertified", "no equation checks it on an inferred architecture"
+        )
 
 
 def test_a_failed_check_wins_over_passed_ones_and_absent_wins_over_both() -> None:
@@ -358,12 +452,24 @@ def test_a_failed_check_wins_over_passed_ones_and_absent_wins_over_both() -> Non
         NAMES, checks, described=True, absent={"blocks.0.mlp.hook_pre": "a mixture of experts"},
         read_only={"embed.hook_out": "fused kernel"},
     )  # fmt: skip
-    assert statuses["blocks.0.attn.hook_out"] == HookCertificate("uncertified", "failed: first failure (it never fired)")
+    assert statuses["blocks.0.attn.hook_out"] == HookCertificate(
+        "uncertified", "failed: first failure (it never fired)"
+    )
     assert statuses["unembed.hook_out"] == HookCertificate("uncertified", "failed: second failure")
-    assert statuses["blocks.0.mlp.hook_pre"] == HookCertificate("structurally_absent", "a mixture of experts")
+    assert statuses["blocks.0.mlp.hook_pre"] == HookCertificate(
+        "structurally_absent", "a mixture of experts"
+    )
     # read_only notes a hook only once an equation passed for it.
-    assert statuses["embed.hook_out"].reason == "described by hand; checked by the family's parity test"
-    with_note = statuses_from_checks(["embed.hook_out"], [_check("e", ("embed.hook_out",), True)], described=False, read_only={"embed.hook_out": "fused kernel"})
+    assert (
+        statuses["embed.hook_out"].reason
+        == "described by hand; checked by the family's parity test"
+    )
+    with_note = statuses_from_checks(
+        ["embed.hook_out"],
+        [_check("e", ("embed.hook_out",), True)],
+        described=False,
+        read_only={"embed.hook_out": "fused kernel"},
+    )
     assert with_note["embed.hook_out"] == HookCertificate("real", "read-only: fused kernel")
 
 
@@ -373,11 +479,20 @@ def test_strict_statuses_withdraw_what_only_tainted_equations_vouch_for() -> Non
     # and the block output (vouched for by the residual chain too) stays.
     b = "blocks.0."
     checks = [
-        _check("block", (b + "hook_in", b + "attn.hook_out", b + "mlp.hook_out", b + "hook_out"), True),
+        _check(
+            "block", (b + "hook_in", b + "attn.hook_out", b + "mlp.hook_out", b + "hook_out"), True
+        ),
         _check("mid", (b + "hook_in", b + "attn.hook_out", b + "ln2.hook_in"), False),
         _check("chain", (b + "hook_out", "blocks.1.hook_in"), True),
     ]
-    names = [b + "hook_in", b + "attn.hook_out", b + "ln2.hook_in", b + "mlp.hook_out", b + "hook_out", "blocks.1.hook_in"]
+    names = [
+        b + "hook_in",
+        b + "attn.hook_out",
+        b + "ln2.hook_in",
+        b + "mlp.hook_out",
+        b + "hook_out",
+        "blocks.1.hook_in",
+    ]
     loose = statuses_from_checks(names, checks, described=True)
     assert loose[b + "mlp.hook_out"].status == "real"
     strict = statuses_from_checks(names, checks, described=True, strict=True)
@@ -388,8 +503,13 @@ def test_strict_statuses_withdraw_what_only_tainted_equations_vouch_for() -> Non
 
 
 @SETTINGS
-@given(verdicts=st.lists(st.tuples(st.sampled_from(NAMES), st.booleans()), max_size=12), described=st.booleans())
-def test_a_hook_is_served_only_when_no_check_covering_it_failed(verdicts: list[tuple[str, bool]], described: bool) -> None:
+@given(
+    verdicts=st.lists(st.tuples(st.sampled_from(NAMES), st.booleans()), max_size=12),
+    described=st.booleans(),
+)
+def test_a_hook_is_served_only_when_no_check_covering_it_failed(
+    verdicts: list[tuple[str, bool]], described: bool
+) -> None:
     checks = [_check(f"eq{i}", (name,), passed) for i, (name, passed) in enumerate(verdicts)]
     statuses = statuses_from_checks(NAMES, checks, described=described)
     for name in NAMES:
@@ -397,7 +517,9 @@ def test_a_hook_is_served_only_when_no_check_covering_it_failed(verdicts: list[t
         served = statuses[name].status == "real"
         assert served is (all(mine) and (bool(mine) or described))
         if not all(mine):
-            first = next(i for i, (hook, passed) in enumerate(verdicts) if hook == name and not passed)
+            first = next(
+                i for i, (hook, passed) in enumerate(verdicts) if hook == name and not passed
+            )
             assert statuses[name].reason == f"failed: eq{first}"
 
 
@@ -407,11 +529,27 @@ def test_a_hook_is_served_only_when_no_check_covering_it_failed(verdicts: list[t
 def _report(inferred: bool) -> Certification:
     checks = (
         _check("blocks.0.hook_in == the engine's hidden_states[0]", ("blocks.0.hook_in",), True),
-        _check("blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out", ("blocks.0.attn.hook_out",), False),
-        _check("blocks.1.ln2.hook_in == blocks.1.hook_in + blocks.1.attn.hook_out", ("blocks.1.attn.hook_out",), False),
+        _check(
+            "blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out",
+            ("blocks.0.attn.hook_out",),
+            False,
+        ),
+        _check(
+            "blocks.1.ln2.hook_in == blocks.1.hook_in + blocks.1.attn.hook_out",
+            ("blocks.1.attn.hook_out",),
+            False,
+        ),
     )
-    names = ["blocks.0.hook_in", "blocks.1.hook_in", "blocks.0.attn.hook_out", "blocks.1.attn.hook_out", "blocks.0.mlp.hook_pre"]
-    statuses = statuses_from_checks(names, checks, described=not inferred, absent={"blocks.0.mlp.hook_pre": "experts"})
+    names = [
+        "blocks.0.hook_in",
+        "blocks.1.hook_in",
+        "blocks.0.attn.hook_out",
+        "blocks.1.attn.hook_out",
+        "blocks.0.mlp.hook_pre",
+    ]
+    statuses = statuses_from_checks(
+        names, checks, described=not inferred, absent={"blocks.0.mlp.hook_pre": "experts"}
+    )
     return Certification(
         model="tiny", driver="hf", family="inferred" if inferred else "llama", inferred=inferred, level="residual",
         description={"layers": "model.layers (2 x Layer)"}, checks=checks, statuses=statuses,
@@ -429,16 +567,26 @@ def test_the_report_names_failed_checks_and_statuses(inferred: bool) -> None:
     assert lines[1] == f"architecture: {how}; served at level 'residual'"
     assert "  layers: model.layers (2 x Layer)" in lines
     assert "checks: 1 of 3 passed" in lines
-    assert "  FAIL blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out  [err 1.00e+00 <= 1.00e-04]" in lines
-    assert not any(line.strip().startswith("ok") for line in lines), "passed checks only with verbose"
+    assert (
+        "  FAIL blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out  [err 1.00e+00 <= 1.00e-04]"
+        in lines
+    )
+    assert not any(line.strip().startswith("ok") for line in lines), (
+        "passed checks only with verbose"
+    )
     assert f"  uncertified: {3 if inferred else 2}" in lines
     # Templates, with the reason of the template's first name (in forward order).
-    assert "    blocks.{i}.attn.hook_out  (failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out)" in lines
+    assert (
+        "    blocks.{i}.attn.hook_out  (failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out)"
+        in lines
+    )
     assert "  structurally_absent: 1" in lines and "    blocks.{i}.mlp.hook_pre  (experts)" in lines
     assert f"  real: {1 if inferred else 2}" in lines and "    blocks.{i}.hook_in" in lines
     assert "  derived" not in text, "empty statuses are left out"
     if inferred:
-        assert "    blocks.{i}.hook_in  (no equation checks it on an inferred architecture)" in lines
+        assert (
+            "    blocks.{i}.hook_in  (no equation checks it on an inferred architecture)" in lines
+        )
         assert report.served == ("blocks.0.hook_in",)
     else:
         assert report.served == ("blocks.0.hook_in", "blocks.1.hook_in")
@@ -447,22 +595,40 @@ def test_the_report_names_failed_checks_and_statuses(inferred: bool) -> None:
 def test_the_verbose_report_lists_every_check_and_name() -> None:
     report = _report(inferred=False)
     lines = report.format(verbose=True).splitlines()
-    assert "  ok   blocks.0.hook_in == the engine's hidden_states[0]  [err 0.00e+00 <= 1.00e-04]" in lines
-    assert "    blocks.0.attn.hook_out  (failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out)" in lines
-    assert "    blocks.1.attn.hook_out  (failed: blocks.1.ln2.hook_in == blocks.1.hook_in + blocks.1.attn.hook_out)" in lines
+    assert (
+        "  ok   blocks.0.hook_in == the engine's hidden_states[0]  [err 0.00e+00 <= 1.00e-04]"
+        in lines
+    )
+    assert (
+        "    blocks.0.attn.hook_out  (failed: blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out)"
+        in lines
+    )
+    assert (
+        "    blocks.1.attn.hook_out  (failed: blocks.1.ln2.hook_in == blocks.1.hook_in + blocks.1.attn.hook_out)"
+        in lines
+    )
 
 
 def test_report_groups() -> None:
     report = _report(inferred=True)
     groups = report.by_status()
     assert tuple(groups) == CERTIFIED_STATUSES
-    assert groups["uncertified"] == ["blocks.1.hook_in", "blocks.0.attn.hook_out", "blocks.1.attn.hook_out"]
+    assert groups["uncertified"] == [
+        "blocks.1.hook_in",
+        "blocks.0.attn.hook_out",
+        "blocks.1.attn.hook_out",
+    ]
     assert groups["derived"] == [] and groups["reconstructed_read_only"] == []
     assert [c.equation for c in report.failed] == [c.equation for c in report.checks[1:]]
 
 
 def _rotation_checks(
-    rq: torch.Tensor, rk: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None
+    rq: torch.Tensor,
+    rk: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
 ) -> list[CertificationCheck]:
     info = _info("sequential", 1, "RMS", True, True)
     a = "blocks.0.attn."
@@ -470,7 +636,11 @@ def _rotation_checks(
     if cos is not None and sin is not None:  # a driver that serves the rotary table
         cache.update({a + "hook_cos": cos, a + "hook_sin": sin})
     cache[a + "hook_v"] = torch.zeros_like(k)  # attention's checks run where its sites fired
-    return [c for c in equation_checks(cache, info) if "rotated by" in c.equation or "rotation keeps" in c.equation]
+    return [
+        c
+        for c in equation_checks(cache, info)
+        if "rotated by" in c.equation or "rotation keeps" in c.equation
+    ]
 
 
 def test_a_table_with_one_entry_per_rotated_pair_certifies_on_halves() -> None:
@@ -479,7 +649,10 @@ def test_a_table_with_one_entry_per_rotated_pair_certifies_on_halves() -> None:
     wrong way."""
     gen = torch.Generator().manual_seed(5)
     d_head = 8
-    q, k = torch.randn(1, 3, N_HEADS, d_head, generator=gen), torch.randn(1, 3, N_KV, d_head, generator=gen)
+    q, k = (
+        torch.randn(1, 3, N_HEADS, d_head, generator=gen),
+        torch.randn(1, 3, N_KV, d_head, generator=gen),
+    )
     angles = torch.rand(1, 3, d_head // 2, generator=gen) * 3
     cos, sin = angles.cos() * 1.3, angles.sin() * 1.3  # YaRN scales the table
 
@@ -496,11 +669,19 @@ def test_a_table_with_one_entry_per_rotated_pair_certifies_on_halves() -> None:
 
 
 def test_the_mlp_output_is_the_routed_experts_plus_the_gated_shared_expert() -> None:
-    info = dataclasses.replace(_info("sequential", 1, "RMS", True, True), n_experts=4, experts_per_token=2, d_shared_expert=6)
+    info = dataclasses.replace(
+        _info("sequential", 1, "RMS", True, True),
+        n_experts=4,
+        experts_per_token=2,
+        d_shared_expert=6,
+    )
     gen = torch.Generator().manual_seed(9)
     m = "blocks.0.mlp."
     pre, lin = torch.randn(1, 3, 6, generator=gen), torch.randn(1, 3, 6, generator=gen)
-    routed, shared = torch.randn(1, 3, D_MODEL, generator=gen), torch.randn(1, 3, D_MODEL, generator=gen)
+    routed, shared = (
+        torch.randn(1, 3, D_MODEL, generator=gen),
+        torch.randn(1, 3, D_MODEL, generator=gen),
+    )
     gate = torch.randn(1, 3, 1, generator=gen)
     cache = {
         m + "shared_expert.hook_pre": pre,
@@ -529,7 +710,10 @@ def test_without_a_served_table_a_rotation_scaled_by_one_factor_keeps_lengths_up
     One factor for every head and position passes; a factor per head does not."""
     gen = torch.Generator().manual_seed(6)
     d_head = 8
-    q, k = torch.randn(1, 4, N_HEADS, d_head, generator=gen), torch.randn(1, 4, N_KV, d_head, generator=gen)
+    q, k = (
+        torch.randn(1, 4, N_HEADS, d_head, generator=gen),
+        torch.randn(1, 4, N_KV, d_head, generator=gen),
+    )
     angles = torch.rand(1, 4, d_head // 2, generator=gen) * 3
     cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
 

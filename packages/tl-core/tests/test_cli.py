@@ -63,7 +63,9 @@ def test_native_demo_runs_end_to_end(capsys: pytest.CaptureFixture[str]) -> None
     assert "is zero: True" in out
 
 
-def test_demo_without_the_model_says_what_to_install(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_without_the_model_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import dataclasses
 
     import tl_core.models
@@ -85,7 +87,9 @@ def test_demo_options_of_the_other_mode_are_refused(capsys: pytest.CaptureFixtur
 
 
 def test_console_script_is_installed() -> None:
-    result = subprocess.run([sys.executable, "-m", "tl_core.cli", "--version"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "tl_core.cli", "--version"], capture_output=True, text=True
+    )
     assert result.returncode == 0 and "tl-core" in result.stdout
 
 
@@ -155,7 +159,9 @@ def test_ctrl_c_prints_one_line_and_exits_130(
     def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         sub.add_parser("wait").set_defaults(run=interrupted)
 
-    monkeypatch.setattr(tl_core.cli, "plugin_entry_points", lambda: [_FakeEntryPoint("wait", register)])
+    monkeypatch.setattr(
+        tl_core.cli, "plugin_entry_points", lambda: [_FakeEntryPoint("wait", register)]
+    )
     assert main(["wait"]) == 130
     captured = capsys.readouterr()
     assert captured.err == "tl: interrupted\n" and captured.out == ""
@@ -189,12 +195,20 @@ def test_default_driver_follows_one_rule(tmp_path: Path, monkeypatch: pytest.Mon
     assert default_driver("org/name") == "hf"
     assert default_driver("gpt2") == "native"
     assert default_driver("llama") == "native"
-    with pytest.raises(UserError, match=r"'distilgpt2' is no folder, .gguf file, 'org/name' hub id or native preset \('gpt2', 'llama'\).*add --driver hf"):
+    with pytest.raises(
+        UserError,
+        match=r"'distilgpt2' is no folder, .gguf file, 'org/name' hub id or native preset \('gpt2', 'llama'\).*add --driver hf",
+    ):
         default_driver("distilgpt2")
 
 
 @pytest.mark.parametrize("command", ["hooks", "resolve"])
-def test_a_folder_without_driver_boots_hf(command: str, tmp_path: Path, booted: list[tuple[object, str]], capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_folder_without_driver_boots_hf(
+    command: str,
+    tmp_path: Path,
+    booted: list[tuple[object, str]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     names = ["hook_embed"] if command == "resolve" else []
     assert main([command, *names, "--model", str(tmp_path)]) == 1
     assert booted == [(str(tmp_path), "hf")]
@@ -209,11 +223,31 @@ def test_a_folder_without_driver_boots_hf(command: str, tmp_path: Path, booted: 
 @pytest.mark.parametrize(
     ("model", "driver", "match"),
     [
-        ("{tmp}/missing/model", None, "--model='{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'"),
-        ("./missing", None, "--model='./missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("~/missing", "hf", "--model='~/missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("./missing.gguf", None, "--model='./missing.gguf' is a path, but file '{tmp}/missing.gguf' does not exist"),
-        ("{tmp}/config.json", None, "--model='{tmp}/config.json' is a file, but a model loads from .*: pass the folder that holds it, '{tmp}'"),
+        (
+            "{tmp}/missing/model",
+            None,
+            "--model='{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'",
+        ),
+        (
+            "./missing",
+            None,
+            "--model='./missing' is a path, but folder '{tmp}/missing' does not exist",
+        ),
+        (
+            "~/missing",
+            "hf",
+            "--model='~/missing' is a path, but folder '{tmp}/missing' does not exist",
+        ),
+        (
+            "./missing.gguf",
+            None,
+            "--model='./missing.gguf' is a path, but file '{tmp}/missing.gguf' does not exist",
+        ),
+        (
+            "{tmp}/config.json",
+            None,
+            "--model='{tmp}/config.json' is a file, but a model loads from .*: pass the folder that holds it, '{tmp}'",
+        ),
         ("distilgpt2", None, "no folder, .gguf file, 'org/name' hub id or native preset"),
     ],
 )

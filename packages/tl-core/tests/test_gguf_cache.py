@@ -70,7 +70,9 @@ class StandInModel(nn.Module):
         return cls(config, dtype)
 
     def save_pretrained(self, out: str) -> None:
-        save_file({"weight": self.weight.detach().contiguous()}, str(Path(out) / "model.safetensors"))
+        save_file(
+            {"weight": self.weight.detach().contiguous()}, str(Path(out) / "model.safetensors")
+        )
         if self.fail_after_write:
             raise RuntimeError("disk full (simulated)")
         (Path(out) / "config.json").write_text(self.config.to_json())
@@ -92,8 +94,12 @@ def _gguf(path: Path, payload: bytes = b"\x01\x02\x03\x04") -> Path:
 
 def _convert(path: Path, cache: Path, dtype: torch.dtype = torch.float32) -> Path:
     return dequantized_gguf(
-        path, dtype=dtype, auto_model=StandInModel, auto_tokenizer=StandInTokenizer,
-        reason="testing", cache_dir=cache,
+        path,
+        dtype=dtype,
+        auto_model=StandInModel,
+        auto_tokenizer=StandInTokenizer,
+        reason="testing",
+        cache_dir=cache,
     )
 
 
@@ -103,21 +109,30 @@ def _reset() -> None:
     StandInModel.fail_after_write = False
 
 
-def test_converts_once_then_reuses_the_folder(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_converts_once_then_reuses_the_folder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     source = _gguf(tmp_path / "m.gguf")
     with caplog.at_level(logging.INFO, logger="tl_core.gguf"):
         folder = _convert(source, tmp_path / "cache")
     assert StandInModel.loads == 1
     warning = next(r for r in caplog.records if r.levelno == logging.WARNING)
-    assert "m.gguf: testing, so it is dequantised once to float32 safetensors in" in warning.getMessage()
+    assert (
+        "m.gguf: testing, so it is dequantised once to float32 safetensors in"
+        in warning.getMessage()
+    )
     assert str(folder) in warning.getMessage() and CACHE_ENV in warning.getMessage()
     record = json.loads((folder / GGUF_RECORD).read_text())
     assert record["sha256"] == file_sha256(source) and record["dtype"] == "float32"
     assert set(record["files"]) == {"model.safetensors", "config.json", "tokenizer.json"}
-    assert torch.equal(load_file(folder / "model.safetensors")["weight"], torch.tensor([1.0, 2, 3, 4]) / 7)
+    assert torch.equal(
+        load_file(folder / "model.safetensors")["weight"], torch.tensor([1.0, 2, 3, 4]) / 7
+    )
     assert _convert(source, tmp_path / "cache") == folder
     assert StandInModel.loads == 1, "a complete folder must be reused, not converted again"
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name], "no partial folders left"
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name], (
+        "no partial folders left"
+    )
 
 
 def test_the_key_follows_the_content_and_the_dtype(tmp_path: Path) -> None:
@@ -171,7 +186,9 @@ t.dequantized_gguf(Path({source!r}), dtype=torch.float32, auto_model=Slow,
 
 def test_a_killed_conversion_is_not_trusted_and_its_leftovers_go(tmp_path: Path) -> None:
     source, cache = _gguf(tmp_path / "m.gguf"), tmp_path / "cache"
-    code = textwrap.dedent(_KILLED_WRITER).format(tests=str(Path(__file__).parent), source=str(source), cache=str(cache))
+    code = textwrap.dedent(_KILLED_WRITER).format(
+        tests=str(Path(__file__).parent), source=str(source), cache=str(cache)
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "writing"
@@ -182,7 +199,9 @@ def test_a_killed_conversion_is_not_trusted_and_its_leftovers_go(tmp_path: Path)
     assert len(leftovers) == 1 and ".partial-" in leftovers[0], leftovers
     folder = _convert(source, cache)
     assert StandInModel.loads == 1, "the killed writer's half folder must not be used"
-    assert [p.name for p in cache.iterdir()] == [folder.name], "the dead writer's partial folder is removed"
+    assert [p.name for p in cache.iterdir()] == [folder.name], (
+        "the dead writer's partial folder is removed"
+    )
 
 
 def test_two_writers_at_once_both_get_the_finished_folder(tmp_path: Path) -> None:
@@ -197,10 +216,16 @@ def test_two_writers_at_once_both_get_the_finished_folder(tmp_path: Path) -> Non
     results: list[Path] = []
 
     def convert() -> None:
-        results.append(dequantized_gguf(
-            source, dtype=torch.float32, auto_model=Overlapping, auto_tokenizer=StandInTokenizer,
-            reason="testing", cache_dir=cache,
-        ))
+        results.append(
+            dequantized_gguf(
+                source,
+                dtype=torch.float32,
+                auto_model=Overlapping,
+                auto_tokenizer=StandInTokenizer,
+                reason="testing",
+                cache_dir=cache,
+            )
+        )
 
     threads = [threading.Thread(target=convert) for _ in range(2)]
     for thread in threads:
@@ -209,7 +234,9 @@ def test_two_writers_at_once_both_get_the_finished_folder(tmp_path: Path) -> Non
         thread.join(timeout=60)
     assert len(results) == 2 and results[0] == results[1]
     assert Overlapping.loads == 2, "both converted (neither waited for the other)"
-    assert [p.name for p in cache.iterdir()] == [results[0].name], "the loser's partial folder is removed"
+    assert [p.name for p in cache.iterdir()] == [results[0].name], (
+        "the loser's partial folder is removed"
+    )
     assert (results[0] / GGUF_RECORD).is_file()
 
 
@@ -219,7 +246,9 @@ def test_gguf_source_names_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"GGUF file '.*missing.gguf' does not exist"):
         gguf_source(str(tmp_path / "missing.gguf"))
     (tmp_path / "fake.gguf").write_text("{}")
-    with pytest.raises(UserError, match=r"is not a GGUF file: it starts with b'\{\}', a GGUF file with b'GGUF'"):
+    with pytest.raises(
+        UserError, match=r"is not a GGUF file: it starts with b'\{\}', a GGUF file with b'GGUF'"
+    ):
         gguf_source(str(tmp_path / "fake.gguf"))
     source = _gguf(tmp_path / "m.gguf")
     assert gguf_source(str(tmp_path), "m.gguf") == source.resolve()
@@ -231,7 +260,9 @@ def test_gguf_source_names_what_is_wrong(tmp_path: Path) -> None:
         gguf_source(str(tmp_path), "other.gguf")
 
 
-def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_cache_folder_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv(CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert gguf_cache_dir() == tmp_path / "xdg" / "tl" / "gguf"
@@ -245,18 +276,28 @@ def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatc
 def test_an_unwritable_cache_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(UserError, match=rf"cannot create the GGUF cache folder .*; set {CACHE_ENV} to a writable folder"):
+    with pytest.raises(
+        UserError,
+        match=rf"cannot create the GGUF cache folder .*; set {CACHE_ENV} to a writable folder",
+    ):
         _convert(_gguf(tmp_path / "m.gguf"), blocker / "cache")
 
 
 @pytest.mark.parametrize(
     ("absent", "named"),
-    [({"gguf"}, "the 'gguf' package"), ({"gguf", "accelerate"}, "the 'gguf' and 'accelerate' packages")],
+    [
+        ({"gguf"}, "the 'gguf' package"),
+        ({"gguf", "accelerate"}, "the 'gguf' and 'accelerate' packages"),
+    ],
 )
-def test_missing_reader_packages_name_the_extra(monkeypatch: pytest.MonkeyPatch, absent: set[str], named: str) -> None:
+def test_missing_reader_packages_name_the_extra(
+    monkeypatch: pytest.MonkeyPatch, absent: set[str], named: str
+) -> None:
     import importlib.util
 
     # Decide presence for both names, so the result does not depend on what this env installed.
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in absent else object())
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in absent else object()
+    )
     with pytest.raises(UserError, match=rf"needs {named}, .*install with: pip install 'x\[gguf\]'"):
         require_gguf_packages("pip install 'x[gguf]'")

@@ -20,7 +20,9 @@ from tl_core import RemoteBridge, TransformerBridge, UserError
 Bridge = TransformerBridge | RemoteBridge
 
 N_CTX = 16
-_FAKE = Path(__file__).parent / "fixtures" / "tl-fake-driver" / "src" / "tl_fake_driver" / "_driver.py"
+_FAKE = (
+    Path(__file__).parent / "fixtures" / "tl-fake-driver" / "src" / "tl_fake_driver" / "_driver.py"
+)
 
 
 def _remote(config: str) -> RemoteBridge:
@@ -66,24 +68,58 @@ def _methods(bridge: Bridge) -> dict[str, Callable[[Any], Any]]:
 # -- malformed inputs ---------------------------------------------------------------
 
 BAD_INPUTS = [
-    pytest.param(None, r"the input is None; expected a text, a list of texts, or token ids", id="none"),
-    pytest.param(["ok", None], r"prompt 1 is None, but the input is a list of texts", id="none-in-texts"),
+    pytest.param(
+        None, r"the input is None; expected a text, a list of texts, or token ids", id="none"
+    ),
+    pytest.param(
+        ["ok", None], r"prompt 1 is None, but the input is a list of texts", id="none-in-texts"
+    ),
     pytest.param(7, r"the input is int 7.*a single token id goes in a list: \[7\]", id="int"),
     pytest.param(3.5, r"the input is float 3\.5; expected a text", id="float"),
     pytest.param([], r"the input is an empty list", id="empty-list"),
-    pytest.param(["ok", "a\ud800b"], r"prompt 1 holds '\\ud800' at character 1, a lone surrogate", id="surrogate"),
+    pytest.param(
+        ["ok", "a\ud800b"],
+        r"prompt 1 holds '\\ud800' at character 1, a lone surrogate",
+        id="surrogate",
+    ),
     pytest.param("\udfff", r"prompt 0 holds '\\udfff' at character 0", id="surrogate-str"),
     pytest.param([1, 2.0, 3], r"prompt 0, position 1: float 2\.0 is not a token id", id="float-id"),
-    pytest.param([[1, 2], [3, True]], r"prompt 1, position 1: bool True is not a token id", id="bool-id"),
-    pytest.param([[1, 2], [3, None]], r"prompt 1, position 1: None is not a token id", id="none-id"),
-    pytest.param([[1, 2], 3], r"prompt 1 is int 3, not a list of token ids.*\[\[1, 2, 3\], \[4, 5\]\]", id="ragged-row"),
-    pytest.param([[1, 2], "ab"], r"prompt 0 is list \[1, 2\], but the input is a list of texts", id="texts-and-ids"),
+    pytest.param(
+        [[1, 2], [3, True]], r"prompt 1, position 1: bool True is not a token id", id="bool-id"
+    ),
+    pytest.param(
+        [[1, 2], [3, None]], r"prompt 1, position 1: None is not a token id", id="none-id"
+    ),
+    pytest.param(
+        [[1, 2], 3],
+        r"prompt 1 is int 3, not a list of token ids.*\[\[1, 2, 3\], \[4, 5\]\]",
+        id="ragged-row",
+    ),
+    pytest.param(
+        [[1, 2], "ab"],
+        r"prompt 0 is list \[1, 2\], but the input is a list of texts",
+        id="texts-and-ids",
+    ),
     pytest.param([[1, 2], []], r"prompt 1 is an empty list of token ids", id="empty-row"),
-    pytest.param([[1, 2], [3, 259]], r"prompt 1, position 1: token id 259 is outside this model's vocabulary, ids 0 to 258", id="oov"),
-    pytest.param([[1, 2, -1]], r"prompt 0, position 2: token id -1 .*never negative", id="negative"),
-    pytest.param(torch.tensor([[1, 2], [5, 300]]), r"prompt 1, position 1: token id 300", id="oov-tensor"),
-    pytest.param(torch.tensor([[1.0, 2.0]]), r"integer tensor, found dtype torch\.float32", id="float-tensor"),
-    pytest.param(torch.zeros(1, 2, 2, dtype=torch.long), r"\[pos\] or \[batch, pos\] tensor, found shape \(1, 2, 2\)", id="rank-3"),
+    pytest.param(
+        [[1, 2], [3, 259]],
+        r"prompt 1, position 1: token id 259 is outside this model's vocabulary, ids 0 to 258",
+        id="oov",
+    ),
+    pytest.param(
+        [[1, 2, -1]], r"prompt 0, position 2: token id -1 .*never negative", id="negative"
+    ),
+    pytest.param(
+        torch.tensor([[1, 2], [5, 300]]), r"prompt 1, position 1: token id 300", id="oov-tensor"
+    ),
+    pytest.param(
+        torch.tensor([[1.0, 2.0]]), r"integer tensor, found dtype torch\.float32", id="float-tensor"
+    ),
+    pytest.param(
+        torch.zeros(1, 2, 2, dtype=torch.long),
+        r"\[pos\] or \[batch, pos\] tensor, found shape \(1, 2, 2\)",
+        id="rank-3",
+    ),
 ]
 
 
@@ -99,15 +135,25 @@ def test_bad_inputs_are_refused_before_the_engine_runs(
 
 @pytest.mark.parametrize(
     ("value", "message"),
-    [(None, "the input is None"), (7, r"\[7\]"), ([], "empty list"), (["a", None], "prompt 1 is None"), ("x\ud800", "prompt 0 holds")],
+    [
+        (None, "the input is None"),
+        (7, r"\[7\]"),
+        ([], "empty list"),
+        (["a", None], "prompt 1 is None"),
+        ("x\ud800", "prompt 0 holds"),
+    ],
 )
-def test_to_tokens_refuses_what_it_cannot_tokenize(bridge: Bridge, value: Any, message: str) -> None:
+def test_to_tokens_refuses_what_it_cannot_tokenize(
+    bridge: Bridge, value: Any, message: str
+) -> None:
     with pytest.raises(UserError, match=message):
         bridge.to_tokens(value)
 
 
 def test_empty_text_without_bos_names_the_prompt(bridge: Bridge, engine_calls: list[int]) -> None:
-    with pytest.raises(UserError, match=r"prompt 1 is an empty text and prepend_bos=False.*prepend_bos=True"):
+    with pytest.raises(
+        UserError, match=r"prompt 1 is an empty text and prepend_bos=False.*prepend_bos=True"
+    ):
         bridge(["ab", ""], prepend_bos=False)
     assert not engine_calls
 
@@ -115,7 +161,11 @@ def test_empty_text_without_bos_names_the_prompt(bridge: Bridge, engine_calls: l
 def test_every_spelling_of_good_input_still_runs(bridge: Bridge) -> None:
     ids = [[256, 104, 105], [256, 33]]
     expected = bridge(ids)
-    for spelling in ([tuple(r) for r in ids], [torch.tensor(r) for r in ids], [ids[0], torch.tensor(ids[1])]):
+    for spelling in (
+        [tuple(r) for r in ids],
+        [torch.tensor(r) for r in ids],
+        [ids[0], torch.tensor(ids[1])],
+    ):
         torch.testing.assert_close(bridge(spelling), expected)
     torch.testing.assert_close(bridge(torch.tensor(ids[0]))[0], expected[0])
     torch.testing.assert_close(bridge([256, 104, 105])[0], expected[0])
@@ -125,13 +175,17 @@ def test_every_spelling_of_good_input_still_runs(bridge: Bridge) -> None:
 # -- hook functions -----------------------------------------------------------------
 
 
-def test_a_hook_without_the_hook_parameter_is_refused_when_added(bridge: Bridge, engine_calls: list[int]) -> None:
+def test_a_hook_without_the_hook_parameter_is_refused_when_added(
+    bridge: Bridge, engine_calls: list[int]
+) -> None:
     expected = r"hook '<lambda>' on 'blocks\.0\.hook_out' has the signature \(x\).*def fn\(activation, hook\)"
     with pytest.raises(UserError, match=expected):
         bridge.run_with_hooks("hi", fwd_hooks=[("blocks.0.hook_resid_post", lambda x: x)])
     with pytest.raises(UserError, match=expected):
         bridge.add_hook("blocks.0.hook_out", lambda x: x)
-    with pytest.raises(UserError, match=r"'blocks\.0\.hook_out' has the signature \(x, scale, hook\)"):
+    with pytest.raises(
+        UserError, match=r"'blocks\.0\.hook_out' has the signature \(x, scale, hook\)"
+    ):
         bridge.add_hook("blocks.0.hook_out", lambda x, scale, hook: x)
     with pytest.raises(UserError, match=r"the hook for 'blocks\.0\.hook_out' is str"):
         bridge.add_hook("blocks.0.hook_out", "not a function")  # type: ignore[arg-type]
@@ -141,7 +195,9 @@ def test_a_hook_without_the_hook_parameter_is_refused_when_added(bridge: Bridge,
 
 def test_a_backward_hook_signature_is_checked_too() -> None:
     bridge = TransformerBridge.boot_native("llama", n_layers=2, n_ctx=N_CTX)
-    with pytest.raises(UserError, match=r"'blocks\.1\.hook_out'.*backward hook.*def fn\(grad, hook\)"):
+    with pytest.raises(
+        UserError, match=r"'blocks\.1\.hook_out'.*backward hook.*def fn\(grad, hook\)"
+    ):
         bridge.run_with_hooks("hi", bwd_hooks=[("blocks.1.hook_out", lambda g: None)])
     assert not any(p.has_hooks for p in bridge.hook_dict.values())
 
@@ -168,7 +224,13 @@ def test_accepted_hook_signatures_all_receive_the_hook_point(bridge: Bridge) -> 
         def __call__(self, x: torch.Tensor, **kwargs: Any) -> None:
             seen.append(kwargs["hook"].name)
 
-    hooks = [lambda x, hook: seen.append(hook.name), keyword_only, positional, Recorder(), lambda *a: seen.append(a[1].name)]
+    hooks = [
+        lambda x, hook: seen.append(hook.name),
+        keyword_only,
+        positional,
+        Recorder(),
+        lambda *a: seen.append(a[1].name),
+    ]
     bridge.run_with_hooks("hi", fwd_hooks=[("blocks.1.hook_out", fn) for fn in hooks])
     assert seen == ["blocks.1.hook_out"] * len(hooks)
     assert not any(p.has_hooks for p in bridge.hook_dict.values())
@@ -184,9 +246,18 @@ def test_a_positional_hook_can_be_removed_by_its_handle(bridge: Bridge) -> None:
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
-        (lambda x, hook: x[:, :1], r"returned a tensor of shape \(1, 1, 64\), but the value there has shape \(1, 3, 64\)"),
-        (lambda x, hook: x.sum(-1), r"returned a tensor of shape \(1, 3\), but the value there has shape \(1, 3, 64\)"),
-        (lambda x, hook: 2.0, r"returned float 2\.0; a forward hook returns a tensor of shape \(1, 3, 64\)"),
+        (
+            lambda x, hook: x[:, :1],
+            r"returned a tensor of shape \(1, 1, 64\), but the value there has shape \(1, 3, 64\)",
+        ),
+        (
+            lambda x, hook: x.sum(-1),
+            r"returned a tensor of shape \(1, 3\), but the value there has shape \(1, 3, 64\)",
+        ),
+        (
+            lambda x, hook: 2.0,
+            r"returned float 2\.0; a forward hook returns a tensor of shape \(1, 3, 64\)",
+        ),
         (lambda x, hook: x.tolist(), r"returned list .*or None to keep the value"),
     ],
 )
@@ -196,7 +267,13 @@ def test_a_hook_returning_a_bad_value_is_named_at_its_site(fn: Any, message: str
         bridge.run_with_hooks("hi", fwd_hooks=[("blocks.0.hook_out", fn)])
     assert not any(p.has_hooks for p in bridge.hook_dict.values())
     # A same-shape edit and None are fine.
-    bridge.run_with_hooks("hi", fwd_hooks=[("blocks.0.hook_out", lambda x, hook: x * 2), ("blocks.1.hook_out", lambda x, hook: None)])
+    bridge.run_with_hooks(
+        "hi",
+        fwd_hooks=[
+            ("blocks.0.hook_out", lambda x, hook: x * 2),
+            ("blocks.1.hook_out", lambda x, hook: None),
+        ],
+    )
 
 
 # -- context length -----------------------------------------------------------------
@@ -207,7 +284,9 @@ def test_a_prompt_longer_than_n_ctx_is_refused_on_every_position_scheme(
     bridge: Bridge, engine_calls: list[int], method: str
 ) -> None:
     prompts = [[5] * 4, [6] * (N_CTX + 3)]
-    with pytest.raises(UserError, match=rf"prompt 1 is {N_CTX + 3} tokens long, which exceeds n_ctx={N_CTX}"):
+    with pytest.raises(
+        UserError, match=rf"prompt 1 is {N_CTX + 3} tokens long, which exceeds n_ctx={N_CTX}"
+    ):
         _methods(bridge)[method](prompts)
     text = "x" * (N_CTX + 1)  # + BOS
     with pytest.raises(UserError, match=rf"prompt 0 is {N_CTX + 2} tokens long.*n_ctx=N"):
@@ -224,7 +303,9 @@ def test_the_context_hint_matches_the_driver() -> None:
         gpt2([[1] * (N_CTX + 1)])
 
 
-def test_generate_checks_prompt_plus_new_tokens_before_decoding(bridge: Bridge, engine_calls: list[int]) -> None:
+def test_generate_checks_prompt_plus_new_tokens_before_decoding(
+    bridge: Bridge, engine_calls: list[int]
+) -> None:
     prompts = [[5] * 3, [6] * 10]
     with pytest.raises(
         UserError,
@@ -232,7 +313,9 @@ def test_generate_checks_prompt_plus_new_tokens_before_decoding(bridge: Bridge, 
         rf"exceeds n_ctx={N_CTX}.*largest max_new_tokens that fits is 6",
     ):
         bridge.generate(prompts, max_new_tokens=8)
-    with pytest.raises(UserError, match=rf"prompt 0 is {N_CTX} tokens long.*no room for new tokens"):
+    with pytest.raises(
+        UserError, match=rf"prompt 0 is {N_CTX} tokens long.*no room for new tokens"
+    ):
         bridge.generate([[5] * N_CTX], max_new_tokens=1)
     assert not engine_calls
     new = bridge.generate(prompts, max_new_tokens=6, stop_at_eos=False, return_type="tokens")
@@ -244,9 +327,14 @@ def test_local_drivers_refuse_work_past_n_ctx_themselves() -> None:
     # refusal before the model runs, rotary or not.
     for config in ("llama", "gpt2"):
         driver = TransformerBridge.boot_native(config, n_layers=1, n_ctx=N_CTX).driver
-        with pytest.raises(UserError, match=rf"prompt 1 is {N_CTX + 1} tokens long, which exceeds n_ctx={N_CTX}"):
+        with pytest.raises(
+            UserError, match=rf"prompt 1 is {N_CTX + 1} tokens long, which exceeds n_ctx={N_CTX}"
+        ):
             driver.forward([[5, 6], [5] * (N_CTX + 1)], max_new_tokens=0)
-        with pytest.raises(UserError, match=r"generating 8 tokens runs the model on 17 positions.*max_new_tokens to 7"):
+        with pytest.raises(
+            UserError,
+            match=r"generating 8 tokens runs the model on 17 positions.*max_new_tokens to 7",
+        ):
             driver.forward([[5] * 10], max_new_tokens=8)
         assert driver.forward([[5] * 10], max_new_tokens=7).new_tokens.shape == (1, 7)
         assert driver.forward([[5] * N_CTX], max_new_tokens=1).new_tokens.shape == (1, 1)

@@ -22,7 +22,9 @@ from tl_core import TransformerBridge, UserError
 
 #: Hypothesis settings shared by every property: bounded for CI, no deadline (the first
 #: example pays for lazy imports).
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 FINITE = st.floats(-8.0, 8.0, allow_nan=False)
 BAD_NUMBERS = st.sampled_from([math.nan, math.inf, -math.inf, 1e39, -1e300])
 
@@ -83,20 +85,32 @@ def spec_cases(draw: st.DrawFn, bridge: Any, lengths: tuple[int, ...]) -> tuple[
     return site, spec
 
 
-def _edit_by_hand(spec: dict[str, Any], shape: tuple[int, ...], lengths: tuple[int, ...]) -> Callable[..., Any]:
+def _edit_by_hand(
+    spec: dict[str, Any], shape: tuple[int, ...], lengths: tuple[int, ...]
+) -> Callable[..., Any]:
     """A Python hook doing what ``spec`` means, position by position, for the reference."""
 
     def hook(x: torch.Tensor, hook: Any) -> torch.Tensor:
         out = x.clone()
         for b, n in enumerate(lengths):
             listed = spec.get("pos")
-            positions = list(range(n)) if listed is None else [listed] if isinstance(listed, int) else listed
+            positions = (
+                list(range(n))
+                if listed is None
+                else [listed]
+                if isinstance(listed, int)
+                else listed
+            )
             for k, p in enumerate(positions):
                 p = p + n if p < 0 else p
                 value = spec.get("value")
                 if isinstance(value, list) and value and isinstance(value[0], list):
                     value = value[k]
-                v = torch.tensor(value, dtype=x.dtype).reshape(shape) if isinstance(value, list) else value
+                v = (
+                    torch.tensor(value, dtype=x.dtype).reshape(shape)
+                    if isinstance(value, list)
+                    else value
+                )
                 if spec["op"] == "suppress":
                     out[b, p] = 0.0
                 elif spec["op"] == "scale":
@@ -124,11 +138,20 @@ def check_spec_property(
         return
     local = bridge if reference is None else reference
     shape = bridge.namespace.feature_shape(site) or (1,)
-    want = local.run_with_hooks(prompts, fwd_hooks=[(site, _edit_by_hand(spec, shape, lengths))], prepend_bos=False)
+    want = local.run_with_hooks(
+        prompts, fwd_hooks=[(site, _edit_by_hand(spec, shape, lengths))], prepend_bos=False
+    )
     for b, n in enumerate(lengths):
-        torch.testing.assert_close(got[b, :n].float(), want[b, :n].float(), atol=tolerance, rtol=tolerance,
-                                   msg=f"{site} {spec}")
-    assert bool(torch.isfinite(got[0, :7]).all() and torch.isfinite(got[1, :4]).all()), f"{site} {spec}"
+        torch.testing.assert_close(
+            got[b, :n].float(),
+            want[b, :n].float(),
+            atol=tolerance,
+            rtol=tolerance,
+            msg=f"{site} {spec}",
+        )
+    assert bool(torch.isfinite(got[0, :7]).all() and torch.isfinite(got[1, :4]).all()), (
+        f"{site} {spec}"
+    )
 
 
 # -- hook names -----------------------------------------------------------------------
@@ -160,7 +183,9 @@ def check_name_property(bridge: Any, data: st.DataObject, full: Any) -> None:
     """A name resolves to the tensor its canonical name holds, or is refused before running."""
     name = data.draw(hook_names(bridge))
     prompts = [[5, 6, 7, 8], [9, 10]]
-    got = outcome(bridge, lambda: bridge.run_with_cache(prompts, names_filter=[name], prepend_bos=False))
+    got = outcome(
+        bridge, lambda: bridge.run_with_cache(prompts, names_filter=[name], prepend_bos=False)
+    )
     if isinstance(got, UserError):
         return
     _, cache = got
@@ -177,7 +202,9 @@ def token_inputs(draw: st.DrawFn, vocab: int) -> Any:
     """Lists of id lists (ragged, empty, out of the vocabulary, non-int) or tensors."""
     ids = st.integers(-2, vocab + 2) if draw(st.integers(0, 4)) == 0 else st.integers(0, vocab - 1)
     rows = draw(st.lists(st.lists(ids, min_size=0, max_size=9), min_size=0, max_size=3))
-    form = draw(st.sampled_from(["lists", "lists", "tensor", "float tensor", "rank 3", "floats", "none"]))
+    form = draw(
+        st.sampled_from(["lists", "lists", "tensor", "float tensor", "rank 3", "floats", "none"])
+    )
     if form == "tensor" and rows and len({len(r) for r in rows}) == 1:
         return torch.tensor(rows, dtype=torch.long)
     if form == "float tensor" and rows and len({len(r) for r in rows}) == 1:
@@ -199,10 +226,14 @@ def check_token_property(bridge: Any, data: st.DataObject, tolerance: float = 1e
         return
     rows = raw.tolist() if isinstance(raw, torch.Tensor) else raw
     assume(rows)
-    assert bool(torch.isfinite(torch.cat([got[b, : len(r)] for b, r in enumerate(rows)])).all()), raw
+    assert bool(torch.isfinite(torch.cat([got[b, : len(r)] for b, r in enumerate(rows)])).all()), (
+        raw
+    )
     for b, row in enumerate(rows):
         alone = bridge([row], prepend_bos=False)
-        torch.testing.assert_close(got[b, : len(row)], alone[0], atol=tolerance, rtol=tolerance, msg=str(raw))
+        torch.testing.assert_close(
+            got[b, : len(row)], alone[0], atol=tolerance, rtol=tolerance, msg=str(raw)
+        )
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -212,18 +243,24 @@ def bridge(request: pytest.FixtureRequest) -> TransformerBridge:
 
 @given(data=st.data())
 @SETTINGS
-def test_specs_run_as_written_or_are_refused_first(bridge: TransformerBridge, data: st.DataObject) -> None:
+def test_specs_run_as_written_or_are_refused_first(
+    bridge: TransformerBridge, data: st.DataObject
+) -> None:
     check_spec_property(bridge, data)
 
 
 @given(data=st.data())
 @SETTINGS
-def test_hook_names_resolve_or_are_refused_first(bridge: TransformerBridge, data: st.DataObject) -> None:
+def test_hook_names_resolve_or_are_refused_first(
+    bridge: TransformerBridge, data: st.DataObject
+) -> None:
     _, full = bridge.run_with_cache([[5, 6, 7, 8], [9, 10]], prepend_bos=False)
     check_name_property(bridge, data, full)
 
 
 @given(data=st.data())
 @SETTINGS
-def test_token_inputs_run_or_are_refused_first(bridge: TransformerBridge, data: st.DataObject) -> None:
+def test_token_inputs_run_or_are_refused_first(
+    bridge: TransformerBridge, data: st.DataObject
+) -> None:
     check_token_property(bridge, data)

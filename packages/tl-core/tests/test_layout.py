@@ -20,7 +20,21 @@ from tl_core._lazy import is_type_checking
 ROOT = Path(tl_core.__file__).parent
 #: Lowest first. A module may import from its own floor and the floors below it.
 FLOORS = [
-    "_version", "_lazy", "_errors", "models", "hooks", "specs", "plots", "cache", "driver_api", "sae", "bridges", "native", "analysis", "capture", "cli",
+    "_version",
+    "_lazy",
+    "_errors",
+    "models",
+    "hooks",
+    "specs",
+    "plots",
+    "cache",
+    "driver_api",
+    "sae",
+    "bridges",
+    "native",
+    "analysis",
+    "capture",
+    "cli",
 ]
 
 
@@ -114,7 +128,13 @@ def test_researcher_and_driver_author_apis_are_separate() -> None:
     researcher = set(tl_core.__all__)
     for name in ("LocalDriver", "DriverEntry", "build_plan", "ForwardResult", "validate_driver"):
         assert name in driver_api.__all__ and name not in researcher, name
-    for name in ("TransformerBridge", "RemoteBridge", "ActivationCache", "InterventionSpec", "boot"):
+    for name in (
+        "TransformerBridge",
+        "RemoteBridge",
+        "ActivationCache",
+        "InterventionSpec",
+        "boot",
+    ):
         assert name in researcher, name
     # Every export resolves (the lazy tables name real modules and attributes).
     for package in (tl_core, driver_api):
@@ -138,7 +158,10 @@ def test_lazy_exports_are_the_type_checking_imports() -> None:
             continue
         assert set(table) <= set(package.__all__), name
         for export, module in table.items():  # the value is the declared module's own object
-            assert getattr(package, export) is getattr(importlib.import_module(module), export), (name, export)
+            assert getattr(package, export) is getattr(importlib.import_module(module), export), (
+                name,
+                export,
+            )
     assert set(errors) <= set(tl_core.__all__), "every error class is exported from tl_core"
 
 
@@ -148,6 +171,6 @@ def test_a_relative_lazy_export_is_refused() -> None:
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._x import A as A\n"
     with pytest.raises(ImportError, match="absolute import, got line 3"):
         declared_exports(source)
-    assert declared_exports("import typing\nif typing.TYPE_CHECKING:\n    from a.b import C as C, d\n") == {
-        "C": "a.b", "d": "a.b"
-    }
+    assert declared_exports(
+        "import typing\nif typing.TYPE_CHECKING:\n    from a.b import C as C, d\n"
+    ) == {"C": "a.b", "d": "a.b"}

@@ -24,7 +24,10 @@ def test_a_missing_distribution_says_how_to_install_it() -> None:
 def test_an_installed_distribution_without_the_file_is_named() -> None:
     # pytest is installed here; it ships no model file.
     model = BundledModel("x", "pytest", "1.0", "pytest/no-model.gguf", "MIT", "a stand-in")
-    with pytest.raises(ModelNotInstalledError, match=r"(?s)pytest .* is installed but has no 'pytest/no-model.gguf'.*--force-reinstall"):
+    with pytest.raises(
+        ModelNotInstalledError,
+        match=r"(?s)pytest .* is installed but has no 'pytest/no-model.gguf'.*--force-reinstall",
+    ):
         model.path()
 
 

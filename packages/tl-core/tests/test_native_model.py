@@ -563,13 +563,30 @@ def test_weight_accessor_shapes(style: str) -> None:
     model = make_model(style)
     cfg = model.cfg
     L, H, Hkv, d, dh, dm, V = (
-        cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.d_model, cfg.d_head, cfg.d_mlp, cfg.d_vocab
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.d_model,
+        cfg.d_head,
+        cfg.d_mlp,
+        cfg.d_vocab,
     )
     shapes = {
-        "W_E": (V, d), "W_Q": (L, H, d, dh), "W_K": (L, Hkv, d, dh), "W_V": (L, Hkv, d, dh),
-        "W_O": (L, H, dh, d), "b_Q": (L, H, dh), "b_K": (L, Hkv, dh), "b_V": (L, Hkv, dh),
-        "b_O": (L, d), "W_in": (L, d, dm), "W_out": (L, dm, d), "b_in": (L, dm),
-        "b_out": (L, d), "W_U": (d, V), "b_U": (V,),
+        "W_E": (V, d),
+        "W_Q": (L, H, d, dh),
+        "W_K": (L, Hkv, d, dh),
+        "W_V": (L, Hkv, d, dh),
+        "W_O": (L, H, dh, d),
+        "b_Q": (L, H, dh),
+        "b_K": (L, Hkv, dh),
+        "b_V": (L, Hkv, dh),
+        "b_O": (L, d),
+        "W_in": (L, d, dm),
+        "W_out": (L, dm, d),
+        "b_in": (L, dm),
+        "b_out": (L, d),
+        "W_U": (d, V),
+        "b_U": (V,),
     }
     for name, shape in shapes.items():
         assert tuple(getattr(model, name).shape) == shape, name

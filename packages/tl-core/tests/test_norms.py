@@ -95,7 +95,9 @@ class _ShapedCodedNorm(nn.Module):
         self.normalized_shape = (width,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x.float(), self.normalized_shape, None, None, eps=1e-5).to(x.dtype)
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, None, None, eps=1e-5).to(
+            x.dtype
+        )
 
 
 def test_a_weightless_norm_is_measured_at_its_own_width() -> None:

@@ -40,11 +40,15 @@ def _saved(figure: object, path: Path) -> object:
     assert image.ndim == 3 and image.shape[0] > 50 and image.shape[1] > 50, image.shape
     rgb = image[..., :3].reshape(-1, 3)
     assert rgb.std() > 0.05, "the image is blank"
-    assert len({tuple(p) for p in (rgb * 255).round().tolist()[::7]}) > 20, "too few colours for a heatmap"
+    assert len({tuple(p) for p in (rgb * 255).round().tolist()[::7]}) > 20, (
+        "too few colours for a heatmap"
+    )
     return image
 
 
-def test_cache_draws_a_pattern_trimmed_to_the_prompt(model_and_cache: tuple[TransformerBridge, object], tmp_path: Path) -> None:
+def test_cache_draws_a_pattern_trimmed_to_the_prompt(
+    model_and_cache: tuple[TransformerBridge, object], tmp_path: Path
+) -> None:
     model, cache = model_and_cache
     tokens = model.to_str_tokens(PROMPTS[1])
     figure = cache.plot_pattern(1, 2, prompt=1, tokens=tokens)  # type: ignore[attr-defined]
@@ -58,7 +62,9 @@ def test_cache_draws_a_pattern_trimmed_to_the_prompt(model_and_cache: tuple[Tran
     _saved(figure, tmp_path / "pattern.png")
 
 
-def test_cache_draws_the_logit_lens_of_a_token(model_and_cache: tuple[TransformerBridge, object], tmp_path: Path) -> None:
+def test_cache_draws_the_logit_lens_of_a_token(
+    model_and_cache: tuple[TransformerBridge, object], tmp_path: Path
+) -> None:
     model, cache = model_and_cache
     token = model.tokenizer.encode("t")[0]
     figure = cache.plot_logit_lens(token, tokenizer=model.tokenizer)  # type: ignore[attr-defined]
@@ -71,7 +77,9 @@ def test_cache_draws_the_logit_lens_of_a_token(model_and_cache: tuple[Transforme
     _saved(figure, tmp_path / "lens.png")
 
 
-def test_logit_lens_of_the_top_token_writes_each_cell(model_and_cache: tuple[TransformerBridge, object], tmp_path: Path) -> None:
+def test_logit_lens_of_the_top_token_writes_each_cell(
+    model_and_cache: tuple[TransformerBridge, object], tmp_path: Path
+) -> None:
     model, cache = model_and_cache
     figure = cache.plot_logit_lens(prompt=1, tokenizer=model.tokenizer)  # type: ignore[attr-defined]
     texts = figure.axes[0].texts
@@ -89,7 +97,9 @@ def test_the_array_helpers_draw_what_they_are_given(tmp_path: Path) -> None:
     figure = plot_layer_sweep(sweep)
     assert [line.get_label() for line in figure.axes[0].get_lines()[:2]] == ["subject", "last"]
     _saved(figure, tmp_path / "sweep.png")
-    figure = plot_patching(torch.rand(8, 3, generator=gen) * 2 - 1, [f"L{i}" for i in range(8)], ["a", "b", "c"])
+    figure = plot_patching(
+        torch.rand(8, 3, generator=gen) * 2 - 1, [f"L{i}" for i in range(8)], ["a", "b", "c"]
+    )
     _saved(figure, tmp_path / "patch.png")
     figure = plot_logit_lens(torch.rand(5, 3, generator=gen), cell_text=[["x"] * 3] * 5)
     _saved(figure, tmp_path / "lens.png")
@@ -109,11 +119,17 @@ def test_an_axes_of_your_own_is_drawn_into() -> None:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda: plot_head_scores(torch.rand(3)), "scores must have 2 dimensions, got shape \\(3,\\)"),
+        (
+            lambda: plot_head_scores(torch.rand(3)),
+            "scores must have 2 dimensions, got shape \\(3,\\)",
+        ),
         (lambda: plot_pattern(torch.rand(3, 3), ["a"]), "tokens has 1 labels for 3 entries"),
         (lambda: plot_patching(torch.rand(0, 3)), "scores is empty"),
         (lambda: plot_layer_sweep({}), "curves is empty"),
-        (lambda: plot_logit_lens(torch.rand(2, 2), cell_text=[["a"]]), "cell_text must be 2 rows of 2 strings"),
+        (
+            lambda: plot_logit_lens(torch.rand(2, 2), cell_text=[["a"]]),
+            "cell_text must be 2 rows of 2 strings",
+        ),
     ],
 )
 def test_bad_input_names_what_is_wrong(call: object, match: str) -> None:
@@ -133,5 +149,8 @@ def test_bad_cache_arguments(model_and_cache: tuple[TransformerBridge, object]) 
 
 def test_without_matplotlib_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now raises ImportError
-    with pytest.raises(UserError, match=re.escape(f"plotting needs matplotlib, which is not installed; {PLOTS_EXTRA}")):
+    with pytest.raises(
+        UserError,
+        match=re.escape(f"plotting needs matplotlib, which is not installed; {PLOTS_EXTRA}"),
+    ):
         plot_head_scores(torch.rand(2, 2))

@@ -173,7 +173,9 @@ def test_ln_rule_treats_the_scale_as_constant(preset: str) -> None:
     # RelP's conservation across the norm; the plain gradient breaks it.
     x, y = values["ln_final.hook_in"], values["ln_final.hook_normalized"]
     out_relevance = (y * grads["ln_final.hook_normalized"]).sum(-1)
-    torch.testing.assert_close((x * grads["ln_final.hook_in"]).sum(-1), out_relevance, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        (x * grads["ln_final.hook_in"]).sum(-1), out_relevance, rtol=1e-4, atol=1e-6
+    )
     assert not torch.allclose((x * plain["ln_final.hook_in"]).sum(-1), out_relevance, atol=1e-3)
 
 
@@ -228,8 +230,12 @@ def test_gated_mlp_rules_split_the_product(rules: RelevanceRules) -> None:
     else:
         x = pre.clone().requires_grad_()
         (act_grad,) = torch.autograd.grad(F.silu(x).sum(), x)
-    torch.testing.assert_close(grads[p + "hook_pre"], share * up * g * act_grad, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(grads[p + "hook_pre_linear"], share * F.silu(pre) * g, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        grads[p + "hook_pre"], share * up * g * act_grad, rtol=1e-5, atol=1e-8
+    )
+    torch.testing.assert_close(
+        grads[p + "hook_pre_linear"], share * F.silu(pre) * g, rtol=1e-5, atol=1e-8
+    )
     if rules.activation and rules.multiplicative_gate:
         # Each factor carries half the product's relevance (Half-rule after Identity-rule).
         half = 0.5 * values[p + "hook_post"] * g
@@ -240,7 +246,9 @@ def test_gated_mlp_rules_split_the_product(rules: RelevanceRules) -> None:
 def test_attention_rule_holds_the_pattern_constant() -> None:
     bridge = boot("gpt2")
     a = "blocks.1.attn."
-    names = [a + n for n in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")]
+    names = [
+        a + n for n in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+    ]
     with use_relevance_rules(bridge, RelevanceRules(normalization=False, activation=False)):
         _, values, grads = trace(bridge, names)
     for silent in ("hook_q", "hook_k", "hook_attn_scores"):
@@ -251,8 +259,12 @@ def test_attention_rule_holds_the_pattern_constant() -> None:
     expected_v = torch.einsum("bhqk,bqhe->bkhe", pattern, g_z)
     torch.testing.assert_close(grads[a + "hook_v"], expected_v, rtol=1e-5, atol=1e-8)
     # The pattern still receives its own gradient (backward hooks there keep working).
-    torch.testing.assert_close(grads[a + "hook_pattern"], torch.einsum("bqhe,bkhe->bhqk", g_z, v), rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close((v * grads[a + "hook_v"]).sum(), (values[a + "hook_z"] * g_z).sum(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        grads[a + "hook_pattern"], torch.einsum("bqhe,bkhe->bhqk", g_z, v), rtol=1e-5, atol=1e-8
+    )
+    torch.testing.assert_close(
+        (v * grads[a + "hook_v"]).sum(), (values[a + "hook_z"] * g_z).sum(), rtol=1e-5, atol=1e-7
+    )
 
 
 # -- scope: exit, exceptions, nesting, edits ------------------------------------------
@@ -294,7 +306,9 @@ def test_edits_of_a_ruled_site_are_refused_while_active() -> None:
     double = ("blocks.0.ln1.hook_normalized", lambda x, hook: x * 2)
     halve = {"blocks.0.attn.hook_pattern": {"op": "scale", "factor": 0.5}}
     with use_relevance_rules(bridge):
-        with pytest.raises(UserError, match=r"'blocks\.0\.ln1\.hook_normalized' cannot be edited now"):
+        with pytest.raises(
+            UserError, match=r"'blocks\.0\.ln1\.hook_normalized' cannot be edited now"
+        ):
             bridge.run_with_hooks(IDS, fwd_hooks=[double])
         with pytest.raises(UserError, match="cannot be edited now"):
             bridge(IDS, intervene=halve)
@@ -331,7 +345,9 @@ def test_value_preserving_probes_at_a_ruled_site_see_the_ruled_gradient() -> Non
     torch.testing.assert_close(zeros[0].grad, grads[site], rtol=0, atol=0)
     pre = trace(bridge, ["blocks.1.mlp.hook_pre"])[1]["blocks.1.mlp.hook_pre"]
     ratio = torch.where(pre == 0, torch.full_like(pre, 0.5), F.gelu(pre) / pre)
-    torch.testing.assert_close(grads["blocks.1.mlp.hook_pre"], grads[site] * ratio, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        grads["blocks.1.mlp.hook_pre"], grads[site] * ratio, rtol=1e-5, atol=1e-8
+    )
     assert not torch.allclose(ruled, input_grad(bridge), atol=1e-6)
 
 
@@ -340,7 +356,9 @@ def test_a_site_that_stops_reaching_the_model_mid_scope_is_refused() -> None:
     with use_relevance_rules(bridge):
         bridge.set_use_split_qkv_input(True)  # attention now reads per-head copies, not ln1
         try:
-            with pytest.raises(UnsupportedFeatureError, match=r"'blocks\.0\.ln1\.hook_normalized'.*no longer reads"):
+            with pytest.raises(
+                UnsupportedFeatureError, match=r"'blocks\.0\.ln1\.hook_normalized'.*no longer reads"
+            ):
                 bridge(IDS)
             with torch.no_grad():
                 bridge(IDS)  # no gradient, nothing to reach
@@ -356,13 +374,19 @@ class _Reporting:
     """A bridge whose driver reports another activation (the rest is the real bridge's)."""
 
     def __init__(self, bridge: TransformerBridge, act_fn: str | None) -> None:
-        self.driver, self.hook_dict, self.namespace = bridge.driver, bridge.hook_dict, bridge.namespace
+        self.driver, self.hook_dict, self.namespace = (
+            bridge.driver,
+            bridge.hook_dict,
+            bridge.namespace,
+        )
         self.cfg = replace(bridge.cfg, act_fn=act_fn)
 
 
 def test_relu_and_unknown_activations_are_refused_before_installing() -> None:
     relu = boot("gpt2", act_fn="relu")
-    with pytest.raises(UnsupportedFeatureError, match=r"'relu'.*RelevanceRules\(activation=False\)"):
+    with pytest.raises(
+        UnsupportedFeatureError, match=r"'relu'.*RelevanceRules\(activation=False\)"
+    ):
         with use_relevance_rules(relu):
             pass
     assert hook_count(relu) == 0
@@ -380,7 +404,9 @@ def test_relu_and_unknown_activations_are_refused_before_installing() -> None:
             with use_relevance_rules(_Reporting(llama, act)):
                 pass
     assert hook_count(llama) == 0
-    with use_relevance_rules(_Reporting(llama, None), RelevanceRules(activation=False, multiplicative_gate=False)):
+    with use_relevance_rules(
+        _Reporting(llama, None), RelevanceRules(activation=False, multiplicative_gate=False)
+    ):
         pass
 
 

@@ -36,7 +36,9 @@ def local() -> TransformerBridge:
 def test_cache_matches_the_local_model(remote: RemoteBridge, local: TransformerBridge) -> None:
     prompts = ["remote capture", "ab"]
     logits, cache = remote.run_with_cache(prompts, names_filter=lambda n: n.endswith("hook_out"))
-    local_logits, local_cache = local.run_with_cache(prompts, names_filter=lambda n: n.endswith("hook_out"))
+    local_logits, local_cache = local.run_with_cache(
+        prompts, names_filter=lambda n: n.endswith("hook_out")
+    )
     torch.testing.assert_close(logits, local_logits)
     assert set(cache) == set(local_cache) & remote.namespace.served
     assert cache.lengths == local_cache.lengths
@@ -44,6 +46,7 @@ def test_cache_matches_the_local_model(remote: RemoteBridge, local: TransformerB
 
 def test_read_only_hooks_fire_on_replay(remote: RemoteBridge) -> None:
     seen: dict[str, tuple[int, ...]] = {}
+
     def record(x: torch.Tensor, hook: object) -> None:
         seen[hook.name] = tuple(x.shape)  # type: ignore[attr-defined]
 
@@ -67,7 +70,10 @@ def test_specs_run_in_the_engine(remote: RemoteBridge, local: TransformerBridge)
     assert (edited[0, 1:3] - plain[0, 1:3]).abs().max() > 1e-3
     torch.testing.assert_close(edited[0, 0], plain[0, 0])
     _, cache = remote.run_with_cache("specs", intervene=spec, names_filter="blocks.0.hook_mlp_out")
-    assert torch.equal(cache["blocks.0.mlp.hook_out"][0, 1:3], torch.zeros_like(cache["blocks.0.mlp.hook_out"][0, 1:3]))
+    assert torch.equal(
+        cache["blocks.0.mlp.hook_out"][0, 1:3],
+        torch.zeros_like(cache["blocks.0.mlp.hook_out"][0, 1:3]),
+    )
     with pytest.raises(SpecError, match=r"declarative specs only|callable"):
         remote("specs", intervene={"blocks.0.hook_out": lambda x, hook: x})
 
@@ -83,13 +89,19 @@ def test_generate_and_loss(remote: RemoteBridge, local: TransformerBridge) -> No
     # A steering vector strong enough to take over the random model's next tokens.
     steer = {"blocks.1.hook_out": {"op": "add", "value": (local.W_U[:, 65] * 40).tolist()}}
     steered = remote.generate("go", max_new_tokens=4, intervene=steer, return_type="tokens")
-    assert torch.equal(steered, local.generate("go", max_new_tokens=4, intervene=steer, return_type="tokens"))
+    assert torch.equal(
+        steered, local.generate("go", max_new_tokens=4, intervene=steer, return_type="tokens")
+    )
     assert not torch.equal(steered, remote.generate("go", max_new_tokens=4, return_type="tokens"))
     assert steered[0].tolist() == [65, 65, 65, 65]
     # The same keywords as the local bridge: sampling is seeded, and specs steer a loss.
-    sampled = [remote.generate("go", 5, do_sample=True, temperature=2.0, seed=s, return_type="tokens") for s in (1, 1, 2)]
+    sampled = [
+        remote.generate("go", 5, do_sample=True, temperature=2.0, seed=s, return_type="tokens")
+        for s in (1, 1, 2)
+    ]
     assert torch.equal(sampled[0], sampled[1]) and torch.equal(
-        sampled[0], local.generate("go", 5, do_sample=True, temperature=2.0, seed=1, return_type="tokens")
+        sampled[0],
+        local.generate("go", 5, do_sample=True, temperature=2.0, seed=1, return_type="tokens"),
     )
     torch.testing.assert_close(remote.loss("loss works"), local.loss("loss works"))
     torch.testing.assert_close(
@@ -126,15 +138,23 @@ def test_stop_at_layer_returns_the_residual_and_caches_only_what_ran(
     remote: RemoteBridge, local: TransformerBridge
 ) -> None:
     for stop in (1, -1, 2):
-        torch.testing.assert_close(remote("stop", stop_at_layer=stop), local("stop", stop_at_layer=stop))
+        torch.testing.assert_close(
+            remote("stop", stop_at_layer=stop), local("stop", stop_at_layer=stop)
+        )
     resid, cache = remote.run_with_cache("stop", stop_at_layer=1)
     _, local_cache = local.run_with_cache("stop", stop_at_layer=1)
     assert set(cache) == set(local_cache) & remote.namespace.served
-    assert "blocks.0.hook_out" in cache and not any(n.startswith(("blocks.1.", "ln_final")) for n in cache)
+    assert "blocks.0.hook_out" in cache and not any(
+        n.startswith(("blocks.1.", "ln_final")) for n in cache
+    )
     torch.testing.assert_close(resid, cache["blocks.0.hook_out"])
     # Hooks after the stop do not fire, as on a local driver.
     seen: list[str] = []
-    remote.run_with_hooks("stop", fwd_hooks=[(lambda n: n.endswith("hook_out"), lambda x, hook: seen.append(hook.name))], stop_at_layer=1)
+    remote.run_with_hooks(
+        "stop",
+        fwd_hooks=[(lambda n: n.endswith("hook_out"), lambda x, hook: seen.append(hook.name))],
+        stop_at_layer=1,
+    )
     assert seen and all(not n.startswith(("blocks.1.", "unembed")) for n in seen)
 
 
@@ -150,5 +170,7 @@ def test_what_an_engine_cannot_do_is_refused_before_it_runs(remote: RemoteBridge
 def test_booting_with_the_wrong_bridge_starts_nothing() -> None:
     with pytest.raises(UserError, match=r"driver 'fake' is a remote driver.*RemoteBridge\.boot"):
         TransformerBridge.boot("llama", driver="fake")
-    with pytest.raises(UserError, match=r"driver 'native' is a local driver.*TransformerBridge\.boot"):
+    with pytest.raises(
+        UserError, match=r"driver 'native' is a local driver.*TransformerBridge\.boot"
+    ):
         RemoteBridge.boot("llama", driver="native")

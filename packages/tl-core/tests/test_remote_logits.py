@@ -48,9 +48,17 @@ def asked(remote: RemoteBridge, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 HOOK = "blocks.1.hook_resid_post"
 PATHS: dict[str, tuple[Callable[[RemoteBridge], Any], bool]] = {
     "forward(return_type=None)": (lambda m: m.forward("some text", None), False),
-    "run_with_cache(return_type=None)": (lambda m: m.run_with_cache("some text", names_filter=[HOOK], return_type=None), False),
+    "run_with_cache(return_type=None)": (
+        lambda m: m.run_with_cache("some text", names_filter=[HOOK], return_type=None),
+        False,
+    ),
     "run_with_cache(stop_at_layer=1) (sae-lens)": (
-        lambda m: m.run_with_cache("some text", names_filter=["blocks.0.hook_resid_post"], stop_at_layer=1, prepend_bos=False),
+        lambda m: m.run_with_cache(
+            "some text",
+            names_filter=["blocks.0.hook_resid_post"],
+            stop_at_layer=1,
+            prepend_bos=False,
+        ),
         False,
     ),
     "forward(stop_at_layer=1)": (lambda m: m.forward("some text", stop_at_layer=1), False),
@@ -62,19 +70,29 @@ PATHS: dict[str, tuple[Callable[[RemoteBridge], Any], bool]] = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_logits_are_asked_for_only_where_they_are_used(path: str, remote: RemoteBridge, asked: list[Any]) -> None:
+def test_logits_are_asked_for_only_where_they_are_used(
+    path: str, remote: RemoteBridge, asked: list[Any]
+) -> None:
     call, wanted = PATHS[path]
     call(remote)
-    assert asked and all(a is wanted for a in asked), f"{path}: return_logits={asked}, expected {wanted}"
+    assert asked and all(a is wanted for a in asked), (
+        f"{path}: return_logits={asked}, expected {wanted}"
+    )
 
 
-def test_a_capture_job_asks_for_no_logits(remote: RemoteBridge, asked: list[Any], tmp_path: Path) -> None:
+def test_a_capture_job_asks_for_no_logits(
+    remote: RemoteBridge, asked: list[Any], tmp_path: Path
+) -> None:
     source = tmp_path / "docs.txt"
     source.write_text("the cat sat on the mat\nbirds sang in old trees while dogs ran\n" * 4)
     job = CaptureConfig(
-        model="llama", driver="fake", hooks=(HOOK,), input=str(source), context_size=8, batch_size=2,
+        model="llama",
+        driver="fake",
+        hooks=(HOOK,),
+        input=str(source),
+        context_size=8,
+        batch_size=2,
     )
     summary = capture(job, tmp_path / "store", bridge=remote, progress=False)
     assert summary.rows_written > 0
     assert len(asked) >= 2 and all(a is False for a in asked), asked
-

@@ -9,7 +9,9 @@ from hypothesis import given, settings, strategies as st
 from tl_core.driver_api import DEFAULT_ERROR_FACTOR, check_rounding
 
 
-def _exact_and_rounded(seed: int, shape: tuple[int, ...] = (3, 7, 16)) -> tuple[torch.Tensor, torch.Tensor]:
+def _exact_and_rounded(
+    seed: int, shape: tuple[int, ...] = (3, 7, 16)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A float64 product and the same product computed in float32."""
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(*shape[:-1], 64, generator=gen, dtype=torch.float64)
@@ -84,7 +86,9 @@ def test_a_non_finite_value_on_one_side_fails(bad: float) -> None:
 
 def test_bad_arguments_are_refused() -> None:
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"hook_x: shapes differ: candidate \(2, 3\), peer \(3, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"hook_x: shapes differ: candidate \(2, 3\), peer \(3, 2\)"
+    ):
         check_rounding(x, x.T, x.double(), name="hook_x")
     with pytest.raises(ValueError, match="factor must be positive"):
         check_rounding(x, x, x.double(), factor=0)

@@ -18,7 +18,9 @@ from tl_core import ConfigError, TransformerBridge, UserError
 from tl_core.sae import SparseDictionary, load_dictionary, random_dictionary, splice
 
 
-def _dictionary(d_in: int = 8, d_sae: int = 32, seed: int = 0, **settings_: Any) -> SparseDictionary:
+def _dictionary(
+    d_in: int = 8, d_sae: int = 32, seed: int = 0, **settings_: Any
+) -> SparseDictionary:
     return random_dictionary(d_in, d_sae, seed=seed, scale=0.5, **settings_)
 
 
@@ -35,8 +37,15 @@ def _dictionary(d_in: int = 8, d_sae: int = 32, seed: int = 0, **settings_: Any)
         ({"W_skip": torch.zeros(8, 3)}, "W_skip has shape"),
     ],
 )
-def test_an_inconsistent_dictionary_is_refused_naming_the_problem(changes: dict[str, Any], message: str) -> None:
-    base = {"W_enc": torch.zeros(8, 32), "b_enc": torch.zeros(32), "W_dec": torch.zeros(32, 8), "b_dec": torch.zeros(8)}
+def test_an_inconsistent_dictionary_is_refused_naming_the_problem(
+    changes: dict[str, Any], message: str
+) -> None:
+    base = {
+        "W_enc": torch.zeros(8, 32),
+        "b_enc": torch.zeros(32),
+        "W_dec": torch.zeros(32, 8),
+        "b_dec": torch.zeros(8),
+    }
     with pytest.raises(ConfigError, match=message):
         SparseDictionary(**{**base, **changes})
 
@@ -44,7 +53,13 @@ def test_an_inconsistent_dictionary_is_refused_naming_the_problem(changes: dict[
 def test_a_transcoder_cannot_subtract_b_dec_from_its_input() -> None:
     with pytest.raises(ConfigError, match="a transcoder cannot subtract b_dec"):
         SparseDictionary(torch.zeros(8, 32), torch.zeros(32), torch.zeros(32, 6), torch.zeros(6))
-    transcoder = SparseDictionary(torch.zeros(8, 32), torch.zeros(32), torch.zeros(32, 6), torch.zeros(6), apply_b_dec_to_input=False)
+    transcoder = SparseDictionary(
+        torch.zeros(8, 32),
+        torch.zeros(32),
+        torch.zeros(32, 6),
+        torch.zeros(6),
+        apply_b_dec_to_input=False,
+    )
     assert (transcoder.d_in, transcoder.d_sae, transcoder.d_out) == (8, 32, 6)
 
 
@@ -64,7 +79,9 @@ def test_activation_rules(seed: int, k: int) -> None:
     acts = topk.activate(pre)
     assert bool(((acts != 0).sum(-1) <= k).all())
     kept = pre.topk(k, dim=-1).values.relu()
-    torch.testing.assert_close(acts.sort(-1, descending=True).values[..., :k], kept.sort(-1, descending=True).values)
+    torch.testing.assert_close(
+        acts.sort(-1, descending=True).values[..., :k], kept.sort(-1, descending=True).values
+    )
 
 
 def _save(folder: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
@@ -76,9 +93,24 @@ def _save(folder: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
 def test_a_sae_lens_folder_loads_and_reconstructs_as_the_dictionary(tmp_path: Path) -> None:
     d = _dictionary(architecture="jumprelu")
-    tensors = {"W_enc": d.W_enc, "b_enc": d.b_enc, "W_dec": d.W_dec, "b_dec": d.b_dec, "threshold": d.threshold}
-    cfg = {"d_in": 8, "d_sae": 32, "architecture": "jumprelu", "apply_b_dec_to_input": True, "normalize_activations": "none", "metadata": {"hook_name": "blocks.1.hook_in"}}
-    loaded = load_dictionary(_save(tmp_path / "sae", cfg, {k: v for k, v in tensors.items() if v is not None}))
+    tensors = {
+        "W_enc": d.W_enc,
+        "b_enc": d.b_enc,
+        "W_dec": d.W_dec,
+        "b_dec": d.b_dec,
+        "threshold": d.threshold,
+    }
+    cfg = {
+        "d_in": 8,
+        "d_sae": 32,
+        "architecture": "jumprelu",
+        "apply_b_dec_to_input": True,
+        "normalize_activations": "none",
+        "metadata": {"hook_name": "blocks.1.hook_in"},
+    }
+    loaded = load_dictionary(
+        _save(tmp_path / "sae", cfg, {k: v for k, v in tensors.items() if v is not None})
+    )
     assert loaded.hook_name == "blocks.1.hook_in" and loaded.architecture == "jumprelu"
     x = torch.randn(3, 8)
     torch.testing.assert_close(loaded.reconstruct(x), d.reconstruct(x))
@@ -92,7 +124,9 @@ def test_bad_folders_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="architecture 'gated' is not one tl runs"):
         load_dictionary(_save(tmp_path / "gated", {"architecture": "gated"}, tensors))
     with pytest.raises(ConfigError, match="lacks b_dec"):
-        load_dictionary(_save(tmp_path / "partial", {}, {k: v for k, v in tensors.items() if k != "b_dec"}))
+        load_dictionary(
+            _save(tmp_path / "partial", {}, {k: v for k, v in tensors.items() if k != "b_dec"})
+        )
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +159,29 @@ def test_a_splice_replaces_the_activation_with_the_reconstruction(llama: Transfo
     torch.testing.assert_close(llama.forward(ids), plain, rtol=0, atol=0)  # removed without a trace
 
 
-def test_a_splice_is_refused_before_any_forward_when_it_does_not_fit(llama: TransformerBridge) -> None:
+def test_a_splice_is_refused_before_any_forward_when_it_does_not_fit(
+    llama: TransformerBridge,
+) -> None:
     with pytest.raises(ConfigError, match="names no site"):
         splice(llama, _dictionary(d_in=llama.cfg.d_model))
-    with pytest.raises(ConfigError, match=r"reads width 8, but 'blocks.1.hook_in' has shape \(64,\)"):
+    with pytest.raises(
+        ConfigError, match=r"reads width 8, but 'blocks.1.hook_in' has shape \(64,\)"
+    ):
         splice(llama, _dictionary(d_in=8), hook_name="blocks.1.hook_in")
-    transcoder = SparseDictionary(torch.zeros(8, 32), torch.zeros(32), torch.zeros(32, 6), torch.zeros(6), apply_b_dec_to_input=False)
+    transcoder = SparseDictionary(
+        torch.zeros(8, 32),
+        torch.zeros(32),
+        torch.zeros(32, 6),
+        torch.zeros(6),
+        apply_b_dec_to_input=False,
+    )
     with pytest.raises(ConfigError, match="names no output site: pass output_hook_name="):
         splice(llama, transcoder, hook_name="blocks.1.hook_in")
 
 
 def test_the_repr_names_the_shape_and_settings_not_the_weights() -> None:
     text = repr(_dictionary(architecture="topk", k=4, hook_name="blocks.0.hook_resid_post"))
-    assert text.startswith("SparseDictionary('topk', d_in=8, d_sae=32, k=4, hook_name='blocks.0.hook_resid_post'")
+    assert text.startswith(
+        "SparseDictionary('topk', d_in=8, d_sae=32, k=4, hook_name='blocks.0.hook_resid_post'"
+    )
     assert text.endswith("dtype=float32)") and "tensor" not in text and len(text) < 200

@@ -20,7 +20,9 @@ SITES = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_
          "hook_sae_top_values", "hook_sae_recons", "hook_sae_error", "hook_sae_output")  # fmt: skip
 
 
-def _dictionary(d_in: int, d_sae: int, d_out: int | None = None, seed: int = 0, **settings: Any) -> SparseDictionary:
+def _dictionary(
+    d_in: int, d_sae: int, d_out: int | None = None, seed: int = 0, **settings: Any
+) -> SparseDictionary:
     return random_dictionary(d_in, d_sae, d_out=d_out, seed=seed, **settings)
 
 
@@ -30,42 +32,59 @@ def llama() -> TransformerBridge:
 
 
 def _ids(bridge: TransformerBridge, batch: int = 2, length: int = 7) -> torch.Tensor:
-    return torch.randint(0, bridge.cfg.d_vocab, (batch, length), generator=torch.Generator().manual_seed(5))
+    return torch.randint(
+        0, bridge.cfg.d_vocab, (batch, length), generator=torch.Generator().manual_seed(5)
+    )
 
 
 def test_every_site_is_captured_and_holds_what_its_name_says(llama: TransformerBridge) -> None:
     d_model = llama.cfg.d_model
-    d = _dictionary(d_model, 4 * d_model, architecture="jumprelu", normalize_activations="layer_norm")
+    d = _dictionary(
+        d_model, 4 * d_model, architecture="jumprelu", normalize_activations="layer_norm"
+    )
     ids = _ids(llama)
     spliced = llama.add_sae(d, hook_name="blocks.1.hook_resid_post", use_error_term=True, top_k=5)
     try:
         assert spliced.hook_name == "blocks.1.hook_out"
         # Aliases of the site reach its dictionary's sites too.
-        assert llama.namespace.lookup("blocks.1.hook_resid_post.hook_sae_acts_post") == spliced.site("hook_sae_acts_post")
-        _, cache = llama.run_with_cache(ids, names_filter=lambda n: n.startswith("blocks.1.hook_out"))
+        assert llama.namespace.lookup(
+            "blocks.1.hook_resid_post.hook_sae_acts_post"
+        ) == spliced.site("hook_sae_acts_post")
+        _, cache = llama.run_with_cache(
+            ids, names_filter=lambda n: n.startswith("blocks.1.hook_out")
+        )
     finally:
         spliced.remove()
     x = cache["blocks.1.hook_out"]
     got = {site: cache[f"blocks.1.hook_out.{site}"] for site in SITES}
     assert got["hook_sae_acts_post"].shape == (*ids.shape, 4 * d_model)
-    assert got["hook_sae_top_indices"].shape == (*ids.shape, 5) and got["hook_sae_top_indices"].dtype == torch.long
+    assert (
+        got["hook_sae_top_indices"].shape == (*ids.shape, 5)
+        and got["hook_sae_top_indices"].dtype == torch.long
+    )
     torch.testing.assert_close(got["hook_sae_input"], x)
     normed, _ = d.normalize(x)
     torch.testing.assert_close(got["hook_sae_acts_pre"], d.pre_activations(normed))
     torch.testing.assert_close(got["hook_sae_acts_post"], d.encode(x))
     values = d.encode(x).topk(5, dim=-1).values
     torch.testing.assert_close(got["hook_sae_top_values"], values)
-    assert torch.equal(torch.gather(d.encode(x), -1, got["hook_sae_top_indices"]), got["hook_sae_top_values"])
+    assert torch.equal(
+        torch.gather(d.encode(x), -1, got["hook_sae_top_indices"]), got["hook_sae_top_values"]
+    )
     torch.testing.assert_close(got["hook_sae_recons"], d.decode_linear(d.encode(x)))
     torch.testing.assert_close(got["hook_sae_error"], x - d.reconstruct(x))
     torch.testing.assert_close(got["hook_sae_output"], x, rtol=1e-5, atol=1e-5)
     assert llama.namespace.dictionaries == {}  # removed with its sites
-    with pytest.raises(HookNameError, match=re.escape("no dictionary is attached at 'blocks.1.hook_out'")):
+    with pytest.raises(
+        HookNameError, match=re.escape("no dictionary is attached at 'blocks.1.hook_out'")
+    ):
         llama.namespace.lookup("blocks.1.hook_out.hook_sae_acts_post")
 
 
 @pytest.mark.parametrize("use_error_term", [True, False])
-def test_a_feature_edit_moves_the_site_by_the_decoders_image_of_the_edit(llama: TransformerBridge, use_error_term: bool) -> None:
+def test_a_feature_edit_moves_the_site_by_the_decoders_image_of_the_edit(
+    llama: TransformerBridge, use_error_term: bool
+) -> None:
     d_model = llama.cfg.d_model
     d = _dictionary(d_model, 8 * d_model, seed=3)
     ids = _ids(llama, batch=3)
@@ -79,11 +98,19 @@ def test_a_feature_edit_moves_the_site_by_the_decoders_image_of_the_edit(llama: 
         None,
     ]
     try:
-        _, clean = llama.run_with_cache(ids, names_filter=[acts, "blocks.0.hook_out", "blocks.1.hook_in"])
-        _, edited = llama.run_with_cache(ids, names_filter=[acts, "blocks.1.hook_in"], intervene=per_prompt)
+        _, clean = llama.run_with_cache(
+            ids, names_filter=[acts, "blocks.0.hook_out", "blocks.1.hook_in"]
+        )
+        _, edited = llama.run_with_cache(
+            ids, names_filter=[acts, "blocks.1.hook_in"], intervene=per_prompt
+        )
     finally:
         spliced.remove()
-    before = d.reconstruct(clean["blocks.0.hook_out"]) if not use_error_term else clean["blocks.0.hook_out"]
+    before = (
+        d.reconstruct(clean["blocks.0.hook_out"])
+        if not use_error_term
+        else clean["blocks.0.hook_out"]
+    )
     torch.testing.assert_close(clean["blocks.1.hook_in"], before, rtol=1e-5, atol=1e-5)
     moved = edited["blocks.1.hook_in"] - clean["blocks.1.hook_in"]
     want = torch.zeros_like(moved)
@@ -111,7 +138,9 @@ def test_a_transcoder_reads_one_site_and_writes_another(llama: TransformerBridge
     plain = llama(ids)
     spliced = llama.add_sae(t, hook_name=read, output_hook_name=write)
     try:
-        got, cache = llama.run_with_cache(ids, names_filter=[spliced.site("hook_sae_output"), write])
+        got, cache = llama.run_with_cache(
+            ids, names_filter=[spliced.site("hook_sae_output"), write]
+        )
     finally:
         spliced.remove()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -135,9 +164,13 @@ def test_one_dictionary_per_layer_in_one_forward(llama: TransformerBridge) -> No
 
     with llama.hooks([(f"blocks.{i}.hook_out", rebuild) for i in range(3)]):
         want = llama(ids)
-    splices = [llama.add_sae(d, hook_name=f"blocks.{i}.hook_out") for i, d in enumerate(dictionaries)]
+    splices = [
+        llama.add_sae(d, hook_name=f"blocks.{i}.hook_out") for i, d in enumerate(dictionaries)
+    ]
     try:
-        got, cache = llama.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_sae_acts_post"))
+        got, cache = llama.run_with_cache(
+            ids, names_filter=lambda n: n.endswith("hook_sae_acts_post")
+        )
         assert sorted(cache.keys()) == [f"blocks.{i}.hook_out.hook_sae_acts_post" for i in range(3)]
     finally:
         for s in splices:
@@ -171,12 +204,16 @@ def test_float32_dictionary_on_a_bfloat16_model() -> None:
     ids = _ids(bridge)
     spliced = bridge.add_sae(d, hook_name="blocks.0.hook_out")
     try:
-        logits, cache = bridge.run_with_cache(ids, names_filter=[spliced.site("hook_sae_acts_post"), "blocks.0.hook_out"])
+        logits, cache = bridge.run_with_cache(
+            ids, names_filter=[spliced.site("hook_sae_acts_post"), "blocks.0.hook_out"]
+        )
     finally:
         spliced.remove()
     assert cache[spliced.site("hook_sae_acts_post")].dtype == torch.float32
     assert cache["blocks.0.hook_out"].dtype == logits.dtype == torch.bfloat16
-    torch.testing.assert_close(cache[spliced.site("hook_sae_acts_post")], d.encode(cache["blocks.0.hook_out"]))
+    torch.testing.assert_close(
+        cache[spliced.site("hook_sae_acts_post")], d.encode(cache["blocks.0.hook_out"])
+    )
 
 
 def test_bad_input_is_refused_before_any_forward(llama: TransformerBridge) -> None:
@@ -186,26 +223,48 @@ def test_bad_input_is_refused_before_any_forward(llama: TransformerBridge) -> No
     with pytest.raises(ConfigError, match=r"reads width 8, but 'blocks.0.hook_out' has shape"):
         llama.add_sae(_dictionary(8, 16), hook_name="blocks.0.hook_out")
     with pytest.raises(ConfigError, match="names no output site"):
-        llama.add_sae(_dictionary(d_model, 16, apply_b_dec_to_input=False, skip=True), hook_name="blocks.0.hook_out")
+        llama.add_sae(
+            _dictionary(d_model, 16, apply_b_dec_to_input=False, skip=True),
+            hook_name="blocks.0.hook_out",
+        )
     with pytest.raises(HookNameError, match=re.escape("blocks.9.mlp.hook_out")):
         llama.add_sae(_dictionary(d_model, 16, apply_b_dec_to_input=False, skip=True), hook_name="blocks.0.ln2.hook_normalized",
                       output_hook_name="blocks.9.mlp.hook_out")  # fmt: skip
-    with pytest.raises(ConfigError, match=re.escape("forward pass reaches 'blocks.0.ln2.hook_normalized' first")):
+    with pytest.raises(
+        ConfigError, match=re.escape("forward pass reaches 'blocks.0.ln2.hook_normalized' first")
+    ):
         llama.add_sae(_dictionary(d_model, 16, apply_b_dec_to_input=False, skip=True), hook_name="blocks.0.mlp.hook_out",
                       output_hook_name="blocks.0.ln2.hook_normalized")  # fmt: skip
     with pytest.raises(ConfigError, match=re.escape("top_k must be an int in 1..16")):
         llama.add_sae(d, hook_name="blocks.0.hook_out", top_k=17)
     with pytest.raises(HookNameError, match=re.escape("attach one first with bridge.add_sae")):
-        llama(ids, intervene={"blocks.0.hook_out.hook_sae_acts_post": {"op": "suppress", "features": 1}})
+        llama(
+            ids,
+            intervene={"blocks.0.hook_out.hook_sae_acts_post": {"op": "suppress", "features": 1}},
+        )
     with pytest.raises(HookNameError, match="'hook_sae_acts' is not a dictionary site"):
         llama.run_with_cache(ids, names_filter=["blocks.0.hook_out.hook_sae_acts"])
     spliced = llama.add_sae(d, hook_name="blocks.0.hook_out")
     try:
-        with pytest.raises(SpecError, match=r"lists feature 16, out of range for this hook's 16 features"):
-            llama(ids, intervene={spliced.site("hook_sae_acts_post"): {"op": "add", "value": 1.0, "features": [3, 16]}})
+        with pytest.raises(
+            SpecError, match=r"lists feature 16, out of range for this hook's 16 features"
+        ):
+            llama(
+                ids,
+                intervene={
+                    spliced.site("hook_sae_acts_post"): {
+                        "op": "add",
+                        "value": 1.0,
+                        "features": [3, 16],
+                    }
+                },
+            )
         with pytest.raises(SpecError, match="cannot edit"):
             llama(ids, intervene={spliced.site("hook_sae_top_values"): {"op": "suppress"}})
-        with pytest.raises(HookNameError, match=re.escape("a dictionary already reads or writes 'blocks.0.hook_out'")):
+        with pytest.raises(
+            HookNameError,
+            match=re.escape("a dictionary already reads or writes 'blocks.0.hook_out'"),
+        ):
             llama.add_sae(d, hook_name="blocks.0.hook_out")
     finally:
         spliced.remove()
@@ -236,7 +295,11 @@ def test_evaluation_equals_the_quantities_computed_by_hand(llama: TransformerBri
     tokens = torch.randint(0, llama.cfg.d_vocab, (5, 9), generator=torch.Generator().manual_seed(1))
 
     def ce(logits: torch.Tensor) -> float:
-        return float(torch.nn.functional.cross_entropy(logits[:, :-1].detach().flatten(0, 1).double(), tokens[:, 1:].flatten()))
+        return float(
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].detach().flatten(0, 1).double(), tokens[:, 1:].flatten()
+            )
+        )
 
     with torch.no_grad():
         clean, cache = llama.run_with_cache(tokens, names_filter=[hook])
@@ -250,12 +313,16 @@ def test_evaluation_equals_the_quantities_computed_by_hand(llama: TransformerBri
     assert got.ce_clean == pytest.approx(ce(clean), rel=1e-5)
     assert got.ce_splice == pytest.approx(ce(spliced), rel=1e-5)
     assert got.ce_zero == pytest.approx(ce(zero), rel=1e-5)
-    assert got.ce_recovered == pytest.approx((ce(zero) - ce(spliced)) / (ce(zero) - ce(clean)), rel=1e-4)
+    assert got.ce_recovered == pytest.approx(
+        (ce(zero) - ce(spliced)) / (ce(zero) - ce(clean)), rel=1e-4
+    )
     p, q = (torch.log_softmax(t[:, :-1].double(), -1) for t in (clean, spliced))
     assert got.kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
     flat = x.flatten(0, 1).double()
     resid = (flat - d.reconstruct(x).flatten(0, 1).double()).pow(2).sum()
-    assert got.explained_variance == pytest.approx(float(1 - resid / (flat - flat.mean(0)).pow(2).sum()), rel=1e-4)
+    assert got.explained_variance == pytest.approx(
+        float(1 - resid / (flat - flat.mean(0)).pow(2).sum()), rel=1e-4
+    )
     fired = d.encode(x) > 0
     assert got.l0 == pytest.approx(float(fired.sum(-1).double().mean()))
     assert torch.equal(got.feature_counts, fired.flatten(0, 1).sum(0))

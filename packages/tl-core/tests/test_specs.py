@@ -921,8 +921,6 @@ def test_specs_and_plans_pickle_for_worker_processes() -> None:
     assert again.specs_for(HOOK)[0][0].pos == (2,)
 
 
-
-
 @pytest.mark.parametrize(
     "spec",
     [
@@ -940,16 +938,22 @@ def test_an_edit_that_zeroes_a_norm_divisor_is_refused(spec: dict[str, Any]) -> 
     bridge = TransformerBridge.boot_native("gpt2", n_layers=2)
     calls: list[int] = []
     with bridge.hooks([("embed.hook_out", lambda x, hook: calls.append(1))]):
-        with pytest.raises(SpecError, match=r"hook_scale is the divisor .* edit hook_normalized instead"):
+        with pytest.raises(
+            SpecError, match=r"hook_scale is the divisor .* edit hook_normalized instead"
+        ):
             bridge("Divide by what?", intervene={"blocks.0.ln2.hook_scale": spec})
     assert calls == []
-    kept = bridge("Divide by what?", intervene={"blocks.0.ln2.hook_scale": {"op": "scale", "factor": 2.0}})
+    kept = bridge(
+        "Divide by what?", intervene={"blocks.0.ln2.hook_scale": {"op": "scale", "factor": 2.0}}
+    )
     assert bool(torch.isfinite(kept).all())
 
 
 @settings(max_examples=200, deadline=None)
 @given(length=st.integers(1, 12), data=st.data())
-def test_absolute_positions_count_negatives_from_the_end_and_refuse_the_rest(length: int, data: st.DataObject) -> None:
+def test_absolute_positions_count_negatives_from_the_end_and_refuse_the_rest(
+    length: int, data: st.DataObject
+) -> None:
     from tl_core.driver_api import absolute_positions
 
     positions = data.draw(st.lists(st.integers(-length - 3, length + 2), min_size=1, max_size=6))
@@ -958,5 +962,7 @@ def test_absolute_positions_count_negatives_from_the_end_and_refuse_the_rest(len
     if inside and len(set(resolved)) == len(resolved):
         assert absolute_positions(positions, length) == tuple(resolved)
     else:
-        with pytest.raises(SpecError, match="out of range" if not inside else "names one position twice"):
+        with pytest.raises(
+            SpecError, match="out of range" if not inside else "names one position twice"
+        ):
             absolute_positions(positions, length, where="here")

@@ -41,7 +41,9 @@ BYPASSED = ("ln1.hook_scale", "ln1.hook_normalized", "ln1.hook_out", "attn.hook_
 def _boot(name: str, **extra: Any) -> TransformerBridge:
     preset, overrides = MODELS[name]
     # xavier_normal weights give peaked patterns, so a wrong head shows up clearly.
-    return TransformerBridge.boot_native(preset, n_layers=2, seed=3, init_mode="xavier_normal", **overrides, **extra)
+    return TransformerBridge.boot_native(
+        preset, n_layers=2, seed=3, init_mode="xavier_normal", **overrides, **extra
+    )
 
 
 @pytest.fixture(params=list(MODELS))
@@ -109,7 +111,9 @@ def _run(
     return logits.detach(), acts, grads
 
 
-def _ln1_reference(bridge: TransformerBridge, block: TransformerBlock, x: torch.Tensor) -> torch.Tensor:
+def _ln1_reference(
+    bridge: TransformerBridge, block: TransformerBlock, x: torch.Tensor
+) -> torch.Tensor:
     """ln1 written from its formula over the last axis."""
     kind = bridge.model.cfg.normalization_type
     eps = bridge.model.cfg.eps
@@ -128,7 +132,9 @@ def _ln1_reference(bridge: TransformerBridge, block: TransformerBlock, x: torch.
 # -- switching ------------------------------------------------------------------------
 
 
-def test_logits_are_unchanged_and_sites_listed_only_while_on(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_logits_are_unchanged_and_sites_listed_only_while_on(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     sites = {f"blocks.{i}.{s}" for i in range(bridge.cfg.n_layers) for s in SPLIT}
     off = bridge(ids)
     assert not sites & set(bridge.hook_dict)
@@ -143,8 +149,14 @@ def test_logits_are_unchanged_and_sites_listed_only_while_on(bridge: Transformer
     for i in range(bridge.cfg.n_layers):
         for x in KINDS:
             # The legacy HookedTransformer name is an alias of the canonical site.
-            assert bridge.namespace.lookup(f"blocks.{i}.hook_{x}_input") == f"blocks.{i}.attn.hook_{x}_input"
-            assert bridge.get_hook_point(f"blocks.{i}.hook_{x}_input") is bridge.hook_dict[f"blocks.{i}.attn.hook_{x}_input"]
+            assert (
+                bridge.namespace.lookup(f"blocks.{i}.hook_{x}_input")
+                == f"blocks.{i}.attn.hook_{x}_input"
+            )
+            assert (
+                bridge.get_hook_point(f"blocks.{i}.hook_{x}_input")
+                is bridge.hook_dict[f"blocks.{i}.attn.hook_{x}_input"]
+            )
 
     bridge.set_use_split_qkv_input(False)
     assert torch.equal(bridge(ids), off)
@@ -162,21 +174,31 @@ def test_switching_off_restores_the_namespace_exactly(bridge: TransformerBridge)
     bridge.set_use_split_qkv_input(True)
     during = bridge.namespace
     assert during is not before
-    assert during.served == before.served | {f"blocks.{i}.{s}" for i in range(bridge.cfg.n_layers) for s in SPLIT}
-    bypassed = {f"blocks.{i}.{s}" for i in range(bridge.cfg.n_layers) for s in BYPASSED} & before.served
+    assert during.served == before.served | {
+        f"blocks.{i}.{s}" for i in range(bridge.cfg.n_layers) for s in SPLIT
+    }
+    bypassed = {
+        f"blocks.{i}.{s}" for i in range(bridge.cfg.n_layers) for s in BYPASSED
+    } & before.served
     assert during.read_only == before.read_only | bypassed
     for name in bypassed:
         assert "set_use_split_qkv_input(False)" in during.reasons[name], name
 
     bridge.set_use_split_qkv_input(False)
     after = bridge.namespace
-    assert (after.served, after.editable, dict(after.reasons)) == (before.served, before.editable, dict(before.reasons))
+    assert (after.served, after.editable, dict(after.reasons)) == (
+        before.served,
+        before.editable,
+        dict(before.reasons),
+    )
     with pytest.raises(HookNameError) as again:
         after.lookup(legacy)
     assert str(again.value) == str(raised.value)
 
 
-def test_switching_twice_is_harmless_and_only_bools_are_taken(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_switching_twice_is_harmless_and_only_bools_are_taken(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     off = bridge(ids)
     bridge.set_use_split_qkv_input(True)
     bridge.set_use_split_qkv_input(True)
@@ -203,7 +225,9 @@ def test_booting_with_the_config_flag_turns_them_on() -> None:
     assert "blocks.0.attn.hook_k_input" not in bridge.hook_dict
 
 
-def test_shapes_follow_query_and_key_value_heads(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_shapes_follow_query_and_key_value_heads(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     bridge.set_use_split_qkv_input(True)
     names = [f"blocks.0.{s}" for s in SPLIT] + ["blocks.0.hook_in"]
     _, acts, _ = _run(bridge, ids, names)
@@ -211,7 +235,10 @@ def test_shapes_follow_query_and_key_value_heads(bridge: TransformerBridge, ids:
         copies = acts[f"blocks.0.attn.hook_{kind}_input"]
         n = _heads(bridge, kind)
         assert copies.shape == (*ids.shape, n, bridge.cfg.d_model)
-        assert bridge.namespace.feature_shape(f"blocks.0.attn.hook_{kind}_input") == (n, bridge.cfg.d_model)
+        assert bridge.namespace.feature_shape(f"blocks.0.attn.hook_{kind}_input") == (
+            n,
+            bridge.cfg.d_model,
+        )
         # Each copy is the block input itself (before ln1).
         for h in range(n):
             assert torch.equal(copies[:, :, h], acts["blocks.0.hook_in"])
@@ -240,7 +267,9 @@ def test_each_heads_input_gradient_is_that_heads_own_vjp(
         if bias is not None:
             out = out + bias.detach()[h]
         (expected,) = torch.autograd.grad(out, xh, g_out[:, :, h])
-        torch.testing.assert_close(g_in[:, :, h], expected, rtol=1e-5, atol=1e-6, msg=f"{site} head {h}")
+        torch.testing.assert_close(
+            g_in[:, :, h], expected, rtol=1e-5, atol=1e-6, msg=f"{site} head {h}"
+        )
     # The heads' gradients are their own, not one shared value.
     assert not torch.allclose(g_in[:, :, 0], g_in[:, :, -1]) or g_in.shape[2] == 1
 
@@ -266,7 +295,9 @@ def test_parameter_gradients_are_unchanged(bridge: TransformerBridge, ids: torch
         logits = bridge(ids)
         weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(5))
         (logits * weights).sum().backward()
-        found = {n: p.grad.clone() for n, p in bridge.model.named_parameters() if p.grad is not None}
+        found = {
+            n: p.grad.clone() for n, p in bridge.model.named_parameters() if p.grad is not None
+        }
         bridge.zero_grad(set_to_none=True)
         return found
 
@@ -292,7 +323,9 @@ def _add_to_head(head: int, vec: torch.Tensor) -> Callable[..., torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_editing_one_heads_copy_changes_only_that_head(bridge: TransformerBridge, ids: torch.Tensor, kind: str) -> None:
+def test_editing_one_heads_copy_changes_only_that_head(
+    bridge: TransformerBridge, ids: torch.Tensor, kind: str
+) -> None:
     bridge.set_use_split_qkv_input(True)
     n_heads, n_kv = bridge.cfg.n_heads, bridge.cfg.kv_heads
     group = n_heads // n_kv
@@ -301,7 +334,12 @@ def test_editing_one_heads_copy_changes_only_that_head(bridge: TransformerBridge
     _, clean, _ = _run(bridge, ids, names)
     vec = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(2))
     for target in sorted({0, _heads(bridge, kind) - 1}):
-        _, edited, _ = _run(bridge, ids, names, edits=[(f"blocks.0.attn.hook_{kind}_input", _add_to_head(target, vec))])
+        _, edited, _ = _run(
+            bridge,
+            ids,
+            names,
+            edits=[(f"blocks.0.attn.hook_{kind}_input", _add_to_head(target, vec))],
+        )
         for x, out in zip(KINDS, outs, strict=True):
             for h in range(clean[out].shape[2]):
                 same = torch.equal(edited[out][:, :, h], clean[out][:, :, h])
@@ -309,13 +347,20 @@ def test_editing_one_heads_copy_changes_only_that_head(bridge: TransformerBridge
         # Which query heads see it: the one head for q, the kv head's group for k and v.
         readers = {target} if kind == "q" else {h for h in range(n_heads) if h // group == target}
         for h in range(n_heads):
-            pattern_same = torch.equal(edited["blocks.0.attn.hook_pattern"][:, h], clean["blocks.0.attn.hook_pattern"][:, h])
-            z_same = torch.equal(edited["blocks.0.attn.hook_z"][:, :, h], clean["blocks.0.attn.hook_z"][:, :, h])
+            pattern_same = torch.equal(
+                edited["blocks.0.attn.hook_pattern"][:, h],
+                clean["blocks.0.attn.hook_pattern"][:, h],
+            )
+            z_same = torch.equal(
+                edited["blocks.0.attn.hook_z"][:, :, h], clean["blocks.0.attn.hook_z"][:, :, h]
+            )
             assert pattern_same is (kind == "v" or h not in readers), ("pattern", h, target)
             assert z_same is (h not in readers), ("z", h, target)
 
 
-def test_an_edit_to_every_copy_equals_the_same_edit_before_ln1(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_an_edit_to_every_copy_equals_the_same_edit_before_ln1(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     vec = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(4))
 
     def add(x: torch.Tensor, hook: HookPoint) -> torch.Tensor:
@@ -323,7 +368,11 @@ def test_an_edit_to_every_copy_equals_the_same_edit_before_ln1(bridge: Transform
 
     # Without split, an edit of ln1's input (attention's, without norms) moves q, k and v of
     # every head together.
-    site = "blocks.1.ln1.hook_in" if "blocks.1.ln1.hook_in" in bridge.hook_dict else "blocks.1.attn.hook_in"
+    site = (
+        "blocks.1.ln1.hook_in"
+        if "blocks.1.ln1.hook_in" in bridge.hook_dict
+        else "blocks.1.attn.hook_in"
+    )
     expected, _, _ = _run(bridge, ids, edits=[(site, add)])
     bridge.set_use_split_qkv_input(True)
     got, _, _ = _run(bridge, ids, edits=[(f"blocks.1.{s}", add) for s in SPLIT])
@@ -350,12 +399,16 @@ def test_specs_edit_the_copies(bridge: TransformerBridge, ids: torch.Tensor) -> 
     bridge.set_use_split_qkv_input(True)
     clean = bridge(ids)
     for x in KINDS:
-        edited = bridge(ids, intervene={f"blocks.0.hook_{x}_input": {"op": "scale", "factor": 0.5, "pos": -1}})
+        edited = bridge(
+            ids, intervene={f"blocks.0.hook_{x}_input": {"op": "scale", "factor": 0.5, "pos": -1}}
+        )
         assert not torch.equal(edited[:, -1], clean[:, -1]), x
         assert torch.equal(edited[:, :-1], clean[:, :-1]), x  # causal: earlier positions untouched
 
 
-def test_bypassed_sites_refuse_specs_while_on_and_take_them_after(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_bypassed_sites_refuse_specs_while_on_and_take_them_after(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     names = [f"blocks.0.{s}" for s in BYPASSED if f"blocks.0.{s}" in bridge.hook_dict]
     assert "blocks.0.attn.hook_in" in names
     spec = {"op": "scale", "factor": 1.5}
@@ -374,7 +427,9 @@ def test_bypassed_sites_refuse_specs_while_on_and_take_them_after(bridge: Transf
         assert torch.equal(bridge(ids, intervene={name: spec}), before[name]), name
 
 
-def test_bypassed_sites_refuse_python_hook_edits_while_on(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_bypassed_sites_refuse_python_hook_edits_while_on(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     names = [f"blocks.0.{s}" for s in BYPASSED if f"blocks.0.{s}" in bridge.hook_dict]
 
     def double(x: torch.Tensor, hook: Any) -> torch.Tensor:
@@ -389,7 +444,9 @@ def test_bypassed_sites_refuse_python_hook_edits_while_on(bridge: TransformerBri
     finally:
         bridge.set_use_split_qkv_input(False)
     for name in names:
-        assert not torch.equal(bridge.run_with_hooks(ids, fwd_hooks=[(name, double)]), bridge(ids)), name
+        assert not torch.equal(
+            bridge.run_with_hooks(ids, fwd_hooks=[(name, double)]), bridge(ids)
+        ), name
 
 
 class _NoSplitDriver(NativeDriver):
@@ -399,7 +456,9 @@ class _NoSplitDriver(NativeDriver):
 
 
 def test_a_driver_without_per_head_inputs_refuses_and_stays_as_it_was(ids: torch.Tensor) -> None:
-    bridge = TransformerBridge(_NoSplitDriver(NativeTransformer(NativeConfig.llama_style(n_layers=2))))
+    bridge = TransformerBridge(
+        _NoSplitDriver(NativeTransformer(NativeConfig.llama_style(n_layers=2)))
+    )
     clean, served = bridge(ids), bridge.namespace.served
     with pytest.raises(UnsupportedFeatureError, match="has no per-head q/k/v inputs"):
         bridge.set_use_split_qkv_input(True)
@@ -412,7 +471,9 @@ def test_a_driver_without_per_head_inputs_refuses_and_stays_as_it_was(ids: torch
 # -- cleanup --------------------------------------------------------------------------
 
 
-def test_turning_off_in_finally_after_an_exception_restores_the_model(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_turning_off_in_finally_after_an_exception_restores_the_model(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     clean = bridge(ids)
     names = set(bridge.hook_dict)
 
@@ -432,7 +493,9 @@ def test_turning_off_in_finally_after_an_exception_restores_the_model(bridge: Tr
     assert torch.equal(bridge(ids), clean)
 
 
-def test_start_and_stop_at_layer_agree_with_split_on(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_start_and_stop_at_layer_agree_with_split_on(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     resid = bridge(ids, stop_at_layer=1)
     tail = bridge(None, start_at_layer=1, residual=resid, tokens=ids)
     bridge.set_use_split_qkv_input(True)

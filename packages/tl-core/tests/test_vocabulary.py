@@ -63,7 +63,9 @@ PARALLEL_NO_NORM = dataclasses.replace(NEOX, normalization_type=None)
 MIXTRAL = dataclasses.replace(LLAMA, gated_mlp=False, n_experts=4, experts_per_token=2)
 BLOOM = dataclasses.replace(GPT2, positional_embedding_type="none", embed_norm=True)
 QWEN2_MOE = dataclasses.replace(MIXTRAL, d_shared_expert=12)
-DEEPSEEK = dataclasses.replace(QWEN2_MOE, d_q_latent=24, d_kv_latent=16, architecture="deepseek-style")
+DEEPSEEK = dataclasses.replace(
+    QWEN2_MOE, d_q_latent=24, d_kv_latent=16, architecture="deepseek-style"
+)
 MAMBA = dataclasses.replace(LLAMA, mixer=True, architecture="mamba-style")
 
 #: Every structural condition a template may name, each with its reason for absent sites.
@@ -78,7 +80,20 @@ def test_every_requirement_is_decided_by_structure_and_explained() -> None:
         assert MISSING_BECAUSE[requirement], requirement
         # Some model of the fixtures has the sites and some lacks them; the opt-ins are
         # decided by the caller, not the structure.
-        infos = (GPT2, LLAMA, GEMMA2, QWEN3, NEOX, NO_NORM, MIXTRAL, QWEN2_MOE, DEEPSEEK, MAMBA, BLOOM, PARALLEL_NO_NORM)
+        infos = (
+            GPT2,
+            LLAMA,
+            GEMMA2,
+            QWEN3,
+            NEOX,
+            NO_NORM,
+            MIXTRAL,
+            QWEN2_MOE,
+            DEEPSEEK,
+            MAMBA,
+            BLOOM,
+            PARALLEL_NO_NORM,
+        )
         met = {requirement_met(requirement, info) for info in infos}
         opt_in = requirement in ("attn_result", "split_qkv_input")
         assert met == ({True} if opt_in else {True, False}), requirement
@@ -127,13 +142,24 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
         "blocks.{i}.hook_out",
         "unembed.hook_out",
     }
-    for norm in ("blocks.{i}.ln1", "blocks.{i}.ln1_post", "blocks.{i}.ln2_post", "ln_final", "embed_ln"):
+    for norm in (
+        "blocks.{i}.ln1",
+        "blocks.{i}.ln1_post",
+        "blocks.{i}.ln2_post",
+        "ln_final",
+        "embed_ln",
+    ):
         expected |= {f"{norm}.hook_{s}" for s in ("in", "scale", "normalized", "out")}
     expected |= {f"blocks.{{i}}.ln2.hook_{s}" for s in ("scale", "normalized", "out")}
     # Mixture-of-experts routing, as TransformerLens 4.x serves it.
-    expected |= {f"blocks.{{i}}.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")}
+    expected |= {
+        f"blocks.{{i}}.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")
+    }
     # A shared expert beside the routed ones (Qwen2-MoE), and the routed experts' sum.
-    expected |= {f"blocks.{{i}}.mlp.shared_expert.hook_{s}" for s in ("pre", "pre_linear", "post", "out", "gate")}
+    expected |= {
+        f"blocks.{{i}}.mlp.shared_expert.hook_{s}"
+        for s in ("pre", "pre_linear", "post", "out", "gate")
+    }
     expected.add("blocks.{i}.mlp.experts.hook_out")
     # Multi-head latent attention's compressed latents (DeepSeek-V2/V3).
     expected |= {"blocks.{i}.attn.hook_q_latent", "blocks.{i}.attn.hook_kv_latent"}
@@ -371,7 +397,9 @@ def test_per_head_inputs_are_opt_in_canonical_sites() -> None:
     assert "blocks.0.attn.hook_q_input" not in names
     split = canonical_hook_names(LLAMA, include_split_qkv_input=True)
     i = split.index("blocks.0.attn.hook_q_input")
-    assert split[i : i + 4] == [f"blocks.0.attn.hook_{x}_input" for x in "qkv"] + ["blocks.0.attn.hook_in"]
+    assert split[i : i + 4] == [f"blocks.0.attn.hook_{x}_input" for x in "qkv"] + [
+        "blocks.0.attn.hook_in"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -428,7 +456,12 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (PARALLEL_NO_NORM, "blocks.1.ln2.hook_in", "structurally_absent", "blocks.1.ln2.hook_in"),
         (QWEN3, "blocks.1.attn.hook_q_normed", "alias", "blocks.1.attn.q_norm.hook_out"),
         (QWEN3, "k_norm_in.1", "alias", "blocks.1.attn.k_norm.hook_in"),
-        (LLAMA, "blocks.1.attn.q_norm.hook_out", "structurally_absent", "blocks.1.attn.q_norm.hook_out"),
+        (
+            LLAMA,
+            "blocks.1.attn.q_norm.hook_out",
+            "structurally_absent",
+            "blocks.1.attn.q_norm.hook_out",
+        ),
         (LLAMA, "rotary_emb.hook_sin", "alias", "blocks.0.attn.hook_sin"),
         (GPT2, "rotary_emb.hook_cos", "structurally_absent", "blocks.0.attn.hook_cos"),
         (LLAMA, "pos_embed.hook_in", "structurally_absent", "pos_embed.hook_in"),
@@ -437,16 +470,41 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (MIXTRAL, "blocks.1.mlp.gate.hook_in", "alias", "blocks.1.mlp.hook_in"),
         (MIXTRAL, "expert_indices.1", "alias", "blocks.1.mlp.hook_expert_indices"),
         (MIXTRAL, "blocks.1.mlp.router.hook_out", "alias", "blocks.1.mlp.hook_router_logits"),
-        (MIXTRAL, "blocks.1.mlp.router.hook_expert_weights", "alias", "blocks.1.mlp.hook_expert_weights"),
+        (
+            MIXTRAL,
+            "blocks.1.mlp.router.hook_expert_weights",
+            "alias",
+            "blocks.1.mlp.hook_expert_weights",
+        ),
         (MIXTRAL, "blocks.1.mlp.hook_router_scores", "derived", "blocks.1.mlp.hook_expert_weights"),
         (LLAMA, "blocks.1.mlp.router.hook_in", "structurally_absent", None),
         (LLAMA, "blocks.1.mlp.hook_router_scores", "structurally_absent", None),
-        (QWEN2_MOE, "blocks.1.mlp.shared_expert_gate.hook_out", "alias", "blocks.1.mlp.shared_expert.hook_gate"),
-        (QWEN2_MOE, "blocks.1.mlp.shared_expert.out.hook_in", "alias", "blocks.1.mlp.shared_expert.hook_post"),
+        (
+            QWEN2_MOE,
+            "blocks.1.mlp.shared_expert_gate.hook_out",
+            "alias",
+            "blocks.1.mlp.shared_expert.hook_gate",
+        ),
+        (
+            QWEN2_MOE,
+            "blocks.1.mlp.shared_expert.out.hook_in",
+            "alias",
+            "blocks.1.mlp.shared_expert.hook_post",
+        ),
         (QWEN2_MOE, "blocks.1.mlp.experts.hook_post", "alias", "blocks.1.mlp.experts.hook_out"),
         (MIXTRAL, "blocks.1.mlp.shared_expert.hook_in", "structurally_absent", None),
-        (MIXTRAL, "blocks.1.mlp.shared_expert.hook_out", "structurally_absent", "blocks.1.mlp.shared_expert.hook_out"),
-        (LLAMA, "blocks.1.mlp.hook_expert_weights", "structurally_absent", "blocks.1.mlp.hook_expert_weights"),
+        (
+            MIXTRAL,
+            "blocks.1.mlp.shared_expert.hook_out",
+            "structurally_absent",
+            "blocks.1.mlp.shared_expert.hook_out",
+        ),
+        (
+            LLAMA,
+            "blocks.1.mlp.hook_expert_weights",
+            "structurally_absent",
+            "blocks.1.mlp.hook_expert_weights",
+        ),
         (GPT2, "hook_embed", "alias", "embed.hook_out"),
         (BLOOM, "hook_embed", "alias", "embed_ln.hook_out"),
         (GPT2, "embed_ln.hook_out", "structurally_absent", "embed_ln.hook_out"),
@@ -491,7 +549,9 @@ def test_model_dependent_names_say_so_without_a_model() -> None:
 
 def test_absent_canonical_names_agree_with_the_listing() -> None:
     for info in (GPT2, LLAMA, GEMMA2, NEOX, NO_NORM):
-        listed = set(canonical_hook_names(info, include_attn_result=True, include_split_qkv_input=True))
+        listed = set(
+            canonical_hook_names(info, include_attn_result=True, include_split_qkv_input=True)
+        )
         for layer in range(info.n_layers):
             for t in CANONICAL_TEMPLATES:
                 name = t.format(layer)
@@ -516,7 +576,12 @@ def _block(layer: int, *suffixes: str) -> list[str]:
 def test_listing_follows_the_structure_of_each_kind_of_model() -> None:
     gpt2 = canonical_hook_names(GPT2)
     # Inputs first: token ids, embeddings, then the learned positions a GPT-2 has.
-    assert gpt2[:4] == ["embed.hook_in", "embed.hook_out", "pos_embed.hook_in", "pos_embed.hook_out"]
+    assert gpt2[:4] == [
+        "embed.hook_in",
+        "embed.hook_out",
+        "pos_embed.hook_in",
+        "pos_embed.hook_out",
+    ]
     assert gpt2[-1] == "unembed.hook_out"
     assert not any(
         n.endswith(("rot_q", "rot_k", "hook_cos", "hook_sin", "pre_linear", "hook_result"))
@@ -528,8 +593,7 @@ def test_listing_follows_the_structure_of_each_kind_of_model() -> None:
     # Every block lists the same sites, and nothing in a block belongs to another block.
     for names in (gpt2, llama):
         blocks = [
-            [n.split(".", 2)[2] for n in names if n.startswith(f"blocks.{i}.")]
-            for i in range(2)
+            [n.split(".", 2)[2] for n in names if n.startswith(f"blocks.{i}.")] for i in range(2)
         ]
         assert blocks[0] == blocks[1]
     for layer in range(LLAMA.n_layers):

@@ -138,7 +138,11 @@ def _fold_value_bias(
         b_V = bias.view(n_kv, d_head).clone()
         bias.zero_()
     out[key] = (bias, "as_is")
-    b_O = current(f"{o}.bias", "as_is") if f"{o}.bias" in sd else torch.zeros(W_O.shape[1], dtype=W_O.dtype)
+    b_O = (
+        current(f"{o}.bias", "as_is")
+        if f"{o}.bias" in sd
+        else torch.zeros(W_O.shape[1], dtype=W_O.dtype)
+    )
     group = n_heads // n_kv
     for h in range(n_heads):
         b_O = b_O + b_V[h // group] @ W_O[h * d_head : (h + 1) * d_head]

@@ -23,7 +23,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def _qkv(kind: str, attn: nn.Module, x: torch.Tensor, n_heads: int, d_head: int) -> tuple[torch.Tensor, ...]:
+def _qkv(
+    kind: str, attn: nn.Module, x: torch.Tensor, n_heads: int, d_head: int
+) -> tuple[torch.Tensor, ...]:
     """``(q, k, v)`` as ``[b, heads, p, dh]`` from the projection weights."""
     if kind == "gpt_neo":
         return tuple(
@@ -41,7 +43,12 @@ def _qkv(kind: str, attn: nn.Module, x: torch.Tensor, n_heads: int, d_head: int)
 
 
 def record_inline_attention(
-    kind: str, attn: nn.Module, o: nn.Module, n_heads: int, d_head: int, store: dict[int, dict[str, torch.Tensor]]
+    kind: str,
+    attn: nn.Module,
+    o: nn.Module,
+    n_heads: int,
+    d_head: int,
+    store: dict[int, dict[str, torch.Tensor]],
 ) -> list[RemovableHandle]:
     """Hooks on the eager model that fill ``store[id(attn)]`` with q/k/v/pattern/z/scores.
 
@@ -63,12 +70,21 @@ def record_inline_attention(
             if kind == "falcon":
                 cos, sin = kwargs["position_embeddings"]
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            scores = q.float() @ k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1).transpose(-1, -2)
+            scores = q.float() @ k.float().repeat_interleave(
+                q.shape[1] // k.shape[1], dim=1
+            ).transpose(-1, -2)
             if kind != "gpt_neo":  # GPT-Neo was trained without the 1/sqrt(d_head)
                 scores = scores / d_head**0.5
             if kind == "bloom":  # ALiBi: a per-head linear bias over key positions
                 scores = scores + kwargs["alibi"].view(x.shape[0], n_heads, 1, -1)
-        store[id(module)] = {"q": q, "k": k, "v": v, "pattern": out[1].detach(), "z": seen["z"], "scores": scores}
+        store[id(module)] = {
+            "q": q,
+            "k": k,
+            "v": v,
+            "pattern": out[1].detach(),
+            "z": seen["z"],
+            "scores": scores,
+        }
 
     return [
         attn.register_forward_pre_hook(before, with_kwargs=True),

@@ -25,7 +25,9 @@ def test_ragged_batch_equals_single_prompts(bridge: TransformerBridge) -> None:
     assert tuple(cache.lengths) == tuple(len(p) for p in PROMPTS)
 
 
-def test_batched_generation_matches_transformers_generate(bridge: TransformerBridge, reference: PreTrainedModel) -> None:
+def test_batched_generation_matches_transformers_generate(
+    bridge: TransformerBridge, reference: PreTrainedModel
+) -> None:
     steps = 4
     new = bridge.generate(PROMPTS, max_new_tokens=steps, stop_at_eos=False, return_type="tokens")
     width = max(len(p) for p in PROMPTS)
@@ -34,20 +36,35 @@ def test_batched_generation_matches_transformers_generate(bridge: TransformerBri
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     with torch.no_grad():
         out = reference.generate(
-            ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=pad
+            ids,
+            attention_mask=mask,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=pad,
         )
     assert new.tolist() == out[:, width:].tolist()
 
 
 def test_generation_with_a_spec_equals_greedy_by_hand(bridge: TransformerBridge) -> None:
-    spec = {"blocks.0.hook_resid_post": {"op": "add", "value": torch.linspace(-2, 2, bridge.cfg.d_model).tolist()}}
+    spec = {
+        "blocks.0.hook_resid_post": {
+            "op": "add",
+            "value": torch.linspace(-2, 2, bridge.cfg.d_model).tolist(),
+        }
+    }
     steps = 4
-    new = bridge.generate([PROMPTS[0]], max_new_tokens=steps, intervene=spec, stop_at_eos=False, return_type="tokens")
+    new = bridge.generate(
+        [PROMPTS[0]], max_new_tokens=steps, intervene=spec, stop_at_eos=False, return_type="tokens"
+    )
     boost = torch.zeros(bridge.cfg.d_vocab)
     boost[77] = 1e3
     forced = bridge.generate(
-        PROMPTS[:2], max_new_tokens=steps, intervene={"hook_unembed": {"op": "add", "value": boost.tolist()}},
-        stop_at_eos=False, return_type="tokens",
+        PROMPTS[:2],
+        max_new_tokens=steps,
+        intervene={"hook_unembed": {"op": "add", "value": boost.tolist()}},
+        stop_at_eos=False,
+        return_type="tokens",
     )
     sequence = list(PROMPTS[0])
     with torch.no_grad():
@@ -63,14 +80,26 @@ def test_stop_and_start_at_layer_round_trip(bridge: TransformerBridge, ids: torc
         full = bridge(ids)
         for layer in range(bridge.cfg.n_layers + 1):
             resid = bridge(ids, stop_at_layer=layer)
-            _, cache = bridge.run_with_cache(ids, names_filter=["ln_final.hook_in", *([f"blocks.{layer}.hook_in"] if layer < bridge.cfg.n_layers else [])])
-            expected = cache[f"blocks.{layer}.hook_in"] if layer < bridge.cfg.n_layers else cache["ln_final.hook_in"]
+            _, cache = bridge.run_with_cache(
+                ids,
+                names_filter=[
+                    "ln_final.hook_in",
+                    *([f"blocks.{layer}.hook_in"] if layer < bridge.cfg.n_layers else []),
+                ],
+            )
+            expected = (
+                cache[f"blocks.{layer}.hook_in"]
+                if layer < bridge.cfg.n_layers
+                else cache["ln_final.hook_in"]
+            )
             torch.testing.assert_close(resid, expected, atol=1e-5, rtol=1e-5)
             rest = bridge(None, start_at_layer=layer, residual=resid, tokens=ids)
             torch.testing.assert_close(rest, full, atol=1e-5, rtol=1e-5)
 
 
-def test_start_at_layer_fires_only_later_hooks(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_start_at_layer_fires_only_later_hooks(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     seen: list[str] = []
     with torch.no_grad():
         resid = bridge(ids, stop_at_layer=1)

@@ -57,15 +57,36 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("where", "match"),
     [
-        ("absolute", r"model_name='{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'\. Fix the path, or pass a hub id"),
+        (
+            "absolute",
+            r"model_name='{tmp}/missing/model' is a path, but folder '{tmp}/missing/model' does not exist; the nearest folder that exists is '{tmp}'\. Fix the path, or pass a hub id",
+        ),
         ("dot", r"model_name='\./missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("dotdot", r"model_name='\.\./missing' is a path, but folder '{parent}/missing' does not exist"),
+        (
+            "dotdot",
+            r"model_name='\.\./missing' is a path, but folder '{parent}/missing' does not exist",
+        ),
         ("home", r"model_name='~/missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("pathlike", r"model_name='models/missing' is a path, but folder '{tmp}/models/missing' does not exist"),
-        ("file", r"model_name='{tmp}/config.json' is a file, but a model loads from a checkpoint folder .*: pass the folder that holds it, '{tmp}'"),
-        ("tokenizer", r"tokenizer='{tmp}/missing' is a path, but folder '{tmp}/missing' does not exist"),
-        ("tokenizer-file", r"tokenizer='{tmp}/tokenizer.json' is a file, .*tokenizer files.*: pass the folder that holds it, '{tmp}'"),
-        ("wrapped-tokenizer", r"tokenizer='\./missing' is a path, but folder '{tmp}/missing' does not exist"),
+        (
+            "pathlike",
+            r"model_name='models/missing' is a path, but folder '{tmp}/models/missing' does not exist",
+        ),
+        (
+            "file",
+            r"model_name='{tmp}/config.json' is a file, but a model loads from a checkpoint folder .*: pass the folder that holds it, '{tmp}'",
+        ),
+        (
+            "tokenizer",
+            r"tokenizer='{tmp}/missing' is a path, but folder '{tmp}/missing' does not exist",
+        ),
+        (
+            "tokenizer-file",
+            r"tokenizer='{tmp}/tokenizer.json' is a file, .*tokenizer files.*: pass the folder that holds it, '{tmp}'",
+        ),
+        (
+            "wrapped-tokenizer",
+            r"tokenizer='\./missing' is a path, but folder '{tmp}/missing' does not exist",
+        ),
     ],
 )
 def test_bad_paths_are_not_taken_for_hub_ids(
@@ -104,15 +125,22 @@ def test_paths_expand_the_home_folder_and_hub_ids_stay_hub_ids(
 ) -> None:
     folder = checkpoint("llama")
     monkeypatch.setenv("HOME", str(folder.parent))
-    bridge = TransformerBridge.boot_transformers(f"~/{folder.name}", load_weights=False, tokenizer=f"~/{folder.name}")
+    bridge = TransformerBridge.boot_transformers(
+        f"~/{folder.name}", load_weights=False, tokenizer=f"~/{folder.name}"
+    )
     assert bridge.driver.hf_model.config.model_type == "llama"
     assert bridge.to_string(bridge.to_tokens("the keeper", prepend_bos=False)[0]) == "the keeper"
     # A missing GGUF file is named as a file, after "~" is expanded.
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(UserError, match=rf"model_name='~/x.gguf' is a path, but file '{re.escape(str(tmp_path))}/x.gguf' does not exist"):
+    with pytest.raises(
+        UserError,
+        match=rf"model_name='~/x.gguf' is a path, but file '{re.escape(str(tmp_path))}/x.gguf' does not exist",
+    ):
         HFDriver.boot("~/x.gguf")
     # A hub id is still a hub id: offline, the loader says it cannot be read.
-    with pytest.raises(UserError, match="cannot read the config of hub id 'no-such-org/no-such-model'"):
+    with pytest.raises(
+        UserError, match="cannot read the config of hub id 'no-such-org/no-such-model'"
+    ):
         HFDriver.boot(NOWHERE)
 
 
@@ -125,15 +153,29 @@ _NO_CUDA = r"needs CUDA, but this torch build \({version}\) has no CUDA support\
         ({"device": "cuda"}, "device='cuda' " + _NO_CUDA),
         ({"device": "cuda:1"}, "device='cuda:1' " + _NO_CUDA),
         ({"device": torch.device("cuda", 0)}, r"device=device\(type='cuda', index=0\) " + _NO_CUDA),
-        ({"n_devices": 2}, r"n_devices=2 needs 2 CUDA devices, but this torch build \({version}\) has no CUDA support"),
+        (
+            {"n_devices": 2},
+            r"n_devices=2 needs 2 CUDA devices, but this torch build \({version}\) has no CUDA support",
+        ),
         ({"device_map": "cuda:0"}, "device_map='cuda:0' " + _NO_CUDA),
         (
             {"device_map": {"model.embed_tokens": 0, "lm_head": "cpu"}},
             r"device_map\['model.embed_tokens'\]=0 puts 'model.embed_tokens' on a CUDA device, but this torch build \({version}\) has no CUDA support",
         ),
-        ({"device": "mps"}, r"device='mps' needs MPS \(Apple Metal\), but this torch build \({version}\) has no MPS support\. Use device='cpu'"),
+        (
+            {"device": "mps"},
+            r"device='mps' needs MPS \(Apple Metal\), but this torch build \({version}\) has no MPS support\. Use device='cpu'",
+        ),
     ],
-    ids=["cuda", "cuda-index", "torch-device", "n_devices", "device_map-name", "device_map-dict", "mps"],
+    ids=[
+        "cuda",
+        "cuda-index",
+        "torch-device",
+        "n_devices",
+        "device_map-name",
+        "device_map-dict",
+        "mps",
+    ],
 )
 def test_devices_this_torch_lacks_are_refused_before_weights_load(
     options: dict[str, object],
@@ -159,23 +201,39 @@ def test_cuda_that_is_built_but_not_visible_is_told_apart(
     path = str(checkpoint("gpt2"))
     monkeypatch.setattr(torch.version, "cuda", "12.4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"device='cuda' needs CUDA, but torch .* sees no CUDA device .*CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(
+        ConfigError,
+        match=r"device='cuda' needs CUDA, but torch .* sees no CUDA device .*CUDA_VISIBLE_DEVICES",
+    ):
         HFDriver.boot(path, device="cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"device='cuda:3' needs CUDA, but CUDA device 3 does not exist: torch sees 1 \(cuda:0 to cuda:0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"device='cuda:3' needs CUDA, but CUDA device 3 does not exist: torch sees 1 \(cuda:0 to cuda:0",
+    ):
         HFDriver.boot(path, device="cuda:3")
-    with pytest.raises(ConfigError, match=r"device_map\['lm_head'\]=2 .*CUDA device 2 does not exist"):
+    with pytest.raises(
+        ConfigError, match=r"device_map\['lm_head'\]=2 .*CUDA device 2 does not exist"
+    ):
         HFDriver.boot(path, device_map={"transformer": 0, "lm_head": 2})
 
 
 @pytest.mark.parametrize(
     ("family", "overrides", "match"),
     [
-        ("gpt2", {"n_layerz": 1}, r"key 'n_layerz' is not a field of the 'gpt2' config.*did you mean 'n_layer'\?"),
+        (
+            "gpt2",
+            {"n_layerz": 1},
+            r"key 'n_layerz' is not a field of the 'gpt2' config.*did you mean 'n_layer'\?",
+        ),
         ("llama", {"hidden_sise": 64}, r"key 'hidden_sise' .*did you mean 'hidden_size'\?"),
         ("llama", {"zzzzzzzz": 1}, r"key 'zzzzzzzz' .*see its config.json for the fields"),
-        ("gpt2", {"n_layer": -1}, r"\['n_layer'\] = -1, but 'n_layer' is a size or count .*now 2.*int >= 1"),
+        (
+            "gpt2",
+            {"n_layer": -1},
+            r"\['n_layer'\] = -1, but 'n_layer' is a size or count .*now 2.*int >= 1",
+        ),
         ("gpt2", {"n_embd": 0}, r"\['n_embd'\] = 0, but 'n_embd' is a size"),
         # Through the config's attribute map (GPT-2 calls it n_layer).
         ("gpt2", {"num_hidden_layers": 0}, r"\['num_hidden_layers'\] = 0"),
@@ -205,12 +263,17 @@ def test_valid_config_overrides_take_effect(checkpoint: Callable[[str], Path]) -
     assert driver.info.n_layers == 1
 
 
-def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(checkpoint: Callable[[str], Path]) -> None:
+def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(
+    checkpoint: Callable[[str], Path],
+) -> None:
     assert checkpoint_revision("EleutherAI/pythia-70m", 0, None) == "step0"
     assert checkpoint_revision("EleutherAI/pythia-70m", 4, None) == "step8"
     assert checkpoint_revision("EleutherAI/pythia-70m", -1, None) == "step143000"
     assert checkpoint_revision("EleutherAI/pythia-70m", None, 3000) == "step3000"
-    assert checkpoint_revision("stanford-crfm/alias-gpt2-small-x21", None, 400000) == "checkpoint-400000"
+    assert (
+        checkpoint_revision("stanford-crfm/alias-gpt2-small-x21", None, 400000)
+        == "checkpoint-400000"
+    )
     with pytest.raises(UserError, match="not a published Pythia checkpoint; the nearest"):
         checkpoint_revision("EleutherAI/pythia-70m", None, 1500)
     with pytest.raises(UserError, match="out of range"):
@@ -226,13 +289,17 @@ def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(checkpoint: Ca
 def test_an_encoder_is_refused_as_not_causal(tmp_path: Path) -> None:
     # No adapter describes BERT, so its architecture is inferred; certification then finds
     # that an earlier position's logits depend on a later token, and refuses the model.
-    config = BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    config = BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64
+    )
     BertLMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"(?s)BertLMHeadModel.*causal"):
         TransformerBridge.boot_transformers(str(tmp_path))
 
 
-def test_meta_weights_describe_the_model_but_refuse_to_run(checkpoint: Callable[[str], Path]) -> None:
+def test_meta_weights_describe_the_model_but_refuse_to_run(
+    checkpoint: Callable[[str], Path],
+) -> None:
     bridge = TransformerBridge.boot_transformers(str(checkpoint("llama")), load_weights=False)
     assert bridge.W_Q.shape == (2, 4, 128, 32) and bridge.W_Q.is_meta
     assert "blocks.1.attn.hook_rot_q" in bridge.hook_dict
@@ -243,7 +310,9 @@ def test_meta_weights_describe_the_model_but_refuse_to_run(checkpoint: Callable[
 
 
 def test_wrapped_model_is_never_moved_cast_or_changed(checkpoint: Callable[[str], Path]) -> None:
-    model = AutoModelForCausalLM.from_pretrained(checkpoint("qwen3"), attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint("qwen3"), attn_implementation="sdpa"
+    ).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = {n: p for n, p in model.named_parameters()}
     bridge = build_bridge_from_module(model, tokenizer=str(checkpoint("qwen3")))
@@ -251,7 +320,9 @@ def test_wrapped_model_is_never_moved_cast_or_changed(checkpoint: Callable[[str]
         HFDriver.boot(hf_model=model, dtype="bfloat16")
     with torch.no_grad():
         plain = model(torch.tensor([[1, 40, 50, 60]])).logits
-        _, cache = bridge.run_with_cache("The keeper climbed", intervene={"blocks.0.hook_out": {"op": "scale", "factor": 2.0}})
+        _, cache = bridge.run_with_cache(
+            "The keeper climbed", intervene={"blocks.0.hook_out": {"op": "scale", "factor": 2.0}}
+        )
     bridge.loss("gradients too").backward()
     assert cache["blocks.1.attn.hook_pattern"].shape[1] == bridge.cfg.n_heads
     assert model.config._attn_implementation == "sdpa"
@@ -265,11 +336,15 @@ def test_wrapped_model_is_never_moved_cast_or_changed(checkpoint: Callable[[str]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_bfloat16_equals_eager_transformers_with_or_without_hooks(family: str, checkpoint: Callable[[str], Path]) -> None:
+def test_bfloat16_equals_eager_transformers_with_or_without_hooks(
+    family: str, checkpoint: Callable[[str], Path]
+) -> None:
     # In half precision attention is always computed eagerly: SDPA would drift by ~0.1.
     path = checkpoint(family)
     bridge = TransformerBridge.boot_transformers(str(path), dtype="bfloat16")
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
     ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
     with torch.no_grad():
         plain = bridge(ids)
@@ -281,14 +356,18 @@ def test_bfloat16_equals_eager_transformers_with_or_without_hooks(family: str, c
     torch.testing.assert_close(logits.float(), expected.float(), atol=0.0, rtol=0.0)
 
 
-def test_float64_runs_mixture_of_experts_as_transformers_does(checkpoint: Callable[[str], Path]) -> None:
+def test_float64_runs_mixture_of_experts_as_transformers_does(
+    checkpoint: Callable[[str], Path],
+) -> None:
     """The exact run parity tests measure float32 against: transformers' default grouped
     expert kernel refuses float64, so the driver selects its per-expert loop, and the result
     is closer to transformers' own float64 run than any float32 run is."""
     path = checkpoint("mixtral")
     bridge = TransformerBridge.boot_transformers(str(path), dtype=torch.float64)
     single = TransformerBridge.boot_transformers(str(path), dtype=torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, attn_implementation="eager"
+    ).eval()
     reference.set_experts_implementation("eager")
     ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
     with torch.no_grad():
@@ -297,7 +376,9 @@ def test_float64_runs_mixture_of_experts_as_transformers_does(checkpoint: Callab
     assert logits.dtype == torch.float64 and check.ok, str(check)
 
 
-def test_n_ctx_writes_the_config_and_guards_learned_positions(checkpoint: Callable[[str], Path]) -> None:
+def test_n_ctx_writes_the_config_and_guards_learned_positions(
+    checkpoint: Callable[[str], Path],
+) -> None:
     small = TransformerBridge.boot_transformers(str(checkpoint("llama")), n_ctx=64)
     assert small.cfg.n_ctx == 64
     assert small.driver.hf_model.config.max_position_embeddings == 64
@@ -311,7 +392,9 @@ def test_n_ctx_writes_the_config_and_guards_learned_positions(checkpoint: Callab
         gpt2([list(range(4, 24))])
 
 
-def test_model_class_and_tokenizer_options(checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+def test_model_class_and_tokenizer_options(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
     path = str(checkpoint("llama"))
     bridge = TransformerBridge.boot_transformers(path, model_class="LlamaForCausalLM")
     assert bridge.to_string(bridge.to_tokens("the keeper", prepend_bos=False)[0]) == "the keeper"
@@ -349,12 +432,18 @@ def test_sliding_windows_match_eager(tmp_path: Path) -> None:
         bridge = TransformerBridge.boot_transformers(str(path))
         reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         with torch.no_grad():
-            logits, cache = bridge.run_with_cache(prompts, names_filter=["blocks.0.attn.hook_pattern"])
+            logits, cache = bridge.run_with_cache(
+                prompts, names_filter=["blocks.0.attn.hook_pattern"]
+            )
             for row, prompt in enumerate(prompts):
                 expected = reference(torch.tensor([prompt])).logits[0]
-                torch.testing.assert_close(logits[row, : len(prompt)], expected, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(
+                    logits[row, : len(prompt)], expected, atol=1e-5, rtol=1e-5
+                )
         pattern = cache["blocks.0.attn.hook_pattern"][0, :, -1]
         assert pattern[:, :-4].abs().max() == 0 and pattern[:, -4:].sum(-1).allclose(torch.ones(1))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert bridge.generate([prompts[1]], max_new_tokens=2, stop_at_eos=False, return_type="tokens").shape == (1, 2)
+            assert bridge.generate(
+                [prompts[1]], max_new_tokens=2, stop_at_eos=False, return_type="tokens"
+            ).shape == (1, 2)

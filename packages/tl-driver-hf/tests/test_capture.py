@@ -11,11 +11,18 @@ import torch
 from tl_core import TransformerBridge
 from tl_core.capture import CaptureConfig, CaptureStore, capture
 
-HOOKS = ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.0.mlp.hook_post", "ln_final.hook_normalized")
+HOOKS = (
+    "blocks.0.hook_resid_post",
+    "blocks.1.attn.hook_z",
+    "blocks.0.mlp.hook_post",
+    "ln_final.hook_normalized",
+)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_store_equals_run_with_cache_on_hf(family: str, checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
+def test_the_store_equals_run_with_cache_on_hf(
+    family: str, checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
     folder = checkpoint(family)
     text = tmp_path / "docs.txt"
     text.write_text("\n".join(f"def f{i}(x): return x * {i} + {i * i}" for i in range(30)) + "\n")
@@ -58,7 +65,10 @@ def test_served_points_are_kept_between_reads_and_follow_every_change(
     bridge = bridge_of("llama")
     driver = bridge.driver
     assert driver.hook_points is driver.hook_points
-    site, hook = "blocks.0.hook_out.hook_sae_acts_post", "blocks.0.hook_resid_post"  # canonical, alias
+    site, hook = (
+        "blocks.0.hook_out.hook_sae_acts_post",
+        "blocks.0.hook_resid_post",
+    )  # canonical, alias
     dictionary = random_dictionary(bridge.cfg.d_model, 8)
     spliced = bridge.add_sae(dictionary, hook_name=hook)
     first = driver.hook_points[site]

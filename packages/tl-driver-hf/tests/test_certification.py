@@ -86,7 +86,9 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The base model's ``ModuleList`` with one child per hidden layer, found without tl."""
     n = model.config.num_hidden_layers
     found = [m for m in model.base_model.children() if isinstance(m, nn.ModuleList) and len(m) == n]
-    assert len(found) == 1, f"expected one ModuleList of {n} layers in the base model, found {len(found)}"
+    assert len(found) == 1, (
+        f"expected one ModuleList of {n} layers in the base model, found {len(found)}"
+    )
     return found[0]
 
 
@@ -102,7 +104,9 @@ def _first(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, tuple) else value
 
 
-def _plain_run(model: nn.Module, ids: torch.Tensor, attn: str, o_proj: str, mlp: str) -> dict[Any, Any]:
+def _plain_run(
+    model: nn.Module, ids: torch.Tensor, attn: str, o_proj: str, mlp: str
+) -> dict[Any, Any]:
     """Plain transformers: logits, hidden_states, eager attentions, and by forward hooks each
     layer's input, each output projection's input, each attention and MLP module's output."""
     seen: dict[Any, torch.Tensor] = {}
@@ -115,25 +119,41 @@ def _plain_run(model: nn.Module, ids: torch.Tensor, attn: str, o_proj: str, mlp:
         attention = layer.get_submodule(attn)
         handles += [
             layer.register_forward_pre_hook(
-                lambda m, a, kw, i=i: keep(("in", i), a[0] if a else kw["hidden_states"]), with_kwargs=True
+                lambda m, a, kw, i=i: keep(("in", i), a[0] if a else kw["hidden_states"]),
+                with_kwargs=True,
             ),
-            attention.get_submodule(o_proj).register_forward_pre_hook(lambda m, a, i=i: keep(("z", i), a[0])),
-            attention.register_forward_hook(lambda m, a, out, i=i: keep(("attn_out", i), _first(out))),
-            layer.get_submodule(mlp).register_forward_hook(lambda m, a, out, i=i: keep(("mlp_out", i), _first(out))),
+            attention.get_submodule(o_proj).register_forward_pre_hook(
+                lambda m, a, i=i: keep(("z", i), a[0])
+            ),
+            attention.register_forward_hook(
+                lambda m, a, out, i=i: keep(("attn_out", i), _first(out))
+            ),
+            layer.get_submodule(mlp).register_forward_hook(
+                lambda m, a, out, i=i: keep(("mlp_out", i), _first(out))
+            ),
         ]
     try:
         with torch.no_grad():
-            out = model(input_ids=ids, output_hidden_states=True, output_attentions=True, use_cache=False)
+            out = model(
+                input_ids=ids, output_hidden_states=True, output_attentions=True, use_cache=False
+            )
     finally:
         for handle in handles:
             handle.remove()
-    return {"logits": out.logits, "hidden_states": out.hidden_states, "attentions": out.attentions, **seen}
+    return {
+        "logits": out.logits,
+        "hidden_states": out.hidden_states,
+        "attentions": out.attentions,
+        **seen,
+    }
 
 
 # -- described families ----------------------------------------------------------------
 
 
-def test_a_described_family_certifies_clean_and_serves_only_real_hooks(checkpoint: Callable[[str], Path]) -> None:
+def test_a_described_family_certifies_clean_and_serves_only_real_hooks(
+    checkpoint: Callable[[str], Path],
+) -> None:
     bridge = TransformerBridge.boot_transformers(str(checkpoint("llama")))
     cert = bridge.certification
     assert isinstance(cert, Certification)
@@ -156,7 +176,9 @@ def test_a_described_family_certifies_clean_and_serves_only_real_hooks(checkpoin
     assert any(e.startswith("an edit at blocks.{i}.attn.hook_z") for e in equations)
 
 
-def test_certify_false_skips_the_report_but_serves_the_same_hooks(checkpoint: Callable[[str], Path]) -> None:
+def test_certify_false_skips_the_report_but_serves_the_same_hooks(
+    checkpoint: Callable[[str], Path],
+) -> None:
     certified = TransformerBridge.boot_transformers(str(checkpoint("llama")))
     bridge = TransformerBridge.boot_transformers(str(checkpoint("llama")), certify=False)
     assert bridge.certification is None and bridge.driver.certification is None
@@ -190,14 +212,18 @@ def test_an_inferred_architecture_boots_with_one_warning(
     assert cert is not None and cert.inferred and cert.family == "inferred"
     assert cert.failed == (), "\n".join(c.line() for c in cert.failed)
     assert cert.level == "full"
-    warnings = [r for r in caplog.records if r.name == "tl_driver_hf" and r.levelno >= logging.WARNING]
+    warnings = [
+        r for r in caplog.records if r.name == "tl_driver_hf" and r.levelno >= logging.WARNING
+    ]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "inferred from its modules" in warnings[0].getMessage()
     assert "inferred from the module tree" in cert.format()
 
 
 @pytest.mark.parametrize("model_type", list(INFERRED))
-def test_an_inferred_architecture_matches_plain_transformers(model_type: str, tiny_folder: Callable[[str], Path]) -> None:
+def test_an_inferred_architecture_matches_plain_transformers(
+    model_type: str, tiny_folder: Callable[[str], Path]
+) -> None:
     folder = tiny_folder(model_type)
     attn, o_proj, mlp = INFERRED[model_type]
     bridge = TransformerBridge.boot_transformers(str(folder))
@@ -209,19 +235,41 @@ def test_an_inferred_architecture_matches_plain_transformers(model_type: str, ti
     n = reference.config.num_hidden_layers
     assert bridge.cfg.n_layers == n
     for i in range(n):
-        _close(cache[f"blocks.{i}.hook_in"], plain["hidden_states"][i], f"blocks.{i}.hook_in vs hidden_states[{i}]")
-        _close(cache[f"blocks.{i}.hook_in"], plain[("in", i)], f"blocks.{i}.hook_in vs the layer's input")
+        _close(
+            cache[f"blocks.{i}.hook_in"],
+            plain["hidden_states"][i],
+            f"blocks.{i}.hook_in vs hidden_states[{i}]",
+        )
+        _close(
+            cache[f"blocks.{i}.hook_in"],
+            plain[("in", i)],
+            f"blocks.{i}.hook_in vs the layer's input",
+        )
         # Attention sites against eager transformers: its attention weights, the output
         # projection's input, the attention module's output (before any sandwich norm).
-        _close(cache[f"blocks.{i}.attn.hook_pattern"], plain["attentions"][i], f"blocks.{i}.attn.hook_pattern")
+        _close(
+            cache[f"blocks.{i}.attn.hook_pattern"],
+            plain["attentions"][i],
+            f"blocks.{i}.attn.hook_pattern",
+        )
         z = cache[f"blocks.{i}.attn.hook_z"]
         _close(z.flatten(-2), plain[("z", i)], f"blocks.{i}.attn.hook_z vs {o_proj}'s input")
-        _close(cache[f"blocks.{i}.attn.hook_out"], plain[("attn_out", i)], f"blocks.{i}.attn.hook_out vs {attn}'s output")
-        _close(cache[f"blocks.{i}.mlp.hook_out"], plain[("mlp_out", i)], f"blocks.{i}.mlp.hook_out vs {mlp}'s output")
+        _close(
+            cache[f"blocks.{i}.attn.hook_out"],
+            plain[("attn_out", i)],
+            f"blocks.{i}.attn.hook_out vs {attn}'s output",
+        )
+        _close(
+            cache[f"blocks.{i}.mlp.hook_out"],
+            plain[("mlp_out", i)],
+            f"blocks.{i}.mlp.hook_out vs {mlp}'s output",
+        )
 
 
 @pytest.mark.parametrize("model_type", list(INFERRED))
-def test_an_add_at_an_inferred_block_input_is_a_plain_pre_hook(model_type: str, tiny_folder: Callable[[str], Path]) -> None:
+def test_an_add_at_an_inferred_block_input_is_a_plain_pre_hook(
+    model_type: str, tiny_folder: Callable[[str], Path]
+) -> None:
     folder = tiny_folder(model_type)
     bridge = TransformerBridge.boot_transformers(str(folder))
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -241,11 +289,15 @@ def test_an_add_at_an_inferred_block_input_is_a_plain_pre_hook(model_type: str, 
         finally:
             handle.remove()
     got = bridge(ids, intervene={"blocks.1.hook_in": {"op": "add", "value": vec.tolist()}})
-    assert float((want - before).abs().max()) > 1e-2, "the edit must move the logits for the test to mean anything"
+    assert float((want - before).abs().max()) > 1e-2, (
+        "the edit must move the logits for the test to mean anything"
+    )
     _close(got, want, "logits after an add at blocks.1.hook_in")
 
 
-def test_an_inferred_mixture_of_experts_routes_as_plain_transformers(tiny_folder: Callable[[str], Path]) -> None:
+def test_an_inferred_mixture_of_experts_routes_as_plain_transformers(
+    tiny_folder: Callable[[str], Path],
+) -> None:
     folder = tiny_folder("qwen2_moe")
     bridge = TransformerBridge.boot_transformers(str(folder))
     served = set(bridge.driver.hook_points)
@@ -256,11 +308,15 @@ def test_an_inferred_mixture_of_experts_routes_as_plain_transformers(tiny_folder
         with pytest.raises(HookNameError, match=rf"'{re.escape(name)}'"):
             bridge.run_with_cache(_ids(1), names_filter=[name])
     # Routing sites, where served, hold what the router module returns in plain transformers.
-    routing = [f"blocks.0.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")]
+    routing = [
+        f"blocks.0.mlp.hook_{s}" for s in ("router_logits", "expert_weights", "expert_indices")
+    ]
     if not set(routing) & served:
         return
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
-    router = _decoder_layers(reference)[0].get_submodule("mlp.gate")  # (logits, top-k weights, top-k indices)
+    router = _decoder_layers(reference)[0].get_submodule(
+        "mlp.gate"
+    )  # (logits, top-k weights, top-k indices)
     seen: list[tuple[torch.Tensor, ...]] = []
     handle = router.register_forward_hook(lambda m, a, out: seen.append(out))
     ids = _ids()
@@ -274,7 +330,9 @@ def test_an_inferred_mixture_of_experts_routes_as_plain_transformers(tiny_folder
     if routing[0] in served:
         _close(cache[routing[0]], logits, "hook_router_logits vs the router's logits")
     if routing[2] in served:
-        assert torch.equal(cache[routing[2]], top_indices), "hook_expert_indices vs the router's choice"
+        assert torch.equal(cache[routing[2]], top_indices), (
+            "hook_expert_indices vs the router's choice"
+        )
     if routing[1] in served:
         # b p e: each expert's weight, 0 for experts not chosen.
         dense = torch.zeros_like(logits).scatter(-1, top_indices, top_weights)
@@ -304,9 +362,17 @@ def test_a_shared_expert_is_served_as_plain_hooks_see_it_and_edited_as_they_edit
     handles = []
     for suffix, (module, on_input) in modules.items():
         if on_input:
-            handles.append(module.register_forward_pre_hook(lambda m, a, s=suffix: seen.setdefault(s, a[0].clone())))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, s=suffix: seen.setdefault(s, a[0].clone())
+                )
+            )
         else:
-            handles.append(module.register_forward_hook(lambda m, a, out, s=suffix: seen.setdefault(s, out.clone())))
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out, s=suffix: seen.setdefault(s, out.clone())
+                )
+            )
     try:
         with torch.no_grad():
             reference(input_ids=ids, use_cache=False)
@@ -320,18 +386,25 @@ def test_a_shared_expert_is_served_as_plain_hooks_see_it_and_edited_as_they_edit
     assert bridge.certification.statuses["blocks.1.mlp.shared_expert.hook_out"].status == "real"
 
     vector = torch.linspace(-1.0, 1.0, 64)
-    edited = bridge(ids, intervene={"blocks.1.mlp.shared_expert.hook_out": {"op": "add", "value": vector.tolist()}})
+    edited = bridge(
+        ids,
+        intervene={"blocks.1.mlp.shared_expert.hook_out": {"op": "add", "value": vector.tolist()}},
+    )
     handle = mlp.shared_expert.register_forward_hook(lambda m, a, out: out + vector)
     try:
         with torch.no_grad():
             want = reference(input_ids=ids, use_cache=False).logits
     finally:
         handle.remove()
-    assert float((want - bridge(ids)).abs().max()) > 1e-2, "the edit must move the logits for the test to mean anything"
+    assert float((want - bridge(ids)).abs().max()) > 1e-2, (
+        "the edit must move the logits for the test to mean anything"
+    )
     _close(edited, want, "logits after an add at the shared expert's output")
 
 
-def test_a_norm_that_keeps_its_epsilon_in_code_is_measured_and_served(tiny_folder: Callable[[str], Path]) -> None:
+def test_a_norm_that_keeps_its_epsilon_in_code_is_measured_and_served(
+    tiny_folder: Callable[[str], Path],
+) -> None:
     """OLMo's LayerNorm has no weight and no epsilon attribute (1e-5 is written in its
     forward): the driver measures the epsilon and serves the norms' scale and pre-weight
     value, equal to a LayerNorm computed here with the epsilon read from transformers'
@@ -339,21 +412,35 @@ def test_a_norm_that_keeps_its_epsilon_in_code_is_measured_and_served(tiny_folde
     bridge = TransformerBridge.boot_transformers(str(tiny_folder("olmo")), certify=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_folder("olmo")).eval()
     ids = _ids()
-    names = ["blocks.1.ln2.hook_in", "blocks.1.ln2.hook_scale", "blocks.1.ln2.hook_normalized", "ln_final.hook_normalized", "ln_final.hook_in"]
+    names = [
+        "blocks.1.ln2.hook_in",
+        "blocks.1.ln2.hook_scale",
+        "blocks.1.ln2.hook_normalized",
+        "ln_final.hook_normalized",
+        "ln_final.hook_in",
+    ]
     _, cache = bridge.run_with_cache(ids, names_filter=names)
     for prefix in ("blocks.1.ln2", "ln_final"):
         x = cache[f"{prefix}.hook_in"].double()
         want = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
         _close(cache[f"{prefix}.hook_normalized"], want, f"{prefix}.hook_normalized")
     x = cache["blocks.1.ln2.hook_in"].double()
-    _close(cache["blocks.1.ln2.hook_scale"], (x.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt(), "ln2.hook_scale")
+    _close(
+        cache["blocks.1.ln2.hook_scale"],
+        (x.var(-1, unbiased=False, keepdim=True) + 1e-5).sqrt(),
+        "ln2.hook_scale",
+    )
     with torch.no_grad():
         normed = model.model.layers[1].post_attention_layernorm(cache["blocks.1.ln2.hook_in"])
     _close(cache["blocks.1.ln2.hook_normalized"], normed, "the module's own output")
 
 
-def test_certify_false_is_refused_for_an_inferred_architecture(tiny_folder: Callable[[str], Path]) -> None:
-    with pytest.raises(UserError, match=r"certify=False turns certification off for described families only"):
+def test_certify_false_is_refused_for_an_inferred_architecture(
+    tiny_folder: Callable[[str], Path],
+) -> None:
+    with pytest.raises(
+        UserError, match=r"certify=False turns certification off for described families only"
+    ):
         TransformerBridge.boot_transformers(str(tiny_folder("granite")), certify=False)
 
 
@@ -392,7 +479,9 @@ def _assert_residual_only(bridge: TransformerBridge, folder: Path) -> None:
         _close(cache[f"blocks.{i}.hook_in"], inputs[i], f"blocks.{i}.hook_in vs the layer's input")
 
 
-def test_a_hybrid_state_space_model_is_served_at_the_residual_level(tiny_folder: Callable[[str], Path]) -> None:
+def test_a_hybrid_state_space_model_is_served_at_the_residual_level(
+    tiny_folder: Callable[[str], Path],
+) -> None:
     # Two Jamba layers are both Mamba layers (attention comes every 8th layer from the 4th).
     folder = tiny_folder("jamba")
     bridge = TransformerBridge.boot_transformers(str(folder))
@@ -412,8 +501,12 @@ def test_mamba_serves_its_mixer_as_plain_hooks_see_it(tiny_folder: Callable[[str
     assert cert is not None and cert.inferred and arch is not None and arch.block == "mixer"
     served = set(bridge.driver.hook_points)
     inside = {n.split(".", 2)[2] for n in served if n.startswith("blocks.") and n.count(".") > 2}
-    assert inside == {"mixer.hook_in", "mixer.hook_out"} | {f"ln1.hook_{s}" for s in ("in", "scale", "normalized", "out")}
-    assert "ok   blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out" in cert.format(verbose=True)
+    assert inside == {"mixer.hook_in", "mixer.hook_out"} | {
+        f"ln1.hook_{s}" for s in ("in", "scale", "normalized", "out")
+    }
+    assert "ok   blocks.1.hook_out == blocks.1.hook_in + blocks.1.mixer.hook_out" in cert.format(
+        verbose=True
+    )
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     seen: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -438,17 +531,23 @@ def test_mamba_serves_its_mixer_as_plain_hooks_see_it(tiny_folder: Callable[[str
         _close(cache[f"blocks.{i}.mixer.hook_out"], seen["out", i], f"mixer {i} output")
     # An edit of the mixer's output is a plain forward hook adding to it.
     delta = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(2))
-    handle = _decoder_layers(reference)[0].mixer.register_forward_hook(lambda m, a, out: _first(out) + delta)
+    handle = _decoder_layers(reference)[0].mixer.register_forward_hook(
+        lambda m, a, out: _first(out) + delta
+    )
     try:
         with torch.no_grad():
             want = reference(input_ids=_ids(), use_cache=False).logits
     finally:
         handle.remove()
-    got = bridge.forward(_ids(), intervene={"blocks.0.mixer.hook_out": {"op": "add", "value": delta.tolist()}})
+    got = bridge.forward(
+        _ids(), intervene={"blocks.0.mixer.hook_out": {"op": "add", "value": delta.tolist()}}
+    )
     _close(got, want, "logits with the mixer edit")
 
 
-def test_a_description_naming_the_norm_as_the_mixer_fails_the_block_equation(tiny_folder: Callable[[str], Path]) -> None:
+def test_a_description_naming_the_norm_as_the_mixer_fails_the_block_equation(
+    tiny_folder: Callable[[str], Path],
+) -> None:
     from tl_driver_hf._driver import HFDriver
 
     good = TransformerBridge.boot_transformers(str(tiny_folder("mamba"))).driver
@@ -463,7 +562,8 @@ def test_a_description_naming_the_norm_as_the_mixer_fails_the_block_equation(tin
 
 
 def test_attention_and_mlp_swapped_are_not_served(
-    checkpoint: Callable[[str], Path], extra_adapter: Callable[[ArchitectureAdapter], ArchitectureAdapter]
+    checkpoint: Callable[[str], Path],
+    extra_adapter: Callable[[ArchitectureAdapter], ArchitectureAdapter],
 ) -> None:
     # Attention's module is the MLP (its down projection as the "output projection"), the
     # MLP's module is attention.
@@ -482,8 +582,13 @@ def test_attention_and_mlp_swapped_are_not_served(
     # The residual stream itself holds, so it is still served.
     assert {"blocks.0.hook_in", "blocks.1.hook_out", "unembed.hook_out"} <= served
     equation = "blocks.0.ln2.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out"
-    assert bridge.driver.absent_reasons["blocks.0.attn.hook_out"] == f"uncertified: failed: {equation}"
-    with pytest.raises(HookNameError, match=r"cannot fire 'blocks\.0\.attn\.hook_out'.*failed: " + re.escape(equation)):
+    assert (
+        bridge.driver.absent_reasons["blocks.0.attn.hook_out"] == f"uncertified: failed: {equation}"
+    )
+    with pytest.raises(
+        HookNameError,
+        match=r"cannot fire 'blocks\.0\.attn\.hook_out'.*failed: " + re.escape(equation),
+    ):
         bridge.run_with_cache(_ids(1), names_filter=["blocks.0.attn.hook_out"])
     with pytest.raises(HookNameError, match=re.escape(equation)):
         bridge(_ids(1), intervene={"blocks.0.attn.hook_out": {"op": "suppress"}})
@@ -509,7 +614,8 @@ def test_sandwich_norms_left_out_fail_the_block_equations(
 
 
 def test_a_wrong_layer_list_is_refused_naming_the_residual_stream(
-    checkpoint: Callable[[str], Path], extra_adapter: Callable[[ArchitectureAdapter], ArchitectureAdapter]
+    checkpoint: Callable[[str], Path],
+    extra_adapter: Callable[[ArchitectureAdapter], ArchitectureAdapter],
 ) -> None:
     folder = checkpoint("llama")
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -545,12 +651,21 @@ DESCRIBED_FORMS: dict[str, tuple[str, str, str, str, str, str]] = {
 
 
 @pytest.mark.parametrize("family", list(DESCRIBED_FORMS))
-def test_each_block_form_is_described_as_its_architecture_is(family: str, checkpoint: Callable[[str], Path]) -> None:
+def test_each_block_form_is_described_as_its_architecture_is(
+    family: str, checkpoint: Callable[[str], Path]
+) -> None:
     bridge = TransformerBridge.boot_transformers(str(checkpoint(family)))
     arch = bridge.architecture
     assert arch is not None
     assert arch.attention is not None and arch.mlp is not None
-    got = (arch.block, arch.norm.kind, arch.positions, arch.attention.variant, arch.attention.qk_norm, arch.mlp.variant)
+    got = (
+        arch.block,
+        arch.norm.kind,
+        arch.positions,
+        arch.attention.variant,
+        arch.attention.qk_norm,
+        arch.mlp.variant,
+    )
     assert got == DESCRIBED_FORMS[family]
     assert arch.n_layers == bridge.cfg.n_layers and arch.attention.n_heads == bridge.cfg.n_heads
     assert arch.embed_norm == (family == "bloom")
@@ -570,7 +685,9 @@ def test_config_facts_reach_the_description(checkpoint: Callable[[str], Path]) -
     assert arch.logit_softcap == config.final_logit_softcapping
     assert arch.norm.eps == config.rms_norm_eps
     sliding = tuple(i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention")
-    assert arch.attention.window == config.sliding_window and arch.attention.windowed_layers == sliding
+    assert (
+        arch.attention.window == config.sliding_window and arch.attention.windowed_layers == sliding
+    )
     neox = TransformerBridge.boot_transformers(str(checkpoint("gpt_neox"))).architecture
     assert neox is not None and neox.rotary_fraction == neox_fraction(checkpoint("gpt_neox"))
 
@@ -601,15 +718,21 @@ NEEDS_ROW: dict[str, str] = {
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_inference_reproduces_each_hand_written_row_or_is_listed(family: str, checkpoint: Callable[[str], Path]) -> None:
+def test_inference_reproduces_each_hand_written_row_or_is_listed(
+    family: str, checkpoint: Callable[[str], Path]
+) -> None:
     from tl_driver_hf._driver import HFDriver
     from tl_driver_hf._options import BootOptions
 
     folder = str(checkpoint(family))
     described = TransformerBridge.boot_transformers(folder).driver
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    inferred = HFDriver._assemble(model, None, described.tokenizer, BootOptions(model_name=folder), folder)
-    same = described.architecture.differences(inferred.architecture) == [] and set(described.hook_points) == set(inferred.hook_points)
+    inferred = HFDriver._assemble(
+        model, None, described.tokenizer, BootOptions(model_name=folder), folder
+    )
+    same = described.architecture.differences(inferred.architecture) == [] and set(
+        described.hook_points
+    ) == set(inferred.hook_points)
     if family in NEEDS_ROW:
         assert not same, f"inference now serves {family} as its row does: drop it from NEEDS_ROW"
         assert set(inferred.hook_points) <= set(described.hook_points)  # less, never other
@@ -618,7 +741,9 @@ def test_inference_reproduces_each_hand_written_row_or_is_listed(family: str, ch
         assert set(described.hook_points) == set(inferred.hook_points)
 
 
-def test_an_inferred_architecture_is_described_by_what_inference_found(tiny_folder: Callable[[str], Path]) -> None:
+def test_an_inferred_architecture_is_described_by_what_inference_found(
+    tiny_folder: Callable[[str], Path],
+) -> None:
     from transformers import AutoConfig
 
     moe = TransformerBridge.boot_transformers(str(tiny_folder("qwen2_moe"))).architecture
@@ -627,7 +752,10 @@ def test_an_inferred_architecture_is_described_by_what_inference_found(tiny_fold
     assert (moe.block, moe.mlp.variant, moe.mlp.n_experts, moe.mlp.experts_per_token) == (
         "sequential", "moe", config.num_experts, config.num_experts_per_tok,
     )  # fmt: skip
-    assert (moe.mlp.d_mlp, moe.mlp.d_shared_expert) == (config.moe_intermediate_size, config.shared_expert_intermediate_size)
+    assert (moe.mlp.d_mlp, moe.mlp.d_shared_expert) == (
+        config.moe_intermediate_size,
+        config.shared_expert_intermediate_size,
+    )
     phi = TransformerBridge.boot_transformers(str(tiny_folder("phi"))).architecture
     assert phi is not None and phi.block == "parallel_shared_norm" and phi.norm.kind == "layernorm"
     bigcode = TransformerBridge.boot_transformers(str(tiny_folder("gpt_bigcode"))).architecture
@@ -635,7 +763,9 @@ def test_an_inferred_architecture_is_described_by_what_inference_found(tiny_fold
     assert (bigcode.positions, bigcode.attention.variant) == ("learned", "mqa")
 
 
-def test_state_space_and_hybrid_models_are_described_by_their_block_form(tiny_folder: Callable[[str], Path]) -> None:
+def test_state_space_and_hybrid_models_are_described_by_their_block_form(
+    tiny_folder: Callable[[str], Path],
+) -> None:
     hybrid = TransformerBridge.boot_transformers(str(tiny_folder("jamba"))).architecture
     assert hybrid is not None
     assert (hybrid.block, hybrid.attention, hybrid.mlp) == ("opaque", None, None)
@@ -647,7 +777,9 @@ def test_state_space_and_hybrid_models_are_described_by_their_block_form(tiny_fo
 # -- tl certify ---------------------------------------------------------------------------
 
 
-def test_cli_certify_reports_a_described_folder(checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_certify_reports_a_described_folder(
+    checkpoint: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["certify", str(checkpoint("llama"))]) == 0
     out = capsys.readouterr().out
     assert "architecture: described (llama); served at level 'full'" in out
@@ -655,7 +787,9 @@ def test_cli_certify_reports_a_described_folder(checkpoint: Callable[[str], Path
     assert "FAIL" not in out
 
 
-def test_cli_certify_reports_an_inferred_folder(tiny_folder: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_certify_reports_an_inferred_folder(
+    tiny_folder: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["certify", str(tiny_folder("granite")), "-v"]) == 0
     out = capsys.readouterr().out
     assert "architecture: inferred from the module tree; served at level 'full'" in out
@@ -675,7 +809,9 @@ def test_cli_certify_exits_1_when_a_check_fails(
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_every_described_family_passes_every_check(family: str, checkpoint: Callable[[str], Path]) -> None:
+def test_every_described_family_passes_every_check(
+    family: str, checkpoint: Callable[[str], Path]
+) -> None:
     """On demand every check runs (plain transformers as the reference, edits against plain
     torch hooks, weights): each hand-written description holds on its tiny checkpoint."""
     bridge = TransformerBridge.boot_transformers(str(checkpoint(family)))

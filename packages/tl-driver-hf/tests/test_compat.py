@@ -30,7 +30,9 @@ _spec = importlib.util.spec_from_file_location(
 assert _spec is not None and _spec.loader is not None
 _reference = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_reference)
-_paths_spec = importlib.util.spec_from_file_location("_hf_paths", Path(__file__).with_name("_paths.py"))
+_paths_spec = importlib.util.spec_from_file_location(
+    "_hf_paths", Path(__file__).with_name("_paths.py")
+)
 assert _paths_spec is not None and _paths_spec.loader is not None
 _paths = importlib.util.module_from_spec(_paths_spec)
 _paths_spec.loader.exec_module(_paths)
@@ -93,7 +95,9 @@ def _check_logits(folder: Path, ids: torch.Tensor) -> None:
         torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
         return
     shift = after - before
-    torch.testing.assert_close(shift, shift.mean(-1, keepdim=True).expand_as(shift), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        shift, shift.mean(-1, keepdim=True).expand_as(shift), atol=1e-4, rtol=0
+    )
     # Centring the unembedding moves the logits' mean over the vocabulary to zero.
     assert after.mean(-1).abs().max() < 1e-4
     assert before.mean(-1).abs().max() > 1e-3
@@ -149,7 +153,10 @@ def _check_norms(
 ) -> None:
     """Folded norms output their normalized value; kept norms are unchanged."""
     folded = ["ln_final"] + [
-        f"blocks.{i}.{ln}" for i in range(bridge.cfg.n_layers) for ln in ("ln1", "ln2") if ln in paths
+        f"blocks.{i}.{ln}"
+        for i in range(bridge.cfg.n_layers)
+        for ln in ("ln1", "ln2")
+        if ln in paths
     ]
     for norm in folded:
         _close(got[f"{norm}.hook_out"], ref[f"{norm}.hook_normalized"], norm)
@@ -176,7 +183,9 @@ def _check_attention_and_mlp(
     for i in range(plain.cfg.n_layers):
         for name in ("attn.hook_q", "attn.hook_k", "attn.hook_pattern"):
             _close(got[f"blocks.{i}.{name}"], ref[f"blocks.{i}.{name}"], f"blocks.{i}.{name}")
-        mlp_sites = ("mlp.hook_router_logits",) if "router" in paths else ("mlp.hook_pre", "mlp.hook_post")
+        mlp_sites = (
+            ("mlp.hook_router_logits",) if "router" in paths else ("mlp.hook_pre", "mlp.hook_post")
+        )
         for name in mlp_sites:
             _close(got[f"blocks.{i}.{name}"], ref[f"blocks.{i}.{name}"], f"blocks.{i}.{name}")
         b_V = plain.b_V[i]
@@ -280,7 +289,11 @@ def test_options_apply_one_at_a_time(checkpoint: Callable[[str], Path], ids: tor
     plain = TransformerBridge.boot_transformers(str(folder))
     only_center = _boot(folder, fold_ln=False, center_unembed=False, fold_value_biases=False)
     state = only_center.driver.compatibility_mode  # type: ignore[attr-defined]
-    assert (state.fold_ln, state.center_writing_weights, state.center_unembed) == (False, True, False)
+    assert (state.fold_ln, state.center_writing_weights, state.center_unembed) == (
+        False,
+        True,
+        False,
+    )
     names = ["blocks.1.hook_out", "blocks.0.ln1.hook_out"]
     with torch.no_grad():
         before, ref = plain.run_with_cache(ids, names_filter=names)
@@ -293,7 +306,9 @@ def test_options_apply_one_at_a_time(checkpoint: Callable[[str], Path], ids: tor
     assert (rms.center_writing_weights, rms.fold_ln) == (False, True)
 
 
-def test_an_unfoldable_structure_is_refused_with_it_described(checkpoint: Callable[[str], Path]) -> None:
+def test_an_unfoldable_structure_is_refused_with_it_described(
+    checkpoint: Callable[[str], Path],
+) -> None:
     from tl_driver_hf._compat import enable_compatibility
 
     bridge = TransformerBridge.boot_transformers(str(checkpoint("mixtral")))
@@ -303,11 +318,21 @@ def test_an_unfoldable_structure_is_refused_with_it_described(checkpoint: Callab
     layer_norm_moe = dataclasses.replace(driver.adapter, norm="layernorm")
     with pytest.raises(UnsupportedFeatureError) as error:
         enable_compatibility(
-            driver.hf_model, driver.module.parts, layer_norm_moe, n_heads=4, n_kv_heads=2,
-            d_head=32, parallel=False,
+            driver.hf_model,
+            driver.module.parts,
+            layer_norm_moe,
+            n_heads=4,
+            n_kv_heads=2,
+            d_head=32,
+            parallel=False,
         )
     message = str(error.value)
-    for part in ("'input_layernorm'", "'post_attention_layernorm'", "mixture-of-experts", "every expert"):
+    for part in (
+        "'input_layernorm'",
+        "'post_attention_layernorm'",
+        "mixture-of-experts",
+        "every expert",
+    ):
         assert part in message, message
     after = _state(driver.hf_model)
     assert all(torch.equal(before[k], after[k]) for k in before)

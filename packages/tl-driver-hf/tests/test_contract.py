@@ -12,5 +12,7 @@ from tl_core.driver_api import check_driver
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_hf_driver_keeps_the_contract(bridge_of: Callable[[str], TransformerBridge], family: str) -> None:
+def test_the_hf_driver_keeps_the_contract(
+    bridge_of: Callable[[str], TransformerBridge], family: str
+) -> None:
     check_driver(bridge_of(family).driver)

@@ -43,7 +43,9 @@ def fake_gguf(tmp_path: Path) -> Path:
         ({"hf_model": object(), "model_name": None}, "cannot apply"),
     ],
 )
-def test_gguf_options_fail_before_the_file_is_read(fake_gguf: Path, options: dict[str, Any], match: str) -> None:
+def test_gguf_options_fail_before_the_file_is_read(
+    fake_gguf: Path, options: dict[str, Any], match: str
+) -> None:
     name = options.pop("model_name", str(fake_gguf))
     extra = {"gguf_file": fake_gguf.name} if name is None else {}
     with pytest.raises(UserError, match=match):
@@ -98,7 +100,11 @@ def first_boot(gguf_path: Path, cache_dir: Path) -> tuple[TransformerBridge, lis
         bridge = TransformerBridge.boot_transformers(str(gguf_path))
     finally:
         logger.removeHandler(handler)
-    return bridge, [r.getMessage() for r in records if r.levelno >= logging.WARNING], time.perf_counter() - start
+    return (
+        bridge,
+        [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+        time.perf_counter() - start,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +116,11 @@ def reference(gguf_path: Path) -> tuple[Any, Any]:
 
 
 @pytest.fixture(scope="module")
-def exact(first_boot: tuple[TransformerBridge, list[str], float], cache_dir: Path, reference: tuple[Any, Any]) -> Any:
+def exact(
+    first_boot: tuple[TransformerBridge, list[str], float],
+    cache_dir: Path,
+    reference: tuple[Any, Any],
+) -> Any:
     """The same weights in float64: the dequantised folder the driver booted from.
 
     Its weights are first checked equal, tensor by tensor, to what transformers parses
@@ -120,7 +130,9 @@ def exact(first_boot: tuple[TransformerBridge, list[str], float], cache_dir: Pat
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     parsed = dict(reference[0].named_parameters())
     for name, weight in model.named_parameters():
-        assert torch.equal(weight, parsed[name].to(torch.float64)), f"{name} differs from the GGUF file's"
+        assert torch.equal(weight, parsed[name].to(torch.float64)), (
+            f"{name} differs from the GGUF file's"
+        )
     return model
 
 
@@ -131,27 +143,46 @@ def _reference_run(model: Any, ids: list[int]) -> tuple[torch.Tensor, list[torch
     return out.logits[0], [h[0] for h in out.hidden_states[1:-1]]
 
 
-def _block_outputs(bridge: TransformerBridge, ids: list[int], *, explicit_attention: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _block_outputs(
+    bridge: TransformerBridge, ids: list[int], *, explicit_attention: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The bridge's logits and ``blocks.{i}.hook_out``; ``explicit_attention`` also captures
     every pattern, which makes the driver compute attention step by step instead of SDPA."""
     names = [f"blocks.{i}.hook_out" for i in range(bridge.cfg.n_layers - 1)]
-    patterns = [f"blocks.{i}.attn.hook_pattern" for i in range(bridge.cfg.n_layers)] if explicit_attention else []
+    patterns = (
+        [f"blocks.{i}.attn.hook_pattern" for i in range(bridge.cfg.n_layers)]
+        if explicit_attention
+        else []
+    )
     logits, cache = bridge.run_with_cache([ids], names_filter=names + patterns)
     return logits[0], [cache[n][0] for n in names]
 
 
-def _checks(got: tuple[torch.Tensor, list[torch.Tensor]], peer: tuple[torch.Tensor, list[torch.Tensor]],
-            exact: tuple[torch.Tensor, list[torch.Tensor]], label: str) -> list[RoundingCheck]:
-    checks = [check_rounding(g, p, e, name=f"blocks.{i}.hook_out {label}") for i, (g, p, e) in enumerate(zip(got[1], peer[1], exact[1], strict=True))]
+def _checks(
+    got: tuple[torch.Tensor, list[torch.Tensor]],
+    peer: tuple[torch.Tensor, list[torch.Tensor]],
+    exact: tuple[torch.Tensor, list[torch.Tensor]],
+    label: str,
+) -> list[RoundingCheck]:
+    checks = [
+        check_rounding(g, p, e, name=f"blocks.{i}.hook_out {label}")
+        for i, (g, p, e) in enumerate(zip(got[1], peer[1], exact[1], strict=True))
+    ]
     return [*checks, check_rounding(got[0], peer[0], exact[0], name=f"logits {label}")]
 
 
-def test_first_boot_dequantises_once_and_says_so(first_boot: tuple[TransformerBridge, list[str], float], cache_dir: Path, gguf_path: Path) -> None:
+def test_first_boot_dequantises_once_and_says_so(
+    first_boot: tuple[TransformerBridge, list[str], float], cache_dir: Path, gguf_path: Path
+) -> None:
     bridge, warnings, _ = first_boot
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"tl: {gguf_path.name}: transformers parses a GGUF file anew")
     folders = [p for p in cache_dir.iterdir()]
-    assert len(folders) == 1 and folders[0].name.endswith("-float32") and str(folders[0]) in warnings[0]
+    assert (
+        len(folders) == 1
+        and folders[0].name.endswith("-float32")
+        and str(folders[0]) in warnings[0]
+    )
     record = json.loads((folders[0] / GGUF_RECORD).read_text())
     assert record["dtype"] == "float32" and record["size"] == gguf_path.stat().st_size
     info = bridge.cfg
@@ -183,7 +214,9 @@ def test_bridge_matches_plain_transformers_on_the_same_file(
         peer, truth = _reference_run(model, ids), _reference_run(exact, ids)
         for explicit in (False, True):
             got = _block_outputs(bridge, ids, explicit_attention=explicit)
-            checks += _checks(got, peer, truth, f"on {prompt!r}" + (" (explicit attention)" if explicit else ""))
+            checks += _checks(
+                got, peer, truth, f"on {prompt!r}" + (" (explicit attention)" if explicit else "")
+            )
             # Greedy tokens agree wherever the exact run has a clear winner.
             top2 = truth[0].topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > 1e-3
@@ -192,9 +225,14 @@ def test_bridge_matches_plain_transformers_on_the_same_file(
     assert not bad, "further from the float64 run than transformers' float32:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("defect", ["one layer off", "ln2 without its weight", "attention scale +1%"])
+@pytest.mark.parametrize(
+    "defect", ["one layer off", "ln2 without its weight", "attention scale +1%"]
+)
 def test_the_comparison_fails_on_a_real_defect(
-    first_boot: tuple[TransformerBridge, list[str], float], reference: tuple[Any, Any], exact: Any, defect: str
+    first_boot: tuple[TransformerBridge, list[str], float],
+    reference: tuple[Any, Any],
+    exact: Any,
+    defect: str,
 ) -> None:
     """The criterion above is no rubber stamp: each defect fails it at the block it enters.
 
@@ -237,18 +275,27 @@ def test_the_comparison_fails_on_a_real_defect(
         assert not checks[-1].ok, str(checks[-1])
 
 
-def test_tokenizer_and_chat_template_survive_the_cache(first_boot: tuple[TransformerBridge, list[str], float], reference: tuple[Any, Any]) -> None:
+def test_tokenizer_and_chat_template_survive_the_cache(
+    first_boot: tuple[TransformerBridge, list[str], float], reference: tuple[Any, Any]
+) -> None:
     bridge = first_boot[0]
     _, tokenizer = reference
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     ours = bridge.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert ours == tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    assert (bridge.tokenizer.bos_token_id, bridge.tokenizer.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    assert (bridge.tokenizer.bos_token_id, bridge.tokenizer.eos_token_id) == (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
     text = "Ünïcode, emoji 🙂 and\ttabs"
     assert bridge.tokenizer.encode(text) == tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_later_boots_reuse_the_folder(first_boot: tuple[TransformerBridge, list[str], float], gguf_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_later_boots_reuse_the_folder(
+    first_boot: tuple[TransformerBridge, list[str], float],
+    gguf_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     start = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="tl_core.gguf"):
         again = TransformerBridge.boot_transformers(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -260,7 +307,9 @@ def test_later_boots_reuse_the_folder(first_boot: tuple[TransformerBridge, list[
     assert torch.equal(again(ids), first_boot[0](ids))
 
 
-def test_every_hook_served_on_smollm2_certifies(first_boot: tuple[TransformerBridge, list[str], float]) -> None:
+def test_every_hook_served_on_smollm2_certifies(
+    first_boot: tuple[TransformerBridge, list[str], float],
+) -> None:
     """The real model: the boot's quick certification and every check on demand agree that
     each served hook holds what its name promises (what `tl certify` prints)."""
     bridge = first_boot[0]

@@ -34,12 +34,17 @@ def llama(bridge_of: Callable[[str], TransformerBridge]) -> Iterator[Transformer
         ([[1, 5, 6.0]], r"prompt 0, position 2: float 6\.0 is not a token id"),
         ([[1, 5], [1, False]], r"prompt 1, position 1: bool False is not a token id"),
         ([[1, 5], 6], r"prompt 1 is int 6, not a list of token ids"),
-        ([[1, 5], [1, 512]], r"prompt 1, position 1: token id 512 is outside this model's vocabulary, ids 0 to 511"),
+        (
+            [[1, 5], [1, 512]],
+            r"prompt 1, position 1: token id 512 is outside this model's vocabulary, ids 0 to 511",
+        ),
         (torch.tensor([[1, -3, 5]]), r"prompt 0, position 1: token id -3 .*never negative"),
     ],
 )
 @pytest.mark.parametrize("method", ["forward", "run_with_cache", "generate"])
-def test_bad_inputs_are_tl_errors_naming_the_prompt(llama: TransformerBridge, method: str, value: Any, message: str) -> None:
+def test_bad_inputs_are_tl_errors_naming_the_prompt(
+    llama: TransformerBridge, method: str, value: Any, message: str
+) -> None:
     call = {
         "forward": lambda: llama(value),
         "run_with_cache": lambda: llama.run_with_cache(value, names_filter="blocks.0.hook_out"),
@@ -58,7 +63,10 @@ def test_to_tokens_refuses_a_lone_surrogate_and_a_none(llama: TransformerBridge)
 
 def test_hook_signature_and_returned_shape(bridge_of: Callable[[str], TransformerBridge]) -> None:
     llama = bridge_of("llama")
-    with pytest.raises(UserError, match=r"'blocks\.1\.attn\.hook_z' has the signature \(x\).*def fn\(activation, hook\)"):
+    with pytest.raises(
+        UserError,
+        match=r"'blocks\.1\.attn\.hook_z' has the signature \(x\).*def fn\(activation, hook\)",
+    ):
         llama.run_with_hooks([[1, 5, 6]], fwd_hooks=[("blocks.1.attn.hook_z", lambda x: x)])
     d_head = llama.cfg.d_head
     with pytest.raises(
@@ -67,7 +75,9 @@ def test_hook_signature_and_returned_shape(bridge_of: Callable[[str], Transforme
         rf"there has shape \(1, 3, {llama.cfg.n_heads}, {d_head}\)",
     ):
         with torch.no_grad():
-            llama.run_with_hooks([[1, 5, 6]], fwd_hooks=[("blocks.1.attn.hook_z", lambda x, hook: x[:, :, 0])])
+            llama.run_with_hooks(
+                [[1, 5, 6]], fwd_hooks=[("blocks.1.attn.hook_z", lambda x, hook: x[:, :, 0])]
+            )
     assert not any(p.has_hooks for p in llama.hook_dict.values())
 
 
@@ -85,7 +95,9 @@ def test_rotary_model_refuses_prompts_past_n_ctx(llama: TransformerBridge) -> No
         llama.run_with_cache(prompts, names_filter="blocks.0.hook_out")
 
 
-def test_generate_refuses_up_front_with_the_largest_max_new_tokens(llama: TransformerBridge) -> None:
+def test_generate_refuses_up_front_with_the_largest_max_new_tokens(
+    llama: TransformerBridge,
+) -> None:
     n_ctx = llama.cfg.n_ctx
     prompt = [1] + [7] * (n_ctx - 5)
     with pytest.raises(
@@ -99,7 +111,9 @@ def test_generate_refuses_up_front_with_the_largest_max_new_tokens(llama: Transf
 def test_generate_to_exactly_n_ctx_runs(bridge_of: Callable[[str], TransformerBridge]) -> None:
     llama = bridge_of("llama")
     n_ctx = llama.cfg.n_ctx
-    new = llama.generate([[1] + [7] * (n_ctx - 3)], max_new_tokens=2, stop_at_eos=False, return_type="tokens")
+    new = llama.generate(
+        [[1] + [7] * (n_ctx - 3)], max_new_tokens=2, stop_at_eos=False, return_type="tokens"
+    )
     assert isinstance(new, torch.Tensor) and new.shape == (1, 2)
 
 
@@ -110,15 +124,23 @@ def test_a_larger_n_ctx_lets_a_rotary_model_run_longer(checkpoint: Callable[[str
         assert long([[1] + [7] * 279]).shape == (1, 280, long.cfg.d_vocab)
 
 
-def test_learned_positions_say_that_no_option_helps(bridge_of: Callable[[str], TransformerBridge]) -> None:
+def test_learned_positions_say_that_no_option_helps(
+    bridge_of: Callable[[str], TransformerBridge],
+) -> None:
     gpt2 = bridge_of("gpt2")
     n_ctx = gpt2.cfg.n_ctx
-    with pytest.raises(UserError, match=rf"prompt 0 is {n_ctx + 1} tokens long.*{n_ctx} learned positions"):
+    with pytest.raises(
+        UserError, match=rf"prompt 0 is {n_ctx + 1} tokens long.*{n_ctx} learned positions"
+    ):
         gpt2([[1] * (n_ctx + 1)])
 
 
-def test_the_driver_itself_refuses_a_rotary_prompt_past_n_ctx(bridge_of: Callable[[str], TransformerBridge]) -> None:
+def test_the_driver_itself_refuses_a_rotary_prompt_past_n_ctx(
+    bridge_of: Callable[[str], TransformerBridge],
+) -> None:
     driver = bridge_of("llama").driver
     n_ctx = driver.info.n_ctx
-    with pytest.raises(UserError, match=rf"prompt 0 is {n_ctx + 1} tokens long, which exceeds n_ctx={n_ctx}"):
+    with pytest.raises(
+        UserError, match=rf"prompt 0 is {n_ctx + 1} tokens long, which exceeds n_ctx={n_ctx}"
+    ):
         driver.forward([[1] * (n_ctx + 1)], max_new_tokens=0)

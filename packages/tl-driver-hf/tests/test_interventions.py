@@ -40,7 +40,9 @@ def _has_gradient(name: str) -> bool:
     )
 
 
-def test_spec_equals_python_hook_and_every_edit_propagates(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_spec_equals_python_hook_and_every_edit_propagates(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     # Norms ignore a rescaled input, so residual-width hooks get a non-uniform shift instead.
     shift = torch.linspace(-1.0, 2.0, bridge.cfg.d_model)
     with torch.no_grad():
@@ -55,16 +57,22 @@ def test_spec_equals_python_hook_and_every_edit_propagates(bridge: TransformerBr
                 fn = lambda x, hook: x * 1.5 + 0.25  # noqa: E731
             by_spec = bridge(ids, intervene={name: spec})
             by_hook = bridge.run_with_hooks(ids, fwd_hooks=[(name, fn)])
-            torch.testing.assert_close(by_spec, by_hook, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                by_spec, by_hook, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+            )
             assert (by_spec - clean).abs().max() > 1e-4, f"editing {name} did not change the logits"
 
 
-def test_position_specs_only_change_later_positions(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_position_specs_only_change_later_positions(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     d_model = bridge.cfg.d_model
     vector = torch.linspace(-1, 1, d_model).tolist()
     with torch.no_grad():
         clean = bridge(ids)
-        edited = bridge(ids, intervene={"blocks.0.hook_resid_post": {"op": "add", "value": vector, "pos": 4}})
+        edited = bridge(
+            ids, intervene={"blocks.0.hook_resid_post": {"op": "add", "value": vector, "pos": 4}}
+        )
     torch.testing.assert_close(edited[:, :4], clean[:, :4])
     assert (edited[:, 4:] - clean[:, 4:]).abs().amax(dim=-1).min() > 1e-5
 
@@ -79,7 +87,9 @@ def test_python_hooks_can_replace_token_ids(bridge: TransformerBridge, ids: torc
 
 
 @pytest.mark.parametrize("family", SEQUENTIAL)
-def test_resid_mid_edit_changes_the_residual_stream(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_resid_mid_edit_changes_the_residual_stream(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     assert not bridge.cfg.parallel_attn_mlp
     delta = torch.randn(bridge.cfg.d_model)
     sandwich = "blocks.0.ln2_post.hook_out" in bridge.hook_dict
@@ -93,7 +103,10 @@ def test_resid_mid_edit_changes_the_residual_stream(bridge: TransformerBridge, i
         )
     torch.testing.assert_close(cache["blocks.0.ln2.hook_in"], clean["blocks.0.ln2.hook_in"] + delta)
     torch.testing.assert_close(
-        cache["blocks.0.hook_out"], cache["blocks.0.ln2.hook_in"] + cache[sublayer], atol=1e-5, rtol=1e-5
+        cache["blocks.0.hook_out"],
+        cache["blocks.0.ln2.hook_in"] + cache[sublayer],
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
@@ -102,7 +115,12 @@ def test_mlp_norm_input_of_a_parallel_block_reaches_the_mlp_only(
     bridge: TransformerBridge, ids: torch.Tensor
 ) -> None:
     assert bridge.cfg.parallel_attn_mlp
-    names = ["blocks.0.hook_in", "blocks.0.attn.hook_out", "blocks.0.mlp.hook_out", "blocks.0.hook_out"]
+    names = [
+        "blocks.0.hook_in",
+        "blocks.0.attn.hook_out",
+        "blocks.0.mlp.hook_out",
+        "blocks.0.hook_out",
+    ]
     # Served on every parallel family, the shared-norm ones (GPT-J, Falcon-7B) included.
     assert "blocks.0.ln2.hook_in" in bridge.hook_dict
     # A non-uniform shift: a LayerNorm would undo a uniform one.
@@ -110,7 +128,8 @@ def test_mlp_norm_input_of_a_parallel_block_reaches_the_mlp_only(
     with torch.no_grad():
         _, clean = bridge.run_with_cache(ids, names_filter=names)
         _, edited = bridge.run_with_cache(
-            ids, names_filter=[*names, "blocks.0.ln2.hook_in"],
+            ids,
+            names_filter=[*names, "blocks.0.ln2.hook_in"],
             intervene={"blocks.0.hook_mlp_in": {"op": "add", "value": shift.tolist()}},
         )
     torch.testing.assert_close(edited["blocks.0.ln2.hook_in"], clean["blocks.0.hook_in"] + shift)
@@ -119,8 +138,11 @@ def test_mlp_norm_input_of_a_parallel_block_reaches_the_mlp_only(
     assert (edited["blocks.0.mlp.hook_out"] - clean["blocks.0.mlp.hook_out"]).abs().max() > 1e-4
     torch.testing.assert_close(
         edited["blocks.0.hook_out"],
-        clean["blocks.0.hook_in"] + edited["blocks.0.attn.hook_out"] + edited["blocks.0.mlp.hook_out"],
-        atol=1e-5, rtol=1e-5,
+        clean["blocks.0.hook_in"]
+        + edited["blocks.0.attn.hook_out"]
+        + edited["blocks.0.mlp.hook_out"],
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
@@ -132,18 +154,29 @@ def _weight_rule(kind: str, normalized: torch.Tensor, module: Any) -> torch.Tens
     return normalized * module.weight
 
 
-def test_normalized_and_scale_edits_rebuild_the_norm_output(paths: dict[str, Any], bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_normalized_and_scale_edits_rebuild_the_norm_output(
+    paths: dict[str, Any], bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     role = "ln1" if "ln1" in paths else "ln1_post"
     prefix = f"blocks.0.{role}"
     module = bridge.driver.hf_model.get_submodule(f"{paths['layers']}.0.{paths[role]}")
-    names = [f"{prefix}.hook_normalized", f"{prefix}.hook_out", f"{prefix}.hook_scale", f"{prefix}.hook_in"]
+    names = [
+        f"{prefix}.hook_normalized",
+        f"{prefix}.hook_out",
+        f"{prefix}.hook_scale",
+        f"{prefix}.hook_in",
+    ]
     with torch.no_grad():
         _, clean = bridge.run_with_cache(ids, names_filter=names)
         _, doubled = bridge.run_with_cache(
-            ids, names_filter=names, intervene={f"{prefix}.hook_normalized": {"op": "scale", "factor": 2.0}}
+            ids,
+            names_filter=names,
+            intervene={f"{prefix}.hook_normalized": {"op": "scale", "factor": 2.0}},
         )
         _, halved = bridge.run_with_cache(
-            ids, names_filter=names, intervene={f"{prefix}.hook_scale": {"op": "scale", "factor": 2.0}}
+            ids,
+            names_filter=names,
+            intervene={f"{prefix}.hook_scale": {"op": "scale", "factor": 2.0}},
         )
     expected = _weight_rule(paths["norm"], 2 * clean[f"{prefix}.hook_normalized"], module)
     torch.testing.assert_close(doubled[f"{prefix}.hook_out"], expected, atol=1e-5, rtol=1e-5)
@@ -151,7 +184,10 @@ def test_normalized_and_scale_edits_rebuild_the_norm_output(paths: dict[str, Any
     if paths["norm"] == "layernorm":
         x = x - x.mean(-1, keepdim=True)
     torch.testing.assert_close(
-        halved[f"{prefix}.hook_normalized"], x / (2 * clean[f"{prefix}.hook_scale"]), atol=1e-5, rtol=1e-5
+        halved[f"{prefix}.hook_normalized"],
+        x / (2 * clean[f"{prefix}.hook_scale"]),
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 
@@ -165,7 +201,9 @@ def _norm_value_sites(bridge: TransformerBridge) -> list[str]:
     ]
 
 
-def test_in_place_norm_edits_equal_returned_and_spec_edits(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_in_place_norm_edits_equal_returned_and_spec_edits(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     """TransformerLens's in-place idiom (``x[:, -1] *= 2``) takes effect at every norm site."""
 
     def in_place(x: torch.Tensor, hook: HookPoint) -> None:
@@ -190,11 +228,17 @@ def test_in_place_norm_edits_equal_returned_and_spec_edits(bridge: TransformerBr
             for fn in (returning_new, in_place, in_place_returning_x):
                 logits = bridge.run_with_hooks(ids, fwd_hooks=[(name, fn)])
                 torch.testing.assert_close(
-                    logits, by_spec, atol=1e-6, rtol=1e-6, msg=lambda m, n=name, f=fn: f"{n}, {f.__name__}: {m}"
+                    logits,
+                    by_spec,
+                    atol=1e-6,
+                    rtol=1e-6,
+                    msg=lambda m, n=name, f=fn: f"{n}, {f.__name__}: {m}",
                 )
 
 
-def test_in_place_scale_edits_keep_the_gradient(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_in_place_scale_edits_keep_the_gradient(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     """The scale is saved for the backward pass, so the driver hands hooks a copy to edit."""
 
     def in_place(x: torch.Tensor, hook: HookPoint) -> None:
@@ -242,7 +286,9 @@ def test_residual_gradients_match_transformers_autograd(
         hidden.retain_grad()
         seen["x"] = hidden
 
-    handle = reference.get_submodule(f"{layers}.1").register_forward_pre_hook(grab, with_kwargs=True)
+    handle = reference.get_submodule(f"{layers}.1").register_forward_pre_hook(
+        grab, with_kwargs=True
+    )
     try:
         logits = reference(ids).logits
         F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
@@ -251,7 +297,9 @@ def test_residual_gradients_match_transformers_autograd(
     reference.zero_grad()
     expected = seen["x"].grad
     grads: dict[str, torch.Tensor] = {}
-    with bridge.hooks(bwd_hooks=[("blocks.1.hook_resid_pre", lambda g, hook: grads.setdefault("g", g))]):
+    with bridge.hooks(
+        bwd_hooks=[("blocks.1.hook_resid_pre", lambda g, hook: grads.setdefault("g", g))]
+    ):
         bridge.loss(ids).backward()
     bridge.zero_grad()
     assert expected is not None
@@ -269,7 +317,8 @@ def test_tl_names_resolve_against_the_model_for_capture_specs_and_cache(
     with torch.no_grad():
         _, clean = bridge.run_with_cache(ids, names_filter=[post, module])
         by_alias, edited = bridge.run_with_cache(
-            ids, names_filter=["blocks.0.hook_attn_out", module],
+            ids,
+            names_filter=["blocks.0.hook_attn_out", module],
             intervene={"blocks.0.hook_attn_out": {"op": "scale", "factor": 0.25}},
         )
         by_name = bridge(ids, intervene={post: {"op": "scale", "factor": 0.25}})
@@ -278,7 +327,9 @@ def test_tl_names_resolve_against_the_model_for_capture_specs_and_cache(
     assert edited["blocks.0.hook_attn_out"] is edited[post]
     torch.testing.assert_close(by_alias, by_name)
     seen: list[str] = []
-    bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.hook_attn_out", lambda x, hook: seen.append(hook.name))])
+    bridge.run_with_hooks(
+        ids, fwd_hooks=[("blocks.0.hook_attn_out", lambda x, hook: seen.append(hook.name))]
+    )
     assert seen == [post]
 
 

@@ -46,20 +46,39 @@ def _attention(model: nn.Module, i: int) -> nn.Module:
 def test_latents_are_served_as_plain_hooks_see_them(version: int, q_lora_rank: int | None) -> None:
     model = _deepseek(version, q_lora_rank)
     bridge = build_bridge_from_module(model)
-    names = ["blocks.1.attn.hook_kv_latent"] + (["blocks.1.attn.hook_q_latent"] if q_lora_rank else [])
+    names = ["blocks.1.attn.hook_kv_latent"] + (
+        ["blocks.1.attn.hook_q_latent"] if q_lora_rank else []
+    )
     assert set(names) <= set(bridge.driver.hook_points)
     if q_lora_rank is None:
         # DeepSeek-V2-Lite's layout: queries are not compressed, so there is no query latent.
-        assert "does not compress queries" in bridge.namespace.non_fireable_reasons["blocks.1.attn.hook_q_latent"]
-        assert "blocks.1.attn.hook_q_latent" not in bridge.driver.hook_points and bridge.cfg.d_q_latent is None
+        assert (
+            "does not compress queries"
+            in bridge.namespace.non_fireable_reasons["blocks.1.attn.hook_q_latent"]
+        )
+        assert (
+            "blocks.1.attn.hook_q_latent" not in bridge.driver.hook_points
+            and bridge.cfg.d_q_latent is None
+        )
     assert bridge.architecture is not None and bridge.architecture.attention is not None
     assert bridge.architecture.attention.variant == "mla"
-    assert (bridge.architecture.attention.d_q_latent, bridge.architecture.attention.d_kv_latent) == (q_lora_rank, 16)
+    assert (
+        bridge.architecture.attention.d_q_latent,
+        bridge.architecture.attention.d_kv_latent,
+    ) == (q_lora_rank, 16)
     seen: dict[str, torch.Tensor] = {}
     attn = _attention(model, 1)
-    handles = [attn.kv_a_layernorm.register_forward_hook(lambda m, a, out: seen.setdefault("kv", out.detach().clone()))]
+    handles = [
+        attn.kv_a_layernorm.register_forward_hook(
+            lambda m, a, out: seen.setdefault("kv", out.detach().clone())
+        )
+    ]
     if q_lora_rank:
-        handles.append(attn.q_a_layernorm.register_forward_hook(lambda m, a, out: seen.setdefault("q", out.detach().clone())))
+        handles.append(
+            attn.q_a_layernorm.register_forward_hook(
+                lambda m, a, out: seen.setdefault("q", out.detach().clone())
+            )
+        )
     try:
         with torch.no_grad():
             model(input_ids=_ids(), use_cache=False)
@@ -77,7 +96,9 @@ def test_an_edit_of_a_latent_is_a_plain_forward_hook_on_its_norm() -> None:
     model = _deepseek(3, 24)
     bridge = build_bridge_from_module(model)
     delta = torch.randn(16, generator=torch.Generator().manual_seed(5))
-    handle = _attention(model, 0).kv_a_layernorm.register_forward_hook(lambda m, a, out: out + delta)
+    handle = _attention(model, 0).kv_a_layernorm.register_forward_hook(
+        lambda m, a, out: out + delta
+    )
     try:
         with torch.no_grad():
             want = model(input_ids=_ids(), use_cache=False).logits
@@ -109,7 +130,9 @@ def swapped_latents() -> Iterator[Callable[[PreTrainedModel], None]]:
         _EXTRA.remove(adapter)
 
 
-def test_swapped_latents_fail_their_equations_and_are_not_served(swapped_latents: Callable[[PreTrainedModel], None]) -> None:
+def test_swapped_latents_fail_their_equations_and_are_not_served(
+    swapped_latents: Callable[[PreTrainedModel], None],
+) -> None:
     model = _deepseek(3, 16)  # a query latent as wide as the key/value one
     swapped_latents(model)
     bridge = build_bridge_from_module(model)

@@ -23,7 +23,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from tl_core import TransformerBridge
 
 # Tests are imported in importlib mode, so the sibling helper is loaded by path.
-_spec = importlib.util.spec_from_file_location("_hf_inline_reference", Path(__file__).with_name("_inline_reference.py"))
+_spec = importlib.util.spec_from_file_location(
+    "_hf_inline_reference", Path(__file__).with_name("_inline_reference.py")
+)
 assert _spec is not None and _spec.loader is not None
 _inline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_inline)
@@ -32,7 +34,14 @@ record_inline_attention = _inline.record_inline_attention
 _RECORD: dict[int, dict[str, torch.Tensor]] = {}
 
 
-def _record_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def _record_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
     eager = sys.modules[type(module).__module__].eager_attention_forward
     out, weights = eager(module, query, key, value, *args, **kwargs)
     _RECORD[id(module)] = {"q": query, "k": key, "v": value, "pattern": weights, "z": out}
@@ -43,7 +52,9 @@ AttentionInterface.register("test_record", _record_attention)
 AttentionMaskInterface.register("test_record", eager_mask)
 
 
-def _scale_and_normalized(x: torch.Tensor, module: nn.Module, layernorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_and_normalized(
+    x: torch.Tensor, module: nn.Module, layernorm: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     eps = next(getattr(module, n) for n in ("variance_epsilon", "eps") if hasattr(module, n))
     x = x.float()
     if layernorm:
@@ -56,7 +67,9 @@ def _heads(x: torch.Tensor, d_head: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, d_head))
 
 
-def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+def reference_values(
+    paths: dict[str, Any], model: PreTrainedModel, ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Every canonical hook's value, computed from the plain model located by ``paths``."""
     config = model.config
     d_head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -72,7 +85,9 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
 
         return hook
 
-    def post(name: str, split: tuple[str, ...] = (), sizes: tuple[int, ...] = (), heads: bool = False) -> Callable[..., None]:
+    def post(
+        name: str, split: tuple[str, ...] = (), sizes: tuple[int, ...] = (), heads: bool = False
+    ) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
             out = out[0] if isinstance(out, tuple) else out
             parts = out.split(sizes, dim=-1) if split else (out,)
@@ -91,7 +106,9 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
 
         return hook
 
-    def norm(prefix: str, module: nn.Module, heads: int | None = None, heads_first: bool = False) -> None:
+    def norm(
+        prefix: str, module: nn.Module, heads: int | None = None, heads_first: bool = False
+    ) -> None:
         # heads: the norm sees all heads of a position flat (OLMo 2's QK-norm); tl serves
         # its sites per head, the scale repeated for every head. heads_first: the norm sees
         # [b, h, p, dh] (Gemma 3); tl serves [b, p, h, dh].
@@ -117,7 +134,11 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
             dense = torch.zeros_like(logits)
             for row in range(logits.shape[0]):
                 dense[row, chosen[row]] = weights[row]
-            for name, value in (("router_logits", logits), ("expert_weights", dense), ("expert_indices", chosen)):
+            for name, value in (
+                ("router_logits", logits),
+                ("expert_weights", dense),
+                ("expert_indices", chosen),
+            ):
                 values[f"{prefix}hook_{name}"] = value.unflatten(0, tuple(ids.shape))
 
         return hook
@@ -125,7 +146,9 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
     def table(prefix: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # Without explicit position ids the model builds one row for the whole batch.
-            cos, sin = (v.detach().expand(ids.shape[0], -1, -1) for v in kwargs["position_embeddings"])
+            cos, sin = (
+                v.detach().expand(ids.shape[0], -1, -1) for v in kwargs["position_embeddings"]
+            )
             values[prefix + "hook_cos"], values[prefix + "hook_sin"] = cos, sin
 
         return hook
@@ -139,7 +162,9 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
     if "pos" in paths:
         positions = torch.arange(ids.shape[1])
         values["pos_embed.hook_in"] = positions.expand(*ids.shape)
-        values["pos_embed.hook_out"] = get(paths["pos"]).weight[positions + paths.get("pos_offset", 0)].expand(*ids.shape, -1)
+        values["pos_embed.hook_out"] = (
+            get(paths["pos"]).weight[positions + paths.get("pos_offset", 0)].expand(*ids.shape, -1)
+        )
     layers = get(paths["layers"])
     attn_modules = []
     for i, layer in enumerate(layers):
@@ -147,17 +172,29 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         handles.append(layer.register_forward_pre_hook(pre(b + "hook_in"), with_kwargs=True))
         if paths.get("parallel") and "ln2" not in paths and "ln1" in paths:
             # One norm for both sublayers: the MLP's norm input is the block input.
-            handles.append(layer.register_forward_pre_hook(pre(b + "ln2.hook_in"), with_kwargs=True))
+            handles.append(
+                layer.register_forward_pre_hook(pre(b + "ln2.hook_in"), with_kwargs=True)
+            )
         handles.append(layer.register_forward_hook(post(b + "hook_out")))
         attn = layer.get_submodule(paths["attn"])
         attn_modules.append(attn)
         handles.append(attn.register_forward_pre_hook(pre(b + "attn.hook_in"), with_kwargs=True))
         # BLOOM's attention module returns output + residual: its contribution is "dense".
-        handles.append(attn.get_submodule(paths.get("attn_out", "")).register_forward_hook(post(b + "attn.hook_out")))
+        handles.append(
+            attn.get_submodule(paths.get("attn_out", "")).register_forward_hook(
+                post(b + "attn.hook_out")
+            )
+        )
         if "inline" in paths:
             o_proj = attn.get_submodule(paths["o"])
-            handles.extend(record_inline_attention(paths["inline"], attn, o_proj, n_heads, d_head, _RECORD))
-        handles.append(attn.get_submodule(paths["o"]).register_forward_pre_hook(pre(b + "o_in"), with_kwargs=True))
+            handles.extend(
+                record_inline_attention(paths["inline"], attn, o_proj, n_heads, d_head, _RECORD)
+            )
+        handles.append(
+            attn.get_submodule(paths["o"]).register_forward_pre_hook(
+                pre(b + "o_in"), with_kwargs=True
+            )
+        )
         # Rotary and pre-scaled (OPT) families: hook_q/hook_k are the projections' outputs.
         at_projection = paths["rotary"] or paths.get("prescaled", False)
         qk = ("hook_q", "hook_k") if at_projection else ("", "")
@@ -167,10 +204,18 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         elif "qkv" in paths:
             names = (b + "attn." + qk[0] if qk[0] else "", b + "attn." + qk[1] if qk[1] else "", "")
             sizes = (n_heads * d_head, n_kv * d_head, n_kv * d_head)
-            handles.append(attn.get_submodule(paths["qkv"]).register_forward_hook(post("", names, sizes, heads=True)))
+            handles.append(
+                attn.get_submodule(paths["qkv"]).register_forward_hook(
+                    post("", names, sizes, heads=True)
+                )
+            )
         else:
             for role in ("q", "k") if at_projection else ():
-                handles.append(attn.get_submodule(paths[role]).register_forward_hook(post(f"{b}attn.hook_{role}", heads=True)))
+                handles.append(
+                    attn.get_submodule(paths[role]).register_forward_hook(
+                        post(f"{b}attn.hook_{role}", heads=True)
+                    )
+                )
         for role in ("ln1", "ln2", "ln1_post", "ln2_post"):
             if role in paths:
                 norm(b + role, layer.get_submodule(paths[role]))
@@ -187,18 +232,38 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         mlp_last = mlp.get_submodule(paths["down"]) if paths.get("mlp_inline") else mlp
         if "ln2" not in paths and not paths.get("parallel"):
             handles.append(mlp.register_forward_pre_hook(pre(b + "ln2.hook_in"), with_kwargs=True))
-        handles.append(mlp_first.register_forward_pre_hook(pre(b + "mlp.hook_in"), with_kwargs=True))
-        handles.append(mlp_last.get_submodule(paths.get("mlp_out", "")).register_forward_hook(post(b + "mlp.hook_out")))
+        handles.append(
+            mlp_first.register_forward_pre_hook(pre(b + "mlp.hook_in"), with_kwargs=True)
+        )
+        handles.append(
+            mlp_last.get_submodule(paths.get("mlp_out", "")).register_forward_hook(
+                post(b + "mlp.hook_out")
+            )
+        )
         if "gate_up" in paths:
             size = config.intermediate_size
-            handles.append(mlp.get_submodule(paths["gate_up"]).register_forward_hook(post("", (b + "mlp.hook_pre", b + "mlp.hook_pre_linear"), (size, size))))
+            handles.append(
+                mlp.get_submodule(paths["gate_up"]).register_forward_hook(
+                    post("", (b + "mlp.hook_pre", b + "mlp.hook_pre_linear"), (size, size))
+                )
+            )
         for role in ("pre", "pre_linear"):
             if role in paths:
-                handles.append(mlp.get_submodule(paths[role]).register_forward_hook(post(f"{b}mlp.hook_{role}")))
+                handles.append(
+                    mlp.get_submodule(paths[role]).register_forward_hook(
+                        post(f"{b}mlp.hook_{role}")
+                    )
+                )
         if "router" in paths:
-            handles.append(mlp.get_submodule(paths["router"]).register_forward_hook(routing(b + "mlp.")))
+            handles.append(
+                mlp.get_submodule(paths["router"]).register_forward_hook(routing(b + "mlp."))
+            )
         if "down" in paths or "gate_up" in paths:
-            handles.append(mlp.get_submodule(paths.get("down", "down_proj")).register_forward_pre_hook(pre(b + "mlp.hook_post"), with_kwargs=True))
+            handles.append(
+                mlp.get_submodule(paths.get("down", "down_proj")).register_forward_pre_hook(
+                    pre(b + "mlp.hook_post"), with_kwargs=True
+                )
+            )
     norm("ln_final", get(paths["final"]))
     handles.append(get(paths["head"]).register_forward_hook(post("unembed.hook_out")))
     saved = model.config._attn_implementation
@@ -226,7 +291,13 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         values[b + "hook_pattern"] = rec["pattern"]
         values[b + "hook_z"] = rec["z"]
         group = n_heads // n_kv
-        scores = rec["scores"] if "scores" in rec else rec["q"] @ rec["k"].repeat_interleave(group, dim=1).transpose(-1, -2) * (1.0 if paths.get("prescaled") else attn.scaling)
+        scores = (
+            rec["scores"]
+            if "scores" in rec
+            else rec["q"]
+            @ rec["k"].repeat_interleave(group, dim=1).transpose(-1, -2)
+            * (1.0 if paths.get("prescaled") else attn.scaling)
+        )
         cap = getattr(config, "attn_logit_softcapping", None)
         if cap:
             scores = torch.tanh(scores / cap) * cap
@@ -236,33 +307,47 @@ def reference_values(paths: dict[str, Any], model: PreTrainedModel, ids: torch.T
         o = attn.get_submodule(paths["o"])
         w_o = o.weight if paths.get("conv1d") else o.weight.T
         z = values.pop(f"blocks.{i}.o_in").unflatten(-1, (n_heads, d_head))
-        values[b + "hook_result"] = torch.einsum("bphe,hed->bphd", z, w_o.unflatten(0, (n_heads, d_head)))
+        values[b + "hook_result"] = torch.einsum(
+            "bphe,hed->bphd", z, w_o.unflatten(0, (n_heads, d_head))
+        )
     return values
 
 
-def test_logits_match_eager_transformers(family: str, bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor) -> None:
+def test_logits_match_eager_transformers(
+    family: str, bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor
+) -> None:
     with torch.no_grad():
         expected = reference(ids).logits
         fast = bridge(ids)  # no attention hooks: the SDPA fast path
-        explicit = bridge.run_with_hooks(ids, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)])
+        explicit = bridge.run_with_hooks(
+            ids, fwd_hooks=[(lambda n: n.endswith("hook_pattern"), lambda x, hook: None)]
+        )
     torch.testing.assert_close(fast, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(explicit, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_block_outputs_match_hidden_states(family: str, bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor) -> None:
+def test_block_outputs_match_hidden_states(
+    family: str, bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor
+) -> None:
     with torch.no_grad():
         hidden = reference(ids, output_hidden_states=True).hidden_states
-        _, cache = bridge.run_with_cache(ids, names_filter=lambda n: n.endswith("hook_out") or n.endswith("hook_in"))
+        _, cache = bridge.run_with_cache(
+            ids, names_filter=lambda n: n.endswith("hook_out") or n.endswith("hook_in")
+        )
     n_layers = bridge.cfg.n_layers
     for i in range(n_layers):
         torch.testing.assert_close(cache[f"blocks.{i}.hook_in"], hidden[i], atol=1e-5, rtol=1e-5)
     for i in range(n_layers - 1):
-        torch.testing.assert_close(cache[f"blocks.{i}.hook_out"], hidden[i + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            cache[f"blocks.{i}.hook_out"], hidden[i + 1], atol=1e-5, rtol=1e-5
+        )
     # transformers' last hidden state is after the final norm.
     torch.testing.assert_close(cache["ln_final.hook_out"], hidden[-1], atol=1e-5, rtol=1e-5)
 
 
-def test_every_served_hook_equals_an_independent_value(paths: dict[str, Any], bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor) -> None:
+def test_every_served_hook_equals_an_independent_value(
+    paths: dict[str, Any], bridge: TransformerBridge, reference: PreTrainedModel, ids: torch.Tensor
+) -> None:
     expected = reference_values(paths, reference, ids)
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(ids)
@@ -272,7 +357,9 @@ def test_every_served_hook_equals_an_independent_value(paths: dict[str, Any], br
     for name in sorted(served):
         got, want = cache[name], expected[name]
         assert got.shape == want.shape, (name, got.shape, want.shape)
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got.float(), want.float(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_non_fireable_hooks_say_why(family: str, bridge: TransformerBridge) -> None:
@@ -292,12 +379,16 @@ def test_non_fireable_hooks_say_why(family: str, bridge: TransformerBridge) -> N
     # despite its structure (a quirk the adapter declares) with the adapter's reason.
     for name, reason in reasons.items():
         absent = bridge.namespace.resolve(name).status == "structurally_absent"
-        with pytest.raises(Exception, match="structurally absent" if absent else "cannot fire") as info:
+        with pytest.raises(
+            Exception, match="structurally absent" if absent else "cannot fire"
+        ) as info:
             bridge.run_with_cache("x", names_filter=[name])
         assert absent or reason in str(info.value)
 
 
-def test_every_served_hook_has_its_canonical_layout(bridge: TransformerBridge, ids: torch.Tensor) -> None:
+def test_every_served_hook_has_its_canonical_layout(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
     """Shapes follow the vocabulary's layout whatever the family's own layout is."""
     namespace = bridge.namespace
     with torch.no_grad():

@@ -16,11 +16,15 @@ HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 needs_accelerate = pytest.mark.skipif(not HAS_ACCELERATE, reason="needs the accelerate extra")
 
 
-def test_device_works_without_accelerate(checkpoint: Callable[[str], Path], reference_of: Callable[[str], PreTrainedModel]) -> None:
+def test_device_works_without_accelerate(
+    checkpoint: Callable[[str], Path], reference_of: Callable[[str], PreTrainedModel]
+) -> None:
     bridge = TransformerBridge.boot_transformers(str(checkpoint("llama")), device="cpu")
     ids = torch.tensor([[1, 40, 41, 42]])
     with torch.no_grad():
-        torch.testing.assert_close(bridge(ids), reference_of("llama")(ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            bridge(ids), reference_of("llama")(ids).logits, atol=1e-5, rtol=1e-5
+        )
     assert bridge.driver.device == torch.device("cpu")
 
 
@@ -33,7 +37,10 @@ def test_device_map_without_accelerate_says_what_to_install() -> None:
 @needs_accelerate
 @pytest.mark.parametrize("device_map", ["auto", "disk"])
 def test_device_maps_and_disk_offload_keep_every_hook(
-    device_map: str, checkpoint: Callable[[str], Path], reference_of: Callable[[str], PreTrainedModel], tmp_path: Path
+    device_map: str,
+    checkpoint: Callable[[str], Path],
+    reference_of: Callable[[str], PreTrainedModel],
+    tmp_path: Path,
 ) -> None:
     options: dict[str, object] = {"device_map": device_map}
     if device_map == "disk":

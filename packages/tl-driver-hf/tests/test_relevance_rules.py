@@ -23,7 +23,9 @@ FAMILIES = ("qwen2", "phi3")
 
 
 @pytest.fixture(params=FAMILIES)
-def bridge(request: pytest.FixtureRequest, bridge_of: Callable[[str], TransformerBridge]) -> TransformerBridge:
+def bridge(
+    request: pytest.FixtureRequest, bridge_of: Callable[[str], TransformerBridge]
+) -> TransformerBridge:
     return bridge_of(str(request.param))
 
 
@@ -70,9 +72,15 @@ def test_coverage_is_exact(bridge: TransformerBridge) -> None:
     for i in range(info.n_layers):
         b = f"blocks.{i}."
         for norm in ("ln1", "ln2"):
-            expected[f"{b}{norm}.hook_normalized"] = ("LN", (f"{b}{norm}.hook_in", f"{b}{norm}.hook_scale"))
+            expected[f"{b}{norm}.hook_normalized"] = (
+                "LN",
+                (f"{b}{norm}.hook_in", f"{b}{norm}.hook_scale"),
+            )
         expected[b + "attn.hook_pattern"] = ("attention", ())
-        expected[b + "mlp.hook_post"] = ("Identity+Half", (b + "mlp.hook_pre", b + "mlp.hook_pre_linear"))
+        expected[b + "mlp.hook_post"] = (
+            "Identity+Half",
+            (b + "mlp.hook_pre", b + "mlp.hook_pre_linear"),
+        )
     expected["ln_final.hook_normalized"] = ("LN", ("ln_final.hook_in", "ln_final.hook_scale"))
     with use_relevance_rules(bridge) as coverage:
         assert {s.site: (s.rule, s.reads) for s in coverage.sites} == expected
@@ -100,7 +108,9 @@ def test_each_rule_matches_its_closed_form(bridge: TransformerBridge, ids: torch
     torch.testing.assert_close(values[m + "hook_post"], F.silu(pre) * up, rtol=1e-6, atol=1e-7)
     ratio = torch.where(pre == 0, torch.full_like(pre, 0.5), F.silu(pre) / pre)
     torch.testing.assert_close(grads[m + "hook_pre"], 0.5 * up * g * ratio, rtol=1e-5, atol=1e-8)
-    torch.testing.assert_close(grads[m + "hook_pre_linear"], 0.5 * F.silu(pre) * g, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        grads[m + "hook_pre_linear"], 0.5 * F.silu(pre) * g, rtol=1e-5, atol=1e-8
+    )
     # Attention probabilities are constants: nothing reaches q, k or the scores, and the
     # value gradient is pattern^T grad_z, summed over each key/value head's query heads.
     for silent in ("hook_rot_q", "hook_rot_k", "hook_attn_scores"):

@@ -82,7 +82,9 @@ def _assert_close_to_scale(got: torch.Tensor, expected: torch.Tensor, what: str)
     """Close relative to the largest entry: float32 gradients summed over many paths."""
     got = got.reshape(expected.shape)
     scale = max(float(expected.abs().max()), 1.0)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got, expected, rtol=1e-4, atol=2e-6 * scale, msg=lambda m: f"{what}: {m}"
+    )
 
 
 # -- the transformers modules, located independently ---------------------------------
@@ -92,13 +94,17 @@ def _layer(bridge: TransformerBridge, family: str, i: int) -> nn.Module:
     return bridge.driver.hf_model.get_submodule(f"{PATHS[family]['layers']}.{i}")
 
 
-def _norm(bridge: TransformerBridge, family: str, i: int, role: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def _norm(
+    bridge: TransformerBridge, family: str, i: int, role: str
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer's norm module of ``role`` (identity when the family has none)."""
     path = PATHS[family].get(role)
     return _layer(bridge, family, i).get_submodule(path) if path else (lambda x: x)
 
 
-def _head_weights(bridge: TransformerBridge, family: str, i: int, kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _head_weights(
+    bridge: TransformerBridge, family: str, i: int, kind: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(W [heads, d_model, d_head], b [heads, d_head] or None)`` from the module's own rows."""
     p = PATHS[family]
     attn = _layer(bridge, family, i).get_submodule(p["attn"])
@@ -135,7 +141,9 @@ def _head_projection(
     return project
 
 
-def _vjp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _vjp(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
     x = x.clone().requires_grad_(True)
     (found,) = torch.autograd.grad(fn(x), x, grad.reshape(x.shape[:-1] + grad.shape[-1:]))
     return found
@@ -143,14 +151,17 @@ def _vjp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, grad: torc
 
 def _no_torch_hooks(bridge: TransformerBridge) -> bool:
     return not any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in bridge.driver.hf_model.modules()
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+        for m in bridge.driver.hf_model.modules()
     )
 
 
 # -- every family ---------------------------------------------------------------------
 
 
-def test_logits_are_unchanged_and_sites_listed_only_while_on(split: TransformerBridge, ids: torch.Tensor) -> None:
+def test_logits_are_unchanged_and_sites_listed_only_while_on(
+    split: TransformerBridge, ids: torch.Tensor
+) -> None:
     bridge, sites = split, _sites(split)
     off, _, _ = _run(bridge, ids)
     assert not sites & set(bridge.hook_dict)
@@ -167,7 +178,10 @@ def test_logits_are_unchanged_and_sites_listed_only_while_on(split: TransformerB
         assert copies.shape == (*ids.shape, _heads(bridge, kind), bridge.cfg.d_model)
         for h in range(copies.shape[2]):
             assert torch.equal(copies[:, :, h], acts["blocks.0.hook_in"]), (kind, h)
-        assert bridge.namespace.lookup(f"blocks.1.hook_{kind}_input") == f"blocks.1.attn.hook_{kind}_input"
+        assert (
+            bridge.namespace.lookup(f"blocks.1.hook_{kind}_input")
+            == f"blocks.1.attn.hook_{kind}_input"
+        )
 
     bridge.set_use_split_qkv_input(False)
     again, _, _ = _run(bridge, ids)
@@ -176,11 +190,15 @@ def test_logits_are_unchanged_and_sites_listed_only_while_on(split: TransformerB
     assert _no_torch_hooks(bridge)
 
 
-def test_each_heads_input_gradient_is_that_heads_own_vjp(split: TransformerBridge, family: str, ids: torch.Tensor) -> None:
+def test_each_heads_input_gradient_is_that_heads_own_vjp(
+    split: TransformerBridge, family: str, ids: torch.Tensor
+) -> None:
     bridge = split
     bridge.set_use_split_qkv_input(True)
     outs = [f"blocks.0.attn.hook_{x}" for x in KINDS]
-    _, acts, grads = _run(bridge, ids, ["blocks.0.hook_in"], grads_of=[*(f"blocks.0.{s}" for s in SPLIT), *outs])
+    _, acts, grads = _run(
+        bridge, ids, ["blocks.0.hook_in"], grads_of=[*(f"blocks.0.{s}" for s in SPLIT), *outs]
+    )
     x = acts["blocks.0.hook_in"]
     ln1 = _norm(bridge, family, 0, "ln1")
     for kind, out in zip(KINDS, outs, strict=True):
@@ -188,16 +206,22 @@ def test_each_heads_input_gradient_is_that_heads_own_vjp(split: TransformerBridg
         w, b = _head_weights(bridge, family, 0, kind)
         assert g_in.shape[2] == g_out.shape[2] == w.shape[0] == _heads(bridge, kind)
         for h in range(w.shape[0]):
-            expected = _vjp(_head_projection(ln1, w[h], b[h] if b is not None else None), x, g_out[:, :, h])
+            expected = _vjp(
+                _head_projection(ln1, w[h], b[h] if b is not None else None), x, g_out[:, :, h]
+            )
             _assert_close_to_scale(g_in[:, :, h], expected, f"{family} {kind} head {h}")
         if g_in.shape[2] > 1:  # each head's gradient is its own
             assert not torch.allclose(g_in[:, :, 0], g_in[:, :, 1])
 
 
-def test_per_head_gradients_add_up_to_the_block_input_gradient(split: TransformerBridge, family: str, ids: torch.Tensor) -> None:
+def test_per_head_gradients_add_up_to_the_block_input_gradient(
+    split: TransformerBridge, family: str, ids: torch.Tensor
+) -> None:
     bridge = split
     b = "blocks.0."
-    _, plain_acts, plain = _run(bridge, ids, [b + "hook_in"], grads_of=[b + "hook_in", b + "attn.hook_in"])
+    _, plain_acts, plain = _run(
+        bridge, ids, [b + "hook_in"], grads_of=[b + "hook_in", b + "attn.hook_in"]
+    )
     x = plain_acts[b + "hook_in"]
     bridge.set_use_split_qkv_input(True)
     parallel = family in PARALLEL
@@ -221,8 +245,12 @@ def test_per_head_gradients_add_up_to_the_block_input_gradient(split: Transforme
         skip = grads[b + "hook_out"] + _vjp(mlp_norm, x, grads[b + "mlp.hook_in"])
     else:
         skip = grads[b + "ln2.hook_in"].reshape(x.shape)
-    _assert_close_to_scale(heads + skip, plain[b + "hook_in"], f"{family}: heads + skip vs block input")
-    _assert_close_to_scale(grads[b + "hook_in"], plain[b + "hook_in"], f"{family}: block input on vs off")
+    _assert_close_to_scale(
+        heads + skip, plain[b + "hook_in"], f"{family}: heads + skip vs block input"
+    )
+    _assert_close_to_scale(
+        grads[b + "hook_in"], plain[b + "hook_in"], f"{family}: block input on vs off"
+    )
 
 
 def _add_to_head(head: int, vec: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -234,7 +262,9 @@ def _add_to_head(head: int, vec: torch.Tensor) -> Callable[..., torch.Tensor]:
     return edit
 
 
-def test_editing_one_heads_copy_changes_only_that_head(split: TransformerBridge, family: str, ids: torch.Tensor) -> None:
+def test_editing_one_heads_copy_changes_only_that_head(
+    split: TransformerBridge, family: str, ids: torch.Tensor
+) -> None:
     bridge = split
     bridge.set_use_split_qkv_input(True)
     n_heads, n_kv = bridge.cfg.n_heads, bridge.cfg.kv_heads
@@ -256,15 +286,30 @@ def test_editing_one_heads_copy_changes_only_that_head(split: TransformerBridge,
             if not per_head_attention:
                 continue
             # Which query heads read it: that head for q, the kv head's group for k and v.
-            readers = {target} if kind == "q" else {h for h in range(n_heads) if h // group == target}
+            readers = (
+                {target} if kind == "q" else {h for h in range(n_heads) if h // group == target}
+            )
             for h in range(n_heads):
-                pattern = torch.equal(edited["blocks.0.attn.hook_pattern"][:, h], clean["blocks.0.attn.hook_pattern"][:, h])
-                z = torch.equal(edited["blocks.0.attn.hook_z"][:, :, h], clean["blocks.0.attn.hook_z"][:, :, h])
-                assert pattern is (kind == "v" or h not in readers), (family, kind, target, "pattern", h)
+                pattern = torch.equal(
+                    edited["blocks.0.attn.hook_pattern"][:, h],
+                    clean["blocks.0.attn.hook_pattern"][:, h],
+                )
+                z = torch.equal(
+                    edited["blocks.0.attn.hook_z"][:, :, h], clean["blocks.0.attn.hook_z"][:, :, h]
+                )
+                assert pattern is (kind == "v" or h not in readers), (
+                    family,
+                    kind,
+                    target,
+                    "pattern",
+                    h,
+                )
                 assert z is (h not in readers), (family, kind, target, "z", h)
 
 
-def test_bypassed_sites_refuse_specs_while_on_and_take_them_after(split: TransformerBridge, ids: torch.Tensor) -> None:
+def test_bypassed_sites_refuse_specs_while_on_and_take_them_after(
+    split: TransformerBridge, ids: torch.Tensor
+) -> None:
     bridge = split
     names = [f"blocks.0.{s}" for s in BYPASSED if f"blocks.0.{s}" in bridge.namespace.editable]
     assert "blocks.0.attn.hook_in" in names
@@ -275,13 +320,17 @@ def test_bypassed_sites_refuse_specs_while_on_and_take_them_after(split: Transfo
         for name in names:
             with pytest.raises(SpecError, match="per-head q/k/v inputs are on") as raised:
                 bridge(ids, intervene={name: spec})
-            assert name in str(raised.value) and "set_use_split_qkv_input(False)" in str(raised.value)
+            assert name in str(raised.value) and "set_use_split_qkv_input(False)" in str(
+                raised.value
+            )
         bridge.set_use_split_qkv_input(False)
         for name in names:
             assert torch.equal(bridge(ids, intervene={name: spec}), before[name]), name
 
 
-def test_python_hook_edits_of_attn_hook_in_are_refused_while_on(split: TransformerBridge, ids: torch.Tensor) -> None:
+def test_python_hook_edits_of_attn_hook_in_are_refused_while_on(
+    split: TransformerBridge, ids: torch.Tensor
+) -> None:
     # Attention no longer reads it: an edit there would be lost, so it is refused, not ignored.
     bridge = split
     bridge.set_use_split_qkv_input(True)
@@ -292,7 +341,9 @@ def test_python_hook_edits_of_attn_hook_in_are_refused_while_on(split: Transform
     assert torch.equal(read, clean)
 
 
-def test_turning_off_in_finally_after_an_exception_restores_the_model(split: TransformerBridge, ids: torch.Tensor) -> None:
+def test_turning_off_in_finally_after_an_exception_restores_the_model(
+    split: TransformerBridge, ids: torch.Tensor
+) -> None:
     bridge = split
     clean, _, _ = _run(bridge, ids)
     names = set(bridge.hook_dict)
@@ -331,14 +382,20 @@ def test_switching_off_restores_the_namespace_exactly(split: TransformerBridge) 
     assert during.read_only == before.read_only | bypassed
     bridge.set_use_split_qkv_input(False)
     after = bridge.namespace
-    assert (after.served, after.editable, dict(after.reasons)) == (before.served, before.editable, dict(before.reasons))
+    assert (after.served, after.editable, dict(after.reasons)) == (
+        before.served,
+        before.editable,
+        dict(before.reasons),
+    )
     with pytest.raises(HookNameError) as again:
         after.lookup("blocks.1.hook_v_input")
     assert str(again.value) == str(raised.value)
 
 
 @pytest.mark.parametrize("family", [f for f in PATHS if "ln1" in PATHS[f]])
-def test_an_edit_of_ln1s_input_reaches_attention_either_way(split: TransformerBridge, ids: torch.Tensor) -> None:
+def test_an_edit_of_ln1s_input_reaches_attention_either_way(
+    split: TransformerBridge, ids: torch.Tensor
+) -> None:
     bridge = split
     vec = torch.linspace(-1.0, 2.0, bridge.cfg.d_model)
     edit = [("blocks.0.ln1.hook_in", lambda x, hook: x + vec)]
@@ -360,15 +417,21 @@ def test_specs_edit_the_copies(split: TransformerBridge, ids: torch.Tensor) -> N
             spec = {"op": "add", "value": 0.5, "pos": -1}
             edited = bridge(ids, intervene={f"blocks.0.hook_{x}_input": spec})
             assert not torch.equal(edited[:, -1], clean[:, -1]), x
-            assert torch.equal(edited[:, :-1], clean[:, :-1]), x  # causal: earlier positions untouched
+            assert torch.equal(edited[:, :-1], clean[:, :-1]), (
+                x
+            )  # causal: earlier positions untouched
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "olmo2", "gptj"])
-def test_start_and_stop_at_layer_agree_with_split_on(split: TransformerBridge, ids: torch.Tensor) -> None:
+def test_start_and_stop_at_layer_agree_with_split_on(
+    split: TransformerBridge, ids: torch.Tensor
+) -> None:
     bridge = split
     with torch.no_grad():
         resid = bridge(ids, stop_at_layer=1)
         tail = bridge(None, start_at_layer=1, residual=resid, tokens=ids)
         bridge.set_use_split_qkv_input(True)
         torch.testing.assert_close(bridge(ids, stop_at_layer=1), resid, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(bridge(None, start_at_layer=1, residual=resid, tokens=ids), tail, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            bridge(None, start_at_layer=1, residual=resid, tokens=ids), tail, rtol=1e-6, atol=1e-6
+        )

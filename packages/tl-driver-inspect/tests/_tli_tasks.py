@@ -18,8 +18,12 @@ def samples(n: int = 8) -> list[Sample]:
     return [Sample(input=f"Repeat: {w}", target=w, id=f"s{i}") for i, w in enumerate(WORDS[:n])]
 
 
-def make_task(solver: Solver | list[Solver] | None = None, n: int = 8, epochs: int = 1, **kw: Any) -> Task:
-    return Task(dataset=samples(n), solver=solver or generate(), scorer=includes(), epochs=epochs, **kw)
+def make_task(
+    solver: Solver | list[Solver] | None = None, n: int = 8, epochs: int = 1, **kw: Any
+) -> Task:
+    return Task(
+        dataset=samples(n), solver=solver or generate(), scorer=includes(), epochs=epochs, **kw
+    )
 
 
 @task

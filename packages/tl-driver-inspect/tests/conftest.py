@@ -28,6 +28,7 @@ os.environ["VLLM_RPC_BASE_PATH"] = str(_VLLM_TMP / "rpc")
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_VLLM_TMP, ignore_errors=True)
 
+
 # Test helpers (_tli_*.py) import by name under --import-mode=importlib.
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -46,7 +47,9 @@ def provider() -> str:
     4.3 does), then the unambiguous ``tl_hf``."""
     from importlib.metadata import entry_points
 
-    owners = {ep.value.split(".")[0] for ep in entry_points(group="inspect_ai") if ep.name == "tl_bridge"}
+    owners = {
+        ep.value.split(".")[0] for ep in entry_points(group="inspect_ai") if ep.name == "tl_bridge"
+    }
     return "tl_bridge" if owners <= {"tl_driver_inspect"} else "tl_hf"
 
 

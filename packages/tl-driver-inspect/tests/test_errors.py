@@ -36,7 +36,11 @@ def test_bad_spec_fails_at_construction() -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"reduce": "median"}, "reduce must be"), ({"positions": "all"}, "positions must be"), ({"hooks": []}, "hooks is empty")],
+    [
+        ({"reduce": "median"}, "reduce must be"),
+        ({"positions": "all"}, "positions must be"),
+        ({"hooks": []}, "hooks is empty"),
+    ],
 )
 def test_bad_options(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
     args = {"hooks": "blocks.0.hook_out", "output_dir": str(tmp_path / "a"), **kwargs}
@@ -63,16 +67,50 @@ def test_output_dir_that_is_a_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("solvers", "match", "options"),
     [
-        (lambda out: [capture_activations("blocks.7.hook_out", output_dir=out)], "blocks.7.hook_out", {}),
-        (lambda out: [intervene({"blocks.0.hook_out": {"op": "add", "value": [1.0, 2.0]}}), capture_activations("blocks.0.hook_out", output_dir=out)], "width", {}),
-        (lambda out: [capture_activations("blocks.0.hook_out", output_dir=out)], "response cache", {"cache": True}),
-        (lambda out: [intervene({"blocks.0.hook_out": {"op": "suppress"}}), generate(cache=True)], "response cache", {}),
-        (lambda out: [intervene({"blocks.0.hook_out": {"op": "add", "value": 1.0, "pos": 99}}), capture_activations("blocks.0.hook_out", output_dir=out)], "pos", {}),
+        (
+            lambda out: [capture_activations("blocks.7.hook_out", output_dir=out)],
+            "blocks.7.hook_out",
+            {},
+        ),
+        (
+            lambda out: [
+                intervene({"blocks.0.hook_out": {"op": "add", "value": [1.0, 2.0]}}),
+                capture_activations("blocks.0.hook_out", output_dir=out),
+            ],
+            "width",
+            {},
+        ),
+        (
+            lambda out: [capture_activations("blocks.0.hook_out", output_dir=out)],
+            "response cache",
+            {"cache": True},
+        ),
+        (
+            lambda out: [
+                intervene({"blocks.0.hook_out": {"op": "suppress"}}),
+                generate(cache=True),
+            ],
+            "response cache",
+            {},
+        ),
+        (
+            lambda out: [
+                intervene({"blocks.0.hook_out": {"op": "add", "value": 1.0, "pos": 99}}),
+                capture_activations("blocks.0.hook_out", output_dir=out),
+            ],
+            "pos",
+            {},
+        ),
     ],
     ids=["hook-not-on-model", "spec-width", "cache-capture", "cache-intervene", "pos-out-of-range"],
 )
 def test_model_dependent_errors_abort_the_eval(
-    checkpoint: Path, provider: str, tmp_path: Path, solvers: Any, match: str, options: dict[str, Any]
+    checkpoint: Path,
+    provider: str,
+    tmp_path: Path,
+    solvers: Any,
+    match: str,
+    options: dict[str, Any],
 ) -> None:
     out = tmp_path / "acts"
     log = run(make_task(solvers(str(out)), n=4), f"{provider}/{checkpoint}", tmp_path, **options)
@@ -84,7 +122,11 @@ def test_model_dependent_errors_abort_the_eval(
 @pytest.mark.slow
 def test_non_tl_model(tmp_path: Path) -> None:
     out = tmp_path / "acts"
-    log = run(make_task([capture_activations("blocks.0.hook_out", output_dir=str(out))], n=2), "mockllm/model", tmp_path)
+    log = run(
+        make_task([capture_activations("blocks.0.hook_out", output_dir=str(out))], n=2),
+        "mockllm/model",
+        tmp_path,
+    )
     assert log.status == "error" and "needs a tl model provider" in log.error.message
     assert not any(out.iterdir())
 
@@ -107,11 +149,20 @@ def test_positions_resolve_against_the_prompt_or_fail() -> None:
     from tl_driver_inspect._specs import absolute_specs
 
     hook = "blocks.0.hook_resid_post"
-    fixed = absolute_specs({hook: [{"op": "add", "value": 1.0, "pos": [-1, 0]}, {"op": "suppress", "pos": -2}]}, 5)
-    assert fixed == {hook: [{"op": "add", "value": 1.0, "pos": [4, 0]}, {"op": "suppress", "pos": 3}]}
+    fixed = absolute_specs(
+        {hook: [{"op": "add", "value": 1.0, "pos": [-1, 0]}, {"op": "suppress", "pos": -2}]}, 5
+    )
+    assert fixed == {
+        hook: [{"op": "add", "value": 1.0, "pos": [4, 0]}, {"op": "suppress", "pos": 3}]
+    }
     # -9 on a 5-token prompt would count from the end of prompt plus completion: refused.
-    with pytest.raises(SpecError, match=r"'blocks\.0\.hook_resid_post': key 'pos' lists position -9, out of range "
-                       r"for a prompt of 5 tokens \(valid positions: -5\.\.4\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"'blocks\.0\.hook_resid_post': key 'pos' lists position -9, out of range "
+        r"for a prompt of 5 tokens \(valid positions: -5\.\.4\)",
+    ):
         absolute_specs({hook: [{"op": "suppress", "pos": -9}]}, 5)
-    with pytest.raises(SpecError, match=r"names one position twice in a prompt of 5 tokens \(as \[4, 4\]\)"):
+    with pytest.raises(
+        SpecError, match=r"names one position twice in a prompt of 5 tokens \(as \[4, 4\]\)"
+    ):
         absolute_specs({hook: [{"op": "suppress", "pos": [-1, 4]}]}, 5)

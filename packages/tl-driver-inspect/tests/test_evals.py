@@ -49,7 +49,9 @@ def read(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())  # noqa: SIM118
 
 
-def test_capture_python_api(checkpoint: Path, provider: str, reference: Any, tmp_path: Path) -> None:
+def test_capture_python_api(
+    checkpoint: Path, provider: str, reference: Any, tmp_path: Path
+) -> None:
     out = tmp_path / "acts"
     task = make_task([intervene(STEER), capture_activations(HOOKS, output_dir=str(out))], epochs=2)
     log = run(task, f"{provider}/{checkpoint}", tmp_path)
@@ -69,13 +71,17 @@ def test_capture_python_api(checkpoint: Path, provider: str, reference: Any, tmp
         assert tokens[: len(prompt)] == prompt and int(meta["n_prompt_tokens"]) == len(prompt)
         assert summary["n_tokens"] == len(tokens) and sorted(summary["hooks"]) == sorted(canonical)
         assert tokens[len(prompt) :] == hf_generate(reference, prompt, 6, STEER)
-        ref = reference.driver.forward([tokens], capture=canonical, intervene=STEER, max_new_tokens=0)
+        ref = reference.driver.forward(
+            [tokens], capture=canonical, intervene=STEER, max_new_tokens=0
+        )
         for name in canonical:
             assert torch.allclose(tensors[name], ref.captured[name][0], atol=1e-5, rtol=0), name
             assert summary["shapes"][name] == list(tensors[name].shape)
 
 
-def test_greedy_without_specs_equals_hf_generate(checkpoint: Path, provider: str, reference: Any, tmp_path: Path) -> None:
+def test_greedy_without_specs_equals_hf_generate(
+    checkpoint: Path, provider: str, reference: Any, tmp_path: Path
+) -> None:
     log = run(make_task(generate(), n=4), f"{provider}/{checkpoint}", tmp_path, max_tokens=8)
     assert log.status == "success", log.error
     for sample in log.samples:
@@ -84,7 +90,9 @@ def test_greedy_without_specs_equals_hf_generate(checkpoint: Path, provider: str
         assert sample.output.completion == expected
 
 
-def test_intervene_changes_outputs_like_hf(checkpoint: Path, provider: str, reference: Any, tmp_path: Path) -> None:
+def test_intervene_changes_outputs_like_hf(
+    checkpoint: Path, provider: str, reference: Any, tmp_path: Path
+) -> None:
     log = run(make_task([intervene(STEER), generate()], n=4), f"{provider}/{checkpoint}", tmp_path)
     assert log.status == "success", log.error
     changed = 0
@@ -97,7 +105,13 @@ def test_intervene_changes_outputs_like_hf(checkpoint: Path, provider: str, refe
 
 
 def test_logprobs_and_stop(checkpoint: Path, provider: str, reference: Any, tmp_path: Path) -> None:
-    log = run(make_task(generate(), n=2), f"{provider}/{checkpoint}", tmp_path, logprobs=True, top_logprobs=3)
+    log = run(
+        make_task(generate(), n=2),
+        f"{provider}/{checkpoint}",
+        tmp_path,
+        logprobs=True,
+        top_logprobs=3,
+    )
     assert log.status == "success", log.error
     for sample in log.samples:
         choice = sample.output.choices[0]
@@ -133,9 +147,13 @@ def test_cli_eval(checkpoint: Path, provider: str, reference: Any, tmp_path: Pat
         assert torch.allclose(tensors[name], ref.captured[name][0], atol=1e-5, rtol=0), name
 
 
-def test_reduce_positions_and_samples_df(checkpoint: Path, provider: str, reference: Any, tmp_path: Path) -> None:
+def test_reduce_positions_and_samples_df(
+    checkpoint: Path, provider: str, reference: Any, tmp_path: Path
+) -> None:
     out = tmp_path / "acts"
-    solver = capture_activations("blocks.1.hook_out", output_dir=str(out), reduce="mean", positions="generated")
+    solver = capture_activations(
+        "blocks.1.hook_out", output_dir=str(out), reduce="mean", positions="generated"
+    )
     log = run(make_task(solver, n=2), f"{provider}/{checkpoint}", tmp_path)
     assert log.status == "success", log.error
     summary = log.samples[0].store["tl_activations"]

@@ -25,7 +25,12 @@ from tl_driver_inspect._chat import prompt_ids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ENGINE = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 8, "kv_cache_memory_bytes": 32 * 2**20}
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "kv_cache_memory_bytes": 32 * 2**20,
+}
 HOOKS_VLLM = ["blocks.1.hook_out", "hook_embed"]  # attention patterns are not served by vLLM
 
 
@@ -42,10 +47,17 @@ def band(ref: torch.Tensor) -> float:
 
 def test_capture_and_steer_batched(vllm_model: Any, reference: Any, tmp_path: Path) -> None:
     out = tmp_path / "acts"
-    task = make_task([intervene(STEER), capture_activations(HOOKS_VLLM, output_dir=str(out))], epochs=2)
+    task = make_task(
+        [intervene(STEER), capture_activations(HOOKS_VLLM, output_dir=str(out))], epochs=2
+    )
     calls = vllm_model.api.batcher.calls
     log = inspect_eval(
-        task, model=vllm_model, max_connections=4, max_tokens=6, log_dir=str(tmp_path / "logs"), display="none"
+        task,
+        model=vllm_model,
+        max_connections=4,
+        max_tokens=6,
+        log_dir=str(tmp_path / "logs"),
+        display="none",
     )[0]
     assert log.status == "success", log.error
     assert len(os.listdir(out)) == 16
@@ -59,7 +71,9 @@ def test_capture_and_steer_batched(vllm_model: Any, reference: Any, tmp_path: Pa
         tokens = tensors.pop("tokens").tolist()
         prompt = prompt_ids(reference.tokenizer, [ChatMessageUser(content=inputs[sample.id])])
         assert tokens[: len(prompt)] == prompt
-        ref = reference.driver.forward([tokens], capture=canonical, intervene=STEER, max_new_tokens=0)
+        ref = reference.driver.forward(
+            [tokens], capture=canonical, intervene=STEER, max_new_tokens=0
+        )
         for name in canonical:
             expected = ref.captured[name][0]
             assert torch.allclose(tensors[name], expected, atol=band(expected), rtol=2e-2), name
@@ -75,7 +89,11 @@ def test_greedy_matches_hf(vllm_model: Any, reference: Any, tmp_path: Path) -> N
     assert log.status == "success", log.error
     for sample in log.samples:
         prompt = prompt_ids(reference.tokenizer, [ChatMessageUser(content=sample.input)])
-        new = reference.driver.forward([prompt], max_new_tokens=6, return_logits=False).new_tokens[0].tolist()
+        new = (
+            reference.driver.forward([prompt], max_new_tokens=6, return_logits=False)
+            .new_tokens[0]
+            .tolist()
+        )
         eos = reference.tokenizer.eos_token_id
         new = new[: new.index(eos)] if eos in new else new
         assert sample.output.completion == reference.tokenizer.decode(new)

@@ -32,12 +32,20 @@ class DriverReference:
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Captures ``[len, ...]`` of one prompt and its logits ``[len, vocab]``."""
         n = len(ids)
-        result = self.driver.forward([list(ids)], capture=list(capture), intervene=intervene, max_new_tokens=0)
-        return {name: prompt_part(result.captured[name], 0, n) for name in capture}, result.logits[0, :n]
+        result = self.driver.forward(
+            [list(ids)], capture=list(capture), intervene=intervene, max_new_tokens=0
+        )
+        return {name: prompt_part(result.captured[name], 0, n) for name in capture}, result.logits[
+            0, :n
+        ]
 
     @torch.no_grad()
-    def generate(self, ids: Sequence[int], n: int, intervene: Mapping[str, Any] | None = None) -> list[int]:
+    def generate(
+        self, ids: Sequence[int], n: int, intervene: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Greedy tokens with the specs active at every step."""
-        result = self.driver.forward([list(ids)], intervene=intervene, max_new_tokens=n, stop_at_eos=False)
+        result = self.driver.forward(
+            [list(ids)], intervene=intervene, max_new_tokens=n, stop_at_eos=False
+        )
         assert result.new_tokens is not None
         return [int(t) for t in result.new_tokens[0]]

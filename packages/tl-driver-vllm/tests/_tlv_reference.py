@@ -27,8 +27,16 @@ from tl_core.driver_api import (
 )
 
 _SITES = {
-    "gemma2": ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
-    "gemma3_text": ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
+    "gemma2": (
+        "pre_feedforward_layernorm",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "gemma3_text": (
+        "pre_feedforward_layernorm",
+        "post_attention_layernorm",
+        "post_feedforward_layernorm",
+    ),
 }
 
 
@@ -67,11 +75,15 @@ class Reference:
 
     # -- specs ---------------------------------------------------------------------------
 
-    def resolve(self, intervene: Mapping[str, Any] | None, length: int) -> dict[str, tuple[InterventionSpec, ...]]:
+    def resolve(
+        self, intervene: Mapping[str, Any] | None, length: int
+    ) -> dict[str, tuple[InterventionSpec, ...]]:
         """Canonical hooks and absolute positions for one prompt's ``intervene`` mapping."""
         if not intervene:
             return {}
-        plan = build_plan(intervene, lengths=[length], namespace=self.namespace, allow_callables=False)
+        plan = build_plan(
+            intervene, lengths=[length], namespace=self.namespace, allow_callables=False
+        )
         return dict(plan.per_prompt[0])
 
     # -- running -----------------------------------------------------------------------
@@ -92,7 +104,9 @@ class Reference:
         return {k: v[0] for k, v in store.items()}, out.logits[0]
 
     @torch.no_grad()
-    def generate(self, ids: Sequence[int], n: int, intervene: Mapping[str, Any] | None = None) -> list[int]:
+    def generate(
+        self, ids: Sequence[int], n: int, intervene: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Greedy tokens with the specs active at every step (full recomputation)."""
         specs = self.resolve(intervene, len(ids))
         tokens = list(ids)
@@ -118,8 +132,11 @@ class Reference:
         def visit(name: str, x: torch.Tensor) -> torch.Tensor:
             if specs.get(name):
                 edit = compile_specs(
-                    specs[name], feature_shape=(x.shape[-1],), seq_len=x.shape[1],
-                    dtype=x.dtype, device=x.device,
+                    specs[name],
+                    feature_shape=(x.shape[-1],),
+                    seq_len=x.shape[1],
+                    dtype=x.dtype,
+                    device=x.device,
                 )
                 x = edit.apply(x)
             if name in capture:
@@ -160,6 +177,7 @@ class Reference:
 
         embed = self.base.wte if self.gpt2 else self.base.embed_tokens
         if "embed.hook_in" in capture:
+
             def ids_in(mod: Any, args: Any) -> None:
                 store["embed.hook_in"] = args[0][:, :prompt_len].clone()
 
@@ -174,7 +192,9 @@ class Reference:
             pre_hook(layer, p + "hook_in")
             attn = layer.attn if self.gpt2 else layer.self_attn
             out_hook(attn, p + "attn.hook_out", p + "ln1_post.hook_in")
-            ln2_name, ln1_post, ln2_post = _SITES.get(self.kind, ("post_attention_layernorm", None, None))
+            ln2_name, ln1_post, ln2_post = _SITES.get(
+                self.kind, ("post_attention_layernorm", None, None)
+            )
             in_place(layer.ln_2 if self.gpt2 else getattr(layer, ln2_name), p + "ln2.hook_in")
             out_hook(layer.mlp, p + "mlp.hook_out", p + "ln2_post.hook_in")
             if ln1_post:
@@ -186,7 +206,9 @@ class Reference:
         out_hook(self.model.lm_head, "unembed.hook_out")
         return handles
 
-    def _derived(self, x: torch.Tensor, capture: set[str], store: dict[str, torch.Tensor], n: int) -> None:
+    def _derived(
+        self, x: torch.Tensor, capture: set[str], store: dict[str, torch.Tensor], n: int
+    ) -> None:
         x = x[:, :n].float()
         if self.layer_norm:
             centred = x - x.mean(-1, keepdim=True)

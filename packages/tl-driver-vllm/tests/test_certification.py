@@ -40,7 +40,10 @@ def described(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 def _helium(**wrong: Any) -> ArchitectureAdapter:
     return ArchitectureAdapter(
-        family="helium-wrong", model_types=("helium",), architectures=("HeliumForCausalLM",), **wrong
+        family="helium-wrong",
+        model_types=("helium",),
+        architectures=("HeliumForCausalLM",),
+        **wrong,
     )
 
 
@@ -84,7 +87,13 @@ def test_swapped_sublayers_serve_neither_output(default_checkpoint: Any, describ
         cert = bridge.certification
         assert cert is not None and cert.level == "residual"
         served = bridge.driver.supported_hook_points
-        for name in ("attn.hook_out", "mlp.hook_out", "ln2.hook_in", "attn.hook_z", "mlp.hook_post"):
+        for name in (
+            "attn.hook_out",
+            "mlp.hook_out",
+            "ln2.hook_in",
+            "attn.hook_z",
+            "mlp.hook_post",
+        ):
             assert f"blocks.0.{name}" not in served, name
         reasons = bridge.driver.non_fireable_reasons
         assert reasons["blocks.0.ln2.hook_in"].startswith("uncertified: failed: ")
@@ -100,4 +109,6 @@ def test_a_wrong_run_refuses_the_boot(default_checkpoint: Any, described: Any) -
     # are not the engine's, so nothing may be served.
     described(_helium(final_norm="model.layers.1.post_attention_layernorm"))
     with pytest.raises(ConfigError, match=r"fails certification"):
-        RemoteBridge.boot_vllm(default_checkpoint("helium"), dtype="float32", **ENGINE_OPTIONS).close()
+        RemoteBridge.boot_vllm(
+            default_checkpoint("helium"), dtype="float32", **ENGINE_OPTIONS
+        ).close()

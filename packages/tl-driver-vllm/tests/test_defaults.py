@@ -17,16 +17,27 @@ from tl_driver_vllm._memory import AVAILABLE_SHARE, MEMORY_OPTIONS, cpu_kv_cache
 GiB = 2**30
 #: SmolLM2-135M's sizes: 30 layers, 3 key/value heads of 64, an 8192-token context.
 SMOL = ModelInfo(
-    n_layers=30, d_model=576, n_heads=9, d_head=64, d_mlp=1536, d_vocab=49152, n_ctx=8192,
-    n_key_value_heads=3, normalization_type="RMS", positional_embedding_type="rotary",
-    gated_mlp=True, architecture="LlamaForCausalLM",
+    n_layers=30,
+    d_model=576,
+    n_heads=9,
+    d_head=64,
+    d_mlp=1536,
+    d_vocab=49152,
+    n_ctx=8192,
+    n_key_value_heads=3,
+    normalization_type="RMS",
+    positional_embedding_type="rotary",
+    gated_mlp=True,
+    architecture="LlamaForCausalLM",
 )
 FP32_TOKEN = 2 * 30 * 3 * 64 * 4  # K and V, every layer, every kv head, 4 bytes
 
 
 def _choose(kwargs: dict[str, Any], available: int = 64 * GiB, **extra: Any) -> Any:
     base = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, **kwargs}
-    return cpu_kv_cache(SMOL, base, config_dtype="float32", available=available, environ=extra.get("environ", {}))
+    return cpu_kv_cache(
+        SMOL, base, config_dtype="float32", available=available, environ=extra.get("environ", {})
+    )
 
 
 @pytest.mark.parametrize("key", MEMORY_OPTIONS)
@@ -42,7 +53,12 @@ def test_room_for_every_sequence_when_it_fits() -> None:
     choice = _choose({"max_model_len": 256, "max_num_seqs": 32, "dtype": "float32"})
     assert choice.kwargs["kv_cache_memory_bytes"] == 32 * 256 * FP32_TOKEN
     assert choice.kwargs["max_model_len"] == 256
-    for part in ("max_num_seqs=32", "max_model_len=256", "45.0 KiB per token", "kv_cache_memory_bytes="):
+    for part in (
+        "max_num_seqs=32",
+        "max_model_len=256",
+        "45.0 KiB per token",
+        "kv_cache_memory_bytes=",
+    ):
         assert part in choice.message, (part, choice.message)
 
 
@@ -77,7 +93,9 @@ def test_an_asked_length_that_cannot_fit_is_refused_before_boot() -> None:
 
 def test_tensor_parallel_ranks_hold_their_share_of_heads() -> None:
     one = _choose({"max_model_len": 256, "max_num_seqs": 8, "dtype": "float32"})
-    three = _choose({"max_model_len": 256, "max_num_seqs": 8, "dtype": "float32", "tensor_parallel_size": 3})
+    three = _choose(
+        {"max_model_len": 256, "max_num_seqs": 8, "dtype": "float32", "tensor_parallel_size": 3}
+    )
     assert three.kwargs["kv_cache_memory_bytes"] * 3 == one.kwargs["kv_cache_memory_bytes"]
 
 
@@ -87,13 +105,10 @@ def test_tensor_parallel_ranks_hold_their_share_of_heads() -> None:
 @contextmanager
 def _memory_held_elsewhere(nbytes: int) -> Iterator[subprocess.Popen[bytes]]:
     """A child process that writes (so the kernel must back) ``nbytes`` and holds them."""
-    code = (
-        "import sys\n"
-        f"held = b'\\x01' * {nbytes}\n"
-        "print('ready', flush=True)\n"
-        "sys.stdin.read()\n"
+    code = f"import sys\nheld = b'\\x01' * {nbytes}\nprint('ready', flush=True)\nsys.stdin.read()\n"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
         yield child
@@ -137,8 +152,12 @@ def test_boots_with_no_memory_option_while_memory_is_held(
                 cache_config = bridge.driver._llm.llm_engine.vllm_config.cache_config
                 chosen = int(cache_config.kv_cache_memory_bytes)
                 assert 0 < chosen <= AVAILABLE_SHARE * available * 1.05  # available moves a little
-                out, cache = bridge.run_with_cache(["The lighthouse", "a"], names_filter=["blocks.1.hook_out"])
-                assert out.shape[:2] == (2, cache.lengths[0]) and bridge.generate("Once", max_new_tokens=2)
+                out, cache = bridge.run_with_cache(
+                    ["The lighthouse", "a"], names_filter=["blocks.1.hook_out"]
+                )
+                assert out.shape[:2] == (2, cache.lengths[0]) and bridge.generate(
+                    "Once", max_new_tokens=2
+                )
             finally:
                 bridge.close()
     finally:

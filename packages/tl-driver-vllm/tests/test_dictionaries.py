@@ -47,15 +47,29 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 CASES = {
     "relu": ({}, "blocks.1.hook_out", None),
-    "jumprelu": ({"architecture": "jumprelu", "normalize_activations": "layer_norm"}, "blocks.0.attn.hook_out", None),
-    "topk": ({"architecture": "topk", "k": 12, "rescale_acts_by_decoder_norm": True}, "blocks.1.hook_in", None),
-    "skip_transcoder": ({"apply_b_dec_to_input": False, "skip": True}, "blocks.1.ln2.hook_out", "blocks.1.mlp.hook_out"),
+    "jumprelu": (
+        {"architecture": "jumprelu", "normalize_activations": "layer_norm"},
+        "blocks.0.attn.hook_out",
+        None,
+    ),
+    "topk": (
+        {"architecture": "topk", "k": 12, "rescale_acts_by_decoder_norm": True},
+        "blocks.1.hook_in",
+        None,
+    ),
+    "skip_transcoder": (
+        {"apply_b_dec_to_input": False, "skip": True},
+        "blocks.1.ln2.hook_out",
+        "blocks.1.mlp.hook_out",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("use_error_term", [False, True])
-def test_a_spliced_dictionary_equals_the_hf_driver(pair: tuple[RemoteBridge, TransformerBridge], case: str, use_error_term: bool) -> None:
+def test_a_spliced_dictionary_equals_the_hf_driver(
+    pair: tuple[RemoteBridge, TransformerBridge], case: str, use_error_term: bool
+) -> None:
     vllm, hf = pair
     settings, hook, output = CASES[case]
     d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=len(case), **settings)
@@ -67,10 +81,18 @@ def test_a_spliced_dictionary_equals_the_hf_driver(pair: tuple[RemoteBridge, Tra
         None,
         {acts: {"op": "set", "value": 1.5, "features": 11, "pos": [0, 5]}},
     ]
-    names = [acts, f"{hook}.hook_sae_top_indices", f"{hook}.hook_sae_top_values", f"{hook}.hook_sae_output", "ln_final.hook_in"]
+    names = [
+        acts,
+        f"{hook}.hook_sae_top_indices",
+        f"{hook}.hook_sae_top_values",
+        f"{hook}.hook_sae_output",
+        "ln_final.hook_in",
+    ]
     results = []
     for bridge in (hf, vllm):
-        spliced = bridge.add_sae(d, hook_name=hook, output_hook_name=output, use_error_term=use_error_term, top_k=8)
+        spliced = bridge.add_sae(
+            d, hook_name=hook, output_hook_name=output, use_error_term=use_error_term, top_k=8
+        )
         try:
             plain_logits = bridge.forward(prompts) if use_error_term else None
             logits, cache = bridge.run_with_cache(prompts, names_filter=names, intervene=per_prompt)
@@ -120,8 +142,12 @@ def test_steered_generation_through_a_feature(pair: tuple[RemoteBridge, Transfor
     for bridge in (hf, vllm):
         spliced = bridge.add_sae(d, hook_name="blocks.0.hook_out", use_error_term=True)
         try:
-            out = bridge.driver.forward(prompts, intervene=steer, max_new_tokens=6, return_logits=False, stop_at_eos=False)
-            plain = bridge.driver.forward(prompts, max_new_tokens=6, return_logits=False, stop_at_eos=False)
+            out = bridge.driver.forward(
+                prompts, intervene=steer, max_new_tokens=6, return_logits=False, stop_at_eos=False
+            )
+            plain = bridge.driver.forward(
+                prompts, max_new_tokens=6, return_logits=False, stop_at_eos=False
+            )
         finally:
             spliced.remove()
         tokens.append((out.new_tokens, plain.new_tokens))
@@ -130,14 +156,27 @@ def test_steered_generation_through_a_feature(pair: tuple[RemoteBridge, Transfor
     assert not torch.equal(tokens[1][0], tokens[1][1])  # the feature steered the text
 
 
-def test_the_evaluation_runs_through_the_engine_and_equals_the_hf_driver(pair: tuple[RemoteBridge, TransformerBridge]) -> None:
+def test_the_evaluation_runs_through_the_engine_and_equals_the_hf_driver(
+    pair: tuple[RemoteBridge, TransformerBridge],
+) -> None:
     from tl_core.sae import evaluate_dictionary
 
     vllm, hf = pair
     d = _dictionary(hf.cfg.d_model, 4 * hf.cfg.d_model, seed=4, architecture="topk", k=16)
     tokens = torch.randint(3, hf.cfg.d_vocab, (6, 24), generator=torch.Generator().manual_seed(2))
-    got, want = (evaluate_dictionary(b, d, tokens, hook_name="blocks.0.hook_out", batch_size=4) for b in (vllm, hf))
-    for field in ("ce_clean", "ce_splice", "ce_zero", "ce_recovered", "kl", "explained_variance", "l0"):
+    got, want = (
+        evaluate_dictionary(b, d, tokens, hook_name="blocks.0.hook_out", batch_size=4)
+        for b in (vllm, hf)
+    )
+    for field in (
+        "ce_clean",
+        "ce_splice",
+        "ce_zero",
+        "ce_recovered",
+        "kl",
+        "explained_variance",
+        "l0",
+    ):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-4, abs=1e-5), field
     assert torch.equal(got.feature_counts, want.feature_counts)
 

@@ -49,7 +49,12 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
 
 BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("unfireable capture", {"capture": ["blocks.0.attn.hook_cos"]}, HookNameError, "rotary kernel"),
-    ("opt-in capture", {"capture": ["blocks.1.attn.hook_result"]}, HookNameError, "use_attn_result=True"),
+    (
+        "opt-in capture",
+        {"capture": ["blocks.1.attn.hook_result"]},
+        HookNameError,
+        "use_attn_result=True",
+    ),
     ("unknown hook", {"capture": ["blocks.0.hook_outt"]}, HookNameError, "blocks.0.hook_out"),
     ("layer out of range", {"capture": ["blocks.7.hook_out"]}, HookNameError, "blocks.7"),
     (
@@ -102,10 +107,30 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         "not learned embeddings",
     ),
     ("unknown op", {"intervene": {"blocks.0.hook_out": {"op": "zero"}}}, SpecError, "'op'"),
-    ("unknown key", {"intervene": {"blocks.0.hook_out": {"op": "scale", "factr": 2}}}, SpecError, "factr"),
-    ("wrong width", {"intervene": {"blocks.0.hook_out": {"op": "add", "value": [1.0, 2.0]}}}, SpecError, "width 2"),
-    ("pos beyond a prompt", {"intervene": {"blocks.0.hook_out": {"op": "suppress", "pos": 3}}}, SpecError, "prompt 1"),
-    ("python callable", {"intervene": {"blocks.0.hook_out": lambda x, hook: x}}, SpecError, "declarative"),
+    (
+        "unknown key",
+        {"intervene": {"blocks.0.hook_out": {"op": "scale", "factr": 2}}},
+        SpecError,
+        "factr",
+    ),
+    (
+        "wrong width",
+        {"intervene": {"blocks.0.hook_out": {"op": "add", "value": [1.0, 2.0]}}},
+        SpecError,
+        "width 2",
+    ),
+    (
+        "pos beyond a prompt",
+        {"intervene": {"blocks.0.hook_out": {"op": "suppress", "pos": 3}}},
+        SpecError,
+        "prompt 1",
+    ),
+    (
+        "python callable",
+        {"intervene": {"blocks.0.hook_out": lambda x, hook: x}},
+        SpecError,
+        "declarative",
+    ),
     ("per-prompt list of wrong length", {"intervene": [None]}, SpecError, "batch has 2"),
     ("unknown option", {"beam_width": 4}, UserError, "beam_width"),
     ("bad sampling", {"do_sample": True, "temperature": 0.0}, UserError, "temperature"),
@@ -113,9 +138,16 @@ BAD_INPUTS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("label", "kwargs", "error", "fragment"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+@pytest.mark.parametrize(
+    ("label", "kwargs", "error", "fragment"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS]
+)
 def test_bad_input_fails_before_engine_work(
-    bridge: RemoteBridge, engine_calls: list[str], label: str, kwargs: dict[str, Any], error: type[Exception], fragment: str
+    bridge: RemoteBridge,
+    engine_calls: list[str],
+    label: str,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    fragment: str,
 ) -> None:
     with pytest.raises(error, match=None) as info:
         bridge.driver.forward(PROMPTS, **kwargs)
@@ -123,7 +155,9 @@ def test_bad_input_fails_before_engine_work(
     assert engine_calls == [], f"{label}: the engine was called before the input was rejected"
 
 
-def test_bad_token_ids_fail_before_engine_work(bridge: RemoteBridge, engine_calls: list[str]) -> None:
+def test_bad_token_ids_fail_before_engine_work(
+    bridge: RemoteBridge, engine_calls: list[str]
+) -> None:
     vocab = bridge.cfg.d_vocab
     with pytest.raises(UserError, match=f"token id {vocab}"):
         bridge.driver.forward([[1, vocab]])
@@ -134,7 +168,9 @@ def test_bad_token_ids_fail_before_engine_work(bridge: RemoteBridge, engine_call
     assert engine_calls == []
 
 
-def test_engine_still_serves_after_errors_and_aborted_runs(bridge: RemoteBridge, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_still_serves_after_errors_and_aborted_runs(
+    bridge: RemoteBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
     driver = bridge.driver
     before = driver.forward(PROMPTS, capture=["blocks.1.hook_out"], max_new_tokens=0)
 
@@ -143,12 +179,18 @@ def test_engine_still_serves_after_errors_and_aborted_runs(bridge: RemoteBridge,
 
     monkeypatch.setattr(driver._llm, "generate", broken)
     with pytest.raises(RuntimeError, match="engine step failed"):
-        driver.forward(PROMPTS, capture=["blocks.1.hook_out"], intervene={"blocks.0.hook_out": {"op": "suppress"}})
+        driver.forward(
+            PROMPTS,
+            capture=["blocks.1.hook_out"],
+            intervene={"blocks.0.hook_out": {"op": "suppress"}},
+        )
     monkeypatch.undo()
     handles = driver._llm.collective_rpc(lambda worker: len(worker._tl_handles))
     assert handles == [0], "an aborted run left hooks installed"
     after = driver.forward(PROMPTS, capture=["blocks.1.hook_out"], max_new_tokens=0)
-    assert (after.captured["blocks.1.hook_out"] - before.captured["blocks.1.hook_out"]).abs().max() == 0
+    assert (
+        after.captured["blocks.1.hook_out"] - before.captured["blocks.1.hook_out"]
+    ).abs().max() == 0
 
 
 def test_position_interventions_can_be_switched_off(checkpoint: Any) -> None:
@@ -158,7 +200,9 @@ def test_position_interventions_can_be_switched_off(checkpoint: Any) -> None:
     try:
         assert not bridge.driver.supports("position_interventions")
         with pytest.raises(SpecError, match="enable_position_interventions"):
-            bridge.driver.forward(PROMPTS, intervene={"blocks.0.hook_out": {"op": "suppress", "pos": 0}})
+            bridge.driver.forward(
+                PROMPTS, intervene={"blocks.0.hook_out": {"op": "suppress", "pos": 0}}
+            )
         bridge.driver.forward(PROMPTS, intervene={"blocks.0.hook_out": {"op": "suppress"}})
     finally:
         bridge.close()
@@ -187,10 +231,15 @@ def test_refused_boot_options_fail_before_the_engine_starts(
         RemoteBridge.boot_vllm(checkpoint("llama"), **options)
 
 
-def test_unsupported_family_fails_before_the_engine_starts(checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_family_fails_before_the_engine_starts(
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import vllm
 
     monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("an engine was started"))
-    with pytest.raises(ConfigError, match=r"cannot serve architecture 'GPTNeoForCausalLM': vLLM 0\.32 has no GPT-Neo model") as info:
+    with pytest.raises(
+        ConfigError,
+        match=r"cannot serve architecture 'GPTNeoForCausalLM': vLLM 0\.32 has no GPT-Neo model",
+    ) as info:
         RemoteBridge.boot_vllm(checkpoint("gpt_neo"))
     assert "Use the hf driver" in str(info.value)

@@ -49,7 +49,9 @@ def test_bad_gguf_input_fails_before_any_engine_work(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="is not a GGUF file"):
         RemoteBridge.boot_vllm(str(tmp_path / "x.gguf"))
     (tmp_path / "y.gguf").write_bytes(b"GGUF" + b"\x00" * 32)
-    with pytest.raises(ConfigError, match="dtype='int8' is not a dtype a GGUF file can be dequantised to"):
+    with pytest.raises(
+        ConfigError, match="dtype='int8' is not a dtype a GGUF file can be dequantised to"
+    ):
         RemoteBridge.boot_vllm(str(tmp_path / "y.gguf"), dtype="int8")
     with pytest.raises(UserError, match=r"gguf_file='z.gguf' in folder .* does not exist"):
         RemoteBridge.boot_vllm(str(tmp_path), gguf_file="z.gguf")
@@ -66,7 +68,9 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, list[str]]]:
+def engine(
+    gguf_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, list[str]]]:
     """vLLM on the GGUF file, booted into an empty cache: (bridge, warning lines logged)."""
     patch = pytest.MonkeyPatch()
     patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("tl-cache")))
@@ -93,7 +97,9 @@ def _token_ids(bridge: Any) -> list[list[int]]:
 def test_boot_dequantises_once_and_says_why(engine: tuple[Any, list[str]], gguf_path: Path) -> None:
     bridge, warnings = engine
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith(f"tl: {gguf_path.name}: vLLM 0.32 has no GGUF loader, so it is dequantised once to float32")
+    assert warnings[0].startswith(
+        f"tl: {gguf_path.name}: vLLM 0.32 has no GGUF loader, so it is dequantised once to float32"
+    )
     assert (bridge.cfg.n_layers, bridge.cfg.d_model) == (30, 576)
 
 
@@ -114,7 +120,9 @@ def _transformers_run(model: Any, rows: list[list[int]], names: list[str]) -> Ru
     with torch.no_grad():
         for ids in rows:
             out = model(torch.tensor([ids]), output_hidden_states=True)
-            runs.append((out.logits[0], {n: out.hidden_states[int(n.split(".")[1]) + 1][0] for n in names}))
+            runs.append(
+                (out.logits[0], {n: out.hidden_states[int(n.split(".")[1]) + 1][0] for n in names})
+            )
     return runs
 
 
@@ -130,9 +138,20 @@ def exact(engine: tuple[Any, list[str]]) -> Any:
 def _checks(got: Run, peer: Run, truth: Run) -> list[RoundingCheck]:
     """Every hook and the logits of every prompt against ``REAL_MODEL_FACTOR`` x the peer's error."""
     checks = []
-    for b, ((g_logits, g_hooks), (p_logits, p_hooks), (t_logits, t_hooks)) in enumerate(zip(got, peer, truth, strict=True)):
-        checks.append(check_rounding(g_logits, p_logits, t_logits, name=f"p{b}:logits", factor=REAL_MODEL_FACTOR))
-        checks += [check_rounding(g_hooks[n], p_hooks[n], t_hooks[n], name=f"p{b}:{n}", factor=REAL_MODEL_FACTOR) for n in t_hooks]
+    for b, ((g_logits, g_hooks), (p_logits, p_hooks), (t_logits, t_hooks)) in enumerate(
+        zip(got, peer, truth, strict=True)
+    ):
+        checks.append(
+            check_rounding(
+                g_logits, p_logits, t_logits, name=f"p{b}:logits", factor=REAL_MODEL_FACTOR
+            )
+        )
+        checks += [
+            check_rounding(
+                g_hooks[n], p_hooks[n], t_hooks[n], name=f"p{b}:{n}", factor=REAL_MODEL_FACTOR
+            )
+            for n in t_hooks
+        ]
     return checks
 
 
@@ -142,43 +161,77 @@ def _compare(got: Run, peer: Run, truth: Run, what: str) -> None:
     for b, ((g_logits, _), (t_logits, _)) in enumerate(zip(got, truth, strict=True)):
         top2 = t_logits.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 1e-3
-        assert torch.equal(g_logits.argmax(-1)[clear], t_logits.argmax(-1)[clear]), f"{what}: argmax differs on prompt {b}"
+        assert torch.equal(g_logits.argmax(-1)[clear], t_logits.argmax(-1)[clear]), (
+            f"{what}: argmax differs on prompt {b}"
+        )
     checks = _checks(got, peer, truth)
     bad = [str(c) for c in checks if not c.ok]
-    assert not bad, f"{what}: {len(bad)} of {len(checks)} further from float64 than allowed:\n" + "\n".join(bad)
+    assert not bad, (
+        f"{what}: {len(bad)} of {len(checks)} further from float64 than allowed:\n" + "\n".join(bad)
+    )
 
 
-def test_vllm_matches_plain_transformers_on_the_file(engine: tuple[Any, list[str]], exact: Any, gguf_path: Path) -> None:
+def test_vllm_matches_plain_transformers_on_the_file(
+    engine: tuple[Any, list[str]], exact: Any, gguf_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     bridge = engine[0]
     rows = _token_ids(bridge)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
     # transformers' last hidden state is after the final norm
     names = [f"blocks.{i}.hook_out" for i in range(bridge.cfg.n_layers - 1)]
-    got, peer, truth = _per_prompt(bridge, rows, names), _transformers_run(model, rows, names), _transformers_run(exact, rows, names)
+    got, peer, truth = (
+        _per_prompt(bridge, rows, names),
+        _transformers_run(model, rows, names),
+        _transformers_run(exact, rows, names),
+    )
     _compare(got, peer, truth, "vllm vs transformers(gguf_file=)")
     # The band still catches a real defect: each block's output served as the next block's.
-    shifted = [(logits, {f"blocks.{i + 1}.hook_out": hooks[f"blocks.{i}.hook_out"] for i in range(len(names) - 1)})
-               for logits, hooks in got]
+    shifted = [
+        (
+            logits,
+            {
+                f"blocks.{i + 1}.hook_out": hooks[f"blocks.{i}.hook_out"]
+                for i in range(len(names) - 1)
+            },
+        )
+        for logits, hooks in got
+    ]
     trimmed = [(logits, {n: hooks[n] for n in shifted[0][1]}) for logits, hooks in (*peer, *truth)]
-    caught = [c for c in _checks(shifted, trimmed[: len(rows)], trimmed[len(rows):]) if "hook_out" in c.name]
+    caught = [
+        c
+        for c in _checks(shifted, trimmed[: len(rows)], trimmed[len(rows) :])
+        if "hook_out" in c.name
+    ]
     assert not any(c.ok for c in caught), [str(c) for c in caught if c.ok]
 
 
-def test_vllm_matches_the_hf_driver_and_shares_its_folder(engine: tuple[Any, list[str]], exact: Any, gguf_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_vllm_matches_the_hf_driver_and_shares_its_folder(
+    engine: tuple[Any, list[str]], exact: Any, gguf_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from tl_core import TransformerBridge
 
     bridge = engine[0]
     with caplog.at_level(logging.INFO, logger="tl_core.gguf"):
         hf = TransformerBridge.boot_transformers(str(gguf_path))
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "hf reuses vLLM's conversion"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], (
+        "hf reuses vLLM's conversion"
+    )
     rows = _token_ids(bridge)
     assert rows == [hf.tokenizer.encode(p) for p in PROMPTS]
     names = [f"blocks.{i}.hook_out" for i in range(bridge.cfg.n_layers - 1)]
     with torch.no_grad():
-        _compare(_per_prompt(bridge, rows, names), _per_prompt(hf, rows, names), _transformers_run(exact, rows, names),
-                 "vllm vs hf driver")
+        _compare(
+            _per_prompt(bridge, rows, names),
+            _per_prompt(hf, rows, names),
+            _transformers_run(exact, rows, names),
+            "vllm vs hf driver",
+        )
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = bridge.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    assert bridge.generate(prompt, max_new_tokens=8, prepend_bos=False) == hf.generate(prompt, max_new_tokens=8, prepend_bos=False)
+    assert bridge.generate(prompt, max_new_tokens=8, prepend_bos=False) == hf.generate(
+        prompt, max_new_tokens=8, prepend_bos=False
+    )

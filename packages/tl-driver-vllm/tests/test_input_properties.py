@@ -31,7 +31,9 @@ assert _spec is not None and _spec.loader is not None
 _properties = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_properties)
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 TOLERANCE = 1e-4
 
 
@@ -47,14 +49,18 @@ def engines(checkpoint: Any) -> Iterator[tuple[RemoteBridge, TransformerBridge]]
 
 @given(data=st.data())
 @SETTINGS
-def test_specs_run_as_written_or_are_refused_first(engines: tuple[RemoteBridge, TransformerBridge], data: st.DataObject) -> None:
+def test_specs_run_as_written_or_are_refused_first(
+    engines: tuple[RemoteBridge, TransformerBridge], data: st.DataObject
+) -> None:
     remote, hf = engines
     _properties.check_spec_property(remote, data, reference=hf, tolerance=TOLERANCE)
 
 
 @given(data=st.data())
 @SETTINGS
-def test_hook_names_resolve_or_are_refused_first(engines: tuple[RemoteBridge, TransformerBridge], data: st.DataObject) -> None:
+def test_hook_names_resolve_or_are_refused_first(
+    engines: tuple[RemoteBridge, TransformerBridge], data: st.DataObject
+) -> None:
     remote = engines[0]
     full = remote.run_with_cache([[5, 6, 7, 8], [9, 10]], prepend_bos=False)[1]
     _properties.check_name_property(remote, data, full)
@@ -62,5 +68,7 @@ def test_hook_names_resolve_or_are_refused_first(engines: tuple[RemoteBridge, Tr
 
 @given(data=st.data())
 @SETTINGS
-def test_token_inputs_run_or_are_refused_first(engines: tuple[RemoteBridge, TransformerBridge], data: st.DataObject) -> None:
+def test_token_inputs_run_or_are_refused_first(
+    engines: tuple[RemoteBridge, TransformerBridge], data: st.DataObject
+) -> None:
     _properties.check_token_property(engines[0], data, tolerance=TOLERANCE)

@@ -38,7 +38,11 @@ def _engine_processes() -> list[str]:
 
 
 def _sockets(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)] if folder.exists() else []
+    return (
+        [p.name for p in folder.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+        if folder.exists()
+        else []
+    )
 
 
 def test_close_in_process_releases_everything(checkpoint: Any, vllm_tmp: Path) -> None:
@@ -63,27 +67,45 @@ def _sharded_specs(driver: Any) -> list[dict[str, Any] | None]:
 
     return [
         {
-            "blocks.0.attn.hook_q": {"op": "add", "value": vec("blocks.0.attn.hook_q"), "pos": [0, -1]},
-            "blocks.1.attn.hook_result": {"op": "set", "value": vec("blocks.1.attn.hook_result"), "pos": 2},
+            "blocks.0.attn.hook_q": {
+                "op": "add",
+                "value": vec("blocks.0.attn.hook_q"),
+                "pos": [0, -1],
+            },
+            "blocks.1.attn.hook_result": {
+                "op": "set",
+                "value": vec("blocks.1.attn.hook_result"),
+                "pos": 2,
+            },
             "blocks.0.hook_out": {"op": "add", "value": 0.5, "pos": -1},
         },
         None,
         {
-            "blocks.0.attn.hook_rot_k": {"op": "set", "value": vec("blocks.0.attn.hook_rot_k"), "pos": 1},
+            "blocks.0.attn.hook_rot_k": {
+                "op": "set",
+                "value": vec("blocks.0.attn.hook_rot_k"),
+                "pos": 1,
+            },
             "blocks.1.attn.hook_v": {"op": "scale", "factor": 2.0},
             "blocks.1.ln2.hook_in": {"op": "scale", "factor": 0.5},
         },
         {
             "blocks.1.attn.hook_z": {"op": "add", "value": vec("blocks.1.attn.hook_z")},
             "blocks.0.mlp.hook_pre": {"op": "suppress", "pos": [3, 7]},
-            "blocks.1.mlp.hook_post": {"op": "add", "value": vec("blocks.1.mlp.hook_post"), "pos": -1},
+            "blocks.1.mlp.hook_post": {
+                "op": "add",
+                "value": vec("blocks.1.mlp.hook_post"),
+                "pos": -1,
+            },
             "blocks.0.mlp.hook_pre_linear": {"op": "scale", "factor": -1.0},
             "blocks.1.attn.hook_k": {"op": "add", "value": vec("blocks.1.attn.hook_k")},
         },
     ]
 
 
-def test_tensor_parallel_2_multiprocess(checkpoint: Any, vllm_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tensor_parallel_2_multiprocess(
+    checkpoint: Any, vllm_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """TP=2 on the CPU build: two worker processes; every served hook, head- and
     neuron-sharded ones put together in global order, equals the hf driver's (so TP=1's),
     and specs on sharded sites reach the rank holding each slice. The model has one
@@ -105,7 +127,9 @@ def test_tensor_parallel_2_multiprocess(checkpoint: Any, vllm_tmp: Path, monkeyp
         assert driver._ranks_checked
         assert bridge.certification is not None and not bridge.certification.failed
         hf, exact = (
-            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True).driver
+            TransformerBridge.boot_transformers(
+                str(folder), dtype=dtype, use_attn_result=True
+            ).driver
             for dtype in (torch.float32, torch.float64)
         )
         prompts = [[5, 6, 7, 8, 9], list(range(10, 50)), [60, 61], list(range(100, 112))]
@@ -119,8 +143,12 @@ def test_tensor_parallel_2_multiprocess(checkpoint: Any, vllm_tmp: Path, monkeyp
             truth = exact.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
             for b, n in enumerate(ours.lengths):
                 for k in capture:
-                    report[f"{label}:p{b}:{k}"] = rounding_ratio(*(prompt_part(r.captured[k], b, n) for r in (ours, theirs, truth)), k)
-                report[f"{label}:p{b}:logits"] = rounding_ratio(ours.logits[b, :n], theirs.logits[b, :n], truth.logits[b, :n])
+                    report[f"{label}:p{b}:{k}"] = rounding_ratio(
+                        *(prompt_part(r.captured[k], b, n) for r in (ours, theirs, truth)), k
+                    )
+                report[f"{label}:p{b}:logits"] = rounding_ratio(
+                    ours.logits[b, :n], theirs.logits[b, :n], truth.logits[b, :n]
+                )
         assert driver.info.kv_heads == 1
         check(report, 1.0, "TP=2" + ", error / allowed against float64")
         # Generation with sharded edits: the same tokens as the hf driver's.
@@ -165,9 +193,13 @@ def test_bfloat16_within_documented_band(checkpoint: Any, family: str) -> None:
             n = len(ids)
             for k in capture:
                 got = result.captured[k][b, :n]
-                report[f"p{b}:{k}"] = check_rounding(got, want[k], truth.captured[k][0], factor=BF16_FACTOR).ratio
+                report[f"p{b}:{k}"] = check_rounding(
+                    got, want[k], truth.captured[k][0], factor=BF16_FACTOR
+                ).ratio
                 differs = differs or not torch.equal(got, want[k])
-            report[f"p{b}:logits"] = check_rounding(result.logits[b, :n], logits, truth.logits[0], factor=BF16_FACTOR).ratio
+            report[f"p{b}:logits"] = check_rounding(
+                result.logits[b, :n], logits, truth.logits[0], factor=BF16_FACTOR
+            ).ratio
         assert result.captured["blocks.1.hook_out"].dtype == torch.bfloat16
         check(report, 1.0, f"{family} bfloat16, error / allowed against float64")
         assert differs  # bf16 engines do round differently: the band is needed

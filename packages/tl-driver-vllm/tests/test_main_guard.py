@@ -18,12 +18,20 @@ import pytest
 _MP = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
-def _run(script: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _run(
+    script: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if k != _MP}  # vLLM's default mode
     return subprocess.run(
-        [sys.executable, *args, str(script)] if args != ("-m",) else [sys.executable, "-m", script.stem],
-        capture_output=True, text=True, timeout=timeout, env={**base, **(env or {})},
-        cwd=script.parent, check=False,
+        [sys.executable, *args, str(script)]
+        if args != ("-m",)
+        else [sys.executable, "-m", script.stem],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **(env or {})},
+        cwd=script.parent,
+        check=False,
     )
 
 
@@ -39,7 +47,8 @@ _LAYOUTS = {
     "inside a try at top level": ("try:\n    boot()\nexcept Exception:\n    pass\n", "line=8"),
     "guarded": ('if __name__ == "__main__":\n    boot()\n', "None"),
     "guarded, reversed comparison, through a function": (
-        'def main():\n    boot()\n\nif "__main__" == __name__:\n    main()\n', "None"
+        'def main():\n    boot()\n\nif "__main__" == __name__:\n    main()\n',
+        "None",
     ),
     "under an if that is no guard": ('if __name__ != "__main__" or True:\n    boot()\n', "line=8"),
 }
@@ -100,7 +109,9 @@ def test_an_unguarded_script_runs_its_engine_in_process(checkpoint: Any, tmp_pat
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_an_unguarded_script_that_needs_processes_gets_the_fix(checkpoint: Any, tmp_path: Path) -> None:
+def test_an_unguarded_script_that_needs_processes_gets_the_fix(
+    checkpoint: Any, tmp_path: Path
+) -> None:
     pytest.importorskip("vllm")
     script = tmp_path / "unguarded_workers.py"
     script.write_text(
@@ -125,7 +136,9 @@ def test_an_unguarded_script_that_needs_processes_gets_the_fix(checkpoint: Any, 
     assert done.returncode == 0, output[-3000:]
     lines = {line.split(" ", 1)[0]: line for line in done.stdout.splitlines() if " " in line}
     assert "starts 2 worker processes" in lines["TP"] and f"{script}, line 10" in lines["TP"], lines
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING='1'" in lines["MP"] and f"{script}, line 15" in lines["MP"], lines
+    assert (
+        "VLLM_ENABLE_V1_MULTIPROCESSING='1'" in lines["MP"] and f"{script}, line 15" in lines["MP"]
+    ), lines
     for key in ("TP", "MP"):
         assert 'if __name__ == "__main__":' in lines[key] and "Nothing was started" in lines[key]
     assert lines["CHILDREN"] == "CHILDREN 0"

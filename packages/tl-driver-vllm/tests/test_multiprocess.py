@@ -32,7 +32,12 @@ def _largest(x: Any) -> float:
 
 def _carriers(received: list[Any]) -> set[str]:
     """How the workers' tensors crossed: ``file`` (shared memory) or ``data`` (bytes)."""
-    return {"file" if "file" in p else "data" for run in received for r in run for p in r["batched"].values()}
+    return {
+        "file" if "file" in p else "data"
+        for run in received
+        for r in run
+        for p in r["batched"].values()
+    }
 
 
 def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
@@ -60,7 +65,11 @@ def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
 
         spied(shared)
         capture = sorted(driver.supported_hook_points)
-        assert {"blocks.1.attn.hook_pattern", "blocks.1.attn.hook_result", "blocks.0.mlp.hook_post"} <= set(capture)
+        assert {
+            "blocks.1.attn.hook_pattern",
+            "blocks.1.attn.hook_result",
+            "blocks.0.mlp.hook_post",
+        } <= set(capture)
         vec = torch.linspace(-1, 1, driver.info.d_model).tolist()
         intervene = [None, {"blocks.0.hook_out": {"op": "add", "value": vec, "pos": [3, 50]}}, None]
         result = driver.forward(PROMPTS, capture=capture, intervene=intervene, max_new_tokens=0)
@@ -76,7 +85,9 @@ def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
         driver._shared = shared
 
         hf, exact = (
-            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True).driver
+            TransformerBridge.boot_transformers(
+                str(folder), dtype=dtype, use_attn_result=True
+            ).driver
             for dtype in (torch.float32, torch.float64)
         )
         want = hf.forward(PROMPTS, capture=capture, intervene=intervene, max_new_tokens=0)
@@ -91,15 +102,25 @@ def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
             n = len(ids)
             for k in capture:
                 got = prompt_part(result.captured[k], b, n)
-                ratios[f"p{b}:{k}"] = rounding_ratio(got, *(prompt_part(r.captured[k], b, n) for r in (want, truth)), k)
+                ratios[f"p{b}:{k}"] = rounding_ratio(
+                    got, *(prompt_part(r.captured[k], b, n) for r in (want, truth)), k
+                )
                 report[f"p{b}:bytes:{k}"] = diff(prompt_part(fallback.captured[k], b, n), got)
                 if k.endswith(("hook_pattern", "hook_attn_scores")):
                     continue  # square maps: their padding is each prompt's own business
                 report[f"p{b}:pad:{k}"] = _largest(result.captured[k][b, n:])
-            ratios[f"p{b}:logits"] = rounding_ratio(result.logits[b, :n], want.logits[b, :n], truth.logits[b, :n])
+            ratios[f"p{b}:logits"] = rounding_ratio(
+                result.logits[b, :n], want.logits[b, :n], truth.logits[b, :n]
+            )
             report[f"p{b}:bytes:logits"] = diff(fallback.logits[b, :n], result.logits[b, :n])
-            ratios[f"p{b}:last"] = rounding_ratio(last.logits[b, 0], plain.logits[b, n - 1], plain_truth.logits[b, n - 1])
-        check(ratios, 1.0, "default multiprocess mode vs the hf driver, error / allowed against float64")
+            ratios[f"p{b}:last"] = rounding_ratio(
+                last.logits[b, 0], plain.logits[b, n - 1], plain_truth.logits[b, n - 1]
+            )
+        check(
+            ratios,
+            1.0,
+            "default multiprocess mode vs the hf driver, error / allowed against float64",
+        )
         check(report, 1e-4, "default multiprocess mode within the engine")
     finally:
         folder_path = shared.folder

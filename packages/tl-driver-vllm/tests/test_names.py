@@ -33,7 +33,10 @@ def gemma2(checkpoint: Any) -> Iterator[tuple[RemoteBridge, TransformerBridge, T
     folder = checkpoint("gemma2")
     remote = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
     try:
-        hf, exact = (TransformerBridge.boot_transformers(str(folder), dtype=d) for d in (torch.float32, torch.float64))
+        hf, exact = (
+            TransformerBridge.boot_transformers(str(folder), dtype=d)
+            for d in (torch.float32, torch.float64)
+        )
         yield remote, hf, exact
     finally:
         remote.close()
@@ -64,7 +67,9 @@ def test_hook_attn_out_edits_the_post_norm_output_on_both_drivers(
     with torch.no_grad():
         truth = exact(prompts, intervene=spec)
     ratios = {
-        f"edited logits of prompt {b}, vllm vs hf": rounding_ratio(logits["vllm"][b, :n], logits["hf"][b, :n], truth[b, :n])
+        f"edited logits of prompt {b}, vllm vs hf": rounding_ratio(
+            logits["vllm"][b, :n], logits["hf"][b, :n], truth[b, :n]
+        )
         for b, n in enumerate(edited.lengths or ())  # padding positions carry no meaning
     }
     check(ratios, 1.0, "gemma2 blocks.0.hook_attn_out, error / allowed against float64")

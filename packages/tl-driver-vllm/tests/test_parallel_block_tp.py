@@ -45,7 +45,9 @@ def _every_site(driver: Any, hf: Any, prompts: int) -> list[dict[str, Any] | Non
     return per
 
 
-def test_gptj_tensor_parallel_2_every_site(checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gptj_tensor_parallel_2_every_site(
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     # Two workers on a one-NUMA-node machine: vLLM's automatic thread binding refuses.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -57,13 +59,21 @@ def test_gptj_tensor_parallel_2_every_site(checkpoint: Any, monkeypatch: pytest.
         driver = bridge.driver
         assert sorted(w["tp_rank"] for w in driver.workers) == [0, 1]
         hf, exact = (
-            TransformerBridge.boot_transformers(str(folder), dtype=dtype, use_attn_result=True).driver
+            TransformerBridge.boot_transformers(
+                str(folder), dtype=dtype, use_attn_result=True
+            ).driver
             for dtype in (torch.float32, torch.float64)
         )
         gen = torch.Generator().manual_seed(99)
-        prompts = [torch.randint(4, driver.info.d_vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+        prompts = [
+            torch.randint(4, driver.info.d_vocab, (n,), generator=gen).tolist() for n in LENGTHS
+        ]
         capture = sorted(driver.supported_hook_points)
-        assert {"blocks.1.ln2.hook_in", "blocks.1.attn.hook_result", "blocks.1.mlp.hook_post"} <= set(capture)
+        assert {
+            "blocks.1.ln2.hook_in",
+            "blocks.1.attn.hook_result",
+            "blocks.1.mlp.hook_post",
+        } <= set(capture)
         intervene = _every_site(driver, hf, len(prompts))
         assert any(spec and "blocks.0.ln2.hook_in" in spec for spec in intervene)
         report: dict[str, float] = {}
@@ -73,9 +83,15 @@ def test_gptj_tensor_parallel_2_every_site(checkpoint: Any, monkeypatch: pytest.
             truth = exact.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
             for b, n in enumerate(ours.lengths):
                 for k in capture:
-                    report[f"{label}:p{b}:{k}"] = rounding_ratio(*(prompt_part(r.captured[k], b, n) for r in (ours, theirs, truth)), k)
-                report[f"{label}:p{b}:logits"] = rounding_ratio(ours.logits[b, :n], theirs.logits[b, :n], truth.logits[b, :n])
-        check(report, 1.0, f"GPT-J TP=2 ({len(capture)} hooks)" + ", error / allowed against float64")
+                    report[f"{label}:p{b}:{k}"] = rounding_ratio(
+                        *(prompt_part(r.captured[k], b, n) for r in (ours, theirs, truth)), k
+                    )
+                report[f"{label}:p{b}:logits"] = rounding_ratio(
+                    ours.logits[b, :n], theirs.logits[b, :n], truth.logits[b, :n]
+                )
+        check(
+            report, 1.0, f"GPT-J TP=2 ({len(capture)} hooks)" + ", error / allowed against float64"
+        )
         steered = driver.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
         want = hf.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
         assert steered.new_tokens is not None and want.new_tokens is not None

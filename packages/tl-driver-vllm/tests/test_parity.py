@@ -65,7 +65,19 @@ DEFAULT_CONFIG_FAMILIES = (
 )  # fmt: skip
 #: Families whose generation reference is plain transformers hooked by ``_tlv_reference``.
 TRANSFORMERS_REFERENCE = frozenset(
-    {"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "gpt2", "phi3", "mixtral", "stablelm"}
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gpt2",
+        "phi3",
+        "mixtral",
+        "stablelm",
+    }
 )
 #: Every comparison passes when vLLM's error against the hf driver in float64 is within
 #: ``VLLM_FACTOR`` times the float32 hf driver's own (the report holds error / allowed).
@@ -91,7 +103,9 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=[*sorted(FAMILIES), *DEFAULT_CONFIG_FAMILIES])
-def family(request: pytest.FixtureRequest, checkpoint: Any, default_checkpoint: Any) -> Iterator[Engines]:
+def family(
+    request: pytest.FixtureRequest, checkpoint: Any, default_checkpoint: Any
+) -> Iterator[Engines]:
     if request.param in FAMILIES:
         folder = checkpoint(request.param, **FAMILIES[request.param])
     else:
@@ -99,9 +113,17 @@ def family(request: pytest.FixtureRequest, checkpoint: Any, default_checkpoint: 
     bridge = RemoteBridge.boot_vllm(folder, dtype="float32", use_attn_result=True, **ENGINE_OPTIONS)
     try:
         _transformers_class_untouched(folder)
-        hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32, use_attn_result=True)
-        exact = TransformerBridge.boot_transformers(str(folder), dtype=torch.float64, use_attn_result=True)
-        ref = Reference(folder) if request.param in TRANSFORMERS_REFERENCE else DriverReference(hf.driver)
+        hf = TransformerBridge.boot_transformers(
+            str(folder), dtype=torch.float32, use_attn_result=True
+        )
+        exact = TransformerBridge.boot_transformers(
+            str(folder), dtype=torch.float64, use_attn_result=True
+        )
+        ref = (
+            Reference(folder)
+            if request.param in TRANSFORMERS_REFERENCE
+            else DriverReference(hf.driver)
+        )
         yield Engines(bridge.driver, hf.driver, exact.driver, ref, _prompts(bridge.cfg.d_vocab))
     finally:
         bridge.close()
@@ -117,7 +139,9 @@ def _transformers_class_untouched(folder: Any) -> None:
     assert "__call__" not in vars(cls), f"{cls.__name__}.__call__ was replaced"
 
 
-def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture: list[str]) -> dict[str, float]:
+def _compare(
+    engines: Engines, prompts: list[list[int]], intervene: Any, capture: list[str]
+) -> dict[str, float]:
     """Per prompt and hook (and the logits): vLLM's error against the float64 hf driver as a
     multiple of the allowed ``VLLM_FACTOR`` x the float32 hf driver's error."""
     ours = engines.vllm.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
@@ -130,7 +154,9 @@ def _compare(engines: Engines, prompts: list[list[int]], intervene: Any, capture
             report[f"p{b}:{name}"] = rounding_ratio(
                 *(prompt_part(r.captured[name], b, n) for r in (ours, theirs, exact)), name
             )
-        report[f"p{b}:logits"] = rounding_ratio(ours.logits[b, :n], theirs.logits[b, :n], exact.logits[b, :n], "logits")
+        report[f"p{b}:logits"] = rounding_ratio(
+            ours.logits[b, :n], theirs.logits[b, :n], exact.logits[b, :n], "logits"
+        )
     return report
 
 
@@ -149,7 +175,10 @@ def test_every_served_hook_single_prompt(family: Engines) -> None:
     assert {"blocks.1.attn.hook_pattern", "blocks.1.attn.hook_z"} <= set(served)
     # Per-head outputs everywhere the hf driver serves them (it certifies no equation for
     # them on an inferred architecture, so neither driver serves them there).
-    assert "blocks.1.attn.hook_result" in served or "blocks.1.attn.hook_result" not in family.hf.supported_hook_points
+    assert (
+        "blocks.1.attn.hook_result" in served
+        or "blocks.1.attn.hook_result" not in family.hf.supported_hook_points
+    )
     report = _compare(family, family.prompts[:1], None, served)
     check(report, WITHIN, f"{family.vllm.info.architecture} single prompt")
 
@@ -173,7 +202,13 @@ def _per_prompt_specs(d: int, served: frozenset[str]) -> list[dict[str, Any] | N
             "blocks.1.hook_in": {"op": "add", "value": vec, "pos": 50},  # a later prefill chunk
         },
         # (An inferred parallel block's shared-norm input is not served: then the MLP output.)
-        {next(n for n in ("blocks.0.ln2.hook_in", "blocks.0.mlp.hook_out") if n in served): {"op": "set", "value": rows, "pos": [0, 2]}},
+        {
+            next(n for n in ("blocks.0.ln2.hook_in", "blocks.0.mlp.hook_out") if n in served): {
+                "op": "set",
+                "value": rows,
+                "pos": [0, 2],
+            }
+        },
         {
             "blocks.1.mlp.hook_out": [
                 {"op": "scale", "factor": 2.0},
@@ -214,17 +249,23 @@ def test_every_spec_op_per_prompt_in_a_batch(family: Engines) -> None:
     specs = _per_prompt_specs(driver.info.d_model, driver.supported_hook_points)
     capture = ["blocks.0.hook_out", "blocks.1.attn.hook_out", "blocks.1.hook_out", "ln_final.hook_normalized",
                "blocks.1.attn.hook_pattern", "blocks.1.ln2.hook_scale"]  # fmt: skip
-    capture = [n for n in capture if n in driver.supported_hook_points]  # one-norm blocks lack ln2.hook_scale
+    capture = [
+        n for n in capture if n in driver.supported_hook_points
+    ]  # one-norm blocks lack ln2.hook_scale
     report = _compare(family, prompts, specs, capture)
     check(report, WITHIN, f"{driver.info.architecture} per-prompt specs")
     _check_only_specced_prompts_changed(driver, prompts, specs)
 
 
-def _check_only_specced_prompts_changed(driver: Any, prompts: list[list[int]], specs: list[Any]) -> None:
+def _check_only_specced_prompts_changed(
+    driver: Any, prompts: list[list[int]], specs: list[Any]
+) -> None:
     plain = driver.forward(prompts, max_new_tokens=0)
     edited = driver.forward(prompts, intervene=specs, max_new_tokens=0)
     changed = [float((plain.logits[b] - edited.logits[b]).abs().max()) for b in range(len(prompts))]
-    assert all(c <= 1e-5 for c, s in zip(changed, specs, strict=True) if not s), f"a prompt without specs changed: {changed}"
+    assert all(c <= 1e-5 for c, s in zip(changed, specs, strict=True) if not s), (
+        f"a prompt without specs changed: {changed}"
+    )
     assert all(c > 1e-3 for c, s in zip(changed, specs, strict=True) if s), changed
 
 
@@ -285,24 +326,39 @@ def test_greedy_generation_with_steering(family: Engines) -> None:
     vec = (torch.linspace(-2, 2, driver.info.d_model)).tolist()
     intervene = [
         {"blocks.0.hook_out": {"op": "add", "value": vec}},
-        {"blocks.1.mlp.hook_out": {"op": "scale", "factor": 1.5}, "blocks.0.hook_in": {"op": "suppress", "pos": 0}},
+        {
+            "blocks.1.mlp.hook_out": {"op": "scale", "factor": 1.5},
+            "blocks.0.hook_in": {"op": "suppress", "pos": 0},
+        },
         None,
         {"blocks.1.hook_in": [{"op": "add", "value": 0.5}, {"op": "set", "value": vec, "pos": -1}]},
     ]
     result = driver.forward(
-        chosen, capture=["blocks.1.hook_out"], intervene=intervene, max_new_tokens=6, stop_at_eos=False
+        chosen,
+        capture=["blocks.1.hook_out"],
+        intervene=intervene,
+        max_new_tokens=6,
+        stop_at_eos=False,
     )
     assert result.new_tokens is not None and result.new_tokens.shape == (4, 6)
     for b, ids in enumerate(chosen):
         want = ref.generate(ids, 6, intervene[b])
         assert result.new_tokens[b].tolist() == want, f"prompt {b}"
         prompt_capture, logits = ref.run(ids, ["blocks.1.hook_out"], intervene[b])
-        exact = family.exact.forward([ids], capture=["blocks.1.hook_out"], intervene=intervene[b], max_new_tokens=0)
+        exact = family.exact.forward(
+            [ids], capture=["blocks.1.hook_out"], intervene=intervene[b], max_new_tokens=0
+        )
         n = len(ids)
         check(
-            {"capture": rounding_ratio(result.captured["blocks.1.hook_out"][b, :n], prompt_capture["blocks.1.hook_out"],
-                                     exact.captured["blocks.1.hook_out"][0], "capture"),
-             "logits": rounding_ratio(result.logits[b, :n], logits, exact.logits[0], "logits")},
+            {
+                "capture": rounding_ratio(
+                    result.captured["blocks.1.hook_out"][b, :n],
+                    prompt_capture["blocks.1.hook_out"],
+                    exact.captured["blocks.1.hook_out"][0],
+                    "capture",
+                ),
+                "logits": rounding_ratio(result.logits[b, :n], logits, exact.logits[0], "logits"),
+            },
             WITHIN,
             f"prompt {b} during generation",
         )

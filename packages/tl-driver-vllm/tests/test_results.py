@@ -72,7 +72,11 @@ def test_shared_memory_round_trip_leaves_no_files(files: SharedFiles) -> None:
 def test_a_worker_elsewhere_sends_bytes(files: SharedFiles, tmp_path: Path) -> None:
     # Another host has no such folder; a folder of the same name there has another probe.
     (tmp_path / "probe").write_text("someone else's", encoding="ascii")
-    for offer in ({"dir": "/nonexistent/tl-vllm", "token": "x"}, {"dir": str(tmp_path), "token": "x"}, None):
+    for offer in (
+        {"dir": "/nonexistent/tl-vllm", "token": "x"},
+        {"dir": str(tmp_path), "token": "x"},
+        None,
+    ):
         outbox = Outbox(raw=False, offer=offer)
         buffer = outbox.empty((2, 3), torch.float32, CPU)
         buffer.copy_(torch.arange(6.0).view(2, 3))
@@ -83,7 +87,9 @@ def test_a_worker_elsewhere_sends_bytes(files: SharedFiles, tmp_path: Path) -> N
     assert sorted(os.listdir(tmp_path)) == ["probe"]
 
 
-def test_full_shared_memory_falls_back_to_bytes(files: SharedFiles, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_shared_memory_falls_back_to_bytes(
+    files: SharedFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert files.folder is not None
     outbox = Outbox(raw=False, offer=files.offer())
     first = outbox.empty((2, 4), torch.float32, CPU)
@@ -153,7 +159,9 @@ def _collected(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_last_position_logits_are_the_last_rows(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_last_position_logits_are_the_last_rows(
+    bridge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     driver = bridge.driver
     full = driver.forward(PROMPTS, max_new_tokens=0).logits
     seen = _collected(bridge, monkeypatch)
@@ -168,11 +176,17 @@ def test_last_position_logits_are_the_last_rows(bridge: Any, monkeypatch: pytest
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_no_logits_are_computed_or_sent_when_not_asked(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_logits_are_computed_or_sent_when_not_asked(
+    bridge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen = _collected(bridge, monkeypatch)
-    result = bridge.driver.forward(PROMPTS, capture=["blocks.1.hook_out"], max_new_tokens=0, return_logits=False)
+    result = bridge.driver.forward(
+        PROMPTS, capture=["blocks.1.hook_out"], max_new_tokens=0, return_logits=False
+    )
     assert result.logits is None and result.captured["blocks.1.hook_out"].shape[:2] == (3, 40)
-    out, cache = bridge.run_with_cache(PROMPTS, names_filter=["blocks.0.hook_out"], return_type=None)
+    out, cache = bridge.run_with_cache(
+        PROMPTS, names_filter=["blocks.0.hook_out"], return_type=None
+    )
     assert out is None and cache["blocks.0.hook_out"].shape[:2] == (3, 40)
     assert len(seen) == 2
     for run in seen:
@@ -182,7 +196,9 @@ def test_no_logits_are_computed_or_sent_when_not_asked(bridge: Any, monkeypatch:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_in_process_edit_tables_reach_the_workers_as_tensors(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_process_edit_tables_reach_the_workers_as_tensors(
+    bridge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     llm = bridge.driver._llm
     original = llm.collective_rpc
     configs: list[Any] = []
@@ -195,15 +211,21 @@ def test_in_process_edit_tables_reach_the_workers_as_tensors(bridge: Any, monkey
     monkeypatch.setattr(llm, "collective_rpc", spy)
     hook = "blocks.0.hook_out"
     plain = bridge.driver.forward(PROMPTS, max_new_tokens=0).logits
-    steered = bridge.driver.forward(PROMPTS, intervene={hook: {"op": "add", "value": 1.0, "pos": -1}}, max_new_tokens=0)
+    steered = bridge.driver.forward(
+        PROMPTS, intervene={hook: {"op": "add", "value": 1.0, "pos": -1}}, max_new_tokens=0
+    )
     assert not torch.equal(plain, steered.logits)
     edits = [request["edits"][hook] for request in configs[-1]["requests"].values()]
-    assert len(edits) == 3 and all(isinstance(e["scale"], torch.Tensor) and isinstance(e["bias"], torch.Tensor) for e in edits)
+    assert len(edits) == 3 and all(
+        isinstance(e["scale"], torch.Tensor) and isinstance(e["bias"], torch.Tensor) for e in edits
+    )
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_bad_return_logits_is_refused_before_the_engine(bridge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_return_logits_is_refused_before_the_engine(
+    bridge: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen = _collected(bridge, monkeypatch)
     for bad in ("first", 1, None):
         with pytest.raises(UserError, match=r"return_logits must be True .* 'last'"):
@@ -219,7 +241,9 @@ def test_bfloat16_logits_stay_bfloat16(checkpoint: Any) -> None:
 
     from tl_core import RemoteBridge
 
-    with RemoteBridge.boot_vllm(checkpoint("llama", "bfloat16"), dtype="bfloat16", **ENGINE_OPTIONS) as bf16:
+    with RemoteBridge.boot_vllm(
+        checkpoint("llama", "bfloat16"), dtype="bfloat16", **ENGINE_OPTIONS
+    ) as bf16:
         out = bf16.driver.forward(PROMPTS, max_new_tokens=0)
         last = bf16.driver.forward(PROMPTS, max_new_tokens=0, return_logits="last")
     assert out.logits.dtype == last.logits.dtype == torch.bfloat16

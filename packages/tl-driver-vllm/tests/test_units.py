@@ -66,7 +66,9 @@ def test_an_in_process_edit_table_holds_the_tensors_themselves() -> None:
     raw = edit_table(specs, length=3, feature_shape=(2,), raw=True)
     assert isinstance(packed["scale"]["data"], bytes)
     assert isinstance(raw["scale"], torch.Tensor) and isinstance(raw["bias"], torch.Tensor)
-    assert torch.equal(raw["scale"], unpack(packed["scale"])) and torch.equal(raw["bias"], unpack(packed["bias"]))
+    assert torch.equal(raw["scale"], unpack(packed["scale"])) and torch.equal(
+        raw["bias"], unpack(packed["bias"])
+    )
 
 
 def test_edit_table_of_a_head_site_is_head_major() -> None:
@@ -144,9 +146,16 @@ def test_pad_rows_right_pads_and_checks_lengths() -> None:
 
 def test_engine_kwargs_force_what_hooks_need() -> None:
     kwargs = engine_kwargs(
-        "m", tokenizer=None, dtype=torch.bfloat16, gpu_memory_utilization=None, max_model_len=64,
-        max_num_batched_tokens=None, enable_batching=False, tensor_parallel_size=1,
-        pipeline_parallel_size=1, vllm_kwargs={"seed": 3},
+        "m",
+        tokenizer=None,
+        dtype=torch.bfloat16,
+        gpu_memory_utilization=None,
+        max_model_len=64,
+        max_num_batched_tokens=None,
+        enable_batching=False,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        vllm_kwargs={"seed": 3},
     )
     assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
     assert kwargs["worker_extension_cls"] == "tl_driver_vllm._worker.TLWorkerExtension"
@@ -154,15 +163,29 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
     assert "gpu_memory_utilization" not in kwargs
     with pytest.raises(ConfigError, match="speculative"):
         engine_kwargs(
-            "m", tokenizer=None, dtype=None, gpu_memory_utilization=None, max_model_len=None,
-            max_num_batched_tokens=None, enable_batching=True, tensor_parallel_size=1,
-            pipeline_parallel_size=1, vllm_kwargs={"speculative_config": {"method": "ngram"}},
+            "m",
+            tokenizer=None,
+            dtype=None,
+            gpu_memory_utilization=None,
+            max_model_len=None,
+            max_num_batched_tokens=None,
+            enable_batching=True,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            vllm_kwargs={"speculative_config": {"method": "ngram"}},
         )
 
 
 def test_sampling_options_map_to_sampling_params() -> None:
     assert sampling_kwargs({}) == {"temperature": 0.0}
-    kwargs: dict[str, Any] = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 1, "x": 1}
+    kwargs: dict[str, Any] = {
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_k": 5,
+        "top_p": 0.9,
+        "seed": 1,
+        "x": 1,
+    }
     assert sampling_kwargs(kwargs) == {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 1}
     assert kwargs == {"x": 1}  # unknown options stay for the caller to refuse
     with pytest.raises(UserError, match="top_p"):
@@ -172,13 +195,27 @@ def test_sampling_options_map_to_sampling_params() -> None:
 def _info(arch: str) -> ModelInfo:
     layout = layout_for(arch)
     return ModelInfo(
-        n_layers=2, d_model=64, n_heads=2, d_head=32, d_mlp=128, d_vocab=300, n_ctx=64,
+        n_layers=2,
+        d_model=64,
+        n_heads=2,
+        d_head=32,
+        d_mlp=128,
+        d_vocab=300,
+        n_ctx=64,
         normalization_type="LN" if layout.norm == "layernorm" else "RMS",
-        positional_embedding_type="standard" if layout.pos_embed else "rotary" if layout.rotary else "none",
-        gated_mlp=layout.gated, sandwich_norm=layout.ln1_post is not None,
-        parallel_attn_mlp=layout.parallel, embed_norm=layout.embed_norm is not None,
-        qk_norm=layout.qk_norm, n_experts=4 if layout.moe else None,
-        experts_per_token=2 if layout.moe else None, architecture=arch,
+        positional_embedding_type="standard"
+        if layout.pos_embed
+        else "rotary"
+        if layout.rotary
+        else "none",
+        gated_mlp=layout.gated,
+        sandwich_norm=layout.ln1_post is not None,
+        parallel_attn_mlp=layout.parallel,
+        embed_norm=layout.embed_norm is not None,
+        qk_norm=layout.qk_norm,
+        n_experts=4 if layout.moe else None,
+        experts_per_token=2 if layout.moe else None,
+        architecture=arch,
     )
 
 
@@ -195,7 +232,14 @@ def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> No
     assert not namespace.editable & ({"unembed.hook_out"} | INPUT_SITES)
     assert all(namespace.reasons[n] for n in namespace.non_fireable | namespace.read_only)
     # Head- and neuron-level sites are served; rebuilt and derived ones read-only, saying why.
-    heads = {"attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "attn.hook_in", "ln2.hook_in"}
+    heads = {
+        "attn.hook_q",
+        "attn.hook_k",
+        "attn.hook_v",
+        "attn.hook_z",
+        "attn.hook_in",
+        "ln2.hook_in",
+    }
     if layout.ln1 is not None:
         heads.add("ln1.hook_out")
     if layout.rotary is not None:
@@ -232,20 +276,39 @@ def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> No
 def test_model_info_from_configs_and_unsupported_families() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3,
-        intermediate_size=96, vocab_size=300, max_position_embeddings=128, head_dim=32,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        vocab_size=300,
+        max_position_embeddings=128,
+        head_dim=32,
         architectures=["LlamaForCausalLM"],
     )
     info = model_info(config, max_model_len=100)
-    assert (info.n_layers, info.d_model, info.d_head, info.kv_heads, info.n_ctx) == (3, 64, 32, 1, 100)
+    assert (info.n_layers, info.d_model, info.d_head, info.kv_heads, info.n_ctx) == (
+        3,
+        64,
+        32,
+        1,
+        100,
+    )
     assert info.gated_mlp and info.positional_embedding_type == "rotary"
-    with pytest.raises(ConfigError, match=r"no row for vLLM's own 'MambaForCausalLM'.*rows: .*FalconForCausalLM"):
+    with pytest.raises(
+        ConfigError, match=r"no row for vLLM's own 'MambaForCausalLM'.*rows: .*FalconForCausalLM"
+    ):
         layout_for("MambaForCausalLM")
     with pytest.raises(ConfigError, match=r"'GPTNeoForCausalLM'.*no GPT-Neo model.*hf driver"):
         layout_for("GPTNeoForCausalLM")
     stablelm = transformers.StableLmConfig(
-        hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=96,
-        vocab_size=300, qk_layernorm=True, architectures=["StableLmForCausalLM"],
+        hidden_size=64,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        vocab_size=300,
+        qk_layernorm=True,
+        architectures=["StableLmForCausalLM"],
     )
     with pytest.raises(ConfigError, match="qk_layernorm=True"):
         model_info(stablelm)
@@ -291,7 +354,9 @@ def test_model_info_is_the_hf_drivers(family: str) -> None:
         ("bloom", {"apply_residual_connection_post_layernorm": True}, "apply_residual"),
     ],
 )
-def test_checkpoints_a_layout_cannot_serve_are_refused(family: str, overrides: dict[str, Any], match: str) -> None:
+def test_checkpoints_a_layout_cannot_serve_are_refused(
+    family: str, overrides: dict[str, Any], match: str
+) -> None:
     testing = pytest.importorskip("tl_driver_hf.testing")
     config = testing.tiny_config(family, overrides=overrides)
     config.architectures = [_ARCHITECTURES[family]]
@@ -318,10 +383,16 @@ def test_a_multi_query_config_with_another_key_value_head_count_is_refused() -> 
     config.architectures = ["GPTBigCodeForCausalLM"]
     assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 1
     config.num_key_value_heads = 2
-    with pytest.raises(ConfigError, match=r"multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1",
+    ):
         model_info(config, layout=serving_layout(config).layout)
     config.multi_query = False  # multi-head: transformers keeps every head for keys and values
-    with pytest.raises(ConfigError, match=r"multi_query=False .* num_key_value_heads=2, .* set num_key_value_heads to 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"multi_query=False .* num_key_value_heads=2, .* set num_key_value_heads to 4",
+    ):
         model_info(config, layout=serving_layout(config).layout)
     config.num_key_value_heads = 4
     assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 4
@@ -340,7 +411,10 @@ def test_a_shared_expert_exists_on_vllm_and_is_refused_saying_why() -> None:
     for suffix in ("experts.hook_out", "shared_expert.hook_out", "shared_expert.hook_gate"):
         name = f"blocks.0.mlp.{suffix}"
         assert name not in names.served
-        with pytest.raises(HookNameError, match="runs the shared expert, its gate and the routed experts inside one fused"):
+        with pytest.raises(
+            HookNameError,
+            match="runs the shared expert, its gate and the routed experts inside one fused",
+        ):
             names.lookup(name)
     with pytest.raises(HookNameError, match="shared expert"):
         names.lookup("blocks.0.mlp.shared_expert_gate.hook_out")  # TransformerLens's name
@@ -366,11 +440,18 @@ def test_falcon_partial_sublayer_outputs_under_tensor_parallelism() -> None:
     layout = layout_for("FalconForCausalLM")
     info = _info("FalconForCausalLM")
     one = hook_namespace(info, layout, attn_result=True)
-    assert {"blocks.1.attn.hook_out", "blocks.1.mlp.hook_out", "blocks.1.attn.hook_result"} <= one.editable
+    assert {
+        "blocks.1.attn.hook_out",
+        "blocks.1.mlp.hook_out",
+        "blocks.1.attn.hook_result",
+    } <= one.editable
     two = hook_namespace(info, layout, attn_result=True, tp_size=2)
     for name in ("blocks.1.attn.hook_out", "blocks.1.mlp.hook_out"):
         assert name not in two.served
-        assert "partial sums" in two.non_fireable_reasons[name] and "blocks.1.hook_out" in two.non_fireable_reasons[name]
+        assert (
+            "partial sums" in two.non_fireable_reasons[name]
+            and "blocks.1.hook_out" in two.non_fireable_reasons[name]
+        )
     assert "blocks.1.attn.hook_result" in two.read_only
     with pytest.raises(SpecError, match=r"edit attn\.hook_z instead"):
         two.lookup("blocks.0.attn.hook_result", edit=True)
@@ -389,15 +470,35 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
     from tl_driver_vllm._derive import layout_from_description
 
     neox = layout_from_description(find_adapter("gpt_neox"))
-    assert (neox.inner, neox.embed, neox.layers, neox.final_norm) == ("model", "embed_in", "layers", "final_layer_norm")
-    assert (neox.attn, neox.qkv, neox.qkv_layout, neox.o_proj) == ("attention", "query_key_value", "heads", "dense")
-    assert (neox.fc_in, neox.down, neox.gate_up, neox.norm) == ("dense_h_to_4h", "dense_4h_to_h", None, "layernorm")
+    assert (neox.inner, neox.embed, neox.layers, neox.final_norm) == (
+        "model",
+        "embed_in",
+        "layers",
+        "final_layer_norm",
+    )
+    assert (neox.attn, neox.qkv, neox.qkv_layout, neox.o_proj) == (
+        "attention",
+        "query_key_value",
+        "heads",
+        "dense",
+    )
+    assert (neox.fc_in, neox.down, neox.gate_up, neox.norm) == (
+        "dense_h_to_4h",
+        "dense_4h_to_h",
+        None,
+        "layernorm",
+    )
     assert neox.parallel_field == "use_parallel_residual" and neox.backend == "transformers"
     olmo2 = layout_from_description(find_adapter("olmo2"))
     assert (olmo2.ln1, olmo2.ln2, olmo2.ln1_post, olmo2.ln2_post) == (
         None, None, "post_attention_layernorm", "post_feedforward_layernorm",
     )  # fmt: skip
-    assert (olmo2.qkv, olmo2.gate_up, olmo2.q_norm, olmo2.qk_norm_layout) == ("qkv_proj", "gate_up_proj", "q_norm", "flat")
+    assert (olmo2.qkv, olmo2.gate_up, olmo2.q_norm, olmo2.qk_norm_layout) == (
+        "qkv_proj",
+        "gate_up_proj",
+        "q_norm",
+        "flat",
+    )
     assert (olmo2.residual_pair, olmo2.layer_input, olmo2.norm) == (False, 0, "rms_weight_first")
     assert not ({"GPTNeoXForCausalLM", "Olmo2ForCausalLM"} & set(FAMILY_LAYOUTS))
 
@@ -413,7 +514,9 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
         ("llama", "layers", "not inside a base model"),
     ],
 )
-def test_a_description_the_backend_cannot_place_is_refused_naming_why(family: str, field: str | None, message: str) -> None:
+def test_a_description_the_backend_cannot_place_is_refused_naming_why(
+    family: str, field: str | None, message: str
+) -> None:
     from dataclasses import replace
 
     from tl_driver_hf.adapters import find_adapter
@@ -423,7 +526,9 @@ def test_a_description_the_backend_cannot_place_is_refused_naming_why(family: st
     assert adapter is not None
     if field is not None:
         adapter = replace(adapter, **{field: "layers"})
-    with pytest.raises(ConfigError, match=rf"{adapter.family}.*Transformers backend.*{message}.*hf driver"):
+    with pytest.raises(
+        ConfigError, match=rf"{adapter.family}.*Transformers backend.*{message}.*hf driver"
+    ):
         layout_from_description(adapter)
 
 
@@ -450,7 +555,11 @@ def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_des
     llama = transformers.AutoConfig.for_model("llama")
     llama.architectures = ["LlamaForCausalLM"]
     row = serving_layout(llama)
-    assert row.model_impl is None and not row.derived and row.layout is FAMILY_LAYOUTS["LlamaForCausalLM"]
+    assert (
+        row.model_impl is None
+        and not row.derived
+        and row.layout is FAMILY_LAYOUTS["LlamaForCausalLM"]
+    )
     mamba = transformers.AutoConfig.for_model("mamba")
     mamba.architectures = ["MambaForCausalLM"]
     with pytest.raises(ConfigError, match=r"'MambaForCausalLM'.*certifies only its residual hooks"):

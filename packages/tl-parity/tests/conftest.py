@@ -32,7 +32,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], P
 
     def make(family: str) -> Path:
         if family not in made:
-            made[family] = testing.write_tiny_checkpoint(family, tmp_path_factory.mktemp(family) / family)
+            made[family] = testing.write_tiny_checkpoint(
+                family, tmp_path_factory.mktemp(family) / family
+            )
         return made[family]
 
     yield make

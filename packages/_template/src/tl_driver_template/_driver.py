@@ -111,7 +111,9 @@ class TemplateDriver(NamespaceFacts):
         rows = pad_batch(input_ids, pad_id=0).rows()
         lengths = tuple(len(r) for r in rows)
         names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
-        plan = build_plan(intervene, lengths=lengths, namespace=self.namespace, allow_callables=False)
+        plan = build_plan(
+            intervene, lengths=lengths, namespace=self.namespace, allow_callables=False
+        )
         per_prompt = [self._run_one(engine, row, b, names, plan) for b, row in enumerate(rows)]
         captured = {n: _pad([p[0][n] for p in per_prompt], lengths) for n in names}
         logits = _pad([p[1] for p in per_prompt], lengths) if return_logits else None
@@ -132,8 +134,11 @@ class TemplateDriver(NamespaceFacts):
             if specs.get(name):
                 # Specs compile to x * scale + bias, which a compiled engine can run too.
                 edit: AffineEdit = compile_specs(
-                    specs[name], feature_shape=(x.shape[-1],), seq_len=x.shape[1],
-                    dtype=x.dtype, device=x.device,
+                    specs[name],
+                    feature_shape=(x.shape[-1],),
+                    seq_len=x.shape[1],
+                    dtype=x.dtype,
+                    device=x.device,
                 )
                 x = edit.apply(x)
             if name in names:

@@ -41,8 +41,12 @@ def declared_exports(source: str) -> dict[str, str]:
         for statement in ast.walk(node):
             if isinstance(statement, ast.ImportFrom):
                 if statement.level or not statement.module:
-                    raise ImportError(f"a lazy export needs an absolute import, got line {statement.lineno}")
-                table.update({alias.asname or alias.name: statement.module for alias in statement.names})
+                    raise ImportError(
+                        f"a lazy export needs an absolute import, got line {statement.lineno}"
+                    )
+                table.update(
+                    {alias.asname or alias.name: statement.module for alias in statement.names}
+                )
     return table
 
 

@@ -18,7 +18,11 @@ from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["served_architecture"]
 
-_QK_NORM: dict[str, QKNorm] = {"positions_first": "per_head", "heads_first": "per_head", "flat": "across_heads"}
+_QK_NORM: dict[str, QKNorm] = {
+    "positions_first": "per_head",
+    "heads_first": "per_head",
+    "flat": "across_heads",
+}
 
 
 def served_architecture(

@@ -152,7 +152,11 @@ def hooked_attention(
     fp32 = site.softmax_fp32 if site is not None else True
     row_valid = None if allowed is None else allowed.any(dim=-1, keepdim=True)
     if sinks is not None:
-        column = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        column = (
+            sinks.reshape(1, -1, 1, 1)
+            .expand(scores.shape[0], -1, scores.shape[2], 1)
+            .to(scores.dtype)
+        )
         combined = torch.cat((scores, column), dim=-1)
         # As the family's eager code: shift by the row maximum (sink included), softmax in
         # the logits' dtype, then drop the sink's column.

@@ -38,10 +38,16 @@ def _first_certifiable(driver: HFDriver) -> Certification:
         if residual_only:
             names = list(driver._model.hook_points)
             kept = [n for n in names if on_residual_stream(n)]
-            why = f"{type(error).__name__}: {error}" if error is not None else "its block equations failed"
+            why = (
+                f"{type(error).__name__}: {error}"
+                if error is not None
+                else "its block equations failed"
+            )
             for n in names:
                 if n not in kept:
-                    driver._absent[n] = f"uncertified: tl's hooks inside this inferred block do not run ({why})"
+                    driver._absent[n] = (
+                        f"uncertified: tl's hooks inside this inferred block do not run ({why})"
+                    )
             driver._build(kept)
         try:
             cert = driver.certify()
@@ -58,6 +64,7 @@ def _first_certifiable(driver: HFDriver) -> Certification:
         f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
     )
 
+
 def certify_at_boot(driver: HFDriver) -> None:
     """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
     name = driver._name
@@ -69,7 +76,11 @@ def certify_at_boot(driver: HFDriver) -> None:
     )  # fmt: skip
     if refused is not None:
         raise refused
-    dropped = [n for n in driver._model.hook_points if cert.statuses.get(n) is None or cert.statuses[n].status != "real"]
+    dropped = [
+        n
+        for n in driver._model.hook_points
+        if cert.statuses.get(n) is None or cert.statuses[n].status != "real"
+    ]
     if dropped:
         for n in dropped:
             cert_n = cert.statuses.get(n)
@@ -81,7 +92,11 @@ def certify_at_boot(driver: HFDriver) -> None:
                 "bridge.certification", len(dropped), name, dropped[0],
             )  # fmt: skip
     driver._certification = cert
-    wrong_readout = [c for c in cert.failed if c.hooks and set(c.hooks) <= {"unembed.hook_out", "ln_final.hook_out"}]
+    wrong_readout = [
+        c
+        for c in cert.failed
+        if c.hooks and set(c.hooks) <= {"unembed.hook_out", "ln_final.hook_out"}
+    ]
     if wrong_readout:
         driver._readout_refused = f"failed: {wrong_readout[0].equation}"
     driver._model.refused_weights.update(

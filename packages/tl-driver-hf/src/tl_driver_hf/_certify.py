@@ -129,13 +129,20 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
     adapter = driver.adapter
     if lay.attn is not lay.layer and not adapter.sublayers_add_residual:
         sites.append(("blocks.0.attn.hook_out", lay.attn, "out", d_model))
-    if lay.mlp is not lay.layer and not (adapter.sublayers_add_residual or adapter.mlp_inline or adapter.mlp_out_inplace):
+    if lay.mlp is not lay.layer and not (
+        adapter.sublayers_add_residual or adapter.mlp_inline or adapter.mlp_out_inplace
+    ):
         sites.append(("blocks.0.mlp.hook_out", lay.mlp, "out", d_model))
     if lay.down is not None and lay.down is not lay.mlp and not adapter.moe:
-        width = int(cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0])
+        width = int(
+            cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0]
+        )
         sites.append(("blocks.0.mlp.hook_post", lay.down, "in", width))
     if lay.mixer is not None:
-        sites += [("blocks.0.mixer.hook_in", lay.mixer, "in", d_model), ("blocks.0.mixer.hook_out", lay.mixer, "out", d_model)]
+        sites += [
+            ("blocks.0.mixer.hook_in", lay.mixer, "in", d_model),
+            ("blocks.0.mixer.hook_out", lay.mixer, "out", d_model),
+        ]
     info = driver.info
     for suffix, latent, latent_width in (
         ("hook_q_latent", lay.q_latent, info.d_q_latent),
@@ -168,20 +175,30 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
                 edited = driver.run_model(ids)
         finally:
             edit.remove()
-        template = name.replace("blocks.0.", "blocks.{i}.").replace(f"blocks.{target}.", "blocks.{i}.")
+        template = name.replace("blocks.0.", "blocks.{i}.").replace(
+            f"blocks.{target}.", "blocks.{i}."
+        )
         vouched = [template.format(i=i) for i in range(n)] if "{i}" in template else [name]
         where = "input" if side == "in" else "output"
         checks.append(
             compare(
                 f"an edit at {template} moves the logits as adding to {type(module).__name__}'s {where} does",
-                vouched, edited, plain, rtol=rtol,
+                vouched,
+                edited,
+                plain,
+                rtol=rtol,
             )
         )
     return checks
 
 
 def certify_driver(
-    driver: HFDriver, *, model: str, inferred: bool, description: dict[str, str], thorough: bool = True
+    driver: HFDriver,
+    *,
+    model: str,
+    inferred: bool,
+    description: dict[str, str],
+    thorough: bool = True,
 ) -> Certification:
     """Run the checks on ``driver``'s booted model and build the report.
 
@@ -213,7 +230,11 @@ def certify_driver(
     if thorough and len(hidden) != n + 1:
         notes.append(
             CertificationCheck(
-                "blocks.{i}.hook_in == the engine's hidden_states[i]", (), True, 0.0, 0.0,
+                "blocks.{i}.hook_in == the engine's hidden_states[i]",
+                (),
+                True,
+                0.0,
+                0.0,
                 f"not compared: the engine returned {len(hidden)} hidden states for {n} blocks",
             )
         )
@@ -239,8 +260,15 @@ def certify_driver(
     softcap = getattr(driver.hf_model.config, softcap_field, None) if softcap_field else None
     info = driver.info if stop is None else dataclasses.replace(driver.info, n_layers=stop)
     checks = equation_checks(
-        cache, info, rtol=rtol, hidden_states=hidden, logits=logits, reference_logits=reference,
-        W_O=W_O, b_O=b_O, attn_softcap=float(softcap) if softcap is not None else None,
+        cache,
+        info,
+        rtol=rtol,
+        hidden_states=hidden,
+        logits=logits,
+        reference_logits=reference,
+        W_O=W_O,
+        b_O=b_O,
+        attn_softcap=float(softcap) if softcap is not None else None,
         score_bias=uses_alibi(driver.hf_model.config),
         attention_sinks=has_attention_sinks(parts),
     )
@@ -248,7 +276,10 @@ def certify_driver(
         checks.append(
             compare(
                 "logits before the last position ignore the last token (the model is causal)",
-                ("unembed.hook_out",), later[:, :-1], reference[:, :-1], rtol=rtol,
+                ("unembed.hook_out",),
+                later[:, :-1],
+                reference[:, :-1],
+                rtol=rtol,
             )
         )
     checks += weight_rule_checks(driver, cache, rtol)
@@ -257,11 +288,22 @@ def certify_driver(
         checks += readout_checks(driver, cache, ids, logits, rtol)
     for name in names:
         if name not in cache and not _opt_in(name):
-            checks.append(CertificationCheck(f"{name} fires in a forward", (name,), False, float("inf"), 0.0, "it never fired"))
+            checks.append(
+                CertificationCheck(
+                    f"{name} fires in a forward",
+                    (name,),
+                    False,
+                    float("inf"),
+                    0.0,
+                    "it never fired",
+                )
+            )
     weight_checks: dict[str, CertificationCheck] = {}
     unchecked_weights: dict[str, HookCertificate] = {}
     if thorough:
-        weight_checks, unchecked_weights = exported_weight_checks(driver, cache, ids, rtol, inferred=inferred)
+        weight_checks, unchecked_weights = exported_weight_checks(
+            driver, cache, ids, rtol, inferred=inferred
+        )
         checks += list({id(c): c for c in weight_checks.values()}.values())
         checks += _edit_checks(driver, ids, rtol)
     checks += notes
@@ -296,7 +338,9 @@ def certify_driver(
         statuses=statuses,
         weights={
             **{
-                name: HookCertificate("real", c.equation) if c.passed else HookCertificate("uncertified", f"failed: {c.line()}")
+                name: HookCertificate("real", c.equation)
+                if c.passed
+                else HookCertificate("uncertified", f"failed: {c.line()}")
                 for name, c in weight_checks.items()
             },
             **unchecked_weights,
@@ -323,7 +367,9 @@ def _follow_parents(statuses: dict[str, HookCertificate]) -> None:
         for parent in (f"{prefix}.{p}" for p in parents):
             status = statuses.get(parent)
             if status is None or status.status != "real":
-                statuses[name] = HookCertificate("uncertified", f"it holds what {parent} holds, which is not certified")
+                statuses[name] = HookCertificate(
+                    "uncertified", f"it holds what {parent} holds, which is not certified"
+                )
                 break
 
 
@@ -364,11 +410,19 @@ def _all_names(driver: HFDriver) -> list[str]:
 
 def on_residual_stream(name: str) -> bool:
     """Whether a hook is outside the blocks or a block's input or output."""
-    return not name.startswith("blocks.") or (name.count(".") == 2 and name.endswith((".hook_in", ".hook_out")))
+    return not name.startswith("blocks.") or (
+        name.count(".") == 2 and name.endswith((".hook_in", ".hook_out"))
+    )
 
 
 def boot_refusal(
-    cert: Certification, *, inferred: bool, architecture: str | None, family: str, layers: str, name: str
+    cert: Certification,
+    *,
+    inferred: bool,
+    architecture: str | None,
+    family: str,
+    layers: str,
+    name: str,
 ) -> ConfigError | None:
     """Why a boot must be refused after certification, or ``None``: the model's run or its
     residual stream fails, or (inferred) nothing confirms the layer list is the stream.
@@ -391,7 +445,9 @@ def boot_refusal(
         )
     if cert.residual_holds:
         return None
-    first = sorted(cert.failed, key=lambda c: (not c.equation.startswith("logits"), not c.on_residual))
+    first = sorted(
+        cert.failed, key=lambda c: (not c.equation.startswith("logits"), not c.on_residual)
+    )
     failed = "; ".join(c.line() for c in first[:3])
     if inferred:
         return ConfigError(

@@ -111,7 +111,9 @@ def describe_blocks(adapter: ArchitectureAdapter, parallel: bool) -> str:
     if posts:
         parts.append(f"norms on the sublayer outputs {posts}")
     if adapter.moe:
-        parts.append(f"a mixture-of-experts MLP (router {adapter.router!r}, experts {adapter.expert_in!r})")
+        parts.append(
+            f"a mixture-of-experts MLP (router {adapter.router!r}, experts {adapter.expert_in!r})"
+        )
     kind = "LayerNorm" if adapter.norm == "layernorm" else "RMSNorm"
     layout = "parallel" if parallel else "sequential"
     return f"{adapter.family} has {layout} {kind} blocks: " + ", ".join(parts)
@@ -141,7 +143,9 @@ def _attention_readers(layer: LayerModules, adapter: ArchitectureAdapter) -> lis
     return [Projection(m, "weight", adapter.linear) for m in modules if m is not None]
 
 
-def _mlp_readers(layer: LayerModules, adapter: ArchitectureAdapter, parallel: bool) -> list[Projection]:
+def _mlp_readers(
+    layer: LayerModules, adapter: ArchitectureAdapter, parallel: bool
+) -> list[Projection]:
     modules = (layer.mlp_in, layer.gate, layer.up, layer.gate_up)
     readers = [Projection(m, "weight", adapter.linear) for m in modules if m is not None]
     if adapter.moe:

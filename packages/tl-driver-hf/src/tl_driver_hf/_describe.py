@@ -41,7 +41,9 @@ SHRUNK_SIZES: Final[dict[str, int]] = {
 }
 
 
-def shrunk_model(config: Any, *, sizes: dict[str, int] | None = None, seed: int = 0) -> PreTrainedModel:
+def shrunk_model(
+    config: Any, *, sizes: dict[str, int] | None = None, seed: int = 0
+) -> PreTrainedModel:
     """A tiny float32 causal LM with ``config``'s architecture and ``sizes`` (default
     ``SHRUNK_SIZES``).
 
@@ -133,7 +135,9 @@ def describe_architecture(config: Any) -> ArchitectureDescription:
         ConfigError: transformers cannot build the architecture, or the hf driver refuses
             the inferred description (the message names the failing equation).
     """
-    adapter = find_adapter(getattr(config, "model_type", None), getattr(config, "architectures", None))
+    adapter = find_adapter(
+        getattr(config, "model_type", None), getattr(config, "architectures", None)
+    )
     if adapter is not None:
         return ArchitectureDescription(adapter, inferred=False, level="full", certification=None)
     from tl_driver_hf._driver import HFDriver
@@ -148,4 +152,6 @@ def describe_architecture(config: Any) -> ArchitectureDescription:
         log.setLevel(level)
     cert = driver.certification
     assert cert is not None, "an inferred architecture is always certified at boot"
-    return ArchitectureDescription(driver.adapter, inferred=True, level=cert.level, certification=cert)
+    return ArchitectureDescription(
+        driver.adapter, inferred=True, level=cert.level, certification=cert
+    )

@@ -101,7 +101,9 @@ class HFDriver(LocalDriver):
         }
         names = [
             n
-            for n in canonical_hook_names(info, include_attn_result=use_attn_result, include_split_qkv_input=True)
+            for n in canonical_hook_names(
+                info, include_attn_result=use_attn_result, include_split_qkv_input=True
+            )
             if n not in self._absent
         ]
         self._tokenizer = tokenizer
@@ -159,7 +161,11 @@ class HFDriver(LocalDriver):
         """
         self._check_runnable()
         return certify_driver(
-            self, model=self._name, inferred=self._inferred is not None, description=self._describe(), thorough=thorough
+            self,
+            model=self._name,
+            inferred=self._inferred is not None,
+            description=self._describe(),
+            thorough=thorough,
         )
 
     _name: str = "<model>"
@@ -175,7 +181,9 @@ class HFDriver(LocalDriver):
         and MLP variants, unembedding): ``tl_core.driver_api.Architecture``."""
         opaque = self._inferred is not None and self._inferred.blocks == "opaque"
         sinks = has_attention_sinks(self._modules)
-        return served_architecture(self._hf_model, self._adapter, self._info, opaque=opaque, sinks=sinks)
+        return served_architecture(
+            self._hf_model, self._adapter, self._info, opaque=opaque, sinks=sinks
+        )
 
     @classmethod
     def boot(cls, model_name: Any = None, **options: Any) -> HFDriver:
@@ -249,7 +257,12 @@ class HFDriver(LocalDriver):
 
     @classmethod
     def _assemble(
-        cls, model: nn.Module, adapter: ArchitectureAdapter | None, tokenizer: Tokenizer, opts: BootOptions, name: str
+        cls,
+        model: nn.Module,
+        adapter: ArchitectureAdapter | None,
+        tokenizer: Tokenizer,
+        opts: BootOptions,
+        name: str,
     ) -> HFDriver:
         """The driver over a loaded model: described, or inferred; certified unless turned off."""
         inferred = None
@@ -257,7 +270,14 @@ class HFDriver(LocalDriver):
             inferred = infer_architecture(model)
             adapter = inferred.adapter
         info = inferred.info if inferred is not None else None
-        driver = cls(model, adapter, tokenizer, use_attn_result=opts.use_attn_result, n_ctx=opts.n_ctx, info=info)
+        driver = cls(
+            model,
+            adapter,
+            tokenizer,
+            use_attn_result=opts.use_attn_result,
+            n_ctx=opts.n_ctx,
+            info=info,
+        )
         driver._inferred = inferred
         driver._name = name
         if (opts.certify or inferred is not None) and not driver._meta:
@@ -290,7 +310,9 @@ class HFDriver(LocalDriver):
                 "to use compatibility mode."
             )
         if self._compat is not None:
-            raise UserError(f"compatibility mode is already enabled ({self._compat}); it can be applied once")
+            raise UserError(
+                f"compatibility mode is already enabled ({self._compat}); it can be applied once"
+            )
         if self._inferred is not None:
             raise UnsupportedFeatureError(
                 f"enable_compatibility_mode() folds weights along a family's hand-checked "
@@ -413,8 +435,14 @@ class HFDriver(LocalDriver):
         """One forward of the transformers model with the attached hooks."""
         self._check_runnable()
         n_layers = self.info.n_layers
-        start = None if start_at_layer is None else block_index(start_at_layer, "start_at_layer", n_layers)
-        stop = None if stop_at_layer is None else block_index(stop_at_layer, "stop_at_layer", n_layers)
+        start = (
+            None
+            if start_at_layer is None
+            else block_index(start_at_layer, "start_at_layer", n_layers)
+        )
+        stop = (
+            None if stop_at_layer is None else block_index(stop_at_layer, "stop_at_layer", n_layers)
+        )
         if start is not None and stop is not None and start > stop:
             raise UserError(
                 f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
@@ -423,7 +451,9 @@ class HFDriver(LocalDriver):
         if start is None and residual is not None:
             raise UserError("residual was given without start_at_layer; pass start_at_layer=k")
         if start is not None and residual is None:
-            raise UserError("start_at_layer needs residual: the [batch, pos, d_model] input of that block")
+            raise UserError(
+                "start_at_layer needs residual: the [batch, pos, d_model] input of that block"
+            )
         if start is None:
             ids = self._check_ids(input_ids)
             batch, seq = ids.shape
@@ -454,11 +484,15 @@ class HFDriver(LocalDriver):
                 parts = self._model.parts
                 target = parts.layers[stop].layer if stop < n_layers else parts.final_norm
                 if target is not None:
-                    handle = target.register_forward_pre_hook(stopper, with_kwargs=True, prepend=True)
+                    handle = target.register_forward_pre_hook(
+                        stopper, with_kwargs=True, prepend=True
+                    )
                 else:  # no final norm: the stream ends at the last block's output
                     handle = parts.layers[-1].layer.register_forward_hook(stop_after)
             try:
-                out = self.hf_model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+                out = self.hf_model(
+                    input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+                )
             except Stop as stopped:
                 return stopped.value  # type: ignore[no-any-return]
             finally:
@@ -478,7 +512,11 @@ class HFDriver(LocalDriver):
 
     def _check_ids(self, input_ids: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            found = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            found = (
+                tuple(input_ids.shape)
+                if isinstance(input_ids, torch.Tensor)
+                else type(input_ids).__name__
+            )
             raise UserError(f"input_ids must be a 2-D tensor [batch, pos], got {found}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex:
             raise UserError(f"input_ids must hold integers, got dtype {input_ids.dtype}")
@@ -535,11 +573,18 @@ class HFDriver(LocalDriver):
         kwargs: dict[str, Any] = {}
         if start < end:
             with self._session(wire=False):
-                handle = parts.layers[start].layer.register_forward_pre_hook(prober, with_kwargs=True, prepend=True)
+                handle = parts.layers[start].layer.register_forward_pre_hook(
+                    prober, with_kwargs=True, prepend=True
+                )
                 try:
                     dtype = cast(torch.Tensor, parts.embed.weight).dtype
                     embeds = residual.detach().to(dtype)
-                    self.hf_model(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False)
+                    self.hf_model(
+                        inputs_embeds=embeds,
+                        attention_mask=mask,
+                        position_ids=position_ids,
+                        use_cache=False,
+                    )
                 except Stop as probe:
                     args, kwargs = probe.call_args, probe.call_kwargs
                 finally:
@@ -567,5 +612,3 @@ class HFDriver(LocalDriver):
         if cap is None:
             return logits
         return torch.tanh(logits / float(cap)) * float(cap)
-
-

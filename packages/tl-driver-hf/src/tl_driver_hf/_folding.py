@@ -197,9 +197,7 @@ def value_bias_view(
     return bias.data[(n_heads + n_kv) * d_head :].view(n_kv, d_head)
 
 
-def fold_value_bias(
-    b_v: torch.Tensor, o: Projection, n_heads: int, n_kv: int, d_head: int
-) -> None:
+def fold_value_bias(b_v: torch.Tensor, o: Projection, n_heads: int, n_kv: int, d_head: int) -> None:
     """Move the value bias into the output bias: ``b_O += sum_h b_V[h] @ W_O[h]``.
 
     Exact because each row of an attention pattern sums to one; grouped key/value heads

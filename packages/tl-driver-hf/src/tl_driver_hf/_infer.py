@@ -103,7 +103,13 @@ def _child(module: nn.Module, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def _layer_list(model: nn.Module, calls: Mapping[int, ModuleCall], d_model: int, n_pos: int, n_layers: int | None) -> str:
+def _layer_list(
+    model: nn.Module,
+    calls: Mapping[int, ModuleCall],
+    d_model: int,
+    n_pos: int,
+    n_layers: int | None,
+) -> str:
     best: tuple[int, int, str] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
@@ -144,17 +150,25 @@ def _final_norm(
     head = calls.get(id(lm_head))
     inside = {id(m) for m in layers.modules()}
     if head is None:
-        raise ConfigError("cannot infer the final norm: the unembedding never ran in the probe forward")
+        raise ConfigError(
+            "cannot infer the final norm: the unembedding never ran in the probe forward"
+        )
     for name, module in model.named_modules():
         call = calls.get(id(module))
         if call is None or id(module) in inside or module is lm_head:
             continue
         between = call.start > last.end and call.end < head.start
-        if between and is_norm_module(module) and same_tensor(call.output, head.input) and same_tensor(call.input, last.output):
+        if (
+            between
+            and is_norm_module(module)
+            and same_tensor(call.output, head.input)
+            and same_tensor(call.input, last.output)
+        ):
             return str(name), False
     if same_tensor(head.input, last.output):
         return None, False
     return None, True
+
 
 def _position_embedding(
     model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
@@ -201,7 +215,9 @@ class _Block:
 def _find_child(layer: nn.Module, names: tuple[str, ...], classes: tuple[str, ...]) -> str | None:
     found = [n for n, m in layer.named_children() if n in names]
     if not found:
-        found = [n for n, m in layer.named_children() if any(c in type(m).__name__ for c in classes)]
+        found = [
+            n for n, m in layer.named_children() if any(c in type(m).__name__ for c in classes)
+        ]
     return found[0] if len(found) == 1 else None
 
 
@@ -210,7 +226,9 @@ def _block(layer: nn.Module, calls: Mapping[int, ModuleCall]) -> _Block:
     attn = _find_child(layer, _ATTN_NAMES, ("Attention",))
     mlp = _find_child(layer, _MLP_NAMES, ("MLP", "MoE", "Moe", "FeedForward", "Experts"))
     if attn is None or mlp is None:
-        block.why = f"no single attention ({attn}) and MLP ({mlp}) module among the layer's children"
+        block.why = (
+            f"no single attention ({attn}) and MLP ({mlp}) module among the layer's children"
+        )
         return block
     layer_call = calls.get(id(layer))
     a, m = calls.get(id(getattr(layer, attn))), calls.get(id(getattr(layer, mlp)))
@@ -246,14 +264,24 @@ def _block(layer: nn.Module, calls: Mapping[int, ModuleCall]) -> _Block:
 
 
 def _signature(block: _Block) -> tuple[Any, ...]:
-    return (block.attn, block.mlp, block.ln1, block.ln2, block.ln1_post, block.ln2_post, block.parallel)
+    return (
+        block.attn,
+        block.mlp,
+        block.ln1,
+        block.ln2,
+        block.ln1_post,
+        block.ln2_post,
+        block.parallel,
+    )
 
 
 def _same_classes(layers: nn.ModuleList, path: str) -> bool:
     return len({type(layer.get_submodule(path)).__name__ for layer in layers}) == 1
 
 
-def _info(config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: int, **structure: Any) -> ModelInfo:
+def _info(
+    config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: int, **structure: Any
+) -> ModelInfo:
     try:
         info = model_info_from_config(config.get_text_config(), **structure)
     except (ConfigError, AttributeError, TypeError, ValueError):
@@ -311,13 +339,23 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     """
     config: Any = model.config
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
-    if embed is None or lm_head is None or not isinstance(getattr(embed, "weight", None), torch.Tensor):
-        raise ConfigError("cannot infer the architecture: the model has no input or output embedding module")
+    if (
+        embed is None
+        or lm_head is None
+        or not isinstance(getattr(embed, "weight", None), torch.Tensor)
+    ):
+        raise ConfigError(
+            "cannot infer the architecture: the model has no input or output embedding module"
+        )
     d_model = int(cast(torch.Tensor, embed.weight).shape[1])
     ids = probe_ids(int(cast(torch.Tensor, embed.weight).shape[0]))
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     with recording(model) as calls, torch.no_grad():
-        model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), use_cache=False)
+        model(
+            input_ids=ids.to(device),
+            attention_mask=torch.ones_like(ids).to(device),
+            use_cache=False,
+        )
     declared = getattr(config.get_text_config(), "num_hidden_layers", None)
     n_declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else None
     layers_path = _layer_list(model, calls, d_model, ids.shape[1], n_declared)
@@ -331,9 +369,16 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     model_type = str(getattr(config, "model_type", "unknown"))
     arch = str((getattr(config, "architectures", None) or [type(model).__name__])[0])
     text = config.get_text_config()
-    rotary = any(getattr(text, k, None) is not None for k in ("rope_parameters", "rope_theta", "rotary_emb_base"))
+    rotary = any(
+        getattr(text, k, None) is not None
+        for k in ("rope_parameters", "rope_theta", "rotary_emb_base")
+    )
     final_module = model.get_submodule(final_norm) if final_norm is not None else None
-    final_kind = norm_kind_of(final_module, calls.get(id(final_module))) if final_module is not None else None
+    final_kind = (
+        norm_kind_of(final_module, calls.get(id(final_module)))
+        if final_module is not None
+        else None
+    )
     kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
     known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
     norm: NormKind = known[0] if known else "rms"
@@ -341,14 +386,26 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     # output hooks; tl cannot recompute its scale and pre-weight value.
     absent: dict[str, str] = {}
     unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
-    prefixes = {"ln1": first.ln1, "ln2": first.ln2, "ln1_post": first.ln1_post, "ln2_post": first.ln2_post}
+    prefixes = {
+        "ln1": first.ln1,
+        "ln2": first.ln2,
+        "ln1_post": first.ln1_post,
+        "ln2_post": first.ln2_post,
+    }
     for key, child in prefixes.items():
         if child is not None and any(b.kinds.get(child) != norm for b in blocks):
-            absent.update({f"blocks.{{i}}.{key}.hook_scale": unknown, f"blocks.{{i}}.{key}.hook_normalized": unknown})
+            absent.update(
+                {
+                    f"blocks.{{i}}.{key}.hook_scale": unknown,
+                    f"blocks.{{i}}.{key}.hook_normalized": unknown,
+                }
+            )
     if final_norm is None:
         why = (
             "the unembedding reads a head transform (or a norm computed without a module), "
-            "not one final norm" if readout_opaque else "the unembedding reads the last block's output directly"
+            "not one final norm"
+            if readout_opaque
+            else "the unembedding reads the last block's output directly"
         )
         absent.update({f"ln_final.{s}": why for s in _NORM_SUFFIXES})
     elif final_kind != norm:
@@ -358,8 +415,14 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         "embedding": embed_path,
         "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
         "final norm": (
-            f"{final_norm} ({final_kind or 'unknown weight rule'})" if final_norm
-            else "none: " + ("a head transform before the unembedding" if readout_opaque else "the unembedding reads the last block")
+            f"{final_norm} ({final_kind or 'unknown weight rule'})"
+            if final_norm
+            else "none: "
+            + (
+                "a head transform before the unembedding"
+                if readout_opaque
+                else "the unembedding reads the last block"
+            )
         ),
         "unembedding": head_path,
     }
@@ -367,7 +430,9 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         why = first.why or "layers differ in structure (a hybrid of layer kinds)"
         mixer_norm = _mixer_norm(layers, calls, d_model)
         description["blocks"] = (
-            f"state-space mixer: x + mixer(norm(x)), norm {mixer_norm!r}" if mixer_norm else f"opaque: {why}"
+            f"state-space mixer: x + mixer(norm(x)), norm {mixer_norm!r}"
+            if mixer_norm
+            else f"opaque: {why}"
         )
         info = _info(
             config, model, len(layers), d_model, _rows(lm_head),
@@ -377,8 +442,14 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         )  # fmt: skip
         info = dataclasses.replace(info, mixer=mixer_norm is not None)
         opaque = f"{model_type} blocks are read as a whole ({why}): tl serves their input and output only"
-        kept = {"hook_in", "hook_out"} | ({"mixer.hook_in", "mixer.hook_out"} | {f"ln1.{s}" for s in _NORM_SUFFIXES} if mixer_norm else set())
-        for name in canonical_hook_names(info, include_split_qkv_input=True, include_attn_result=True):
+        kept = {"hook_in", "hook_out"} | (
+            {"mixer.hook_in", "mixer.hook_out"} | {f"ln1.{s}" for s in _NORM_SUFFIXES}
+            if mixer_norm
+            else set()
+        )
+        for name in canonical_hook_names(
+            info, include_split_qkv_input=True, include_attn_result=True
+        ):
             if name.startswith("blocks.0.") and name.removeprefix("blocks.0.") not in kept:
                 absent.setdefault(name.replace("blocks.0.", "blocks.{i}.", 1), opaque)
         adapter = ArchitectureAdapter(
@@ -402,12 +473,25 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     o = _child(attn_module, _O)
     q_norm, k_norm = _child(attn_module, _Q_NORM), _child(attn_module, _K_NORM)
     latents = {
-        key: (norm, up) if _child(attn_module, (norm,)) and _child(attn_module, (up,)) else (None, None)
+        key: (norm, up)
+        if _child(attn_module, (norm,)) and _child(attn_module, (up,))
+        else (None, None)
         for key, (norm, up) in (("q", _Q_LATENT), ("kv", _KV_LATENT))
     }
     for key, child in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if child is not None and norm_kind_of(attn_module.get_submodule(child), calls.get(id(attn_module.get_submodule(child)))) != norm:
-            absent.update({f"blocks.{{i}}.attn.{key}.hook_scale": unknown, f"blocks.{{i}}.attn.{key}.hook_normalized": unknown})
+        if (
+            child is not None
+            and norm_kind_of(
+                attn_module.get_submodule(child), calls.get(id(attn_module.get_submodule(child)))
+            )
+            != norm
+        ):
+            absent.update(
+                {
+                    f"blocks.{{i}}.attn.{key}.hook_scale": unknown,
+                    f"blocks.{{i}}.attn.{key}.hook_normalized": unknown,
+                }
+            )
     layout: Literal["positions_first", "heads_first", "flat"] = "positions_first"
     if q_norm is not None:
         call = calls.get(id(attn_module.get_submodule(q_norm)))
@@ -417,7 +501,9 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         elif len(shape) == 4 and shape[1] != ids.shape[1]:
             layout = "heads_first"
     # Dense layers before mixture-of-experts ones (DeepSeek, AFMoE): no per-neuron sites.
-    moe = "experts" in dict(mlp_module.named_children()) or not _same_classes(layers, cast(str, first.mlp))
+    moe = "experts" in dict(mlp_module.named_children()) or not _same_classes(
+        layers, cast(str, first.mlp)
+    )
     gate = up = down = gate_up = mlp_in = router = None
     shared: tuple[str, tuple[str, str, str], str | None, int] | None = None
     if not moe:
@@ -428,7 +514,11 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         mlp_in = None if (gate or gate_up) else _child(mlp_module, _MLP_IN)
     else:
         router = next(
-            (n for n, m in mlp_module.named_children() if (c := calls.get(id(m))) is not None and c.routes),
+            (
+                n
+                for n, m in mlp_module.named_children()
+                if (c := calls.get(id(m))) is not None and c.routes
+            ),
             None,
         )
         if router is None or not _same_classes(layers, cast(str, first.mlp)):
@@ -440,14 +530,18 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         elif "experts" in dict(mlp_module.named_children()):
             shared = _shared_expert(mlp_module)
             if shared is not None and shared[2] is None:
-                absent["blocks.{i}.mlp.shared_expert.hook_gate"] = "this model's shared expert has no gate"
+                absent["blocks.{i}.mlp.shared_expert.hook_gate"] = (
+                    "this model's shared expert has no gate"
+                )
     conv1d = any(type(m).__name__ == "Conv1D" for m in attn_module.children())
     attn_call = calls.get(id(attn_module))
     rotary_in_attention = attn_call is not None and "position_embeddings" in attn_call.kwargs
     softcap = getattr(text, "attn_logit_softcapping", None)
     final_softcap = getattr(text, "final_logit_softcapping", None)
     # Gemma-style embeddings multiply their lookup by a buffer of their own.
-    embed_scaled = isinstance(getattr(model.get_submodule(embed_path), "embed_scale", None), torch.Tensor)
+    embed_scaled = isinstance(
+        getattr(model.get_submodule(embed_path), "embed_scale", None), torch.Tensor
+    )
     adapter = ArchitectureAdapter(
         family=f"{model_type} (inferred)",
         model_types=(model_type,),
@@ -539,4 +633,3 @@ def _rows(lm_head: nn.Module) -> int:
     if isinstance(weight, torch.Tensor):
         return int(weight.shape[0])
     return int(getattr(lm_head, "out_features", 0))
-

@@ -208,7 +208,9 @@ def _falcon_legacy(
     scores = (query @ key.transpose(-1, -2)) / math.sqrt(d_head)
     allowed = _allowed(attention_mask, q_len, key.shape[-2], scores.device)
     scores, row_valid = _masked_scores(scores, allowed, site)
-    pattern = _pattern(scores, row_valid, site, compute=hidden_states.dtype, out=hidden_states.dtype)
+    pattern = _pattern(
+        scores, row_valid, site, compute=hidden_states.dtype, out=hidden_states.dtype
+    )
     out = _z_to_output(pattern @ value, site, module.dense)
     return out, pattern
 
@@ -237,7 +239,9 @@ def _gptj_legacy(
     key = torch.unflatten(module.k_proj(hidden_states), -1, (heads, d_head))
     value = torch.unflatten(module.v_proj(hidden_states), -1, (heads, d_head)).transpose(1, 2)
     table = cast(torch.Tensor, module.embed_positions).to(position_ids.device)[position_ids]
-    sin, cos = (t.to(key.dtype).repeat_interleave(2, dim=-1)[:, :, None, :] for t in table.chunk(2, dim=-1))
+    sin, cos = (
+        t.to(key.dtype).repeat_interleave(2, dim=-1)[:, :, None, :] for t in table.chunk(2, dim=-1)
+    )
     rotary = int(module.rotary_dim or d_head)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -277,7 +281,9 @@ LEGACY_FORWARDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _forward_name(sites: Mapping[nn.Module, AttentionSite], adapter: ArchitectureAdapter) -> str | None:
+def _forward_name(
+    sites: Mapping[nn.Module, AttentionSite], adapter: ArchitectureAdapter
+) -> str | None:
     if adapter.inline_attention is not None:
         return adapter.inline_attention
     legacy = LEGACY_FORWARDS.get(adapter.family)

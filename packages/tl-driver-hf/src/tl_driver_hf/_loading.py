@@ -202,7 +202,9 @@ def _experts_for(model: nn.Module, dtype: torch.dtype | None) -> None:
         setter("eager")
 
 
-def load_model(opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter | None) -> nn.Module:
+def load_model(
+    opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter | None
+) -> nn.Module:
     """Load (or, with ``load_weights=False``, build on the meta device) the model."""
     cls = _model_class(opts)
     if not opts.load_weights:
@@ -242,7 +244,11 @@ def wrap_tokenizer(tokenizer: Any) -> Tokenizer:
     """Wrap a transformers tokenizer (or pass through one that already is a tl Tokenizer)."""
     if isinstance(tokenizer, (HFTokenizer, MissingTokenizer)):
         return tokenizer
-    if hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode") and hasattr(tokenizer, "convert_ids_to_tokens"):
+    if (
+        hasattr(tokenizer, "encode")
+        and hasattr(tokenizer, "decode")
+        and hasattr(tokenizer, "convert_ids_to_tokens")
+    ):
         return HFTokenizer(tokenizer)
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
@@ -304,7 +310,9 @@ def adapter_or_none(config: Any, opts: BootOptions) -> ArchitectureAdapter | Non
     try:
         return adapter_for_config(config)
     except ConfigError:
-        if find_adapter(getattr(config, "model_type", None), tuple(getattr(config, "architectures", None) or ())):
+        if find_adapter(
+            getattr(config, "model_type", None), tuple(getattr(config, "architectures", None) or ())
+        ):
             raise  # a described family whose checkpoint it cannot serve: keep that reason
     what = (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
     if not opts.load_weights:

@@ -108,7 +108,14 @@ class HFHookedModel(nn.Module):
         return self._stack(
             [
                 layer_attention_weights(
-                    lay.q, lay.k, lay.v, lay.qkv, self.adapter.linear, info.n_heads, info.kv_heads, info.d_head,
+                    lay.q,
+                    lay.k,
+                    lay.v,
+                    lay.qkv,
+                    self.adapter.linear,
+                    info.n_heads,
+                    info.kv_heads,
+                    info.d_head,
                     self.adapter.qkv_layout,
                 )[key]
                 for lay in self.parts.layers
@@ -122,7 +129,9 @@ class HFHookedModel(nn.Module):
                 f"experts; read the expert weights from bridge.hf_model directly"
             )
         values = [
-            layer_mlp_weights(lay.mlp_in, lay.gate, lay.up, lay.gate_up, lay.down, self.adapter.linear)[key]
+            layer_mlp_weights(
+                lay.mlp_in, lay.gate, lay.up, lay.gate_up, lay.down, self.adapter.linear
+            )[key]
             for lay in self.parts.layers
         ]
         if values[0] is None:
@@ -204,7 +213,10 @@ class HFHookedModel(nn.Module):
         self._refuse("W_O")
         info = self.info
         return self._stack(
-            [head_weights(lay.o, self.adapter.linear, info.n_heads, info.d_head)[0] for lay in self.parts.layers]
+            [
+                head_weights(lay.o, self.adapter.linear, info.n_heads, info.d_head)[0]
+                for lay in self.parts.layers
+            ]
         )
 
     @property

@@ -64,10 +64,14 @@ class ModelModules:
 
 def has_attention_sinks(modules: ModelModules) -> bool:
     """Whether attention adds a learned sink logit per head (gpt-oss's ``sinks``)."""
-    return bool(modules.layers) and isinstance(getattr(modules.layers[0].attn, "sinks", None), torch.Tensor)
+    return bool(modules.layers) and isinstance(
+        getattr(modules.layers[0].attn, "sinks", None), torch.Tensor
+    )
 
 
-def _get(root: nn.Module, path: str | None, where: str, adapter: ArchitectureAdapter) -> nn.Module | None:
+def _get(
+    root: nn.Module, path: str | None, where: str, adapter: ArchitectureAdapter
+) -> nn.Module | None:
     if path is None:
         return None
     try:
@@ -86,7 +90,9 @@ def _need(root: nn.Module, path: str, where: str, adapter: ArchitectureAdapter) 
     return module
 
 
-def _shared_expert(mlp: nn.Module, adapter: ArchitectureAdapter, where: str) -> dict[str, nn.Module | None]:
+def _shared_expert(
+    mlp: nn.Module, adapter: ArchitectureAdapter, where: str
+) -> dict[str, nn.Module | None]:
     shared = _get(mlp, adapter.shared_expert, where, adapter)
     if shared is None or adapter.shared_parts is None:
         return {}

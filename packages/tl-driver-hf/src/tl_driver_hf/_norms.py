@@ -77,6 +77,8 @@ def norm_kind_of(module: nn.Module, call: ModuleCall | None) -> NormKind | None:
             out = apply_weight(normed, module, kind, x.dtype)
         except (RuntimeError, TypeError):
             continue
-        if out.shape == call.output.shape and torch.allclose(out.double(), call.output.double(), rtol=1e-5, atol=1e-6):
+        if out.shape == call.output.shape and torch.allclose(
+            out.double(), call.output.double(), rtol=1e-5, atol=1e-6
+        ):
             return kind
     return None

@@ -189,7 +189,9 @@ class BootOptions:
         if not isinstance(certify, bool):
             raise UserError(f"certify must be True or False, got {certify!r}")
         n_ctx = opts.get("n_ctx")
-        if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1):
+        if n_ctx is not None and (
+            isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 1
+        ):
             raise UserError(f"n_ctx must be an int >= 1, got {n_ctx!r}")
         return cls(
             model_name=name,
@@ -252,12 +254,13 @@ def _placement(opts: Mapping[str, Any]) -> dict[str, Any]:
                 "device/device_map, or drop n_devices"
             )
         plural = "s" if n_devices > 1 else ""
-        _require_backend(f"n_devices={n_devices} needs {n_devices} CUDA device{plural}", "cuda", None)
+        _require_backend(
+            f"n_devices={n_devices} needs {n_devices} CUDA device{plural}", "cuda", None
+        )
         available = torch.cuda.device_count()
         if n_devices > available:
             raise UserError(
-                f"n_devices={n_devices} needs {n_devices} CUDA devices, but {available} are "
-                f"visible"
+                f"n_devices={n_devices} needs {n_devices} CUDA devices, but {available} are visible"
             )
     _check_backends(device, device_map)
     spreads = device_map is not None or n_devices is not None

@@ -66,7 +66,9 @@ def recording(model: nn.Module) -> Iterator[dict[int, ModuleCall]]:
         if not (isinstance(table, (tuple, list)) and len(table) == 2):
             # Only a (cos, sin) pair is a rotary table tl serves (Llama 4 passes complex ones).
             keys = tuple(k for k in keys if k != "position_embeddings")
-        calls[id(module)] = ModuleCall(clock[0], input=x if isinstance(x, torch.Tensor) else None, kwargs=keys)
+        calls[id(module)] = ModuleCall(
+            clock[0], input=x if isinstance(x, torch.Tensor) else None, kwargs=keys
+        )
         clock[0] += 1
 
     def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -72,12 +72,22 @@ def install_split_inputs(
         point = points[kind]
         if point is not None:
             copies = point(copies)
-        return _project(copies, layer.ln1, weights[f"W_{kind.upper()}"], weights[f"b_{kind.upper()}"])
+        return _project(
+            copies, layer.ln1, weights[f"W_{kind.upper()}"], weights[f"b_{kind.upper()}"]
+        )
 
     def replace(kinds: tuple[str, ...]) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
             weights = layer_attention_weights(
-                layer.q, layer.k, layer.v, layer.qkv, adapter.linear, n_heads, n_kv_heads, d_head, adapter.qkv_layout
+                layer.q,
+                layer.k,
+                layer.v,
+                layer.qkv,
+                adapter.linear,
+                n_heads,
+                n_kv_heads,
+                d_head,
+                adapter.qkv_layout,
             )
             parts = [split(kind, weights) for kind in kinds]
             if len(parts) == 1:
@@ -96,7 +106,9 @@ def install_split_inputs(
     if layer.ln1 is not None:
         handles.append(layer.ln1.register_forward_pre_hook(keep_input, with_kwargs=True))
     else:
-        handles.append(layer.attn.register_forward_pre_hook(keep_input, with_kwargs=True, prepend=True))
+        handles.append(
+            layer.attn.register_forward_pre_hook(keep_input, with_kwargs=True, prepend=True)
+        )
     if layer.qkv is not None:
         handles.append(layer.qkv.register_forward_hook(replace(_KINDS)))
         return

@@ -67,14 +67,25 @@ def _report(
     if adapter is None:
         what = architecture or model_type or name
         return SupportReport(
-            name, False, None, model_type, architecture, False, checkpointed,
+            name,
+            False,
+            None,
+            model_type,
+            architecture,
+            False,
+            checkpointed,
             f"{what!r} ({how}) matches no adapter, so booting it infers its architecture from "
             f"the module tree and serves what certification proves (tl certify shows it); "
             f"described families: {_families()}",
         )
     return SupportReport(
-        name, True, adapter.family, model_type or adapter.model_types[0],
-        architecture or adapter.architectures[0], adapter.verified, checkpointed,
+        name,
+        True,
+        adapter.family,
+        model_type or adapter.model_types[0],
+        architecture or adapter.architectures[0],
+        adapter.verified,
+        checkpointed,
         f"{how}: served by the {adapter.family!r} adapter",
     )
 
@@ -102,7 +113,9 @@ def check_model_support(model_name_or_config: Any) -> SupportReport:
         model_type = getattr(value, "model_type", None)
         archs = tuple(getattr(value, "architectures", None) or ())
         adapter = find_adapter(model_type, archs)
-        return _report(type(value).__name__, adapter, model_type, archs[0] if archs else None, "config object")
+        return _report(
+            type(value).__name__, adapter, model_type, archs[0] if archs else None, "config object"
+        )
     if not isinstance(value, (str, os.PathLike)):
         raise UserError(
             f"check_model_support takes a hub id, a folder, an architecture name or a config, "
@@ -115,13 +128,17 @@ def check_model_support(model_name_or_config: Any) -> SupportReport:
     if os.path.isdir(name):
         path = os.path.join(name, "config.json")
         if not os.path.isfile(path):
-            return SupportReport(name, False, None, None, None, False, False, f"folder {name!r} has no config.json")
+            return SupportReport(
+                name, False, None, None, None, False, False, f"folder {name!r} has no config.json"
+            )
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
         archs = tuple(data.get("architectures") or ())
         model_type = data.get("model_type")
         adapter = find_adapter(model_type, archs)
-        return _report(name, adapter, model_type, archs[0] if archs else None, "config.json of a local folder")
+        return _report(
+            name, adapter, model_type, archs[0] if archs else None, "config.json of a local folder"
+        )
     adapter = find_adapter(None, (name,))
     if adapter is not None:
         return _report(name, adapter, None, name, "architecture class name")
@@ -133,7 +150,9 @@ def check_model_support(model_name_or_config: Any) -> SupportReport:
     return _report(name, adapter, None, None, how)
 
 
-def list_supported_models(architecture: str | None = None, verified_only: bool = False) -> list[str]:
+def list_supported_models(
+    architecture: str | None = None, verified_only: bool = False
+) -> list[str]:
     """Hub ids of well-known checkpoints the ``hf`` driver supports.
 
     Args:
@@ -149,8 +168,7 @@ def list_supported_models(architecture: str | None = None, verified_only: bool =
     adapters = all_adapters()
     if architecture is not None:
         adapters = tuple(
-            a for a in adapters
-            if architecture in (a.family, *a.model_types, *a.architectures)
+            a for a in adapters if architecture in (a.family, *a.model_types, *a.architectures)
         )
         if not adapters:
             raise UserError(
@@ -172,7 +190,9 @@ def build_bridge_config_from_hf(hf_config: Any) -> ModelInfo:
     return adapter_for_config(hf_config).model_info(hf_config)
 
 
-def build_bridge_from_module(hf_model: Any, tokenizer: Any = None, **options: Any) -> TransformerBridge:
+def build_bridge_from_module(
+    hf_model: Any, tokenizer: Any = None, **options: Any
+) -> TransformerBridge:
     """Wrap a transformers model you already loaded (e.g. quantised) in a bridge.
 
     The model is never moved, cast or changed; only removable hooks attach while tl runs

@@ -78,7 +78,9 @@ def _stash_input_hook(i: int, state: ForwardBookkeeping) -> Callable[..., Any]:
     return hook
 
 
-def _shared_norm_mlp_hook(i: int, norm: nn.Module, point: HookPoint, state: ForwardBookkeeping) -> Callable[..., Any]:
+def _shared_norm_mlp_hook(
+    i: int, norm: nn.Module, point: HookPoint, state: ForwardBookkeeping
+) -> Callable[..., Any]:
     """The MLP reads ``norm(ln2.hook_in)`` instead of the shared norm's output.
 
     ``norm.forward`` on the unedited block input gives the shared norm's output bit for bit
@@ -120,7 +122,12 @@ def _heads_hook(point: HookPoint, n_heads: int, d_head: int) -> Callable[..., An
     return hook
 
 
-def _split_hook(points: tuple[HookPoint | None, ...], sizes: tuple[int, ...], heads: tuple[int, ...] | None, d_head: int) -> Callable[..., Any]:
+def _split_hook(
+    points: tuple[HookPoint | None, ...],
+    sizes: tuple[int, ...],
+    heads: tuple[int, ...] | None,
+    d_head: int,
+) -> Callable[..., Any]:
     """Fire hooks on the parts of a fused projection (``[q | k | v]`` or ``[gate | up]``)."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
@@ -140,7 +147,9 @@ def _split_hook(points: tuple[HookPoint | None, ...], sizes: tuple[int, ...], he
     return hook
 
 
-def _per_head_split_hook(points: tuple[HookPoint | None, ...], n_heads: int, d_head: int) -> Callable[..., Any]:
+def _per_head_split_hook(
+    points: tuple[HookPoint | None, ...], n_heads: int, d_head: int
+) -> Callable[..., Any]:
     """Fire ``b p h dh`` hooks on a fused projection laid out per head ``[q_h | k_h | v_h]``."""
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:

@@ -42,16 +42,24 @@ def _per_head(up: nn.Module, latent: torch.Tensor, heads: int) -> torch.Tensor |
 
 def _unexpandable(name: str, up: str | None) -> CertificationCheck:
     detail = f"{up} does not take it, or its output does not split into the heads"
-    return CertificationCheck(f"{name} expanded by {up} gives every head", (name,), False, math.inf, 0.0, detail)
+    return CertificationCheck(
+        f"{name} expanded by {up} gives every head", (name,), False, math.inf, 0.0, detail
+    )
 
 
-def latent_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+def latent_checks(
+    driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float
+) -> list[CertificationCheck]:
     """Multi-head latent attention: each head's value and the unrotated part of its key and
     query are the up-projections of the served latents (``[nope | rope]`` per head)."""
     checks: list[CertificationCheck] = []
     for i, layer in enumerate(driver.hooked_model.parts.layers):
         a = f"blocks.{i}.attn."
-        kv, v, k = cache.get(a + "hook_kv_latent"), cache.get(a + "hook_v"), cache.get(a + "hook_rot_k")
+        kv, v, k = (
+            cache.get(a + "hook_kv_latent"),
+            cache.get(a + "hook_v"),
+            cache.get(a + "hook_rot_k"),
+        )
         if kv is None or layer.kv_up is None or v is None or k is None:
             continue
         kv_heads = _per_head(layer.kv_up, kv, v.shape[2])
@@ -64,7 +72,9 @@ def latent_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float)
             ("hook_v", v, kv_heads[..., nope:]),
             ("hook_rot_k[..., :nope]", k[..., :nope], kv_heads[..., :nope]),
         ):
-            equation = f"{a}{target} == {a}hook_kv_latent expanded by {driver.adapter.kv_up} (per head)"
+            equation = (
+                f"{a}{target} == {a}hook_kv_latent expanded by {driver.adapter.kv_up} (per head)"
+            )
             checks.append(compare(equation, vouched, got, want, rtol=rtol))
         q_latent, q = cache.get(a + "hook_q_latent"), cache.get(a + "hook_rot_q")
         if q_latent is None or layer.q_up is None or q is None:
@@ -74,14 +84,21 @@ def latent_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float)
             checks.append(_unexpandable(a + "hook_q_latent", driver.adapter.q_up))
             continue
         equation = f"{a}hook_rot_q[..., :nope] == {a}hook_q_latent expanded by {driver.adapter.q_up} (per head)"
-        checks.append(compare(equation, (a + "hook_q_latent",), q[..., :nope], q_heads[..., :nope], rtol=rtol))
+        checks.append(
+            compare(equation, (a + "hook_q_latent",), q[..., :nope], q_heads[..., :nope], rtol=rtol)
+        )
     return checks
 
 
-def weight_rule_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+def weight_rule_checks(
+    driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float
+) -> list[CertificationCheck]:
     """Each norm's output is its ``hook_normalized`` through the family's weight rule."""
     parts = driver.hooked_model.parts
-    modules: dict[str, nn.Module | None] = {"ln_final": parts.final_norm, "embed_ln": parts.embed_norm}
+    modules: dict[str, nn.Module | None] = {
+        "ln_final": parts.final_norm,
+        "embed_ln": parts.embed_norm,
+    }
     for i, lay in enumerate(parts.layers):
         for key in ("ln1", "ln2", "ln1_post", "ln2_post"):
             modules[f"blocks.{i}.{key}"] = getattr(lay, key)
@@ -90,20 +107,33 @@ def weight_rule_checks(driver: HFDriver, cache: dict[str, torch.Tensor], rtol: f
     for prefix, module in modules.items():
         normed, out = cache.get(f"{prefix}.hook_normalized"), cache.get(f"{prefix}.hook_out")
         weight = getattr(module, "weight", None)
-        if module is None or normed is None or out is None or (weight is not None and weight.is_meta):
+        if (
+            module is None
+            or normed is None
+            or out is None
+            or (weight is not None and weight.is_meta)
+        ):
             continue
         rebuilt = apply_weight(normed, module, kind, out.dtype)
         checks.append(
             compare(
                 f"{prefix}.hook_out == {kind} weight rule of {prefix}.hook_normalized",
-                (f"{prefix}.hook_normalized", f"{prefix}.hook_scale"), rebuilt, out, rtol=rtol,
+                (f"{prefix}.hook_normalized", f"{prefix}.hook_scale"),
+                rebuilt,
+                out,
+                rtol=rtol,
             )
         )
     return checks
 
 
 def exported_weight_checks(
-    driver: HFDriver, cache: dict[str, torch.Tensor], ids: torch.Tensor, rtol: float, *, inferred: bool
+    driver: HFDriver,
+    cache: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    rtol: float,
+    *,
+    inferred: bool,
 ) -> tuple[dict[str, CertificationCheck], dict[str, HookCertificate]]:
     """Each weight accessor reproduces, in block 0, the activation its matrix produces."""
     model = driver.hooked_model
@@ -122,7 +152,9 @@ def exported_weight_checks(
         picked: torch.Tensor = value[0] if layer else value
         return picked.detach().double()
 
-    def check(names: tuple[str, ...], equation: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+    def check(
+        names: tuple[str, ...], equation: str, got: torch.Tensor | None, want: torch.Tensor | None
+    ) -> None:
         if got is None:
             return  # its input is not served here: nothing to check the weight against
         result = compare(equation, (), got, want, rtol=rtol)
@@ -131,7 +163,9 @@ def exported_weight_checks(
             if not result.passed:
                 found[name] = result
 
-    def project(x: torch.Tensor | None, w: str, bias: str | None, per_head: bool) -> torch.Tensor | None:
+    def project(
+        x: torch.Tensor | None, w: str, bias: str | None, per_head: bool
+    ) -> torch.Tensor | None:
         W, B = weight(w), weight(bias) if bias is not None else None
         if x is None or W is None:
             return None
@@ -152,20 +186,40 @@ def exported_weight_checks(
         gated = driver.adapter.gated
         pre, lin = get(b + "mlp.hook_pre"), get(b + "mlp.hook_pre_linear")
         if gated and pre is not None:
-            check(("W_gate",), f"{b}mlp.hook_pre == {b}mlp.hook_in @ W_gate[0]", project(mlp_in, "W_gate", None, False), pre)
+            check(
+                ("W_gate",),
+                f"{b}mlp.hook_pre == {b}mlp.hook_in @ W_gate[0]",
+                project(mlp_in, "W_gate", None, False),
+                pre,
+            )
         first = lin if gated else pre
         if first is not None:
             site = "hook_pre_linear" if gated else "hook_pre"
-            check(("W_in", "b_in"), f"{b}mlp.{site} == {b}mlp.hook_in @ W_in[0] + b_in[0]", project(mlp_in, "W_in", "b_in", False), first)
+            check(
+                ("W_in", "b_in"),
+                f"{b}mlp.{site} == {b}mlp.hook_in @ W_in[0] + b_in[0]",
+                project(mlp_in, "W_in", "b_in", False),
+                first,
+            )
         post, out = get(b + "mlp.hook_post"), get(b + "mlp.hook_out")
         if out is not None and post is not None:
-            check(("W_out", "b_out"), f"{b}mlp.hook_out == {b}mlp.hook_post @ W_out[0] + b_out[0]", project(post, "W_out", "b_out", False), out)
+            check(
+                ("W_out", "b_out"),
+                f"{b}mlp.hook_out == {b}mlp.hook_post @ W_out[0] + b_out[0]",
+                project(post, "W_out", "b_out", False),
+                out,
+            )
     z, attn_out = get(b + "attn.hook_z"), get(b + "attn.hook_out")
     W_O = weight("W_O")
     if z is not None and attn_out is not None and W_O is not None:
         result = torch.einsum("bphd,hde->bpe", z.double(), W_O)
         b_O = weight("b_O")
-        check(("W_O", "b_O"), f"{b}attn.hook_out == {b}attn.hook_z @ W_O[0] + b_O[0]", result if b_O is None else result + b_O, attn_out)
+        check(
+            ("W_O", "b_O"),
+            f"{b}attn.hook_out == {b}attn.hook_z @ W_O[0] + b_O[0]",
+            result if b_O is None else result + b_O,
+            attn_out,
+        )
     embed = get("embed.hook_out")
     with contextlib.suppress(Exception):  # a family without these accessors
         W_E = model.W_E
@@ -176,34 +230,99 @@ def exported_weight_checks(
     with contextlib.suppress(Exception):
         W_U, b_U = model.W_U, model.b_U
         if normed is not None and logits is not None and not W_U.is_meta:
-            rebuilt = (normed.to(W_U.dtype) @ W_U + b_U).double()  # in the model's dtype: W_U is large
-            check(("W_U", "b_U"), "unembed.hook_out == ln_final.hook_out @ W_U + b_U", rebuilt, logits)
+            rebuilt = (
+                normed.to(W_U.dtype) @ W_U + b_U
+            ).double()  # in the model's dtype: W_U is large
+            check(
+                ("W_U", "b_U"), "unembed.hook_out == ln_final.hook_out @ W_U + b_U", rebuilt, logits
+            )
     unchecked: dict[str, HookCertificate] = {}
     if inferred:
         why = "no served activation of this model checks it, and its architecture was inferred"
-        unchecked = {n: HookCertificate("uncertified", why) for n in _WEIGHTS if n not in found and weight(n, layer=False) is not None}
+        unchecked = {
+            n: HookCertificate("uncertified", why)
+            for n in _WEIGHTS
+            if n not in found and weight(n, layer=False) is not None
+        }
     return found, unchecked
 
 
-_WEIGHTS = ("W_E", "W_Q", "W_K", "W_V", "b_Q", "b_K", "b_V", "W_O", "b_O", "W_in", "W_gate", "W_out", "b_in", "b_out", "W_U", "b_U")
+_WEIGHTS = (
+    "W_E",
+    "W_Q",
+    "W_K",
+    "W_V",
+    "b_Q",
+    "b_K",
+    "b_V",
+    "W_O",
+    "b_O",
+    "W_in",
+    "W_gate",
+    "W_out",
+    "b_in",
+    "b_out",
+    "W_U",
+    "b_U",
+)
 
 
 def readout_checks(
-    driver: HFDriver, cache: dict[str, torch.Tensor], ids: torch.Tensor, logits: torch.Tensor, rtol: float
+    driver: HFDriver,
+    cache: dict[str, torch.Tensor],
+    ids: torch.Tensor,
+    logits: torch.Tensor,
+    rtol: float,
 ) -> list[CertificationCheck]:
     """The token ids, the final norm's output through the unembedding, and the logits."""
     checks = []
     if "embed.hook_in" in cache:
-        checks.append(compare("embed.hook_in == the token ids", ("embed.hook_in",), cache["embed.hook_in"].double(), ids.double(), rtol=0.0))
+        checks.append(
+            compare(
+                "embed.hook_in == the token ids",
+                ("embed.hook_in",),
+                cache["embed.hook_in"].double(),
+                ids.double(),
+                rtol=0.0,
+            )
+        )
     if "pos_embed.hook_in" in cache:
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).double()
-        checks.append(compare("pos_embed.hook_in == the positions", ("pos_embed.hook_in",), cache["pos_embed.hook_in"].double(), positions, rtol=0.0))
-    head, normed, out = driver.hooked_model.parts.lm_head, cache.get("ln_final.hook_out"), cache.get("unembed.hook_out")
+        checks.append(
+            compare(
+                "pos_embed.hook_in == the positions",
+                ("pos_embed.hook_in",),
+                cache["pos_embed.hook_in"].double(),
+                positions,
+                rtol=0.0,
+            )
+        )
+    head, normed, out = (
+        driver.hooked_model.parts.lm_head,
+        cache.get("ln_final.hook_out"),
+        cache.get("unembed.hook_out"),
+    )
     if normed is not None and out is not None:
         with torch.no_grad():
             rebuilt = head(normed)
-        checks.append(compare("unembed.hook_out == unembedding(ln_final.hook_out)", ("ln_final.hook_out",), rebuilt, out, rtol=rtol))
+        checks.append(
+            compare(
+                "unembed.hook_out == unembedding(ln_final.hook_out)",
+                ("ln_final.hook_out",),
+                rebuilt,
+                out,
+                rtol=rtol,
+            )
+        )
     if out is not None:
         capped = driver._softcap(out)
-        checks.append(compare("the logits == unembed.hook_out (soft-capped where the model caps)", ("unembed.hook_out",), capped, logits, rtol=rtol))
+        checks.append(
+            compare(
+                "the logits == unembed.hook_out (soft-capped where the model caps)",
+                ("unembed.hook_out",),
+                capped,
+                logits,
+                rtol=rtol,
+            )
+        )
     return checks

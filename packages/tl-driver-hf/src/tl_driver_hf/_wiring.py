@@ -113,19 +113,25 @@ class Wiring:
             handles.append(m.embed.register_forward_pre_hook(hook, with_kwargs=True))
         if self._active("embed.hook_out"):
             # The module's own output: Gemma's scaled lookup, as it enters the residual.
-            handles.append(m.embed.register_forward_hook(_output_hook(self.points["embed.hook_out"])))
+            handles.append(
+                m.embed.register_forward_hook(_output_hook(self.points["embed.hook_out"]))
+            )
         self._install_norm("embed_ln", m.embed_norm, handles)
         if m.pos_embed is not None and self._active("pos_embed.hook_in"):
             # OPT passes position_ids by keyword (and adds its offset inside the module).
             hook = _ids_hook(self.points["pos_embed.hook_in"], "position_ids")
             handles.append(m.pos_embed.register_forward_pre_hook(hook, with_kwargs=True))
         if m.pos_embed is not None and self._active("pos_embed.hook_out"):
-            handles.append(m.pos_embed.register_forward_hook(_output_hook(self.points["pos_embed.hook_out"])))
+            handles.append(
+                m.pos_embed.register_forward_hook(_output_hook(self.points["pos_embed.hook_out"]))
+            )
         for i, layer in enumerate(m.layers):
             self._install_layer(i, layer, state, handles)
         self._install_norm("ln_final", m.final_norm, handles)
         if self._active("unembed.hook_out"):
-            handles.append(m.lm_head.register_forward_hook(_output_hook(self.points["unembed.hook_out"])))
+            handles.append(
+                m.lm_head.register_forward_hook(_output_hook(self.points["unembed.hook_out"]))
+            )
         return handles
 
     def _install_norm(
@@ -149,18 +155,37 @@ class Wiring:
             hook = _norm_hook(self.adapter.norm, scale, normed, out, view=view)
             handles.append(module.register_forward_hook(hook))
 
-    def _install_layer(self, i: int, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]) -> None:
+    def _install_layer(
+        self, i: int, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]
+    ) -> None:
         b = f"blocks.{i}."
         if self._active(b + "hook_in"):
-            handles.append(layer.layer.register_forward_pre_hook(_input_hook(self.points[b + "hook_in"]), with_kwargs=True))
+            handles.append(
+                layer.layer.register_forward_pre_hook(
+                    _input_hook(self.points[b + "hook_in"]), with_kwargs=True
+                )
+            )
         self._install_norm(b + "ln1", layer.ln1, handles)
         if self._active(b + "attn.hook_in"):
-            handles.append(layer.attn.register_forward_pre_hook(_input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True))
+            handles.append(
+                layer.attn.register_forward_pre_hook(
+                    _input_hook(self.points[b + "attn.hook_in"]), with_kwargs=True
+                )
+            )
         if layer.mixer is not None and self._active(b + "mixer.hook_in"):
-            handles.append(layer.mixer.register_forward_pre_hook(_input_hook(self.points[b + "mixer.hook_in"]), with_kwargs=True))
+            handles.append(
+                layer.mixer.register_forward_pre_hook(
+                    _input_hook(self.points[b + "mixer.hook_in"]), with_kwargs=True
+                )
+            )
         if layer.mixer is not None and self._active(b + "mixer.hook_out"):
-            handles.append(layer.mixer.register_forward_hook(_output_hook(self.points[b + "mixer.hook_out"])))
-        for suffix, latent in (("attn.hook_q_latent", layer.q_latent), ("attn.hook_kv_latent", layer.kv_latent)):
+            handles.append(
+                layer.mixer.register_forward_hook(_output_hook(self.points[b + "mixer.hook_out"]))
+            )
+        for suffix, latent in (
+            ("attn.hook_q_latent", layer.q_latent),
+            ("attn.hook_kv_latent", layer.kv_latent),
+        ):
             if latent is not None and self._active(b + suffix):
                 handles.append(latent.register_forward_hook(_output_hook(self.points[b + suffix])))
         if self.split_qkv_input:
@@ -176,48 +201,76 @@ class Wiring:
             hook = _rotary_hook(self._point(b + "attn.hook_cos"), self._point(b + "attn.hook_sin"))
             handles.append(layer.attn.register_forward_pre_hook(hook, with_kwargs=True))
         if self._active(b + "attn.hook_result"):
-            handles.append(layer.o.register_forward_hook(self._result_hook(layer, self.points[b + "attn.hook_result"])))
+            handles.append(
+                layer.o.register_forward_hook(
+                    self._result_hook(layer, self.points[b + "attn.hook_result"])
+                )
+            )
         if self._active(b + "attn.hook_out"):
             # BLOOM's attention module returns output + residual: read its projection instead.
             attn_out = layer.o if self.adapter.sublayers_add_residual else layer.attn
-            handles.append(attn_out.register_forward_hook(_output_hook(self.points[b + "attn.hook_out"])))
+            handles.append(
+                attn_out.register_forward_hook(_output_hook(self.points[b + "attn.hook_out"]))
+            )
         self._install_norm(b + "ln1_post", layer.ln1_post, handles)
         points = self.points
         if self.adapter.flat_mlp and self._active(*(b + suffix for suffix in FLAT_SUFFIXES)):
             # OPT flattens batch and position here; its hooks see them restored.
-            handles.append(layer.layer.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
+            handles.append(
+                layer.layer.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True)
+            )
             self.points = flat_points(points, i, state.shapes)
         resid_mid = b + "ln2.hook_in"
         if self._active(resid_mid) and self.parallel and layer.ln2 is None:
             # One norm feeds both sublayers (GPT-J, Falcon-7B): the MLP gets its own copy of
             # that norm over ln2.hook_in, so an edit there reaches the MLP only.
             assert layer.ln1 is not None
-            handles.append(layer.layer.register_forward_pre_hook(_stash_input_hook(i, state), with_kwargs=True))
+            handles.append(
+                layer.layer.register_forward_pre_hook(_stash_input_hook(i, state), with_kwargs=True)
+            )
             hook = _shared_norm_mlp_hook(i, layer.ln1, self.points[resid_mid], state)
             handles.append(layer.mlp.register_forward_pre_hook(hook, with_kwargs=True))
         elif self._active(resid_mid) and self.parallel:
             # A parallel block's MLP norm reads the block input: an edit reaches the MLP only.
             assert layer.ln2 is not None
-            handles.append(layer.ln2.register_forward_pre_hook(_input_hook(self.points[resid_mid]), with_kwargs=True))
+            handles.append(
+                layer.ln2.register_forward_pre_hook(
+                    _input_hook(self.points[resid_mid]), with_kwargs=True
+                )
+            )
         elif self._active(resid_mid):
             target = layer.ln2 if layer.ln2 is not None else layer.mlp
-            handles.append(target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True))
+            handles.append(
+                target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True)
+            )
         self._install_norm(b + "ln2", layer.ln2, handles, with_input=False)
         if self._active(b + "mlp.hook_in"):
             # An inline MLP (OPT) is no module: mlp.hook_in/hook_out sit on its projections.
-            mlp_in = layer.mlp_in if self.adapter.mlp_inline and layer.mlp_in is not None else layer.mlp
-            handles.append(mlp_in.register_forward_pre_hook(_input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True))
+            mlp_in = (
+                layer.mlp_in if self.adapter.mlp_inline and layer.mlp_in is not None else layer.mlp
+            )
+            handles.append(
+                mlp_in.register_forward_pre_hook(
+                    _input_hook(self.points[b + "mlp.hook_in"]), with_kwargs=True
+                )
+            )
         self._install_mlp(b + "mlp.", layer, handles)
         routed = self._install_router(i, b + "mlp.", layer, state, handles)
         if self._install_shared_expert(i, b + "mlp.", layer, state, handles) or routed:
             # The router and the shared expert see flattened positions: one record of the
             # batch and position shape serves both.
-            handles.append(layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True))
+            handles.append(
+                layer.mlp.register_forward_pre_hook(_shape_hook(i, state), with_kwargs=True)
+            )
         if self._active(b + "mlp.hook_out"):
             own_out = self.adapter.sublayers_add_residual or self.adapter.mlp_inline
             mlp_out = layer.down if own_out and layer.down is not None else layer.mlp
             point = self.points[b + "mlp.hook_out"]
-            handles.append(mlp_out.register_forward_hook(_output_hook(point, copy=self.adapter.mlp_out_inplace)))
+            handles.append(
+                mlp_out.register_forward_hook(
+                    _output_hook(point, copy=self.adapter.mlp_out_inplace)
+                )
+            )
         self._install_norm(b + "ln2_post", layer.ln2_post, handles)
         self.points = points
         if self._active(b + "hook_out") or (self._active(resid_mid) and not self.parallel):
@@ -241,9 +294,13 @@ class Wiring:
         if q is not None and q.has_hooks and layer.q is not None:
             handles.append(layer.q.register_forward_hook(_heads_hook(q, self.n_heads, self.d_head)))
         if k is not None and k.has_hooks and layer.k is not None:
-            handles.append(layer.k.register_forward_hook(_heads_hook(k, self.n_kv_heads, self.d_head)))
+            handles.append(
+                layer.k.register_forward_hook(_heads_hook(k, self.n_kv_heads, self.d_head))
+            )
 
-    def _install_qk_norms(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
+    def _install_qk_norms(
+        self, b: str, layer: LayerModules, handles: list[RemovableHandle]
+    ) -> None:
         for name, module, heads in (
             ("q_norm", layer.q_norm, self.n_heads),
             ("k_norm", layer.k_norm, self.n_kv_heads),
@@ -252,12 +309,19 @@ class Wiring:
             self._install_norm(f"{b}attn.{name}", module, handles, view=view)
 
     def _install_shared_expert(
-        self, i: int, p: str, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]
+        self,
+        i: int,
+        p: str,
+        layer: LayerModules,
+        state: ForwardBookkeeping,
+        handles: list[RemovableHandle],
     ) -> bool:
         """The routed experts' output and the shared expert's sites (Qwen2-MoE), which run
         on flattened positions: the hooks see ``[batch, pos, ...]``. Whether any is hooked
         (the caller then records the layer's shape)."""
-        sites: dict[str, tuple[nn.Module | None, bool]] = {  # suffix -> (module, fires on its input)
+        sites: dict[
+            str, tuple[nn.Module | None, bool]
+        ] = {  # suffix -> (module, fires on its input)
             "experts.hook_out": (layer.experts, False),
             "shared_expert.hook_pre": (layer.shared_gate, False),
             "shared_expert.hook_pre_linear": (layer.shared_up, False),
@@ -265,13 +329,17 @@ class Wiring:
             "shared_expert.hook_out": (layer.shared_expert, False),
             "shared_expert.hook_gate": (layer.shared_expert_gate, False),
         }
-        active = [s for s, (module, _) in sites.items() if module is not None and self._active(p + s)]
+        active = [
+            s for s, (module, _) in sites.items() if module is not None and self._active(p + s)
+        ]
         for suffix in active:
             module, on_input = sites[suffix]
             assert module is not None
             point = FlatPoint(self.points[p + suffix], state.shapes, i)
             if on_input:
-                handles.append(module.register_forward_pre_hook(_input_hook(point), with_kwargs=True))
+                handles.append(
+                    module.register_forward_pre_hook(_input_hook(point), with_kwargs=True)
+                )
             else:
                 # The MoE block adds the shared expert into the routed output in place.
                 hook = _output_hook(point, copy=suffix == "experts.hook_out")
@@ -279,7 +347,12 @@ class Wiring:
         return bool(active)
 
     def _install_router(
-        self, i: int, p: str, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]
+        self,
+        i: int,
+        p: str,
+        layer: LayerModules,
+        state: ForwardBookkeeping,
+        handles: list[RemovableHandle],
     ) -> bool:
         """The routing sites; whether they are hooked (the caller then records the layer's
         shape)."""
@@ -296,7 +369,11 @@ class Wiring:
         if layer.gate_up is not None:
             if self._active(p + "hook_pre", p + "hook_pre_linear"):
                 size = int(_weight(layer.gate_up).shape[0]) // 2
-                handles.append(layer.gate_up.register_forward_hook(_split_hook((pre, lin), (size, size), None, 0)))
+                handles.append(
+                    layer.gate_up.register_forward_hook(
+                        _split_hook((pre, lin), (size, size), None, 0)
+                    )
+                )
         else:
             first = layer.gate if layer.gate is not None else layer.mlp_in
             if first is not None and pre is not None and pre.has_hooks:
@@ -304,7 +381,9 @@ class Wiring:
             if layer.up is not None and lin is not None and lin.has_hooks:
                 handles.append(layer.up.register_forward_hook(_output_hook(lin)))
         if layer.down is not None and post is not None and post.has_hooks:
-            handles.append(layer.down.register_forward_pre_hook(_input_hook(post), with_kwargs=True))
+            handles.append(
+                layer.down.register_forward_pre_hook(_input_hook(post), with_kwargs=True)
+            )
 
     def _result_hook(self, layer: LayerModules, point: HookPoint) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:

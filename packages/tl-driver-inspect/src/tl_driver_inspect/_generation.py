@@ -57,7 +57,12 @@ class Completion:
 
 
 def cut_at_stop(
-    new_ids: Sequence[int], *, eos: int | None, max_new: int, stop_seqs: Sequence[str] | None, decode: Any
+    new_ids: Sequence[int],
+    *,
+    eos: int | None,
+    max_new: int,
+    stop_seqs: Sequence[str] | None,
+    decode: Any,
 ) -> Completion:
     """Cut raw new tokens at EOS and at the first stop sequence.
 
@@ -103,7 +108,8 @@ def logprobs_of(
         if top:
             values, indices = row.topk(min(int(top), row.shape[-1]))
             entry["top_logprobs"] = [
-                {"token": token_text(int(i)), "logprob": _finite(v)} for v, i in zip(values, indices, strict=True)
+                {"token": token_text(int(i)), "logprob": _finite(v)}
+                for v, i in zip(values, indices, strict=True)
             ]
         out.append(entry)
     return out

@@ -75,7 +75,10 @@ class TLProvider(ModelAPI):
         **model_args: Any,
     ) -> None:
         super().__init__(
-            model_name=model_name, base_url=base_url, api_key=api_key, config=config or GenerateConfig()
+            model_name=model_name,
+            base_url=base_url,
+            api_key=api_key,
+            config=config or GenerateConfig(),
         )
         self.lock = threading.RLock()
         self.bridge: Any = self._boot(model_name, dict(model_args))
@@ -129,7 +132,11 @@ class TLProvider(ModelAPI):
 
         with self.lock, torch.no_grad():
             result = self.bridge.driver.forward(
-                [ids], capture=list(capture), intervene=specs, max_new_tokens=0, return_logits=want_logits
+                [ids],
+                capture=list(capture),
+                intervene=specs,
+                max_new_tokens=0,
+                return_logits=want_logits,
             )
         return _first_row(result, 0, len(ids), self.namespace, want_logits)
 
@@ -172,10 +179,18 @@ class TLProvider(ModelAPI):
             raise UserError(CACHE_MESSAGE)
         tokenizer = self.bridge.tokenizer
         prompt = prompt_ids(tokenizer, input)
-        max_new, sampling = sampling_options(config, prompt_len=len(prompt), n_ctx=self.bridge.cfg.n_ctx)
-        raw = await anyio.to_thread.run_sync(self._generate_blocking, prompt, specs, max_new, sampling)
+        max_new, sampling = sampling_options(
+            config, prompt_len=len(prompt), n_ctx=self.bridge.cfg.n_ctx
+        )
+        raw = await anyio.to_thread.run_sync(
+            self._generate_blocking, prompt, specs, max_new, sampling
+        )
         done = cut_at_stop(
-            raw, eos=tokenizer.eos_token_id, max_new=max_new, stop_seqs=config.stop_seqs, decode=tokenizer.decode
+            raw,
+            eos=tokenizer.eos_token_id,
+            max_new=max_new,
+            stop_seqs=config.stop_seqs,
+            decode=tokenizer.decode,
         )
         logprobs = None
         if config.logprobs and done.ids:
@@ -185,7 +200,10 @@ class TLProvider(ModelAPI):
             assert logits is not None
             start = len(prompt) - 1
             entries = logprobs_of(
-                logits[start : start + len(done.ids)], done.ids, config.top_logprobs, tokenizer.token_to_str
+                logits[start : start + len(done.ids)],
+                done.ids,
+                config.top_logprobs,
+                tokenizer.token_to_str,
             )
             logprobs = Logprobs.model_validate({"content": entries})
         if scope is not None:
@@ -194,7 +212,11 @@ class TLProvider(ModelAPI):
         return ModelOutput(
             model=self.model_name,
             choices=[
-                ChatCompletionChoice(message=message, stop_reason=done.stop_reason, logprobs=logprobs)  # type: ignore[arg-type]
+                ChatCompletionChoice(
+                    message=message,
+                    stop_reason=done.stop_reason,  # type: ignore[arg-type]
+                    logprobs=logprobs,
+                )
             ],
             usage=ModelUsage(
                 input_tokens=len(prompt),

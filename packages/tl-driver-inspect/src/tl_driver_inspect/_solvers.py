@@ -121,7 +121,9 @@ def capture_activations(
     for name in names:
         canonical_name(name)
     if not (reduce is None or reduce in ("mean", "last") or callable(reduce)):
-        raise UserError(f"capture_activations: reduce must be None, 'mean', 'last' or a callable, got {reduce!r}")
+        raise UserError(
+            f"capture_activations: reduce must be None, 'mean', 'last' or a callable, got {reduce!r}"
+        )
     if not (
         positions is None
         or positions in ("prompt", "generated")
@@ -132,7 +134,9 @@ def capture_activations(
             f"ints, got {positions!r}"
         )
     if not isinstance(store_key, str) or not store_key:
-        raise UserError(f"capture_activations: store_key must be a non-empty string, got {store_key!r}")
+        raise UserError(
+            f"capture_activations: store_key must be a non-empty string, got {store_key!r}"
+        )
     folder = check_output_dir(output_dir)
 
     async def solve(state: TaskState, generate: Generate) -> TaskState:
@@ -197,8 +201,12 @@ def _save(
             "model": str(state.model),
             "n_prompt_tokens": prompt_len,
             "specs": specs or {},
-            "positions": positions if positions is None or isinstance(positions, str) else list(positions),
-            "reduce": reduce if reduce is None or isinstance(reduce, str) else getattr(reduce, "__name__", "callable"),
+            "positions": positions
+            if positions is None or isinstance(positions, str)
+            else list(positions),
+            "reduce": reduce
+            if reduce is None or isinstance(reduce, str)
+            else getattr(reduce, "__name__", "callable"),
         },
     )
     return {

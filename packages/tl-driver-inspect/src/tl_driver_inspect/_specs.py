@@ -42,9 +42,15 @@ def normalise_specs(specs: object) -> dict[str, list[dict[str, Any]]]:
         if not isinstance(hook, str):
             raise SpecError(f"intervene(specs): hook names must be strings, found {hook!r}")
         canonical_name(hook)
-        items = list(entry) if isinstance(entry, Sequence) and not isinstance(entry, str | bytes) else [entry]
+        items = (
+            list(entry)
+            if isinstance(entry, Sequence) and not isinstance(entry, str | bytes)
+            else [entry]
+        )
         if not items:
-            raise SpecError(f"intervention on {hook!r}: an empty list of specs does nothing; remove the entry")
+            raise SpecError(
+                f"intervention on {hook!r}: an empty list of specs does nothing; remove the entry"
+            )
         out.setdefault(hook, []).extend(parse_spec(item, hook=hook).to_dict() for item in items)
     return out
 
@@ -110,4 +116,3 @@ def absolute_specs(
             fixed.append(spec)
         out[hook] = fixed
     return out
-

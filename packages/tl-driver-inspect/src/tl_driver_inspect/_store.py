@@ -92,14 +92,18 @@ def reduce_and_select(
     if reduce is None:
         return picked
     if not index:
-        raise UserError(f"capture_activations: reduce={reduce!r} over no positions ({positions!r} is empty here)")
+        raise UserError(
+            f"capture_activations: reduce={reduce!r} over no positions ({positions!r} is empty here)"
+        )
     if reduce == "mean":
         return picked.float().mean(dim=axis).to(picked.dtype)
     if reduce == "last":
         return picked.select(axis, -1)
     result = reduce(picked)
     if not isinstance(result, torch.Tensor):
-        raise UserError(f"capture_activations: reduce callable returned {type(result).__name__}, expected a tensor")
+        raise UserError(
+            f"capture_activations: reduce callable returned {type(result).__name__}, expected a tensor"
+        )
     return result
 
 

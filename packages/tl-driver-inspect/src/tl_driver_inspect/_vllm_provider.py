@@ -50,19 +50,30 @@ class TLBridgeVLLMAPI(TLProvider):
         with torch.no_grad():
             return self._call(driver, kind, key, rows, intervene)
 
-    def _call(self, driver: Any, kind: str, key: Any, rows: list[list[int]], intervene: Any) -> list[Any]:
+    def _call(
+        self, driver: Any, kind: str, key: Any, rows: list[list[int]], intervene: Any
+    ) -> list[Any]:
         if kind == "generate":
             _, max_new, sampling = key
             result = driver.forward(
-                rows, intervene=intervene, max_new_tokens=max_new, return_logits=False, **dict(sampling)
+                rows,
+                intervene=intervene,
+                max_new_tokens=max_new,
+                return_logits=False,
+                **dict(sampling),
             )
             return [[int(i) for i in row] for row in result.new_tokens.tolist()]
         _, capture, want_logits = key
         result = driver.forward(
-            rows, capture=list(capture), intervene=intervene, max_new_tokens=0, return_logits=want_logits
+            rows,
+            capture=list(capture),
+            intervene=intervene,
+            max_new_tokens=0,
+            return_logits=want_logits,
         )
         return [
-            _first_row(result, i, len(row), self.namespace, want_logits) for i, row in enumerate(rows)
+            _first_row(result, i, len(row), self.namespace, want_logits)
+            for i, row in enumerate(rows)
         ]
 
     def _generate_blocking(

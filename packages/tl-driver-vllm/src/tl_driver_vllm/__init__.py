@@ -16,7 +16,14 @@ if TYPE_CHECKING:
     from tl_driver_vllm._driver import VLLMDriver
     from tl_driver_vllm._worker import TLWorkerExtension
 
-__all__ = ["ENGINE", "ENTRY", "TLWorkerExtension", "VLLMDriver", "__version__", "supported_architectures"]
+__all__ = [
+    "ENGINE",
+    "ENTRY",
+    "TLWorkerExtension",
+    "VLLMDriver",
+    "__version__",
+    "supported_architectures",
+]
 
 #: The tested vLLM window, as pyproject.toml's ``cuda`` and ``cpu`` extras declare it. The
 #: driver hooks vLLM's model classes and reads the model runner's batch bookkeeping, which

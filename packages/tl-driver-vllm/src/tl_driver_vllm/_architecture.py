@@ -30,7 +30,13 @@ def layout_architecture(config: Any, layout: Layout, info: ModelInfo) -> Archite
         norm_before_mlp=layout.ln2 is not None,
         norms_after=layout.ln1_post is not None or layout.ln2_post is not None,
     )
-    qk_norm: QKNorm = "none" if not layout.qk_norm else "across_heads" if layout.qk_norm_layout == "flat" else "per_head"
+    qk_norm: QKNorm = (
+        "none"
+        if not layout.qk_norm
+        else "across_heads"
+        if layout.qk_norm_layout == "flat"
+        else "per_head"
+    )
     return describe_model(
         config,
         info,

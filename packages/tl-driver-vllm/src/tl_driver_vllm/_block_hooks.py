@@ -139,7 +139,10 @@ class Unbatched:
         new_args, new_kwargs = new
         new_args = tuple(_restore(v, s) for v, (_, s) in zip(new_args, pairs, strict=False))
         if "hidden_states" in new_kwargs:
-            new_kwargs = {**new_kwargs, "hidden_states": _restore(new_kwargs["hidden_states"], hidden_squeezed)}
+            new_kwargs = {
+                **new_kwargs,
+                "hidden_states": _restore(new_kwargs["hidden_states"], hidden_squeezed),
+            }
         return new_args, new_kwargs
 
 

@@ -85,7 +85,16 @@ def certify_engine(
         checks.append(_greedy_check(logits[0, -1].float(), int(result.new_tokens[0, 0]), rtol))
     for name in names:
         if name not in captured:
-            checks.append(CertificationCheck(f"{name} fires in a forward", (name,), False, float("inf"), 0.0, "it never fired"))
+            checks.append(
+                CertificationCheck(
+                    f"{name} fires in a forward",
+                    (name,),
+                    False,
+                    float("inf"),
+                    0.0,
+                    "it never fired",
+                )
+            )
     namespace = driver.namespace
     statuses = statuses_from_checks(
         canonical_hook_names(info, include_attn_result=True, include_split_qkv_input=True),
@@ -93,7 +102,9 @@ def certify_engine(
         described=True,
         strict=True,
         absent=namespace.non_fireable_reasons,
-        read_only={n: namespace.reasons.get(n, "served for capture only") for n in namespace.read_only},
+        read_only={
+            n: namespace.reasons.get(n, "served for capture only") for n in namespace.read_only
+        },
     )
     return Certification(
         model=model,
@@ -122,7 +133,9 @@ def _engine_logprobs(outputs: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return ids, values
 
 
-def _logprob_check(last: torch.Tensor, ids: torch.Tensor, theirs: torch.Tensor, rtol: float) -> CertificationCheck:
+def _logprob_check(
+    last: torch.Tensor, ids: torch.Tensor, theirs: torch.Tensor, rtol: float
+) -> CertificationCheck:
     """vLLM's own log-probabilities of its top tokens at the last position equal the
     log-softmax of the logits tl rebuilds there from the final norm and unembedding, so the
     readout tl serves is the engine's (a wrong final norm, unembedding, scale or soft-cap
@@ -153,7 +166,9 @@ def _greedy_check(last: torch.Tensor, token: int, rtol: float) -> CertificationC
         gap <= allowed,
         gap,
         allowed,
-        "" if gap <= allowed else f"the engine chose {token}; tl's logits prefer {int(last.argmax())}",
+        ""
+        if gap <= allowed
+        else f"the engine chose {token}; tl's logits prefer {int(last.argmax())}",
     )
 
 

@@ -29,7 +29,14 @@ from tl_driver_vllm._families import (
 )
 from tl_driver_vllm._hooks import block_template
 
-__all__ = ["Backend", "Serving", "derived_layout", "layout_from_description", "serving_layout", "vllm_backend"]
+__all__ = [
+    "Backend",
+    "Serving",
+    "derived_layout",
+    "layout_from_description",
+    "serving_layout",
+    "vllm_backend",
+]
 
 _LOG = logging.getLogger("tl_driver_vllm")
 
@@ -37,11 +44,20 @@ Backend = Literal["native", "transformers"]
 
 #: Description fields these rules cannot place, with the reason.
 _UNMAPPED: tuple[tuple[str, str], ...] = (
-    ("moe", "a mixture of experts runs vLLM's fused experts there, whose routing sites tl does not map"),
-    ("embed_scaled", "the embedding scale is applied inside transformers' embedding, which vLLM replaces"),
+    (
+        "moe",
+        "a mixture of experts runs vLLM's fused experts there, whose routing sites tl does not map",
+    ),
+    (
+        "embed_scaled",
+        "the embedding scale is applied inside transformers' embedding, which vLLM replaces",
+    ),
     ("sublayers_add_residual", "its sublayers add the residual themselves"),
     ("mlp_out_inplace", "its layer adds into the MLP output in place"),
-    ("inline_attention", "its attention is computed inside its own module, not through vLLM's Attention"),
+    (
+        "inline_attention",
+        "its attention is computed inside its own module, not through vLLM's Attention",
+    ),
     ("readout_opaque", "its unembedding reads something other than the final norm's output"),
     ("query_prescaled", "its attention scales queries before attention"),
     ("mlp_inline", "its MLP projections sit in the layer"),
@@ -89,7 +105,9 @@ def layout_from_description(adapter: Any) -> Layout:
     """
     problems = [why for name, why in _UNMAPPED if getattr(adapter, name)]
     if adapter.linear != "linear":
-        problems.append("its projections are GPT-2 Conv1D modules, which vLLM's backend does not fuse")
+        problems.append(
+            "its projections are GPT-2 Conv1D modules, which vLLM's backend does not fuse"
+        )
     if adapter.final_norm is None:
         problems.append("it has no final norm module")
     if adapter.pos_offset:
@@ -134,7 +152,9 @@ def layout_from_description(adapter: Any) -> Layout:
         q_norm=adapter.q_norm,
         k_norm=adapter.k_norm,
         qk_norm_layout="flat" if adapter.qk_norm_layout == "flat" else "heads",
-        gate_up=("gate_up_proj" if adapter.gate_up is None else adapter.gate_up) if adapter.gated else None,
+        gate_up=("gate_up_proj" if adapter.gate_up is None else adapter.gate_up)
+        if adapter.gated
+        else None,
         fc_in=None if adapter.gated else adapter.mlp_in,
         down=adapter.down,
         config_requires=dict(adapter.config_requires),
@@ -172,7 +192,10 @@ def _withheld(description: Any) -> dict[str, str]:
     if description.certification is not None:
         for name, cert in description.certification.statuses.items():
             if cert.status == "uncertified":
-                withheld.setdefault(block_template(name), f"uncertified on the hf driver's shrunk copy: {cert.reason}")
+                withheld.setdefault(
+                    block_template(name),
+                    f"uncertified on the hf driver's shrunk copy: {cert.reason}",
+                )
     return withheld
 
 
@@ -183,7 +206,10 @@ def _row_withheld(config: Any) -> dict[str, str]:
     from tl_driver_hf import describe_architecture
     from tl_driver_hf.adapters import find_adapter
 
-    if find_adapter(getattr(config, "model_type", None), getattr(config, "architectures", None)) is not None:
+    if (
+        find_adapter(getattr(config, "model_type", None), getattr(config, "architectures", None))
+        is not None
+    ):
         return {}
     return _withheld(describe_architecture(config))
 
@@ -240,7 +266,10 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
     architecture = architecture_of(config)
     if architecture in FAMILY_LAYOUTS and model_impl != "transformers":
         layout = resolve(config)
-        facts = {"layout": f"tl's row for vLLM's {architecture} model class", "backend": "vLLM's own model class"}
+        facts = {
+            "layout": f"tl's row for vLLM's {architecture} model class",
+            "backend": "vLLM's own model class",
+        }
         return Serving(layout, withheld=_row_withheld(config), description=facts)
     backend = vllm_backend(architecture, model_impl)
     if backend is None:
@@ -255,4 +284,6 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
             architecture,
         )
     impl = "transformers" if backend == "native" else None
-    return Serving(layout, impl, derived=True, withheld=serving.withheld, description=serving.description)
+    return Serving(
+        layout, impl, derived=True, withheld=serving.withheld, description=serving.description
+    )

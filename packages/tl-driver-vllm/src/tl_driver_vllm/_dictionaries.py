@@ -50,9 +50,7 @@ def check_replicated(namespace: HookNamespace, site: DictionarySite, tp_size: in
 def pack_attachment(attachment: Attachment, *, raw: bool) -> dict[str, Any]:
     """An attachment as plain data for ``collective_rpc`` (tensors as ``_wire.pack`` makes them)."""
     d = attachment.dictionary
-    settings = {
-        f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name not in _TENSORS
-    }
+    settings = {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name not in _TENSORS}
     tensors = {name: pack(t, raw=raw) for name in _TENSORS if (t := getattr(d, name)) is not None}
     return {
         "site": dataclasses.asdict(attachment.site),
@@ -65,10 +63,18 @@ def pack_attachment(attachment: Attachment, *, raw: bool) -> dict[str, Any]:
 def unpack_attachment(payload: dict[str, Any], device: torch.device) -> Attachment:
     """The attachment ``pack_attachment`` packed, its tensors on ``device``, its two
     matrices multiplied by the engine's own kernels where it has faster ones."""
-    tensors: dict[str, Any] = {name: unpack(value).to(device) for name, value in payload["tensors"].items()}
+    tensors: dict[str, Any] = {
+        name: unpack(value).to(device) for name, value in payload["tensors"].items()
+    }
     dictionary = SparseDictionary(**tensors, **payload["settings"])
     encoder, decoder = engine_linears(dictionary)
-    return Attachment(dictionary, DictionarySite(**payload["site"]), bool(payload["use_error_term"]), encoder, decoder)
+    return Attachment(
+        dictionary,
+        DictionarySite(**payload["site"]),
+        bool(payload["use_error_term"]),
+        encoder,
+        decoder,
+    )
 
 
 def engine_linears(dictionary: SparseDictionary) -> tuple[Linear, Linear]:

@@ -89,7 +89,8 @@ class VLLMDriver(NamespaceFacts):
         self._sockets: set[str] = set()
         self._processes: set[int] = set()
         self.workers: list[dict[str, Any]] = llm.collective_rpc(
-            "tl_install", args=(info.architecture, info.n_layers, _sizes(info), dataclasses.asdict(layout))
+            "tl_install",
+            args=(info.architecture, info.n_layers, _sizes(info), dataclasses.asdict(layout)),
         )
         self._raw = all(w["pid"] == os.getpid() for w in self.workers)
         # Workers in other processes hand results over through shared memory.
@@ -99,7 +100,11 @@ class VLLMDriver(NamespaceFacts):
         self._attn_result = use_attn_result
         self._certification: Certification | None = None
         self._namespace = hook_namespace(
-            info, self._layout, attn_result=use_attn_result, tp_size=self._tp, withheld=self._withheld
+            info,
+            self._layout,
+            attn_result=use_attn_result,
+            tp_size=self._tp,
+            withheld=self._withheld,
         )
         self._ranks_checked = self._tp == 1
 
@@ -241,7 +246,11 @@ class VLLMDriver(NamespaceFacts):
         self._certifying = True
         try:
             return certify_engine(
-                self, self._config, model=self._model_name, description=dict(self._description), derived=self._derived
+                self,
+                self._config,
+                model=self._model_name,
+                description=dict(self._description),
+                derived=self._derived,
             )
         finally:
             self._certifying = False
@@ -275,7 +284,11 @@ class VLLMDriver(NamespaceFacts):
         if failed:
             self._withheld.update(failed)
             self._namespace = hook_namespace(
-                self.info, self._layout, attn_result=self._attn_result, tp_size=self._tp, withheld=self._withheld
+                self.info,
+                self._layout,
+                attn_result=self._attn_result,
+                tp_size=self._tp,
+                withheld=self._withheld,
             )
             if not self._derived:
                 _LOG.warning(
@@ -337,7 +350,9 @@ class VLLMDriver(NamespaceFacts):
         """
         namespace = self.namespace.with_dictionary(attachment.site)
         check_replicated(self.namespace, attachment.site, self._tp)
-        self._engine().collective_rpc("tl_attach_dictionary", args=(pack_attachment(attachment, raw=self._raw),))
+        self._engine().collective_rpc(
+            "tl_attach_dictionary", args=(pack_attachment(attachment, raw=self._raw),)
+        )
         self._namespace = namespace
 
     def detach_dictionary(self, hook: str) -> None:
@@ -391,7 +406,11 @@ class VLLMDriver(NamespaceFacts):
                 "intervene, max_new_tokens, return_logits, do_sample, temperature, top_k, top_p, "
                 "seed and stop_at_eos"
             )
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
             raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if not (isinstance(return_logits, bool) or return_logits == "last"):
             raise UserError(
@@ -402,10 +421,14 @@ class VLLMDriver(NamespaceFacts):
         lengths = tuple(len(r) for r in rows)
         check_tokens(rows, max_new_tokens, vocab=self.info.d_vocab, limit=self.info.n_ctx)
         names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
-        plan = build_plan(intervene, lengths=lengths, namespace=self.namespace, allow_callables=False)
+        plan = build_plan(
+            intervene, lengths=lengths, namespace=self.namespace, allow_callables=False
+        )
         if not self._positions:
             refuse_positions(plan.per_prompt)
-        return self._run(llm, rows, lengths, names, plan, max_new_tokens, return_logits, sampling, stop_at_eos)
+        return self._run(
+            llm, rows, lengths, names, plan, max_new_tokens, return_logits, sampling, stop_at_eos
+        )
 
     def _run(
         self,
@@ -426,14 +449,18 @@ class VLLMDriver(NamespaceFacts):
         inputs = [n for n in names if n in INPUT_SITES]
         engine_names = [n for n in names if n not in INPUT_SITES]
         requests = {}
-        for index, (tag, specs_by_hook, length) in enumerate(zip(tags, plan.per_prompt, lengths, strict=True)):
+        for index, (tag, specs_by_hook, length) in enumerate(
+            zip(tags, plan.per_prompt, lengths, strict=True)
+        ):
             requests[tag] = {
                 "index": index,
                 "length": length,
                 "capture": engine_names,
                 "logits": return_logits,
                 "edits": {
-                    hook: edit_table(specs, length=length, feature_shape=self._features(hook), raw=self._raw)
+                    hook: edit_table(
+                        specs, length=length, feature_shape=self._features(hook), raw=self._raw
+                    )
                     for hook, specs in specs_by_hook.items()
                     if specs
                 },
@@ -466,7 +493,9 @@ class VLLMDriver(NamespaceFacts):
             raise
         batched = merge_batched(results, vocab=self.info.d_vocab, check_ranks=check)
         self._ranks_checked = True
-        missing = [n for n in engine_names + (["logits"] if return_logits else []) if n not in batched]
+        missing = [
+            n for n in engine_names + (["logits"] if return_logits else []) if n not in batched
+        ]
         if missing and (self._certifying and "logits" not in missing):
             pass  # certification reports each hook that never fired
         elif missing:
@@ -531,7 +560,9 @@ def _machine_defaults(
     is_cpu = bool(current_platform.is_cpu())
     notes: list[tuple[int, str]] = []
     if is_cpu:
-        choice = cpu_kv_cache(info, kwargs, config_dtype=_config_dtype(config), available=available_memory())
+        choice = cpu_kv_cache(
+            info, kwargs, config_dtype=_config_dtype(config), available=available_memory()
+        )
         if choice is not None:
             kwargs = choice.kwargs
             notes.append((logging.INFO, choice.message))

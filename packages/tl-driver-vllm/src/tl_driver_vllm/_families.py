@@ -28,7 +28,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class Layout:
     """How one architecture family is laid out inside vLLM's ``*ForCausalLM`` module.
@@ -275,7 +274,9 @@ _GEMMA3 = replace(_GEMMA2, lm_head="lm_head", q_norm="q_norm", k_norm="k_norm")
 _MIXTRAL = replace(_LLAMA, mlp="block_sparse_moe", gate_up=None, down=None, router="gate")
 # Mixtures of experts whose block is `mlp`; the routing's renormalisation follows the
 # checkpoint where vLLM's class reads it (Qwen 2/3-MoE), and is off in vLLM's OLMoE.
-_QWEN3_MOE = replace(_QWEN3, mlp="mlp", gate_up=None, down=None, router="gate", renormalize_field="norm_topk_prob")
+_QWEN3_MOE = replace(
+    _QWEN3, mlp="mlp", gate_up=None, down=None, router="gate", renormalize_field="norm_topk_prob"
+)
 _QWEN2_MOE = replace(_QWEN3_MOE, q_norm=None, k_norm=None)
 _OLMOE = replace(
     _QWEN3_MOE,
@@ -315,7 +316,10 @@ _GRANITE_MOE = replace(
     _MIXTRAL,
     config_requires={
         "embedding_multiplier": (1.0, "vLLM's Granite scales the embedding after its module"),
-        "residual_multiplier": (1.0, "vLLM's Granite scales each sublayer's output after its module"),
+        "residual_multiplier": (
+            1.0,
+            "vLLM's Granite scales each sublayer's output after its module",
+        ),
     },
 )
 _STABLELM = replace(
@@ -323,7 +327,10 @@ _STABLELM = replace(
     residual_pair=False,
     norm="layernorm",
     config_requires={
-        "use_parallel_residual": (False, "vLLM's StableLM layer runs attention and MLP in sequence"),
+        "use_parallel_residual": (
+            False,
+            "vLLM's StableLM layer runs attention and MLP in sequence",
+        ),
         "qk_layernorm": (False, "vLLM's StableLM attention has no query/key norms"),
     },
 )
@@ -432,8 +439,7 @@ _FALCON = replace(
     config_requires={
         "new_decoder_architecture": (
             False,
-            "Falcon-40B/180B's grouped layout with two norms is not mapped (nor on the hf "
-            "driver)",
+            "Falcon-40B/180B's grouped layout with two norms is not mapped (nor on the hf driver)",
         ),
         "multi_query": (True, "only the multi-query (Falcon-7B) layout is mapped"),
         "alibi": (False, "Falcon-RW's ALiBi attention is not mapped (nor on the hf driver)"),
@@ -555,7 +561,9 @@ def settle(layout: Layout, config: Any) -> Layout:
     return layout
 
 
-def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int | None = None) -> ModelInfo:
+def model_info(
+    config: Any, *, layout: Layout | None = None, max_model_len: int | None = None
+) -> ModelInfo:
     """Build the ``ModelInfo`` of a checkpoint from its ``transformers`` config.
 
     The structure flags are the ones the hf driver reports for the same checkpoint, so a
@@ -589,7 +597,10 @@ def model_info(config: Any, *, layout: Layout | None = None, max_model_len: int 
         architecture=architecture,
         n_ctx=max_model_len,
     )
-    kv, multi_query = getattr(config, "num_key_value_heads", None), getattr(config, "multi_query", None)
+    kv, multi_query = (
+        getattr(config, "num_key_value_heads", None),
+        getattr(config, "multi_query", None),
+    )
     if isinstance(multi_query, bool) and isinstance(kv, int):
         # GPT-BigCode: transformers takes the key/value heads from multi_query alone, vLLM
         # from num_key_value_heads.

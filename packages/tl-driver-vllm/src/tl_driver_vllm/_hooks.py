@@ -126,12 +126,18 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
     q, k = ("rot_q", "rot_k") if layout.rotary is not None else ("q", "k")
     pattern = _PATTERN.format(i=i, q=q, k=k)
     out = {p + "attn.hook_attn_scores": pattern, p + "attn.hook_pattern": pattern}
-    norms = [(n, f"{n}.hook_in or {n}.hook_out") for n, path in (("ln1", layout.ln1), ("ln2", layout.ln2)) if path]
+    norms = [
+        (n, f"{n}.hook_in or {n}.hook_out")
+        for n, path in (("ln1", layout.ln1), ("ln2", layout.ln2))
+        if path
+    ]
     if layout.ln1_post is not None:
         norms += [("ln1_post", "ln1_post.hook_in or ln1_post.hook_out"),
                   ("ln2_post", "ln2_post.hook_in or ln2_post.hook_out")]  # fmt: skip
     if layout.qk_norm:
-        norms += [(f"attn.{n}", f"attn.{n}.hook_in or attn.{n}.hook_out") for n in ("q_norm", "k_norm")]
+        norms += [
+            (f"attn.{n}", f"attn.{n}.hook_in or attn.{n}.hook_out") for n in ("q_norm", "k_norm")
+        ]
     for prefix, alt in norms:
         reason = _DERIVED.format(alt=f"blocks.{i}.{alt}".replace(" or ", f" or blocks.{i}."))
         out[f"{p}{prefix}.hook_scale"] = reason
@@ -179,7 +185,9 @@ def hook_namespace(
     }
     if layout.embed_norm is not None:
         for site in ("hook_scale", "hook_normalized"):
-            read_only[f"embed_ln.{site}"] = _DERIVED.format(alt="embed_ln.hook_in or embed_ln.hook_out")
+            read_only[f"embed_ln.{site}"] = _DERIVED.format(
+                alt="embed_ln.hook_in or embed_ln.hook_out"
+            )
     for i in range(info.n_layers):
         read_only.update(_read_only(i, layout))
     reasons: dict[str, str] = {}
@@ -187,10 +195,16 @@ def hook_namespace(
         for i in range(info.n_layers):
             for site in ("attn.hook_out", "mlp.hook_out"):
                 served.discard(f"blocks.{i}.{site}")
-                reasons[f"blocks.{i}.{site}"] = _PARTIAL.format(arch=info.architecture).replace("{i}", str(i))
+                reasons[f"blocks.{i}.{site}"] = _PARTIAL.format(arch=info.architecture).replace(
+                    "{i}", str(i)
+                )
             if attn_result:
-                read_only[f"blocks.{i}.attn.hook_result"] = _PARTIAL_RESULT.format(arch=info.architecture)
-    for name in canonical_hook_names(info, include_attn_result=attn_result, include_split_qkv_input=True):
+                read_only[f"blocks.{i}.attn.hook_result"] = _PARTIAL_RESULT.format(
+                    arch=info.architecture
+                )
+    for name in canonical_hook_names(
+        info, include_attn_result=attn_result, include_split_qkv_input=True
+    ):
         if name in served or name in reasons:
             continue
         suffix = _suffix(name)

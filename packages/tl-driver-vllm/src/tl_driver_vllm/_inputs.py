@@ -22,10 +22,14 @@ def token_rows(input_ids: Any) -> list[list[int]]:
         if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise UserError(f"input_ids must hold integer token ids, found dtype {input_ids.dtype}")
         if input_ids.ndim not in (1, 2):
-            raise UserError(f"input_ids must be [pos] or [batch, pos], found shape {tuple(input_ids.shape)}")
+            raise UserError(
+                f"input_ids must be [pos] or [batch, pos], found shape {tuple(input_ids.shape)}"
+            )
         input_ids = input_ids.tolist()
     if isinstance(input_ids, str | bytes) or not isinstance(input_ids, Sequence) or not input_ids:
-        raise UserError("input_ids must be a non-empty list of token-id lists (the bridge tokenizes text)")
+        raise UserError(
+            "input_ids must be a non-empty list of token-id lists (the bridge tokenizes text)"
+        )
     items = list(input_ids)
     nested = [items] if all(isinstance(t, int) for t in items) else items
     rows = []
@@ -65,7 +69,9 @@ def check_tokens(rows: list[list[int]], max_new_tokens: int, *, vocab: int, limi
     for b, row in enumerate(rows):
         bad = next((t for t in row if not 0 <= t < vocab), None)
         if bad is not None:
-            raise UserError(f"prompt {b} holds token id {bad}, outside the vocabulary 0..{vocab - 1}")
+            raise UserError(
+                f"prompt {b} holds token id {bad}, outside the vocabulary 0..{vocab - 1}"
+            )
         if len(row) + max(1, max_new_tokens) > limit:
             raise UserError(
                 f"prompt {b} has {len(row)} tokens; with {max(1, max_new_tokens)} new "

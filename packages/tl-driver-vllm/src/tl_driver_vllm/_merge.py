@@ -31,7 +31,11 @@ _SHARDED = ("logits", "unembed.hook_out")
 
 
 def edit_table(
-    specs: Sequence[InterventionSpec], *, length: int, feature_shape: tuple[int, ...], raw: bool = False
+    specs: Sequence[InterventionSpec],
+    *,
+    length: int,
+    feature_shape: tuple[int, ...],
+    raw: bool = False,
 ) -> dict[str, Any]:
     """One prompt's specs on one hook as table rows, features flattened.
 

@@ -17,10 +17,15 @@ WORKER_EXTENSION = "tl_driver_vllm._worker.TLWorkerExtension"
 # Options the driver must own: hooks need eager mode (see README, "Compilation"),
 # captures need every prompt position computed, and the worker extension is ours.
 _FIXED: dict[str, tuple[bool, str]] = {
-    "enable_prefix_caching": (False, "cached prefix positions are never recomputed, so they "
-                              "would have no activations"),
-    "enforce_eager": (True, "tl hooks are Python code that runs at every step; torch.compile "
-                      "bakes hooks in at the first trace and CUDA graphs replay without them"),
+    "enable_prefix_caching": (
+        False,
+        "cached prefix positions are never recomputed, so they would have no activations",
+    ),
+    "enforce_eager": (
+        True,
+        "tl hooks are Python code that runs at every step; torch.compile "
+        "bakes hooks in at the first trace and CUDA graphs replay without them",
+    ),
 }
 _REFUSED = {
     "worker_extension_cls": "the vllm driver installs its own worker extension",
@@ -108,7 +113,9 @@ def sampling_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         return {"temperature": 0.0}
     temperature = float(options.get("temperature", 1.0))
     if not math.isfinite(temperature) or temperature <= 0:
-        raise UserError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy")
+        raise UserError(
+            f"temperature must be > 0, got {temperature}; use do_sample=False for greedy"
+        )
     out: dict[str, Any] = {"temperature": temperature}
     top_k = options.get("top_k")
     if top_k is not None:

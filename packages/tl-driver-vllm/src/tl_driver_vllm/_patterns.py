@@ -80,7 +80,12 @@ def attention_facts(attention: Any) -> AttentionFacts:
 
 
 def rebuild(
-    q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, facts: AttentionFacts, *, chunk: int = 1 << 26
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lengths: torch.Tensor,
+    facts: AttentionFacts,
+    *,
+    chunk: int = 1 << 26,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and pattern of a batch of prompts from their queries and keys.
 

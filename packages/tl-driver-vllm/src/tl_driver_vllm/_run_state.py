@@ -31,6 +31,7 @@ TAG_KEY = "tl_request"
 #: ``(shape, dtype, device) -> tensor``: where a run's result buffers are made (``_wire.Outbox``).
 Allocate = Callable[[Sequence[int], torch.dtype, torch.device], torch.Tensor]
 
+
 def _empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
@@ -113,7 +114,11 @@ class RunState:
         self.allocate: Allocate = allocate or _empty
         #: Each dictionary's run by the site it reads, and transcoders' by the site they write.
         self.readers = {hook: self._run_of(a) for hook, a in (dictionaries or {}).items()}
-        self.writers = {r.attachment.site.output_hook: r for r in self.readers.values() if r.attachment.site.output_hook != r.attachment.site.hook}
+        self.writers = {
+            r.attachment.site.output_hook: r
+            for r in self.readers.values()
+            if r.attachment.site.output_hook != r.attachment.site.hook
+        }
         columns = columns or {}
         needs = needs or {}
         self.raw = bool(config.get("raw", False))
@@ -147,7 +152,9 @@ class RunState:
             self.tables[hook] = EditTable(scale, bias, zero if bool(zero.any()) else None)
         self.captured = {name for plan in self.plans.values() for name in plan.capture}
         self.batch = max((plan.index for plan in self.plans.values()), default=-1) + 1
-        self.width = int(config.get("width") or max((p.length for p in self.plans.values()), default=0))
+        self.width = int(
+            config.get("width") or max((p.length for p in self.plans.values()), default=0)
+        )
         #: hook -> ``[batch, width, ...]``: every request's prompt rows at their final place
         #: (written once, straight from the engine's tensors; no per-prompt pieces to join).
         self.buffers: dict[str, torch.Tensor] = {}
@@ -187,7 +194,9 @@ class RunState:
         def visit(short: str, value: torch.Tensor) -> torch.Tensor:
             return self.visit((site.name(short),), value)
 
-        return DictionaryRun(attachment, visit, lambda: any(n in self.captured for n in top), copies=True)
+        return DictionaryRun(
+            attachment, visit, lambda: any(n in self.captured for n in top), copies=True
+        )
 
     def capture(
         self,
@@ -211,7 +220,9 @@ class RunState:
             # A normal tensor, though the engine runs under inference mode: callers may
             # edit what they get back in place.
             with torch.inference_mode(False):
-                buffer = self.allocate((self.batch, self.width, *taken.shape[1:]), taken.dtype, taken.device)
+                buffer = self.allocate(
+                    (self.batch, self.width, *taken.shape[1:]), taken.dtype, taken.device
+                )
             self.buffers[name] = buffer
         # Segments that sit end to end in the flat buffer (whole prompts in batch order, the
         # usual prefill) go in one copy: each torch op costs a thread hand-off on the CPU.
@@ -302,7 +313,9 @@ class Step:
         device: Where index tensors go.
     """
 
-    def __init__(self, entries: list[tuple[RequestPlan, int, int, int]], device: torch.device) -> None:
+    def __init__(
+        self, entries: list[tuple[RequestPlan, int, int, int]], device: torch.device
+    ) -> None:
         self.entries = entries
         self.device = device
         self._capture: dict[str, tuple[Any, list[tuple[str, int, int]]]] = {}

@@ -45,7 +45,9 @@ def _scale(x: torch.Tensor, norm: NormKind, eps: float) -> torch.Tensor:
     return norm_statistics(x, norm, eps)[1].to(x.dtype)
 
 
-def _visit_views(state: RunState, names: Sequence[str | None], views: Sequence[torch.Tensor]) -> None:
+def _visit_views(
+    state: RunState, names: Sequence[str | None], views: Sequence[torch.Tensor]
+) -> None:
     """Capture and edit views of one module output, one hook per view (``None``: not served).
 
     The views alias a projection's fresh output, so an edit written into a view reaches
@@ -108,7 +110,9 @@ class ResidualSite:
             if "ln_final.hook_scale" in self.state.captured:
                 self.state.capture("ln_final.hook_scale", edited, lambda t: _scale(t, norm, eps))
             if "ln_final.hook_normalized" in self.state.captured:
-                self.state.capture("ln_final.hook_normalized", edited, lambda t: normalized(t, norm, eps))
+                self.state.capture(
+                    "ln_final.hook_normalized", edited, lambda t: normalized(t, norm, eps)
+                )
         if edited is x:
             return None
         new = list(args)
@@ -200,11 +204,14 @@ class NormSite:
         if self.flat and heads is not None:
             # One scale per position over all heads, served repeated for every head.
             def scale(t: torch.Tensor) -> torch.Tensor:
-                return _scale(t.flatten(1), kind, eps).unsqueeze(1).expand(-1, heads, 1).contiguous()
+                return (
+                    _scale(t.flatten(1), kind, eps).unsqueeze(1).expand(-1, heads, 1).contiguous()
+                )
 
             def normed(t: torch.Tensor) -> torch.Tensor:
                 return normalized(t.flatten(1), kind, eps).view(t.shape)
         else:
+
             def scale(t: torch.Tensor) -> torch.Tensor:
                 return _scale(t, kind, eps)
 
@@ -281,7 +288,10 @@ class QKVSplit:
             fused = qkv.view(n, h, 3, dh)
             parts = (fused[:, :, 0], fused[:, :, 1])
         else:
-            parts = (qkv[:, : h * dh].view(n, h, dh), qkv[:, h * dh : (h + kv) * dh].view(n, kv, dh))
+            parts = (
+                qkv[:, : h * dh].view(n, h, dh),
+                qkv[:, h * dh : (h + kv) * dh].view(n, kv, dh),
+            )
         _visit_views(self.state, self.names, parts)
         return None
 
@@ -298,14 +308,18 @@ class AttentionInput:
 
     _KEYS = ("query", "key", "value")
 
-    def __init__(self, state: RunState, names: tuple[str | None, ...], heads: int, kv_heads: int) -> None:
+    def __init__(
+        self, state: RunState, names: tuple[str | None, ...], heads: int, kv_heads: int
+    ) -> None:
         self.state, self.names = state, names
         self.counts = (heads, kv_heads, kv_heads)
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         new_args, new_kwargs = list(args), dict(kwargs)
         changed = False
-        for index, (key, name, count) in enumerate(zip(self._KEYS, self.names, self.counts, strict=True)):
+        for index, (key, name, count) in enumerate(
+            zip(self._KEYS, self.names, self.counts, strict=True)
+        ):
             in_args = index < len(args)
             value = args[index] if in_args else kwargs.get(key)
             if name is None or value is None:
@@ -339,7 +353,9 @@ class OutputProjection:
         tp_size: Tensor-parallel ranks.
     """
 
-    def __init__(self, state: RunState, z: str | None, result: str | None, heads: int, tp_size: int) -> None:
+    def __init__(
+        self, state: RunState, z: str | None, result: str | None, heads: int, tp_size: int
+    ) -> None:
         self.state, self.z, self.result, self.heads, self.tp_size = state, z, result, heads, tp_size
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
@@ -407,7 +423,11 @@ def dense_weight(module: nn.Module) -> torch.Tensor:
     if cached is None:
         layer: Any = module
         ref = next(module.parameters())
-        eye = torch.eye(int(layer.input_size_per_partition), dtype=getattr(layer, "params_dtype", ref.dtype), device=ref.device)
+        eye = torch.eye(
+            int(layer.input_size_per_partition),
+            dtype=getattr(layer, "params_dtype", ref.dtype),
+            device=ref.device,
+        )
         with torch.no_grad():
             cached = layer.quant_method.apply(layer, eye).T.contiguous()
         _WEIGHTS[module] = cached

@@ -61,7 +61,9 @@ def norm_eps(module: nn.Module, kind: NormKind) -> float:
     try:
         return norm_module_eps(module, kind, width=64)  # the module's own width where it has one
     except AttributeError as exc:
-        raise ConfigError(f"cannot recompute the scale of norm {type(module).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"cannot recompute the scale of norm {type(module).__name__}: {exc}"
+        ) from exc
 
 
 def attention_inputs(layout: Layout, layer: int) -> tuple[str, str]:
@@ -92,7 +94,9 @@ class _Installer:
         if kind == "forward":
             self.handles.append(module.register_forward_hook(hook))
         else:
-            self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=kind == "pre_kwargs"))
+            self.handles.append(
+                module.register_forward_pre_hook(hook, with_kwargs=kind == "pre_kwargs")
+            )
 
     def attention_input(self, module: nn.Module, hook: Any) -> None:
         """A pre-hook on vLLM's ``Attention`` layer, however the model calls it."""
@@ -171,7 +175,9 @@ def install_sites(
             # residual stream is block 0's input (no position embedding comes between).
             names.append("embed.hook_out")
         names.append("ln_final.hook_in" if k == n_layers else f"blocks.{k}.hook_in")
-        derived = at.want("ln_final.hook_scale", "ln_final.hook_normalized") if k == n_layers else ()
+        derived = (
+            at.want("ln_final.hook_scale", "ln_final.hook_normalized") if k == n_layers else ()
+        )
         kept = at.want(*names)
         target = final_norm if k == n_layers else sub(layers[k], "")
         if target is None or not (kept or derived):
@@ -204,7 +210,9 @@ def _install_layer(
     attn = sub(layer, layout.attn)
     assert attn is not None
     if at.want(p + "attn.hook_in"):
-        at.add(attn, InputSite(state, (p + "attn.hook_in",), position=layout.attn_input), "pre_kwargs")
+        at.add(
+            attn, InputSite(state, (p + "attn.hook_in",), position=layout.attn_input), "pre_kwargs"
+        )
     _install_attention(at, attn, p + "attn.", layout, facts, tp_size)
     at.output(attn, p + "attn.hook_out", p + "ln1_post.hook_in")
     at.norm(sub(layer, layout.ln1_post), p + "ln1_post", mode=None, pair=False, kind=kind)
@@ -224,7 +232,12 @@ def _install_layer(
 
 
 def _install_mlp_input(
-    at: _Installer, layer: nn.Module, ln1: nn.Module | None, mlp_in: nn.Module, name: str, layout: Layout
+    at: _Installer,
+    layer: nn.Module,
+    ln1: nn.Module | None,
+    mlp_in: nn.Module,
+    name: str,
+    layout: Layout,
 ) -> None:
     """``ln2``'s sites: the pre-MLP norm's, or ``ln2.hook_in`` where the family has none."""
     ln2 = sub(layer, layout.ln2)
@@ -257,7 +270,10 @@ def _install_attention(
     else:
         inputs = (at.one(a + "hook_q"), at.one(a + "hook_k"), at.one(a + "hook_v"))
     flat = layout.qk_norm_layout == "flat"
-    for norm, path, count in (("q_norm", layout.q_norm, heads), ("k_norm", layout.k_norm, kv_heads)):
+    for norm, path, count in (
+        ("q_norm", layout.q_norm, heads),
+        ("k_norm", layout.k_norm, kv_heads),
+    ):
         if path is not None:
             at.norm(sub(attn, path), a + norm, mode="norm", pair=False, kind=layout.norm,
                     heads=count, flat=flat)  # fmt: skip
@@ -277,7 +293,11 @@ def _install_attention(
 
 def _install_mlp(at: _Installer, mlp: nn.Module, m: str, layout: Layout, top_k: int | None) -> None:
     state = at.state
-    pre, linear, post = at.one(m + "hook_pre"), at.one(m + "hook_pre_linear"), at.one(m + "hook_post")
+    pre, linear, post = (
+        at.one(m + "hook_pre"),
+        at.one(m + "hook_pre_linear"),
+        at.one(m + "hook_post"),
+    )
     gate_up = sub(mlp, layout.gate_up) if layout.gate_up else None
     if gate_up is not None and (pre or linear):
         at.add(gate_up, GateUpSplit(state, (pre, linear)))
@@ -288,7 +308,9 @@ def _install_mlp(at: _Installer, mlp: nn.Module, m: str, layout: Layout, top_k: 
     if down is not None and post:
         at.add(down, InputSite(state, (post,), 0), "pre_kwargs")
     router = sub(mlp, layout.router) if layout.router else None
-    routing = at.want(m + "hook_router_logits", m + "hook_expert_weights", m + "hook_expert_indices")
+    routing = at.want(
+        m + "hook_router_logits", m + "hook_expert_weights", m + "hook_expert_indices"
+    )
     if router is not None and routing:
         assert top_k is not None
         at.add(router, RouterSite(state, m[:-1], top_k, layout.renormalize))

@@ -21,7 +21,13 @@ from types import FrameType, ModuleType
 
 from tl_core import ConfigError
 
-__all__ = ["UnguardedBoot", "check_main_guard", "spawned_child_importing_main", "unguarded_boot", "will_spawn"]
+__all__ = [
+    "UnguardedBoot",
+    "check_main_guard",
+    "spawned_child_importing_main",
+    "unguarded_boot",
+    "will_spawn",
+]
 
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 

@@ -233,7 +233,11 @@ class SharedFiles:
                 self.folder = folder
             except OSError:
                 self.folder = None
-        self._cleanup = None if self.folder is None else weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self._cleanup = (
+            None
+            if self.folder is None
+            else weakref.finalize(self, shutil.rmtree, self.folder, True)
+        )
 
     def offer(self) -> dict[str, str] | None:
         """What the workers need to find the folder (``None``: there is none)."""
@@ -248,7 +252,13 @@ class SharedFiles:
         refs = [p for result in results for p in result.get("batched", {}).values() if _is_ref(p)]
         try:
             return [
-                {**result, "batched": {n: _read(p) if _is_ref(p) else p for n, p in result.get("batched", {}).items()}}
+                {
+                    **result,
+                    "batched": {
+                        n: _read(p) if _is_ref(p) else p
+                        for n, p in result.get("batched", {}).items()
+                    },
+                }
                 for result in results
             ]
         finally:

@@ -128,7 +128,12 @@ class TLWorkerExtension:
         self._tl_unhook()
         self._tl_state = self._tl_outbox = None
         tp_rank, tp_size, pp_rank, _ = _ranks()
-        result: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size, "pp_rank": pp_rank, "batched": {}}
+        result: dict[str, Any] = {
+            "tp_rank": tp_rank,
+            "tp_size": tp_size,
+            "pp_rank": pp_rank,
+            "batched": {},
+        }
         if state is None or outbox is None:
             return result
         keep_replicated = tp_rank == 0 or state.all_ranks
@@ -331,7 +336,9 @@ class TLWorkerExtension:
 
         out: dict[str, torch.Tensor] = {}
         if any("unembed.hook_out" in plan.capture for plan in plans):
-            out["unembed.hook_out"] = sequence([p for p in plans if "unembed.hook_out" in p.capture])
+            out["unembed.hook_out"] = sequence(
+                [p for p in plans if "unembed.hook_out" in p.capture]
+            )
         if not modes:
             return out
         taken = [p for p in plans if p.logits]

@@ -95,8 +95,10 @@ def _config_blocks(data: Mapping[str, Any]) -> int | None:
             continue
         try:
             info = model_info_from_config(
-                SimpleNamespace(**config), normalization_type=None,
-                positional_embedding_type="none", gated_mlp=False,
+                SimpleNamespace(**config),
+                normalization_type=None,
+                positional_embedding_type="none",
+                gated_mlp=False,
             )
         except (UserError, AttributeError, TypeError, ValueError):
             continue  # not this level's sizes (a multimodal wrapper keeps them in text_config)

@@ -42,7 +42,8 @@ def _cache_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
     root = os.environ.get("TL_PARITY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tl-parity")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tl-parity"
+    )
     return Path(root) / "tiny"
 
 
@@ -75,7 +76,9 @@ def _row(driver: str, family: str, report: Any) -> CardRow:
         agree = "" if report.argmax_agreement is None else f", argmax {report.argmax_agreement:.0%}"
         return CardRow(driver, family, "PASS", f"{len(report.hooks)} hooks{agree}")
     bad = report.failures
-    return CardRow(driver, family, "FAIL", f"{len(bad)} rows not PASS: " + ", ".join(r.hook for r in bad[:4]))
+    return CardRow(
+        driver, family, "FAIL", f"{len(bad)} rows not PASS: " + ", ".join(r.hook for r in bad[:4])
+    )
 
 
 def _error_row(driver: str, family: str, err: str, failure: dict[str, Any]) -> CardRow:
@@ -87,16 +90,25 @@ def _error_row(driver: str, family: str, err: str, failure: dict[str, Any]) -> C
     detail = err.split("failed: ", 1)[-1]
     arch = failure.get("architecture")
     if failure.get("declared") is True:
-        return CardRow(driver, family, "FAIL",
-                       f"refused {arch!r} at boot, although the driver declares it supported: {detail}")
+        return CardRow(
+            driver,
+            family,
+            "FAIL",
+            f"refused {arch!r} at boot, although the driver declares it supported: {detail}",
+        )
     if failure.get("declared") is None:
-        why = ("the checkpoint names no architecture" if arch is None
-               else "the driver declares no supported_architectures")
+        why = (
+            "the checkpoint names no architecture"
+            if arch is None
+            else "the driver declares no supported_architectures"
+        )
         detail += f" (not checked against a declaration: {why})"
     return CardRow(driver, family, "SKIP", detail)
 
 
-def _check_args(args: argparse.Namespace, families: list[str] | None, only: set[str] | None) -> None:
+def _check_args(
+    args: argparse.Namespace, families: list[str] | None, only: set[str] | None
+) -> None:
     """Refuse an unknown reference, ``--drivers`` name or ``--families`` name before any run."""
     from tl_core.driver_api import available_drivers, get_driver_entry
     from tl_parity._checks import check_driver
@@ -122,8 +134,10 @@ def _check_args(args: argparse.Namespace, families: list[str] | None, only: set[
 
             close = {f: difflib.get_close_matches(f, TINY_FAMILIES, n=1) for f in unknown}
             hints = [f"{f!r} (did you mean {c[0]!r}?)" if c else repr(f) for f, c in close.items()]
-            raise UserError(f"--families: unknown tiny families {', '.join(hints)}; "
-                            f"known: {', '.join(TINY_FAMILIES)}")
+            raise UserError(
+                f"--families: unknown tiny families {', '.join(hints)}; "
+                f"known: {', '.join(TINY_FAMILIES)}"
+            )
 
 
 def build_card(args: argparse.Namespace) -> list[CardRow]:
@@ -155,9 +169,15 @@ def build_card(args: argparse.Namespace) -> list[CardRow]:
                 rows.append(CardRow(name, "-", "SKIP", f"{type(exc).__name__}: {exc}"))
                 continue
         if name == "native":
-            reports = run_parity_many(list(NATIVE_PRESETS), candidate="native", reference="native",
-                                      dtype=args.dtype, prompts=args.prompts, layers=args.layers,
-                                      progress=show)
+            reports = run_parity_many(
+                list(NATIVE_PRESETS),
+                candidate="native",
+                reference="native",
+                dtype=args.dtype,
+                prompts=args.prompts,
+                layers=args.layers,
+                progress=show,
+            )
             rows += [_row(name, f"native:{r.model}", r) for r in reports]
             continue
         if checkpoints is None:
@@ -167,10 +187,17 @@ def build_card(args: argparse.Namespace) -> list[CardRow]:
             continue
         options = dict(VLLM_TINY_OPTIONS) if name == "vllm" else {}
         options.update(dict(args.candidate_option))
-        reports = run_parity_many([str(p) for p in checkpoints.values()], candidate=name,
-                                  reference=args.reference, dtype=args.dtype, prompts=args.prompts,
-                                  layers=args.layers, candidate_options=options,
-                                  reference_options=dict(args.reference_option), progress=show)
+        reports = run_parity_many(
+            [str(p) for p in checkpoints.values()],
+            candidate=name,
+            reference=args.reference,
+            dtype=args.dtype,
+            prompts=args.prompts,
+            layers=args.layers,
+            candidate_options=options,
+            reference_options=dict(args.reference_option),
+            progress=show,
+        )
         rows += [_row(name, fam, r) for fam, r in zip(checkpoints, reports, strict=True)]
     return rows
 
@@ -179,11 +206,15 @@ def format_card(rows: list[CardRow], reference: str) -> str:
     """The card as a fixed-width table with a one-line summary."""
     head = ("driver", "family", "status", "detail")
     cells = [(r.driver, r.family, r.status, r.detail) for r in rows]
-    widths = [max(len(head[i]), *(len(c[i]) for c in cells)) if cells else len(head[i]) for i in range(3)]
+    widths = [
+        max(len(head[i]), *(len(c[i]) for c in cells)) if cells else len(head[i]) for i in range(3)
+    ]
     lines = [f"{head[0]:{widths[0]}}  {head[1]:{widths[1]}}  {head[2]:{widths[2]}}  {head[3]}"]
     lines += [f"{a:{widths[0]}}  {b:{widths[1]}}  {c:{widths[2]}}  {d}" for a, b, c, d in cells]
     counts = {s: sum(r.status == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
-    lines.append(f"report card vs {reference!r}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    lines.append(
+        f"report card vs {reference!r}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+    )
     return "\n".join(lines)
 
 
@@ -194,5 +225,7 @@ def run_card(args: argparse.Namespace) -> int:
     rows = build_card(args)
     print(format_card(rows, args.reference))
     if args.json:
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(
+            json.dumps([r.__dict__ for r in rows], indent=2) + "\n", encoding="utf-8"
+        )
     return 1 if any(r.status == "FAIL" for r in rows) else 0

@@ -32,22 +32,50 @@ def register(sub: Any) -> None:
     p.add_argument("--candidate", help="driver under test, or 'all' for a report card")
     p.add_argument("--reference", default="hf", help="reference driver (default: hf)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--prompts", help="file with one prompt a line (default: a built-in ragged batch)")
-    p.add_argument("--layers", default="all",
-                   help="'all' or block indices, e.g. 0,1; negative ones count from the end (--layers=-1)")
-    p.add_argument("--candidate-option", "-C", action="append", type=_option, default=[],
-                   metavar="KEY=VALUE", help="candidate boot option (VALUE parsed as JSON if it can be)")
-    p.add_argument("--reference-option", "-R", action="append", type=_option, default=[],
-                   metavar="KEY=VALUE", help="reference boot option")
+    p.add_argument(
+        "--prompts", help="file with one prompt a line (default: a built-in ragged batch)"
+    )
+    p.add_argument(
+        "--layers",
+        default="all",
+        help="'all' or block indices, e.g. 0,1; negative ones count from the end (--layers=-1)",
+    )
+    p.add_argument(
+        "--candidate-option",
+        "-C",
+        action="append",
+        type=_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="candidate boot option (VALUE parsed as JSON if it can be)",
+    )
+    p.add_argument(
+        "--reference-option",
+        "-R",
+        action="append",
+        type=_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="reference boot option",
+    )
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--md", metavar="OUT", help="write a Markdown report here")
-    p.add_argument("--html", metavar="OUT", help="write a self-contained HTML report (per-layer plot)")
-    p.add_argument("--show-non-fireable", action="store_true", help="list the declared non-fireable hooks")
-    p.add_argument("--families", help="with --candidate all: comma-separated tiny families (default: all)")
+    p.add_argument(
+        "--html", metavar="OUT", help="write a self-contained HTML report (per-layer plot)"
+    )
+    p.add_argument(
+        "--show-non-fireable", action="store_true", help="list the declared non-fireable hooks"
+    )
+    p.add_argument(
+        "--families", help="with --candidate all: comma-separated tiny families (default: all)"
+    )
     p.add_argument("--drivers", help="with --candidate all: only these drivers (comma-separated)")
     p.add_argument("--cache-dir", help="with --candidate all: where tiny checkpoints are kept")
-    p.add_argument("--aliases", metavar="GENERATION",
-                   help="print the alias report of a naming generation for --model on --candidate")
+    p.add_argument(
+        "--aliases",
+        metavar="GENERATION",
+        help="print the alias report of a naming generation for --model on --candidate",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress lines on stderr")
     p.set_defaults(run=run)
 
@@ -71,9 +99,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = run_parity(
-            args.model, candidate=args.candidate, reference=args.reference, dtype=args.dtype,
-            prompts=args.prompts, layers=args.layers,
-            candidate_options=dict(args.candidate_option), reference_options=dict(args.reference_option),
+            args.model,
+            candidate=args.candidate,
+            reference=args.reference,
+            dtype=args.dtype,
+            prompts=args.prompts,
+            layers=args.layers,
+            candidate_options=dict(args.candidate_option),
+            reference_options=dict(args.reference_option),
             quiet=args.quiet,
         )
     except (ValueError, OSError) as exc:
@@ -97,7 +130,9 @@ def write_outputs(report: Any, args: argparse.Namespace) -> None:
         try:
             from tl_parity._html import render_html
         except ImportError:
-            print("tl parity: --html needs tl_parity._html, which this install lacks", file=sys.stderr)
+            print(
+                "tl parity: --html needs tl_parity._html, which this install lacks", file=sys.stderr
+            )
         else:
             Path(args.html).write_text(render_html(report), encoding="utf-8")
 
@@ -108,7 +143,10 @@ def _aliases(args: argparse.Namespace) -> int:
     try:
         from tl_parity._aliases import alias_report, check_generation
     except ImportError:
-        print("tl parity: the alias report (tl_parity._aliases) is not in this install", file=sys.stderr)
+        print(
+            "tl parity: the alias report (tl_parity._aliases) is not in this install",
+            file=sys.stderr,
+        )
         return 1
     import tl_core
     from tl_parity._checks import check_driver, check_model

@@ -55,31 +55,73 @@ def compare(
 
     layer, kind = split_name(hook)
 
-    def row(shape: tuple[int, ...], dtype: str, max_abs: float, max_rel: float, atol: float,
-            rtol: float, status: Status, diagnostic: str | None = None) -> HookComparison:
-        return HookComparison(hook=hook, shape=shape, dtype=dtype, max_abs=max_abs, max_rel=max_rel,
-                              atol=atol, rtol=rtol, status=status, diagnostic=diagnostic,
-                              layer=layer, kind=kind)
+    def row(
+        shape: tuple[int, ...],
+        dtype: str,
+        max_abs: float,
+        max_rel: float,
+        atol: float,
+        rtol: float,
+        status: Status,
+        diagnostic: str | None = None,
+    ) -> HookComparison:
+        return HookComparison(
+            hook=hook,
+            shape=shape,
+            dtype=dtype,
+            max_abs=max_abs,
+            max_rel=max_rel,
+            atol=atol,
+            rtol=rtol,
+            status=status,
+            diagnostic=diagnostic,
+            layer=layer,
+            kind=kind,
+        )
 
     nan = float("nan")
     if candidate is None:
         shape = tuple(reference.shape) if reference is not None else ()
         dtype = str(reference.dtype).removeprefix("torch.") if reference is not None else ""
-        return row(shape, dtype, nan, nan, band.atol_floor, band.rtol, "MISSING",
-                   "the candidate served no tensor for it")
+        return row(
+            shape,
+            dtype,
+            nan,
+            nan,
+            band.atol_floor,
+            band.rtol,
+            "MISSING",
+            "the candidate served no tensor for it",
+        )
     shape = tuple(candidate.shape)
     dtype = str(candidate.dtype).removeprefix("torch.")
     if reference is None:
-        return row(shape, dtype, nan, nan, band.atol_floor, band.rtol, "ERROR",
-                   "the reference driver does not serve this hook")
+        return row(
+            shape,
+            dtype,
+            nan,
+            nan,
+            band.atol_floor,
+            band.rtol,
+            "ERROR",
+            "the reference driver does not serve this hook",
+        )
     fixed = [i for i, ax in enumerate(layout.split()) if ax not in _POS_AXES]
     if (
         candidate.dim() != reference.dim()
         or any(i < candidate.dim() and candidate.shape[i] != reference.shape[i] for i in fixed)
         or candidate.shape[0] < len(lengths)
     ):
-        return row(shape, dtype, float("inf"), float("inf"), band.atol_floor, band.rtol, "ERROR",
-                   f"shape mismatch: candidate {tuple(candidate.shape)}, reference {tuple(reference.shape)}")
+        return row(
+            shape,
+            dtype,
+            float("inf"),
+            float("inf"),
+            band.atol_floor,
+            band.rtol,
+            "ERROR",
+            f"shape mismatch: candidate {tuple(candidate.shape)}, reference {tuple(reference.shape)}",
+        )
     if not (candidate.is_floating_point() and reference.is_floating_point()):
         band = Band(0.0, 0.0, 0.0)  # token ids and other integers must match exactly
     rows_c: list[torch.Tensor] = []
@@ -88,8 +130,16 @@ def compare(
         c = _real(candidate[b], layout, length)
         r = _real(reference[b], layout, length)
         if c.shape != r.shape:  # one side was padded shorter than a prompt
-            return row(shape, dtype, float("inf"), float("inf"), band.atol_floor, band.rtol, "ERROR",
-                       f"prompt {b}: real positions {tuple(c.shape)} vs {tuple(r.shape)}")
+            return row(
+                shape,
+                dtype,
+                float("inf"),
+                float("inf"),
+                band.atol_floor,
+                band.rtol,
+                "ERROR",
+                f"prompt {b}: real positions {tuple(c.shape)} vs {tuple(r.shape)}",
+            )
         rows_c.append(c.double().flatten())
         rows_r.append(r.double().flatten())
     c_all = torch.cat(rows_c) if rows_c else torch.zeros(0, dtype=torch.float64)

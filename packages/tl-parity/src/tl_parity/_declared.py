@@ -18,7 +18,12 @@ from typing import Any
 
 from tl_parity._tolerance import engine_of
 
-__all__ = ["REFUSAL_ERRORS", "boot_failure_facts", "checkpoint_architecture", "declared_architectures"]
+__all__ = [
+    "REFUSAL_ERRORS",
+    "boot_failure_facts",
+    "checkpoint_architecture",
+    "declared_architectures",
+]
 
 #: Error types (or base types) by which a driver refuses a model on purpose at boot.
 REFUSAL_ERRORS: frozenset[str] = frozenset({"ConfigError", "UnsupportedFeatureError"})
@@ -43,7 +48,9 @@ _FAMILY_TABLES: Mapping[str, Callable[[], Iterable[str]]] = {
 }
 
 
-def declared_architectures(driver: str, options: Mapping[str, Any] | None = None) -> frozenset[str] | None:
+def declared_architectures(
+    driver: str, options: Mapping[str, Any] | None = None
+) -> frozenset[str] | None:
     """The ``config.architectures`` names ``driver`` declares it serves, or ``None`` if unknown.
 
     Args:
@@ -59,7 +66,9 @@ def declared_architectures(driver: str, options: Mapping[str, Any] | None = None
         from tl_core.driver_api import get_driver_entry
 
         module, _, attr = get_driver_entry(name).loader.partition(":")
-        declared = getattr(getattr(importlib.import_module(module), attr), "supported_architectures", None)
+        declared = getattr(
+            getattr(importlib.import_module(module), attr), "supported_architectures", None
+        )
         if callable(declared):
             declared = declared()
     except Exception:  # a driver that does not load declares nothing; its boot error says why
@@ -87,8 +96,14 @@ def checkpoint_architecture(model: str) -> str | None:
     return None
 
 
-def boot_failure_facts(exc: BaseException, *, stage: str, driver: str, model: str,
-                       options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def boot_failure_facts(
+    exc: BaseException,
+    *,
+    stage: str,
+    driver: str,
+    model: str,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """What the card needs to judge a failure: where it happened, its types, what was declared.
 
     Args:
@@ -106,8 +121,14 @@ def boot_failure_facts(exc: BaseException, *, stage: str, driver: str, model: st
     """
     types = [cls.__name__ for cls in type(exc).__mro__ if cls not in (BaseException, object)]
     refusal = stage == "boot" and bool(REFUSAL_ERRORS.intersection(types))
-    facts: dict[str, Any] = {"stage": stage, "error_type": type(exc).__name__, "error_types": types,
-                             "refusal": refusal, "architecture": None, "declared": None}
+    facts: dict[str, Any] = {
+        "stage": stage,
+        "error_type": type(exc).__name__,
+        "error_types": types,
+        "refusal": refusal,
+        "architecture": None,
+        "declared": None,
+    }
     if refusal:
         arch = checkpoint_architecture(model)
         listed = declared_architectures(driver, options) if arch is not None else None

@@ -55,7 +55,9 @@ def format_table(report: ParityReport, *, show_non_fireable: bool = False) -> st
         fmt = "  ".join(f"{{:{w}}}" for w in widths)
         lines.append((fmt.format(*head[: len(_HEAD)]) + ("  diagnostic" if diag else "")).rstrip())
         for row, c in zip(rows, cells, strict=False):
-            lines.append((fmt.format(*c) + (f"  {row.diagnostic}" if row.diagnostic else "")).rstrip())
+            lines.append(
+                (fmt.format(*c) + (f"  {row.diagnostic}" if row.diagnostic else "")).rstrip()
+            )
     if show_non_fireable and report.non_fireable:
         lines.append("non-fireable:")
         lines.extend(f"  {k}: {v}" for k, v in sorted(report.non_fireable.items()))
@@ -69,9 +71,16 @@ def _md_escape(text: str) -> str:
 
 def format_markdown(report: ParityReport) -> str:
     """A Markdown report: summary, the hook table (with diagnostics) and the non-fireable hooks."""
-    out = [f"# Parity: `{report.candidate}` vs `{report.reference}`", "",
-           f"- model: `{report.model}`", f"- dtype: `{report.dtype}`",
-           f"- schema version: {report.schema_version}", "", f"**{_summary(report)}**", ""]
+    out = [
+        f"# Parity: `{report.candidate}` vs `{report.reference}`",
+        "",
+        f"- model: `{report.model}`",
+        f"- dtype: `{report.dtype}`",
+        f"- schema version: {report.schema_version}",
+        "",
+        f"**{_summary(report)}**",
+        "",
+    ]
     if report.error:
         out += [f"> ERROR: {_md_escape(report.error)}", ""]
     rows = _rows(report)
@@ -80,7 +89,11 @@ def format_markdown(report: ParityReport) -> str:
         out.append("|" + "---|" * (len(_HEAD) + 1))
         for row in rows:
             cells = [f"`{c}`" if i == 0 else c for i, c in enumerate(_cells(row))]
-            out.append("| " + " | ".join([*map(_md_escape, cells), _md_escape(row.diagnostic or "")]) + " |")
+            out.append(
+                "| "
+                + " | ".join([*map(_md_escape, cells), _md_escape(row.diagnostic or "")])
+                + " |"
+            )
         out.append("")
     if report.non_fireable:
         out += ["## Declared non-fireable", "", "| hook | reason |", "|---|---|"]

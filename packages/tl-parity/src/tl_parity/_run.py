@@ -88,7 +88,11 @@ class Progress:
     def step(self, message: str) -> None:
         """Show ``message`` with the elapsed time."""
         if not self.quiet:
-            print(f"[tl parity {time.monotonic() - self._t0:5.1f}s] {message}", file=self.stream, flush=True)
+            print(
+                f"[tl parity {time.monotonic() - self._t0:5.1f}s] {message}",
+                file=self.stream,
+                flush=True,
+            )
 
 
 def _worker_env() -> dict[str, str]:
@@ -114,7 +118,10 @@ class _Worker:
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 [*WORKER_COMMAND, str(req_path)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=_worker_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=_worker_env(),
             )
 
     def died(self) -> str:
@@ -168,10 +175,22 @@ def run_workers(
     ref_jobs, cand_jobs = [], []
     for i, job in enumerate(jobs):
         ref_out, cand_out = workdir / f"ref{i}", workdir / f"cand{i}"
-        ref_jobs.append({"model": job["model"], "prompts": job["prompts"], "out": str(ref_out),
-                         "options": job.get("reference_options") or {}})
-        cand_jobs.append({"model": job["model"], "ids_from": str(ref_out.with_suffix(".ids.json")),
-                          "out": str(cand_out), "options": job.get("candidate_options") or {}})
+        ref_jobs.append(
+            {
+                "model": job["model"],
+                "prompts": job["prompts"],
+                "out": str(ref_out),
+                "options": job.get("reference_options") or {},
+            }
+        )
+        cand_jobs.append(
+            {
+                "model": job["model"],
+                "ids_from": str(ref_out.with_suffix(".ids.json")),
+                "out": str(cand_out),
+                "options": job.get("candidate_options") or {},
+            }
+        )
     ref = _Worker({**reference, "jobs": ref_jobs, "timeout": timeout}, workdir, "reference")
     cand = _Worker({**candidate, "jobs": cand_jobs, "timeout": timeout}, workdir, "candidate")
     deadline = time.monotonic() + timeout * max(1, len(jobs))
@@ -184,7 +203,9 @@ def run_workers(
                     if not ids_path.exists():
                         ids_path.write_text(json.dumps({"error": ref.died()}), encoding="utf-8")
             if time.monotonic() > deadline:
-                raise WorkerError(f"the driver processes did not finish within {timeout:.0f} s per model")
+                raise WorkerError(
+                    f"the driver processes did not finish within {timeout:.0f} s per model"
+                )
             time.sleep(0.05)
     except WorkerError as exc:
         ref.kill()
@@ -198,12 +219,20 @@ def run_workers(
         try:
             ref_meta, ref_t = _result(Path(rj["out"]), ref)
         except WorkerError as exc:
-            outcomes.append(WorkerFailure(f"reference {reference['driver']!r} failed: {exc}", "reference", exc.facts))
+            outcomes.append(
+                WorkerFailure(
+                    f"reference {reference['driver']!r} failed: {exc}", "reference", exc.facts
+                )
+            )
             continue
         try:
             cand_meta, cand_t = _result(Path(cj["out"]), cand)
         except WorkerError as exc:
-            outcomes.append(WorkerFailure(f"candidate {candidate['driver']!r} failed: {exc}", "candidate", exc.facts))
+            outcomes.append(
+                WorkerFailure(
+                    f"candidate {candidate['driver']!r} failed: {exc}", "candidate", exc.facts
+                )
+            )
             continue
         outcomes.append((ref_meta, ref_t, cand_meta, cand_t))
     return outcomes
@@ -216,12 +245,15 @@ def _layers(layers: str | Sequence[int] | None) -> list[int] | None:
         try:
             return sorted({int(x) for x in layers.split(",") if x.strip()})
         except ValueError:
-            raise ValueError(f"layers must be 'all' or comma-separated block indices, got {layers!r}") from None
+            raise ValueError(
+                f"layers must be 'all' or comma-separated block indices, got {layers!r}"
+            ) from None
     return sorted({int(x) for x in layers})
 
 
-def _check_layers(models: Sequence[Any], layers: list[int],
-                  drivers: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+def _check_layers(
+    models: Sequence[Any], layers: list[int], drivers: Sequence[tuple[str, Mapping[str, Any]]]
+) -> None:
     """Refuse blocks a model lacks, wherever its block count is known without booting it."""
     for model in models:
         for driver, options in drivers:
@@ -233,8 +265,10 @@ def _check_layers(models: Sequence[Any], layers: list[int],
 def _no_block_compared(layers: list[int], ref_meta: Mapping[str, Any]) -> str:
     n_blocks = (ref_meta.get("info") or {}).get("n_layers")
     count = f"{n_blocks} blocks" if isinstance(n_blocks, int) else "an unknown number of blocks"
-    return (f"layers {layers_text(layers)!r} selected no block hook to compare (the model has {count}), "
-            f"so the run checked nothing in the blocks; choose blocks the candidate serves or use 'all'")
+    return (
+        f"layers {layers_text(layers)!r} selected no block hook to compare (the model has {count}), "
+        f"so the run checked nothing in the blocks; choose blocks the candidate serves or use 'all'"
+    )
 
 
 def _read_prompts(prompts: str | os.PathLike[str] | Sequence[str] | None) -> list[str]:
@@ -242,8 +276,10 @@ def _read_prompts(prompts: str | os.PathLike[str] | Sequence[str] | None) -> lis
         return list(DEFAULT_PROMPTS)
     if isinstance(prompts, (str, os.PathLike)):
         if not Path(prompts).is_file():
-            raise ValueError(f"prompts file {str(prompts)!r} does not exist or is not a file; pass a "
-                             f"text file with one prompt a line, or leave prompts out for the built-in batch")
+            raise ValueError(
+                f"prompts file {str(prompts)!r} does not exist or is not a file; pass a "
+                f"text file with one prompt a line, or leave prompts out for the built-in batch"
+            )
         lines = [ln for ln in Path(prompts).read_text(encoding="utf-8").splitlines() if ln.strip()]
         if not lines:
             raise ValueError(f"prompts file {str(prompts)!r} has no non-empty lines")
@@ -265,7 +301,9 @@ def _model_info(d: Mapping[str, Any] | None) -> Any:
         return None
 
 
-def _diagnose(hook: str, cand: Any, ref: Mapping[str, Any], info: Any, lengths: Sequence[int]) -> str | None:
+def _diagnose(
+    hook: str, cand: Any, ref: Mapping[str, Any], info: Any, lengths: Sequence[int]
+) -> str | None:
     try:
         from tl_parity import _diagnose as diag  # P2's module; optional
     except ImportError:
@@ -331,9 +369,16 @@ def run_parity(
     Every check above is made before any driver process starts.
     """
     return run_parity_many(
-        [model], candidate=candidate, reference=reference, dtype=dtype, prompts=prompts,
-        layers=layers, candidate_options=candidate_options, reference_options=reference_options,
-        quiet=quiet, progress=progress,
+        [model],
+        candidate=candidate,
+        reference=reference,
+        dtype=dtype,
+        prompts=prompts,
+        layers=layers,
+        candidate_options=candidate_options,
+        reference_options=reference_options,
+        quiet=quiet,
+        progress=progress,
     )[0]
 
 
@@ -371,22 +416,38 @@ def run_parity_many(
         check_model(model)
     layer_list = _layers(layers)
     if layer_list is not None:
-        _check_layers(models, layer_list, [(reference, reference_options or {}), (candidate, candidate_options or {})])
+        _check_layers(
+            models,
+            layer_list,
+            [(reference, reference_options or {}), (candidate, candidate_options or {})],
+        )
     texts = _read_prompts(prompts)
     band = band_for(dtype, reference, candidate, reference_options, candidate_options)
     common = {"dtype": dtype, "layers": layer_list}
     jobs = [{"model": str(m), "prompts": texts} for m in models]
-    show.step(f"{reference!r} (reference) and {candidate!r} (candidate): booting, "
-              f"{len(models)} model(s), {len(texts)} prompts")
+    show.step(
+        f"{reference!r} (reference) and {candidate!r} (candidate): booting, "
+        f"{len(models)} model(s), {len(texts)} prompts"
+    )
     with tempfile.TemporaryDirectory(prefix="tl-parity-") as tmp:
         outcomes = run_workers(
             {**common, "driver": reference, "options": dict(reference_options or {})},
             {**common, "driver": candidate, "options": dict(candidate_options or {})},
-            jobs, Path(tmp))
+            jobs,
+            Path(tmp),
+        )
     reports = []
     for model, outcome in zip(models, outcomes, strict=False):
-        report = ParityReport(model=str(model), reference=reference, candidate=candidate, dtype=dtype,
-                              hooks=[], logits=None, argmax_agreement=None, non_fireable={})
+        report = ParityReport(
+            model=str(model),
+            reference=reference,
+            candidate=candidate,
+            dtype=dtype,
+            hooks=[],
+            logits=None,
+            argmax_agreement=None,
+            non_fireable={},
+        )
         if isinstance(outcome, (WorkerFailure, str)):
             report.error = str(outcome)
             if isinstance(outcome, WorkerFailure) and outcome.side is not None:
@@ -397,22 +458,38 @@ def run_parity_many(
             if layer_list is not None and not any(row.layer is not None for row in report.hooks):
                 report.error = _no_block_compared(layer_list, outcome[0])
             failed = len(report.failures)
-            show.step(f"{model}: {len(report.hooks)} hooks compared, "
-                      + ("all pass" if report.passed else f"{failed} rows not PASS"))
+            show.step(
+                f"{model}: {len(report.hooks)} hooks compared, "
+                + ("all pass" if report.passed else f"{failed} rows not PASS")
+            )
         reports.append(report)
     return reports
 
 
-def _fill(report: ParityReport, ref_meta: dict[str, Any], ref_t: dict[str, Any],
-          cand_meta: dict[str, Any], cand_t: dict[str, Any], *, band: Any, n_prompts: int) -> None:
+def _fill(
+    report: ParityReport,
+    ref_meta: dict[str, Any],
+    ref_t: dict[str, Any],
+    cand_meta: dict[str, Any],
+    cand_t: dict[str, Any],
+    *,
+    band: Any,
+    n_prompts: int,
+) -> None:
     lengths = ref_meta["lengths"]
     ref_hooks = reference_mapping(ref_t)
     cand_hooks = reference_mapping(cand_t)
     info = _model_info(ref_meta.get("info"))
     rows: list[HookComparison] = []
     for name in cand_meta["requested"]:
-        row = compare(name, cand_hooks.get(name), ref_hooks.get(name),
-                      layout=cand_meta["layouts"][name], lengths=lengths, band=band)
+        row = compare(
+            name,
+            cand_hooks.get(name),
+            ref_hooks.get(name),
+            layout=cand_meta["layouts"][name],
+            lengths=lengths,
+            band=band,
+        )
         if row.status == "FAIL" and name in cand_hooks:
             diag = _diagnose(name, cand_hooks[name], ref_hooks, info, lengths)
             if diag:
@@ -421,11 +498,15 @@ def _fill(report: ParityReport, ref_meta: dict[str, Any], ref_t: dict[str, Any],
     report.hooks = rows
     report.non_fireable = dict(cand_meta["non_fireable"])
     if "logits" in cand_t and "logits" in ref_t:
-        report.logits = compare("logits", cand_t["logits"], ref_t["logits"], layout="b p v",
-                                lengths=lengths, band=band)
+        report.logits = compare(
+            "logits", cand_t["logits"], ref_t["logits"], layout="b p v", lengths=lengths, band=band
+        )
         report.argmax_agreement = argmax_agreement(cand_t["logits"], ref_t["logits"], lengths)
-    report.extra = {"lengths": lengths, "n_prompts": n_prompts,
-                    "candidate_sequence_logits": cand_meta.get("provides_sequence_logits")}
+    report.extra = {
+        "lengths": lengths,
+        "n_prompts": n_prompts,
+        "candidate_sequence_logits": cand_meta.get("provides_sequence_logits"),
+    }
 
 
 def _with_diagnostic(row: HookComparison, diagnostic: str) -> HookComparison:

@@ -66,8 +66,12 @@ def _encode(bridge: Any, texts: list[str]) -> list[list[int]]:
     return rows
 
 
-def _select(served: list[str], layers: list[int] | None, n_layers: int | None = None,
-            model: str = "the model") -> list[str]:
+def _select(
+    served: list[str],
+    layers: list[int] | None,
+    n_layers: int | None = None,
+    model: str = "the model",
+) -> list[str]:
     """The served names in the selected blocks, and every name outside the blocks.
 
     Raises:
@@ -98,7 +102,9 @@ def _info_dict(info: Any) -> dict[str, Any] | None:
         value = getattr(info, f.name)
         if isinstance(value, (int, float, str, bool, type(None))):
             d[f.name] = value
-        elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float, str)) for v in value):
+        elif isinstance(value, (tuple, list)) and all(
+            isinstance(v, (int, float, str)) for v in value
+        ):
             d[f.name] = list(value)
     return d
 
@@ -138,22 +144,32 @@ def run_job(request: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     dtype = request["dtype"]
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    opts = _boot_options(driver_name, dtype, {**(request.get("options") or {}), **(job.get("options") or {})})
+    opts = _boot_options(
+        driver_name, dtype, {**(request.get("options") or {}), **(job.get("options") or {})}
+    )
     try:
         bridge = tl_core.boot(job["model"], driver=driver_name, **opts)
     except Exception as exc:
         from tl_parity._declared import boot_failure_facts
 
-        raise _BootFailed(exc, boot_failure_facts(exc, stage="boot", driver=driver_name,
-                                                  model=job["model"], options=opts)) from exc
+        raise _BootFailed(
+            exc,
+            boot_failure_facts(
+                exc, stage="boot", driver=driver_name, model=job["model"], options=opts
+            ),
+        ) from exc
     try:
         driver = bridge.driver
         namespace = driver.namespace
         served = [n for n in namespace.ordered if n in namespace.served]
         # Checked against the booted model: the parent could not always count its blocks.
         n_layers = getattr(driver.info, "n_layers", None)
-        names = _select(served, request.get("layers"), n_layers if isinstance(n_layers, int) else None,
-                        job["model"])
+        names = _select(
+            served,
+            request.get("layers"),
+            n_layers if isinstance(n_layers, int) else None,
+            job["model"],
+        )
         if ids is None:
             ids = _encode(bridge, job["prompts"])
             _write(out.with_suffix(".ids.json"), {"ids": ids})
@@ -194,11 +210,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from tl_parity._declared import boot_failure_facts
 
-                facts = boot_failure_facts(exc, stage="run", driver=request["driver"], model=job["model"])
+                facts = boot_failure_facts(
+                    exc, stage="run", driver=request["driver"], model=job["model"]
+                )
             if "ids_from" not in job and not out.with_suffix(".ids.json").exists():
                 _write(out.with_suffix(".ids.json"), {"error": error})
-            _write(out.with_suffix(".json"), {"error": error, "facts": facts,
-                                              "traceback": traceback.format_exc(limit=8)})
+            _write(
+                out.with_suffix(".json"),
+                {"error": error, "facts": facts, "traceback": traceback.format_exc(limit=8)},
+            )
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             continue

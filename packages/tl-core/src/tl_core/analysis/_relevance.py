@@ -105,9 +105,7 @@ class RelevanceRules:
         for item in fields(self):
             value = getattr(self, item.name)
             if not isinstance(value, bool):
-                raise UserError(
-                    f"RelevanceRules.{item.name} must be True or False, got {value!r}."
-                )
+                raise UserError(f"RelevanceRules.{item.name} must be True or False, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -231,7 +229,9 @@ class _Rule(_Replacing):
         self.ensure_reachable(hook.name)
         r = self.relevance(tensor, *inputs).to(tensor.dtype)
         if r.shape != tensor.shape:
-            shapes = ", ".join(f"{n} {tuple(x.shape)}" for (n, _), x in zip(self.taps, inputs, strict=True))
+            shapes = ", ".join(
+                f"{n} {tuple(x.shape)}" for (n, _), x in zip(self.taps, inputs, strict=True)
+            )
             raise UnsupportedFeatureError(
                 f"the {self.rule} rule at {hook.name!r} rebuilt a {tuple(r.shape)} value from "
                 f"{shapes}, but the site holds {tuple(tensor.shape)}: this driver lays the "
@@ -382,7 +382,9 @@ def _plans(model: Any, rules: RelevanceRules) -> tuple[ModelInfo, list[_Plan], l
         site, reads = f"{prefix}.hook_normalized", (f"{prefix}.hook_in", f"{prefix}.hook_scale")
         if not rules.normalization:
             return _Plan(SiteCoverage(site, "LN", False, reads, "normalization rule off"), "off")
-        if not any(f"{prefix}.{s}" in points for s in ("hook_scale", "hook_normalized", "hook_out")):
+        if not any(
+            f"{prefix}.{s}" in points for s in ("hook_scale", "hook_normalized", "hook_out")
+        ):
             reason = namespace.reasons.get(site, "this model has no such norm")
             return _Plan(SiteCoverage(site, "LN", False, reads, f"no norm here: {reason}"), "")
         problem = unavailable(site, reads)
@@ -425,7 +427,9 @@ def _plans(model: Any, rules: RelevanceRules) -> tuple[ModelInfo, list[_Plan], l
         problem = unavailable(site, ())
         if problem:
             problems.append(f"attention rule at {site}: {problem}; {_WITHOUT['attention']}")
-        return _Plan(SiteCoverage(site, "attention", True), "attention", lambda taps: _PatternRule())
+        return _Plan(
+            SiteCoverage(site, "attention", True), "attention", lambda taps: _PatternRule()
+        )
 
     has_norm = info.normalization_type is not None
     plans: list[_Plan] = [norm("embed_ln")] if has_norm and info.embed_norm else []

@@ -528,7 +528,11 @@ class Bridge:
                 ``cfg.n_ctx`` (the message gives the largest ``max_new_tokens`` that fits),
                 bad inputs, sampling options, names or specs; all before decoding starts.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
             raise UserError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         self._check_context(batch, max_new_tokens)
@@ -611,4 +615,3 @@ class _GradCapture:
     def __call__(self, grad: torch.Tensor, *, hook: HookPoint) -> None:
         grad = grad.detach()
         self._store[self._name] = grad.to(self._device) if self._device is not None else grad
-

@@ -11,7 +11,9 @@ from tl_core.driver_api._discovery import get_driver_entry
 __all__ = ["boot"]
 
 
-def boot(model: Any = None, *, driver: str = "hf", **options: Any) -> TransformerBridge | RemoteBridge:
+def boot(
+    model: Any = None, *, driver: str = "hf", **options: Any
+) -> TransformerBridge | RemoteBridge:
     """Load ``model`` with the named driver and wrap it in the matching bridge.
 
     Args:

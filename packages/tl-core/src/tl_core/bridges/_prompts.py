@@ -73,7 +73,7 @@ def _encode_prompt(tokenizer: Tokenizer, text: str, index: int, prepend_bos: boo
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise UserError(
-            f"prompt {index} holds {text[exc.start:exc.end]!r} at character {exc.start}, "
+            f"prompt {index} holds {text[exc.start : exc.end]!r} at character {exc.start}, "
             f"a lone surrogate: it is not valid Unicode, so the tokenizer cannot encode "
             f"it; remove it, or clean the text with "
             f"text.encode('utf-8', errors='replace').decode('utf-8')"
@@ -84,8 +84,7 @@ def _encode_prompt(tokenizer: Tokenizer, text: str, index: int, prepend_bos: boo
         why = "prepend_bos=False" if not prepend_bos else "this tokenizer has no BOS token"
         fix = " or pass prepend_bos=True" if not prepend_bos else ""
         raise UserError(
-            f"prompt {index} {what} and {why}, so it has nothing to run; give it some "
-            f"text{fix}"
+            f"prompt {index} {what} and {why}, so it has nothing to run; give it some text{fix}"
         )
     return ids
 

@@ -35,7 +35,9 @@ class CachePlotsMixin(ABC):
         if self.has_batch_dim:
             return self.prompt(prompt).remove_batch_dim()
         if prompt not in (0, -1):
-            raise UserError(f"this cache has no batch dimension, so prompt must be 0, got {prompt!r}")
+            raise UserError(
+                f"this cache has no batch dimension, so prompt must be 0, got {prompt!r}"
+            )
         return self  # type: ignore[return-value]
 
     def plot_pattern(
@@ -116,8 +118,14 @@ class CachePlotsMixin(ABC):
         logits, labels = one.logit_lens(return_labels=True)  # [layer, pos, vocab]
         probs = torch.softmax(logits.float(), dim=-1)
         if token is not None:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < probs.shape[-1]:
-                raise UserError(f"token must be a token id in 0..{probs.shape[-1] - 1}, got {token!r}")
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, int)
+                or not 0 <= token < probs.shape[-1]
+            ):
+                raise UserError(
+                    f"token must be a token id in 0..{probs.shape[-1] - 1}, got {token!r}"
+                )
             values = probs[..., token]
             label = f"p(token {token})"
             if tokenizer is not None:

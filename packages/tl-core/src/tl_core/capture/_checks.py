@@ -62,7 +62,9 @@ def check_intervene(intervene: Any, where: str) -> None:
     for hook, entry in intervene.items():
         if not isinstance(hook, str):
             raise SpecError(f"{where}: hook names must be strings, found {hook!r}; e.g. {example}")
-        items = entry if isinstance(entry, Sequence) and not isinstance(entry, str | bytes) else [entry]
+        items = (
+            entry if isinstance(entry, Sequence) and not isinstance(entry, str | bytes) else [entry]
+        )
         for item in items:
             try:
                 parse_spec(item, hook=hook)
@@ -82,7 +84,12 @@ def check_intervene_on(bridge: Any, config: CaptureConfig, where: str) -> None:
     if config.intervene is None:
         return
     try:
-        build_plan(config.intervene, lengths=[config.context_size], namespace=bridge.namespace, allow_callables=False)
+        build_plan(
+            config.intervene,
+            lengths=[config.context_size],
+            namespace=bridge.namespace,
+            allow_callables=False,
+        )
     except (SpecError, HookNameError) as error:
         raise type(error)(f"{where}: {str(error).rstrip('.')}; nothing was written") from None
 
@@ -104,21 +111,40 @@ def context_limit_before_boot(config: CaptureConfig) -> ContextLimit | None:
 
         overrides = {k: v for k, v in options.items() if k not in _NATIVE_BOOT_ARGS}
         native = _config(config.model, overrides)
-        return native.n_ctx, f"the native {config.model!r} config's n_ctx", "--option n_ctx=N (native models take any n_ctx)"
+        return (
+            native.n_ctx,
+            f"the native {config.model!r} config's n_ctx",
+            "--option n_ctx=N (native models take any n_ctx)",
+        )
     if config.driver == "hf":
         if _positive_int(options.get("n_ctx")):
             return int(options["n_ctx"]), "the boot option n_ctx", "a larger --option n_ctx=N"
         overrides = options.get("hf_config_overrides") or {}
-        raise_it = "--option n_ctx=N (rotary models only; learned position tables have a fixed size)"
-        found = _config_limit(config.model, options, overrides if isinstance(overrides, Mapping) else None, rope_ok=True)
+        raise_it = (
+            "--option n_ctx=N (rotary models only; learned position tables have a fixed size)"
+        )
+        found = _config_limit(
+            config.model,
+            options,
+            overrides if isinstance(overrides, Mapping) else None,
+            rope_ok=True,
+        )
         return None if found is None else (found[0], found[1], raise_it)
     if config.driver == "vllm":
         if _positive_int(options.get("max_model_len")):
-            return int(options["max_model_len"]), "the boot option max_model_len", "a larger --option max_model_len=N"
+            return (
+                int(options["max_model_len"]),
+                "the boot option max_model_len",
+                "a larger --option max_model_len=N",
+            )
         if any("override" in key for key in options):
             return None
         found = _config_limit(config.model, options, {}, rope_ok=False)
-        return None if found is None else (found[0], found[1], "--option max_model_len=N where the model allows it")
+        return (
+            None
+            if found is None
+            else (found[0], found[1], "--option max_model_len=N where the model allows it")
+        )
     return None
 
 
@@ -141,11 +167,17 @@ def _config_limit(
     data = {**data, **overrides}
     if not any(data.get(name) is not None for name in _N_CTX):
         return None  # transformers would fill in its class default; the boot tells
-    if not rope_ok and any(isinstance(data.get(k), dict) and "factor" in data[k] for k in ("rope_scaling", "rope_parameters")):
+    if not rope_ok and any(
+        isinstance(data.get(k), dict) and "factor" in data[k]
+        for k in ("rope_scaling", "rope_parameters")
+    ):
         return None  # vLLM stretches the limit by the rope scaling factor
     try:
         info = model_info_from_config(
-            _Fields(data), normalization_type=None, positional_embedding_type="standard", gated_mlp=False
+            _Fields(data),
+            normalization_type=None,
+            positional_embedding_type="standard",
+            gated_mlp=False,
         )
     except Exception:  # an incomplete config: the driver's boot reports it properly
         return None
@@ -175,7 +207,11 @@ def check_context_size(config: CaptureConfig, limit: ContextLimit, *, booted: bo
     n_ctx, source, raise_it = limit
     if n_ctx <= 0 or config.context_size <= n_ctx:
         return
-    when = "checked after the boot; nothing was written" if booted else "checked before the model boots"
+    when = (
+        "checked after the boot; nothing was written"
+        if booted
+        else "checked before the model boots"
+    )
     raise UserError(
         f"context_size (--context-size) {config.context_size} is longer than model "
         f"{config.model!r} takes on driver {config.driver!r}: {n_ctx} tokens ({source}; {when}). "

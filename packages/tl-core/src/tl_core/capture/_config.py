@@ -94,7 +94,11 @@ class CaptureConfig:
             object.__setattr__(self, "model", str(Path(self.model).expanduser().resolve()))
         object.__setattr__(self, "input", str(Path(self.input).expanduser().resolve()))
         object.__setattr__(self, "boot_options", dict(self.boot_options))
-        object.__setattr__(self, "dictionaries", tuple(_dictionary_entry(d, i) for i, d in enumerate(self.dictionaries)))
+        object.__setattr__(
+            self,
+            "dictionaries",
+            tuple(_dictionary_entry(d, i) for i, d in enumerate(self.dictionaries)),
+        )
         for name in ("context_size", "batch_size"):
             _positive(name, getattr(self, name))
         if self.shard_contexts is not None:
@@ -108,7 +112,9 @@ class CaptureConfig:
         if self.max_tokens is not None:
             _positive("max_tokens", self.max_tokens)
         if self.input_format not in (None, "text", "jsonl", "datasets"):
-            raise UserError(f"input_format must be 'text', 'jsonl' or 'datasets', got {self.input_format!r}")
+            raise UserError(
+                f"input_format must be 'text', 'jsonl' or 'datasets', got {self.input_format!r}"
+            )
         if self.separator not in ("bos", "eos", "none"):
             raise UserError(f"separator must be 'bos', 'eos' or 'none', got {self.separator!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -137,10 +143,14 @@ _DICTIONARY_KEYS = ("path", "hook_name", "output_hook_name", "top_k", "use_error
 def _dictionary_entry(entry: object, index: int) -> dict[str, Any]:
     """One ``dictionaries`` entry, checked, its path absolute and ``use_error_term`` set."""
     if not isinstance(entry, Mapping) or "path" not in entry:
-        raise UserError(f"dictionaries[{index}] must be a mapping with a 'path' (a sae-lens folder), got {entry!r}")
+        raise UserError(
+            f"dictionaries[{index}] must be a mapping with a 'path' (a sae-lens folder), got {entry!r}"
+        )
     unknown = sorted(set(entry) - set(_DICTIONARY_KEYS))
     if unknown:
-        raise UserError(f"dictionaries[{index}] has unknown keys {unknown}; its keys are {', '.join(_DICTIONARY_KEYS)}")
+        raise UserError(
+            f"dictionaries[{index}] has unknown keys {unknown}; its keys are {', '.join(_DICTIONARY_KEYS)}"
+        )
     out = dict(entry)
     out["path"] = str(Path(str(entry["path"])).expanduser().resolve())
     out.setdefault("use_error_term", True)

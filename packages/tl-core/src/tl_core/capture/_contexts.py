@@ -63,7 +63,9 @@ class Tokens:
         return cls(bos=bos, separator=separator, pad=padding_id(tokenizer))
 
 
-def contexts(documents: Iterable[Document], tokenizer: Tokenizer, config: CaptureConfig) -> Iterator[Context]:
+def contexts(
+    documents: Iterable[Document], tokenizer: Tokenizer, config: CaptureConfig
+) -> Iterator[Context]:
     """The job's contexts, in order; stops after the context reaching ``max_tokens``."""
     special = Tokens.of(tokenizer, config)
     prefix = [special.bos] if config.prepend_bos and special.bos is not None else []
@@ -87,7 +89,9 @@ def contexts(documents: Iterable[Document], tokenizer: Tokenizer, config: Captur
 _Body = tuple[list[int], list[int], float]
 
 
-def _packed(documents: Iterable[Document], tokenizer: Tokenizer, special: Tokens, width: int) -> Iterator[_Body]:
+def _packed(
+    documents: Iterable[Document], tokenizer: Tokenizer, special: Tokens, width: int
+) -> Iterator[_Body]:
     tokens: list[int] = []
     owners: list[int] = []
     progress = 0.0

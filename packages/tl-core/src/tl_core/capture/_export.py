@@ -95,7 +95,9 @@ def export_sae_lens(
     try:
         import datasets
     except ImportError:
-        raise UserError("exporting to sae-lens writes a `datasets` folder: pip install datasets") from None
+        raise UserError(
+            "exporting to sae-lens writes a `datasets` folder: pip install datasets"
+        ) from None
     if not isinstance(store, CaptureStore):
         store = CaptureStore(store)
     output = Path(output)
@@ -111,7 +113,8 @@ def export_sae_lens(
         {
             **{
                 chosen[n]: datasets.Array2D(
-                    shape=(width, d_in[chosen[n]]), dtype=_ARROW_DTYPES[store.manifest.hooks[n].dtype]
+                    shape=(width, d_in[chosen[n]]),
+                    dtype=_ARROW_DTYPES[store.manifest.hooks[n].dtype],
                 )
                 for n in names
             },
@@ -132,15 +135,21 @@ def export_sae_lens(
             seen += keep
             contexts = keep // width
             shaped = {
-                chosen[n]: batch[n][:keep].float().reshape(contexts, width, -1).numpy() for n in names
+                chosen[n]: batch[n][:keep].float().reshape(contexts, width, -1).numpy()
+                for n in names
             }
             token_ids = batch["tokens"][:keep].reshape(contexts, width).numpy()
             for c in range(contexts):
-                yield {**{col: value[c] for col, value in shaped.items()}, "token_ids": token_ids[c]}
+                yield {
+                    **{col: value[c] for col, value in shaped.items()},
+                    "token_ids": token_ids[c],
+                }
 
     scratch = Path(tempfile.mkdtemp(prefix="tl-export-"))
     try:
-        dataset = datasets.Dataset.from_generator(generate, features=features, cache_dir=str(scratch))
+        dataset = datasets.Dataset.from_generator(
+            generate, features=features, cache_dir=str(scratch)
+        )
         dataset.save_to_disk(str(output))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -73,7 +73,9 @@ def plan_hooks(bridge: Any, config: CaptureConfig, probe_token: int) -> HookPlan
     for name in config.hooks:
         canonical = namespace.lookup(name)
         if canonical in requested:
-            raise UserError(f"hooks {requested[canonical]!r} and {name!r} are the same hook ({canonical}); list it once")
+            raise UserError(
+                f"hooks {requested[canonical]!r} and {name!r} are the same hook ({canonical}); list it once"
+            )
         if namespace.feature_shape(canonical) is None:
             raise UserError(
                 f"{name!r} ({canonical}) has one value per key position, so its rows have no "
@@ -82,7 +84,11 @@ def plan_hooks(bridge: Any, config: CaptureConfig, probe_token: int) -> HookPlan
             )
         requested[canonical] = name
     _, cache = bridge.run_with_cache(
-        [[probe_token, probe_token]], names_filter=list(requested), return_type=None, prepend_bos=False, device="cpu"
+        [[probe_token, probe_token]],
+        names_filter=list(requested),
+        return_type=None,
+        prepend_bos=False,
+        device="cpu",
     )
     hooks: dict[str, HookRecord] = {}
     for canonical, name in requested.items():
@@ -94,7 +100,11 @@ def plan_hooks(bridge: Any, config: CaptureConfig, probe_token: int) -> HookPlan
                 f"the driver serves {canonical} with rows of shape {shape}, its namespace says "
                 f"{expected}: the driver breaks its contract (report it to its authors)"
             )
-        dtype = config.dtype if config.dtype and tensor.is_floating_point() else str(tensor.dtype).removeprefix("torch.")
+        dtype = (
+            config.dtype
+            if config.dtype and tensor.is_floating_point()
+            else str(tensor.dtype).removeprefix("torch.")
+        )
         hooks[canonical] = HookRecord(name, shape, dtype)
     return HookPlan(hooks)
 
@@ -130,7 +140,9 @@ def _versions(driver: str) -> dict[str, str]:
     return versions
 
 
-def attach_dictionaries(bridge: Any, config: CaptureConfig, dictionaries: Sequence[Any]) -> list[Any]:
+def attach_dictionaries(
+    bridge: Any, config: CaptureConfig, dictionaries: Sequence[Any]
+) -> list[Any]:
     """Attach ``dictionaries`` (loaded from ``config.dictionaries``' folders, in order) to
     ``bridge`` with each entry's options; the caller removes each (``Splice``).
 
@@ -173,12 +185,16 @@ def identity(
         "versions": _versions(config.driver),
     }
     if config.dictionaries:
-        wanted["dictionaries"] = [_dictionary_digest(entry["path"]) for entry in config.dictionaries]
+        wanted["dictionaries"] = [
+            _dictionary_digest(entry["path"]) for entry in config.dictionaries
+        ]
     # As the manifest records it (tuples become lists), so an unchanged job compares equal.
     return dict(json.loads(json.dumps(wanted)))
 
 
-def check_resumable(folder: Path, config: CaptureConfig, input_digest: str, part: tuple[int, int]) -> None:
+def check_resumable(
+    folder: Path, config: CaptureConfig, input_digest: str, part: tuple[int, int]
+) -> None:
     """Refuse, before the model boots, a store that holds shards of another job or part.
 
     Compares what needs no model: the config and the input's digest (and the shard size
@@ -192,7 +208,9 @@ def check_resumable(folder: Path, config: CaptureConfig, input_digest: str, part
     recorded = Manifest.load(folder)
     if not recorded.shards:
         return  # a store without a shard is started over (see open_store)
-    mine: dict[str, Any] = json.loads(json.dumps({"config": config.to_json(), "input_digest": input_digest}))
+    mine: dict[str, Any] = json.loads(
+        json.dumps({"config": config.to_json(), "input_digest": input_digest})
+    )
     theirs: dict[str, Any] = {
         "config": dict(recorded.identity.get("config") or {}),
         "input_digest": recorded.identity.get("input_digest"),
@@ -251,7 +269,9 @@ def open_store(
             manifest = recorded
         elif differences or recorded.part != part:
             if recorded.part != part:
-                differences.append(f"part: {recorded.part[0]}/{recorded.part[1]} -> {part[0]}/{part[1]}")
+                differences.append(
+                    f"part: {recorded.part[0]}/{recorded.part[1]} -> {part[0]}/{part[1]}"
+                )
             note = (
                 f"{folder} held the manifest of a capture that wrote no shard, with another "
                 f"configuration ({'; '.join(differences)}); starting over with this one"
@@ -267,7 +287,9 @@ def open_store(
     for stray in sorted(folder.glob("shard-*.safetensors")):
         if stray.name not in listed:
             stray.unlink()
-            notes.append(f"{stray.name} was written but not recorded before an interruption; redoing it")
+            notes.append(
+                f"{stray.name} was written but not recorded before an interruption; redoing it"
+            )
     redone = False
     for index in sorted(manifest.shards):
         try:
@@ -282,7 +304,9 @@ def open_store(
     if not repair:
         manifest.check_totals(folder)
     elif manifest.edited_totals() and not redone:  # a removed shard changes them anyway
-        notes.append(f"repair: rewrote the manifest's totals ({'; '.join(manifest.edited_totals())})")
+        notes.append(
+            f"repair: rewrote the manifest's totals ({'; '.join(manifest.edited_totals())})"
+        )
     if notes and manifest is not fresh:
         manifest.save(folder)
     return manifest, notes

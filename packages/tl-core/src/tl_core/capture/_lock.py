@@ -129,7 +129,10 @@ class StoreLock:
             fields = json.loads(text)
         except ValueError:
             pid_text, _, host = text.partition(" ")  # "<pid> <host>", tl-core 0.1's format
-            fields = {"pid": int(pid_text) if pid_text.strip().isdigit() else -1, "host": host.strip()}
+            fields = {
+                "pid": int(pid_text) if pid_text.strip().isdigit() else -1,
+                "host": host.strip(),
+            }
         if not isinstance(fields, dict) or not isinstance(fields.get("pid"), int):
             fields = {"pid": -1}
         return text, fields
@@ -184,6 +187,9 @@ class StoreLock:
             self._held = False
 
     def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
     ) -> None:
         self.release()

@@ -139,9 +139,13 @@ class Manifest:
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as error:
-            raise UserError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}): the manifest is damaged") from None
+            raise UserError(
+                f"{path} is not valid JSON ({error.msg} at line {error.lineno}): the manifest is damaged"
+            ) from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise UserError(f"{path} is not a tl capture manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+            raise UserError(
+                f"{path} is not a tl capture manifest (format {data.get('format') if isinstance(data, dict) else None!r})"
+            )
         if data.get("format_version") != FORMAT_VERSION:
             raise UserError(
                 f"{path} has format version {data.get('format_version')!r}; this tl-core reads "
@@ -152,7 +156,9 @@ class Manifest:
             manifest = cls(
                 identity=dict(data["identity"]),
                 hooks={
-                    name: HookRecord(h["requested"], tuple(int(n) for n in h["shape"]), str(h["dtype"]))
+                    name: HookRecord(
+                        h["requested"], tuple(int(n) for n in h["shape"]), str(h["dtype"])
+                    )
                     for name, h in data["hooks"].items()
                 },
                 part=(int(data["part"]["index"]), int(data["part"]["count"])),
@@ -160,7 +166,9 @@ class Manifest:
                 total_shards=data["total_shards"],
             )
         except (KeyError, TypeError, ValueError) as error:
-            raise UserError(f"{path} was edited or damaged: a field is missing or malformed ({error!r})") from None
+            raise UserError(
+                f"{path} was edited or damaged: a field is missing or malformed ({error!r})"
+            ) from None
         if manifest.fingerprint != data.get("fingerprint"):
             raise UserError(
                 f"{path} was edited: its identity no longer hashes to its fingerprint "
@@ -170,7 +178,9 @@ class Manifest:
         for index in manifest.shards:
             beyond = manifest.total_shards is not None and index >= manifest.total_shards
             if not manifest.owns(index) or beyond:
-                raise UserError(f"{path} was edited: it lists shard {index}, which is not one of this part's shards")
+                raise UserError(
+                    f"{path} was edited: it lists shard {index}, which is not one of this part's shards"
+                )
         _check_hooks(path, manifest)
         manifest.recorded_totals = {name: data.get(name) for name in _TOTALS}
         return manifest
@@ -203,7 +213,9 @@ def _check_entries(path: Path, listed: list[int]) -> None:
     """Refuse shard entries out of index order or listed twice (the writer lists each once, in order)."""
     for before, after in itertools.pairwise(listed):
         if after == before:
-            raise UserError(f"{path} was edited: it lists shard {after} twice; restore the manifest")
+            raise UserError(
+                f"{path} was edited: it lists shard {after} twice; restore the manifest"
+            )
         if after < before:
             raise UserError(
                 f"{path} was edited: it lists shard {before} before shard {after}, but tl writes the "
@@ -225,7 +237,9 @@ def _check_hooks(path: Path, manifest: Manifest) -> None:
             )
 
 
-def identity_differences(recorded: Mapping[str, Any], requested: Mapping[str, Any], prefix: str = "") -> list[str]:
+def identity_differences(
+    recorded: Mapping[str, Any], requested: Mapping[str, Any], prefix: str = ""
+) -> list[str]:
     """``"key: recorded -> requested"`` for every leaf that differs between two identities."""
     out: list[str] = []
     for key in sorted(set(recorded) | set(requested)):

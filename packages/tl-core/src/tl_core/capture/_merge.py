@@ -56,12 +56,17 @@ def merge_stores(parts: Sequence[str | Path], output: str | Path) -> Manifest:
         differences = identity_differences(first.identity, manifest.identity)
         if differences:
             raise UserError(
-                f"{folder} is not part of the same capture as {folders[0]}:\n  " + "\n  ".join(differences)
+                f"{folder} is not part of the same capture as {folders[0]}:\n  "
+                + "\n  ".join(differences)
             )
         if manifest.part[1] != count:
-            raise UserError(f"{folder} is part of a job split {manifest.part[1]} ways, {folders[0]} of one split {count} ways")
+            raise UserError(
+                f"{folder} is part of a job split {manifest.part[1]} ways, {folders[0]} of one split {count} ways"
+            )
         if not manifest.complete:
-            raise UserError(f"{folder} (part {manifest.part[0]}/{count}) is incomplete; rerun its capture to finish it")
+            raise UserError(
+                f"{folder} (part {manifest.part[0]}/{count}) is incomplete; rerun its capture to finish it"
+            )
     indices = [m.part[0] for m in manifests]
     if len(set(indices)) != len(indices):
         raise UserError(f"a part is given twice: parts {sorted(indices)}")
@@ -73,7 +78,9 @@ def merge_stores(parts: Sequence[str | Path], output: str | Path) -> Manifest:
     merged = Manifest(identity=first.identity, hooks=dict(first.hooks), total_shards=total)
     for folder, manifest in zip(folders, manifests, strict=True):
         if manifest.total_shards != total:
-            raise UserError(f"{folder} counts {manifest.total_shards} shards, {folders[0]} {total}: the parts read different inputs")
+            raise UserError(
+                f"{folder} counts {manifest.total_shards} shards, {folders[0]} {total}: the parts read different inputs"
+            )
         for record in manifest.shards.values():
             check_shard(folder, record, manifest.fingerprint, checksum=True)
             merged.shards[record.index] = record

@@ -46,7 +46,9 @@ class CaptureStore:
             to recover.
     """
 
-    def __init__(self, path: str | Path, *, verify: bool = True, allow_incomplete: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, *, verify: bool = True, allow_incomplete: bool = False
+    ) -> None:
         #: The store's folder.
         self.folder = Path(path)
         #: The store's manifest: hooks, dtypes, shards, progress and the run's settings.
@@ -149,12 +151,15 @@ class CaptureStore:
             return getattr(torch, self.manifest.hooks[name].dtype)  # type: ignore[no-any-return]
         return torch.int32 if name in ("tokens", "positions") else torch.int64
 
-    def _chunks(self, names: Sequence[str], order: Sequence[int]) -> Iterator[dict[str, torch.Tensor]]:
+    def _chunks(
+        self, names: Sequence[str], order: Sequence[int]
+    ) -> Iterator[dict[str, torch.Tensor]]:
         """Consecutive row chunks of the given shard positions."""
         from safetensors import safe_open
 
         row_bytes = sum(
-            max(1, int(torch.tensor(self.row_shape(n)).prod())) * torch.empty((), dtype=self._dtype(n)).element_size()
+            max(1, int(torch.tensor(self.row_shape(n)).prod()))
+            * torch.empty((), dtype=self._dtype(n)).element_size()
             for n in names
         )
         step = max(1, _CHUNK_BYTES // row_bytes)
@@ -211,9 +216,13 @@ class CaptureStore:
                 pending[n].append(chunk[n])
             held += int(chunk[names[0]].shape[0])
             if held >= limit:
-                yield from self._emit(pending, labels, batch_size, shuffle, generator, device, final=False)
+                yield from self._emit(
+                    pending, labels, batch_size, shuffle, generator, device, final=False
+                )
                 held = sum(int(t.shape[0]) for t in pending[names[0]])
-        yield from self._emit(pending, labels, batch_size, shuffle, generator, device, final=True, drop_last=drop_last)
+        yield from self._emit(
+            pending, labels, batch_size, shuffle, generator, device, final=True, drop_last=drop_last
+        )
 
     def _labels(self, name: str, fields: Sequence[str]) -> dict[str, str]:
         """Stored name -> the name the caller used, for the hook and its fields."""
@@ -263,7 +272,8 @@ class CaptureStore:
         manifest = self.manifest
         config = manifest.identity["config"]
         hooks = "\n".join(
-            f"  {n} (asked as {h.requested}): rows of {list(h.shape)} {h.dtype}" for n, h in manifest.hooks.items()
+            f"  {n} (asked as {h.requested}): rows of {list(h.shape)} {h.dtype}"
+            for n, h in manifest.hooks.items()
         )
         return (
             f"{self.folder}: {len(self):,} rows from {manifest.tokens:,} tokens in "
@@ -302,7 +312,9 @@ class RowDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         shard = bisect.bisect_right(self._starts, index) - 1
         offset = index - self._starts[shard]
         handle = self._handle(shard)
-        rows = {label: handle.get_slice(n)[offset : offset + 1][0] for n, label in self._labels.items()}
+        rows = {
+            label: handle.get_slice(n)[offset : offset + 1][0] for n, label in self._labels.items()
+        }
         return rows if len(rows) > 1 else next(iter(rows.values()))
 
     def __getstate__(self) -> dict[str, Any]:

@@ -127,7 +127,9 @@ class _Writer:
                 record = write_shard(
                     self.folder, index, tensors, {**self.metadata, "shard": str(index)}, summary
                 )
-                doing = f"recording shard {index} in the manifest (the shard is redone on the rerun)"
+                doing = (
+                    f"recording shard {index} in the manifest (the shard is redone on the rerun)"
+                )
                 self.manifest.shards[index] = record
                 self.manifest.save(self.folder)
                 self.progress.update(shards=1)
@@ -136,7 +138,9 @@ class _Writer:
                 if error.errno in _NO_SPACE:
                     self.manifest.shards.pop(index, None)
                     size = sum(t.numel() * t.element_size() for t in tensors.values())
-                    self._error = disk_full(error, self.folder, doing, len(self.manifest.shards), size)
+                    self._error = disk_full(
+                        error, self.folder, doing, len(self.manifest.shards), size
+                    )
             except BaseException as error:  # re-raised in the run's thread
                 self._error = error
 
@@ -169,9 +173,24 @@ def _shard_tensors(shard: Sequence[Context], plan: HookPlan) -> dict[str, torch.
     stored = [torch.tensor(c.stored) for c in shard]
     rows = int(sum(int(m.sum()) for m in stored))
     tensors = {
-        "tokens": torch.cat([torch.tensor(c.tokens, dtype=torch.int32)[m] for c, m in zip(shard, stored, strict=True)]),
-        "documents": torch.cat([torch.tensor(c.documents, dtype=torch.int64)[m] for c, m in zip(shard, stored, strict=True)]),
-        "contexts": torch.cat([torch.full((int(m.sum()),), c.index, dtype=torch.int64) for c, m in zip(shard, stored, strict=True)]),
+        "tokens": torch.cat(
+            [
+                torch.tensor(c.tokens, dtype=torch.int32)[m]
+                for c, m in zip(shard, stored, strict=True)
+            ]
+        ),
+        "documents": torch.cat(
+            [
+                torch.tensor(c.documents, dtype=torch.int64)[m]
+                for c, m in zip(shard, stored, strict=True)
+            ]
+        ),
+        "contexts": torch.cat(
+            [
+                torch.full((int(m.sum()),), c.index, dtype=torch.int64)
+                for c, m in zip(shard, stored, strict=True)
+            ]
+        ),
         "positions": torch.cat([torch.arange(len(m), dtype=torch.int32)[m] for m in stored]),
     }
     for name, record in plan.hooks.items():
@@ -227,14 +246,18 @@ def _summary(shard: Sequence[Context]) -> dict[str, int]:
     }
 
 
-def disk_full(error: OSError, folder: Path, doing: str, recorded: int, shard_bytes: int = 0) -> UserError:
+def disk_full(
+    error: OSError, folder: Path, doing: str, recorded: int, shard_bytes: int = 0
+) -> UserError:
     """The error of a write that found the disk (or the user's quota) full."""
     kept = (
         f"{recorded} shard(s) are complete and recorded in {folder / MANIFEST}"
         if recorded
         else "no shard is recorded yet"
     )
-    size = f" (a shard of this job takes about {shard_bytes / 2**20:,.0f} MiB)" if shard_bytes else ""
+    size = (
+        f" (a shard of this job takes about {shard_bytes / 2**20:,.0f} MiB)" if shard_bytes else ""
+    )
     return UserError(
         f"the disk holding {folder} is full ({error.strerror or error}) while {doing}; {kept}. "
         f"Free space on that disk{size}, or move the store to a larger one, and rerun the "
@@ -250,11 +273,17 @@ _LEFTOVER_SHARDS = 1
 
 def _check_output(folder: Path) -> None:
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"output {folder} is a file; a capture store is a folder: choose a folder path")
+        raise UserError(
+            f"output {folder} is a file; a capture store is a folder: choose a folder path"
+        )
     if folder.is_dir() and not (folder / MANIFEST).exists():
         names = [p.name for p in folder.iterdir()]
         shards = [n for n in names if n.startswith("shard-") and n.endswith(".safetensors")]
-        other = [n for n in names if n != LOCK and n not in shards and not (n.startswith(".") and n.endswith(".partial"))]
+        other = [
+            n
+            for n in names
+            if n != LOCK and n not in shards and not (n.startswith(".") and n.endswith(".partial"))
+        ]
         if other:
             shown = ", ".join(sorted(other)[:3]) + (", ..." if len(other) > 3 else "")
             raise UserError(
@@ -323,7 +352,9 @@ def capture(
         check_context_size(config, limit, booted=False)
     check_resumable(folder, config, digest, part)
     if bridge is not None and getattr(bridge.driver, "name", config.driver) != config.driver:
-        raise UserError(f"the bridge runs driver {bridge.driver.name!r}, the config names {config.driver!r}")
+        raise UserError(
+            f"the bridge runs driver {bridge.driver.name!r}, the config names {config.driver!r}"
+        )
     created = not folder.exists()
     try:
         with _no_space(folder, "taking the store's lock"):
@@ -388,7 +419,11 @@ def _boot_and_run(
             manifest, notes = open_store(folder, wanted, plan, part, repair=repair)
             before = len(manifest.shards)
             display = Progress(enabled=progress)
-            written = (0, 0, 0) if manifest.complete else _run(bridge, config, plan, manifest, folder, source, display)
+            written = (
+                (0, 0, 0)
+                if manifest.complete
+                else _run(bridge, config, plan, manifest, folder, source, display)
+            )
             display.close()
         return (*written, before), manifest, notes
     finally:
@@ -477,7 +512,9 @@ def _run(
     return counts[0], counts[1], counts[2]
 
 
-def _guarded(items: Iterator[Context], folder: Path, written: Callable[[], int]) -> Iterator[Context]:
+def _guarded(
+    items: Iterator[Context], folder: Path, written: Callable[[], int]
+) -> Iterator[Context]:
     """``items``, with what becomes of the store added to an input error found mid-run
     (records past the ones checked before the boot are read only now)."""
     while True:
@@ -488,7 +525,9 @@ def _guarded(items: Iterator[Context], folder: Path, written: Callable[[], int])
         except UserError as error:
             shards = written()
             if shards == 0:
-                after = f"Nothing was written to {folder}; fix the input and rerun the same command."
+                after = (
+                    f"Nothing was written to {folder}; fix the input and rerun the same command."
+                )
             else:
                 after = (
                     f"{folder} keeps the {shards} shard(s) cut before that line, but a corrected "

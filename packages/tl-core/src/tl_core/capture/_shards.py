@@ -121,9 +121,17 @@ def _encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> list[
         tensor = tensors[name].detach().cpu().contiguous()
         if tensor.dtype not in _DTYPE_CODES:
             raise UserError(f"cannot store {name!r}: dtype {tensor.dtype} has no safetensors code")
-        raw = tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
+        raw = (
+            tensor.reshape(-1).view(torch.uint8)
+            if tensor.numel()
+            else torch.empty(0, dtype=torch.uint8)
+        )
         size = raw.numel()
-        header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         buffers.append(raw.numpy().data)  # a view of the tensor's memory, no copy
         offset += size
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -218,7 +226,9 @@ def check_shard(folder: Path, record: ShardRecord, fingerprint: str, *, checksum
             f"rerun the capture with --repair to redo the shard"
         )
     if not path.is_file():
-        raise UserError(f"{where} is listed in the manifest but missing; rerun the capture with --repair to redo it")
+        raise UserError(
+            f"{where} is listed in the manifest but missing; rerun the capture with --repair to redo it"
+        )
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = json.loads((handle.metadata() or {}).get(HEADER_KEY, "{}"))
@@ -237,7 +247,9 @@ def check_shard(folder: Path, record: ShardRecord, fingerprint: str, *, checksum
         )
     number = header.get("shard")
     if str(number) != str(record.index):
-        raise _edited(where, "index", record.index, int(number) if str(number).isdigit() else number)
+        raise _edited(
+            where, "index", record.index, int(number) if str(number).isdigit() else number
+        )
     if rows != record.rows:
         raise UserError(
             f"{where} holds {rows} rows, the manifest says {record.rows}: the manifest was "

@@ -80,7 +80,11 @@ class DocumentSource:
                     f"point input at a split that holds documents"
                 )
             for index in range(min(rows, CHECKED_RECORDS)):
-                _text(self._dataset[index].get(self.field), f"the dataset at {self.path}, row {index}", self.field)
+                _text(
+                    self._dataset[index].get(self.field),
+                    f"the dataset at {self.path}, row {index}",
+                    self.field,
+                )
             return f"datasets:{self._dataset._fingerprint}"
         if self.path.stat().st_size == 0:
             raise UserError(
@@ -108,7 +112,9 @@ class DocumentSource:
             rows = len(self._dataset)
             for index, row in enumerate(self._dataset):
                 where = f"the dataset at {self.path}, row {index}"
-                yield Document(index, _text(row.get(self.field), where, self.field), (index + 1) / rows)
+                yield Document(
+                    index, _text(row.get(self.field), where, self.field), (index + 1) / rows
+                )
             return
         size = max(self.path.stat().st_size, 1)
         read = 0
@@ -180,7 +186,11 @@ class _Scan:
         except UnicodeDecodeError as error:
             self._not_utf8(self.offset - len(error.object) + error.start, 0, error.reason)
         if not self.content:
-            what = "lines are all empty" if self.format == "text" else f"records hold no text in {self.field!r}"
+            what = (
+                "lines are all empty"
+                if self.format == "text"
+                else f"records hold no text in {self.field!r}"
+            )
             raise UserError(
                 f"input {self.path} holds no document to capture: its {self.lines} {what}; "
                 f"{_EXPECTED[self.format]}"
@@ -263,7 +273,11 @@ def open_source(path: str | Path, fmt: InputFormat | None, field: str) -> Docume
     if fmt is None:
         fmt = "datasets" if path.is_dir() else "jsonl" if path.suffix == ".jsonl" else "text"
     if fmt != "datasets" and path.is_dir():
-        raise UserError(f"input {path} is a folder; a {fmt} input is a file (a folder is read as a datasets dataset)")
+        raise UserError(
+            f"input {path} is a folder; a {fmt} input is a file (a folder is read as a datasets dataset)"
+        )
     if fmt == "datasets" and not path.is_dir():
-        raise UserError(f"input {path} is a file; a datasets input is the folder save_to_disk wrote")
+        raise UserError(
+            f"input {path} is a file; a datasets input is the folder save_to_disk wrote"
+        )
     return DocumentSource(path, fmt, field)

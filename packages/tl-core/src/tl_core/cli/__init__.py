@@ -50,18 +50,27 @@ def _build_parser(failed: dict[str, str]) -> tuple[argparse.ArgumentParser, set[
     from tl_core.cli import _capture, _certify, _demo, _drivers, _hooks
 
     parser = argparse.ArgumentParser(
-        prog="tl", description="One hook vocabulary, cache and intervention language for every engine."
+        prog="tl",
+        description="One hook vocabulary, cache and intervention language for every engine.",
     )
     parser.add_argument("--version", action="version", version=f"tl-core {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for register in (_drivers.register, _demo.register, _hooks.register, _capture.register, _certify.register):
+    for register in (
+        _drivers.register,
+        _demo.register,
+        _hooks.register,
+        _capture.register,
+        _certify.register,
+    ):
         register(sub)
     for ep in plugin_entry_points():
         try:
             ep.load()(sub)
         except Exception as exc:  # a broken plugin must not break the whole command
             failed[ep.name] = f"{type(exc).__name__}: {exc}"
-            print(f"tl: warning: subcommand plugin {ep.name!r} failed to load: {exc}", file=sys.stderr)
+            print(
+                f"tl: warning: subcommand plugin {ep.name!r} failed to load: {exc}", file=sys.stderr
+            )
     return parser, set(sub.choices)
 
 

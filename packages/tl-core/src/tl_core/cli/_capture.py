@@ -18,47 +18,117 @@ def register(sub: Any) -> None:
     parser = sub.add_parser("capture", help="collect activations into a resumable, shardable store")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
-    run = actions.add_parser("run", help="capture hooks over an input (rerun to continue an interrupted store)")
-    run.add_argument("--model", required=True, help="what the driver loads: a folder, hub id or native preset")
-    run.add_argument("--driver", default=None, help="a driver from `tl drivers` (default: hf for a folder, .gguf file or org/name, native for a native preset)")
-    run.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="a driver boot option (VALUE as JSON when it parses), repeatable")
+    run = actions.add_parser(
+        "run", help="capture hooks over an input (rerun to continue an interrupted store)"
+    )
+    run.add_argument(
+        "--model", required=True, help="what the driver loads: a folder, hub id or native preset"
+    )
+    run.add_argument(
+        "--driver",
+        default=None,
+        help="a driver from `tl drivers` (default: hf for a folder, .gguf file or org/name, native for a native preset)",
+    )
+    run.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a driver boot option (VALUE as JSON when it parses), repeatable",
+    )
     run.add_argument("--hooks", required=True, nargs="+", help="hook names (aliases allowed)")
-    run.add_argument("--input", required=True, help="a text file (one document per line), a .jsonl file, or a datasets folder")
+    run.add_argument(
+        "--input",
+        required=True,
+        help="a text file (one document per line), a .jsonl file, or a datasets folder",
+    )
     run.add_argument("--output", required=True, help="the store folder")
-    run.add_argument("--format", choices=("text", "jsonl", "datasets"), help="input format (default: from the path)")
-    run.add_argument("--text-field", default="text", help="the text field of JSONL records or dataset rows")
-    run.add_argument("--context-size", type=int, default=128, help="tokens per context (default: 128)")
+    run.add_argument(
+        "--format",
+        choices=("text", "jsonl", "datasets"),
+        help="input format (default: from the path)",
+    )
+    run.add_argument(
+        "--text-field", default="text", help="the text field of JSONL records or dataset rows"
+    )
+    run.add_argument(
+        "--context-size", type=int, default=128, help="tokens per context (default: 128)"
+    )
     run.add_argument("--no-pack", action="store_true", help="start each document in a new context")
     run.add_argument("--no-prepend-bos", action="store_true", help="do not start contexts with BOS")
-    run.add_argument("--separator", choices=("bos", "eos", "none"), default="bos", help="token between packed documents")
+    run.add_argument(
+        "--separator",
+        choices=("bos", "eos", "none"),
+        default="bos",
+        help="token between packed documents",
+    )
     run.add_argument("--drop-bos", action="store_true", help="leave BOS positions out of the store")
-    run.add_argument("--keep-padding", action="store_true", help="pad short contexts to full length and store every position")
-    run.add_argument("--batch-size", type=int, default=8, help="contexts per forward pass (default: 8)")
-    run.add_argument("--shard-contexts", type=int, help="contexts per shard (default: about 256 MiB)")
-    run.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="storage dtype of activations")
+    run.add_argument(
+        "--keep-padding",
+        action="store_true",
+        help="pad short contexts to full length and store every position",
+    )
+    run.add_argument(
+        "--batch-size", type=int, default=8, help="contexts per forward pass (default: 8)"
+    )
+    run.add_argument(
+        "--shard-contexts", type=int, help="contexts per shard (default: about 256 MiB)"
+    )
+    run.add_argument(
+        "--dtype", choices=("float32", "float16", "bfloat16"), help="storage dtype of activations"
+    )
     run.add_argument("--max-tokens", type=int, help="stop after this many input tokens")
     run.add_argument("--intervene", type=Path, help="a JSON file of specs applied while capturing")
-    run.add_argument("--sae", action="append", default=[], metavar="FOLDER[@HOOK]", help="a sae-lens dictionary folder to attach while capturing (at HOOK, default its own hook_name), so --hooks can name its sites, e.g. blocks.3.hook_out.hook_sae_top_indices; repeatable")
-    run.add_argument("--sae-top-k", type=int, default=None, metavar="K", help="features per token the dictionaries' hook_sae_top_indices/_top_values keep (default: a TopK dictionary's k, else 32)")
-    run.add_argument("--shard", default="0/1", metavar="I/N", help="run part I of N (each part in its own folder)")
-    run.add_argument("--repair", action="store_true", help="redo recorded shards that are missing or damaged")
+    run.add_argument(
+        "--sae",
+        action="append",
+        default=[],
+        metavar="FOLDER[@HOOK]",
+        help="a sae-lens dictionary folder to attach while capturing (at HOOK, default its own hook_name), so --hooks can name its sites, e.g. blocks.3.hook_out.hook_sae_top_indices; repeatable",
+    )
+    run.add_argument(
+        "--sae-top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="features per token the dictionaries' hook_sae_top_indices/_top_values keep (default: a TopK dictionary's k, else 32)",
+    )
+    run.add_argument(
+        "--shard",
+        default="0/1",
+        metavar="I/N",
+        help="run part I of N (each part in its own folder)",
+    )
+    run.add_argument(
+        "--repair", action="store_true", help="redo recorded shards that are missing or damaged"
+    )
     run.add_argument("--quiet", action="store_true", help="no progress line")
     run.set_defaults(run=_run)
 
     merge = actions.add_parser("merge", help="join the complete parts of a sharded capture")
     merge.add_argument("parts", nargs="+", type=Path, help="the parts' folders")
-    merge.add_argument("--output", required=True, type=Path, help="a new folder for the merged store")
+    merge.add_argument(
+        "--output", required=True, type=Path, help="a new folder for the merged store"
+    )
     merge.set_defaults(run=_merge)
 
     info = actions.add_parser("info", help="check a store and summarise it")
     info.add_argument("store", type=Path)
-    info.add_argument("--no-verify", action="store_true", help="skip the checksums (sizes, headers and every manifest entry are still checked)")
+    info.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksums (sizes, headers and every manifest entry are still checked)",
+    )
     info.set_defaults(run=_info)
 
-    export = actions.add_parser("export-sae-lens", help="write sae-lens's cached-activations dataset")
+    export = actions.add_parser(
+        "export-sae-lens", help="write sae-lens's cached-activations dataset"
+    )
     export.add_argument("store", type=Path)
     export.add_argument("output", type=Path)
-    export.add_argument("--hook", action="append", dest="hooks", help="hooks to export (default: all), repeatable")
+    export.add_argument(
+        "--hook", action="append", dest="hooks", help="hooks to export (default: all), repeatable"
+    )
     export.set_defaults(run=_export)
 
 
@@ -82,10 +152,14 @@ def _specs(path: Path | None) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"--intervene {path}: no such file; pass a JSON file of specs, e.g. {example}") from None
+        raise UserError(
+            f"--intervene {path}: no such file; pass a JSON file of specs, e.g. {example}"
+        ) from None
     except (OSError, UnicodeDecodeError) as error:
         reason = error.reason if isinstance(error, UnicodeDecodeError) else error.strerror or error
-        raise UserError(f"--intervene {path}: cannot read it as UTF-8 text ({reason}); pass a JSON file of specs, e.g. {example}") from None
+        raise UserError(
+            f"--intervene {path}: cannot read it as UTF-8 text ({reason}); pass a JSON file of specs, e.g. {example}"
+        ) from None
     try:
         specs = json.loads(text)
     except json.JSONDecodeError as error:
@@ -135,7 +209,9 @@ def _run(args: argparse.Namespace) -> int:
         dictionaries=tuple(_dictionary(entry, args.sae_top_k) for entry in args.sae),
     )
     try:
-        summary = capture(config, args.output, part=args.shard, repair=args.repair, progress=not args.quiet)
+        summary = capture(
+            config, args.output, part=args.shard, repair=args.repair, progress=not args.quiet
+        )
     except KeyboardInterrupt:
         print(
             f"tl capture: interrupted; every shard recorded in {args.output}/manifest.json is "
@@ -153,7 +229,9 @@ def _merge(args: argparse.Namespace) -> int:
     from tl_core.capture import merge_stores
 
     manifest = merge_stores(args.parts, args.output)
-    print(f"{args.output}: merged {len(args.parts)} parts, {len(manifest.shards)} shards, {manifest.rows:,} rows")
+    print(
+        f"{args.output}: merged {len(args.parts)} parts, {len(manifest.shards)} shards, {manifest.rows:,} rows"
+    )
     return 0
 
 
@@ -165,7 +243,9 @@ def _info(args: argparse.Namespace) -> int:
     manifest = store.manifest
     total = manifest.total_shards if manifest.total_shards is not None else "?"
     state = "complete" if manifest.complete else "incomplete"
-    print(f"part {manifest.part[0]}/{manifest.part[1]}: {len(manifest.shards)} of {total} shards, {state}")
+    print(
+        f"part {manifest.part[0]}/{manifest.part[1]}: {len(manifest.shards)} of {total} shards, {state}"
+    )
     return 0
 
 
@@ -174,7 +254,11 @@ def _export(args: argparse.Namespace) -> int:
 
     done = export_sae_lens(args.store, args.output, hooks=args.hooks)
     columns = ", ".join(f"{c} (d_in {done.d_in[c]})" for c in done.columns.values())
-    print(f"{done.path}: {done.contexts} contexts of {done.context_size} tokens; columns {columns}, token_ids")
+    print(
+        f"{done.path}: {done.contexts} contexts of {done.context_size} tokens; columns {columns}, token_ids"
+    )
     if done.dropped_rows:
-        print(f"left out the final context's {done.dropped_rows} rows: it is shorter than {done.context_size}")
+        print(
+            f"left out the final context's {done.dropped_rows} rows: it is shorter than {done.context_size}"
+        )
     return 0

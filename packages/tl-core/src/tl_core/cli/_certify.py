@@ -19,14 +19,18 @@ def register(sub: Any) -> None:
         "certify",
         help="boot a model and print its certification: which hooks are served, proven by which equations",
     )
-    parser.add_argument("model", help="a folder, .gguf file or hub id (hf, vllm), or a native preset")
+    parser.add_argument(
+        "model", help="a folder, .gguf file or hub id (hf, vllm), or a native preset"
+    )
     parser.add_argument(
         "--driver",
         default=None,
         help="driver to boot (default: hf for a folder, .gguf file or 'org/name' hub id, "
         "native for a preset)",
     )
-    parser.add_argument("--verbose", "-v", action="store_true", help="list every check and every hook name")
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="list every check and every hook name"
+    )
     parser.set_defaults(run=run_certify)
 
 

@@ -37,14 +37,20 @@ def register(sub: Any) -> None:
             "--native runs the mechanics on a small random model instead."
         ),
     )
-    parser.add_argument("--native", action="store_true", help="offline tour on a random native model")
     parser.add_argument(
-        "--out", type=Path, default=None,
+        "--native", action="store_true", help="offline tour on a random native model"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
         help=f"folder for the figures and index.html (default: ./{DEFAULT_OUT})",
     )
     parser.add_argument("--no-figures", action="store_true", help="print only; write no files")
     native = parser.add_argument_group("with --native")
-    native.add_argument("--preset", choices=("gpt2", "llama"), default=None, help="block style (gpt2)")
+    native.add_argument(
+        "--preset", choices=("gpt2", "llama"), default=None, help="block style (gpt2)"
+    )
     native.add_argument("--layers", type=int, default=None, help="number of blocks (4)")
     native.add_argument("--seed", type=int, default=None, help="weight seed (0)")
     parser.set_defaults(run=run)
@@ -57,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
     given = [f"--{name}" for name in _NATIVE_ONLY if getattr(args, name) is not None]
     if args.native:
         if args.out is not None or args.no_figures:
-            raise UserError("--out and --no-figures apply to the real-model demo; --native writes no figures")
+            raise UserError(
+                "--out and --no-figures apply to the real-model demo; --native writes no figures"
+            )
         for name, default in _NATIVE_ONLY.items():
             if getattr(args, name) is None:
                 setattr(args, name, default)
@@ -74,12 +82,18 @@ def run(args: argparse.Namespace) -> int:
 
     missing = _demo_real.missing_requirements()
     if missing:
-        print("tl: error: `tl demo` runs SmolLM2-135M-Instruct on the hf driver, and this "
-              "environment lacks:", file=sys.stderr)
+        print(
+            "tl: error: `tl demo` runs SmolLM2-135M-Instruct on the hf driver, and this "
+            "environment lacks:",
+            file=sys.stderr,
+        )
         for line in missing:
             print(f"  - {line}", file=sys.stderr)
-        print("`python -m nox -s demo` installs everything; `tl demo --native` runs the offline "
-              "tour on a random model.", file=sys.stderr)
+        print(
+            "`python -m nox -s demo` installs everything; `tl demo --native` runs the offline "
+            "tour on a random model.",
+            file=sys.stderr,
+        )
         return 1
     out = None if args.no_figures else (args.out if args.out is not None else DEFAULT_OUT)
     return _demo_real.run(out)

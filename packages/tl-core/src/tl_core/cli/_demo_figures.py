@@ -36,10 +36,14 @@ def write(results: Any, out: Path) -> str:
     n_layers = model.cfg.n_layers
     figures = {
         "logit_lens.png": results.lens_cache.plot_logit_lens(
-            tokenizer=model.tokenizer, tokens=results.lens_tokens, title="Logit lens (top token per cell)"
+            tokenizer=model.tokenizer,
+            tokens=results.lens_tokens,
+            title="Logit lens (top token per cell)",
         ),
         "patching.png": plot_patching(
-            results.patching, [f"blocks.{i}.hook_in" for i in range(n_layers)], results.patch_tokens,
+            results.patching,
+            [f"blocks.{i}.hook_in" for i in range(n_layers)],
+            results.patch_tokens,
             value_label="share of the clean logit difference restored",
             title="Patching clean -> corrupted ('France' -> 'Italy')",
         ),
@@ -47,7 +51,10 @@ def write(results: Any, out: Path) -> str:
             results.induction_scores, value_label="induction score", title="Induction heads"
         ),
         "attention_pattern.png": results.induction_cache.plot_pattern(
-            layer, head, prompt=0, tokens=results.induction_tokens,
+            layer,
+            head,
+            prompt=0,
+            tokens=results.induction_tokens,
             title=f"blocks.{layer}.attn head {head} on repeated random tokens",
         ),
     }
@@ -66,7 +73,7 @@ def _page(summary: dict[str, str]) -> str:
         for name, caption in FIGURES.items()
     )
     return (
-        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>tl demo: SmolLM2-135M-Instruct</title>\n"
+        '<!doctype html>\n<html><head><meta charset="utf-8"><title>tl demo: SmolLM2-135M-Instruct</title>\n'
         "<style>body{font-family:sans-serif;max-width:72em;margin:auto}img{max-width:100%}</style>"
         "</head><body>\n<h1>tl demo on SmolLM2-135M-Instruct</h1>\n"
         f"{sections}\n</body></html>\n"

@@ -43,8 +43,15 @@ def _tour(args: argparse.Namespace) -> None:
 
     _section("capture: run_with_cache on a ragged batch of 2 prompts")
     logits, cache = model.run_with_cache(PROMPTS)
-    print(f"logits {tuple(logits.shape)}; {len(cache)} hooks cached; prompt lengths {cache.lengths}")
-    for name in ("embed.hook_out", "blocks.0.attn.hook_pattern", "blocks.1.hook_resid_post", "ln_final.hook_scale"):
+    print(
+        f"logits {tuple(logits.shape)}; {len(cache)} hooks cached; prompt lengths {cache.lengths}"
+    )
+    for name in (
+        "embed.hook_out",
+        "blocks.0.attn.hook_pattern",
+        "blocks.1.hook_resid_post",
+        "ln_final.hook_scale",
+    ):
         print(f"  cache[{name!r}] -> {tuple(cache[name].shape)}")
 
     _section("intervention: suppress block 0's attention output at the last position")
@@ -52,21 +59,33 @@ def _tour(args: argparse.Namespace) -> None:
     clean_loss = model.loss(PROMPTS[0]).item()
     last = target.shape[1] - 1
     spec = {"blocks.0.attn.hook_out": {"op": "suppress", "pos": last}}
-    edited, edited_cache = model.run_with_cache(PROMPTS[0], intervene=spec, names_filter=["blocks.0.attn.hook_out", "blocks.1.hook_out"])
+    edited, edited_cache = model.run_with_cache(
+        PROMPTS[0], intervene=spec, names_filter=["blocks.0.attn.hook_out", "blocks.1.hook_out"]
+    )
     clean = model(PROMPTS[0])
     moved = (edited[0, last] - clean[0, last]).abs().max().item()
     untouched = (edited[0, :last] - clean[0, :last]).abs().max().item()
     print(f"spec {spec}")
-    print(f"max |logit change| at position {last}: {moved:.4f}; at positions 0..{last - 1}: {untouched:.1e}")
-    print(f"edited value at that position is zero: {bool((edited_cache['blocks.0.attn.hook_out'][0, last] == 0).all())}")
+    print(
+        f"max |logit change| at position {last}: {moved:.4f}; at positions 0..{last - 1}: {untouched:.1e}"
+    )
+    print(
+        f"edited value at that position is zero: {bool((edited_cache['blocks.0.attn.hook_out'][0, last] == 0).all())}"
+    )
     print(f"loss clean {clean_loss:.4f}")
 
     _section("the same spec language composes: scale then add, only at position 2")
     composed = [InterventionSpec.scale(0.5, pos=2), InterventionSpec.add(1.0, pos=2)]
-    _, c2 = model.run_with_cache(PROMPTS[0], intervene={"blocks.1.mlp.hook_out": composed}, names_filter="blocks.1.mlp.hook_out")
+    _, c2 = model.run_with_cache(
+        PROMPTS[0],
+        intervene={"blocks.1.mlp.hook_out": composed},
+        names_filter="blocks.1.mlp.hook_out",
+    )
     _, c0 = model.run_with_cache(PROMPTS[0], names_filter="blocks.1.mlp.hook_out")
     expected = c0["blocks.1.mlp.hook_out"][0, 2] * 0.5 + 1.0
-    print(f"matches x*0.5+1 at position 2: {torch.allclose(c2['blocks.1.mlp.hook_out'][0, 2], expected)}")
+    print(
+        f"matches x*0.5+1 at position 2: {torch.allclose(c2['blocks.1.mlp.hook_out'][0, 2], expected)}"
+    )
 
     _section("residual-stream analysis of prompt 0")
     one = cache.prompt(0)
@@ -84,7 +103,11 @@ def _tour(args: argparse.Namespace) -> None:
     steer = torch.zeros(model.cfg.d_model)
     steer[0] = 8.0
     plain = model.generate("Once upon a time", max_new_tokens=12)
-    steered = model.generate("Once upon a time", max_new_tokens=12, intervene={"blocks.0.hook_out": {"op": "add", "value": steer.tolist()}})
+    steered = model.generate(
+        "Once upon a time",
+        max_new_tokens=12,
+        intervene={"blocks.0.hook_out": {"op": "add", "value": steer.tolist()}},
+    )
     print(f"plain:   {plain!r}")
     print(f"steered: {steered!r}")
     print("\n(random weights: the text is noise; the mechanics are the point)")

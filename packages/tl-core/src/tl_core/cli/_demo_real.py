@@ -59,7 +59,9 @@ def missing_requirements() -> list[str]:
         why = "" if hf is None else f" (installed but broken: {hf.error})"
         missing.append(f"the hf driver{why}: python -m pip install 'tl-driver-hf[gguf]'")
     elif any(importlib.util.find_spec(m) is None for m in ("gguf", "accelerate")):
-        missing.append("GGUF reading (gguf, accelerate): python -m pip install 'tl-driver-hf[gguf]'")
+        missing.append(
+            "GGUF reading (gguf, accelerate): python -m pip install 'tl-driver-hf[gguf]'"
+        )
     return missing
 
 
@@ -90,7 +92,9 @@ def _tour() -> DemoResults:
     _section("model")
     start = time.perf_counter()
     model = TransformerBridge.boot_transformers(SMOLLM2.path())
-    print(f"{SMOLLM2.name} ({SMOLLM2.distribution} {SMOLLM2.version}, Q4_1 GGUF dequantised to float32)")
+    print(
+        f"{SMOLLM2.name} ({SMOLLM2.distribution} {SMOLLM2.version}, Q4_1 GGUF dequantised to float32)"
+    )
     print(f"{model!r} booted in {time.perf_counter() - start:.1f}s")
     _chat(model)
     lens_cache, lens_tokens, lens_summary = _logit_lens(model)
@@ -98,8 +102,16 @@ def _tour() -> DemoResults:
     scores, induction_cache, induction_tokens, top = _induction(model)
     _steering(model)
     return DemoResults(
-        model, lens_cache, lens_tokens, patching, patch_tokens, scores, induction_cache,
-        induction_tokens, top, {"lens": lens_summary, "patching": patch_summary},
+        model,
+        lens_cache,
+        lens_tokens,
+        patching,
+        patch_tokens,
+        scores,
+        induction_cache,
+        induction_tokens,
+        top,
+        {"lens": lens_summary, "patching": patch_summary},
     )
 
 
@@ -123,7 +135,9 @@ def _logit_lens(model: Any) -> tuple[Any, list[str], str]:
     ranks = (probs > probs[:, answer : answer + 1]).sum(-1).tolist()
     print(f"prompt {LENS_PROMPT!r}: the residual stream at the last position, read through the")
     print("final norm and unembedding after each block (rank 0 = the top token)")
-    print(f"{'residual':>10}  {'top token':<12} {'p(top)':>6}  {'rank of ' + repr(LENS_ANSWER):>17}  p(answer)")
+    print(
+        f"{'residual':>10}  {'top token':<12} {'p(top)':>6}  {'rank of ' + repr(LENS_ANSWER):>17}  p(answer)"
+    )
     for row in _LENS_ROWS:
         top = int(probs[row].argmax())
         print(
@@ -165,14 +179,26 @@ def _patching(model: Any) -> tuple[Any, list[str], str]:
             predicted[i][pos] = model.tokenizer.token_to_str(token)
     last = n_pos - 1
     print(f"clean {CLEAN!r} -> {CLEAN_ANSWER!r}; corrupted {CORRUPT!r} -> {CORRUPT_ANSWER!r}")
-    print(f"logit difference {CLEAN_ANSWER!r} - {CORRUPT_ANSWER!r}: clean {d_clean:+.2f}, corrupted {d_corrupt:+.2f}")
-    print(f"patch blocks.L.hook_in at one position ({n_layers} layers x {n_pos} positions, batched);")
+    print(
+        f"logit difference {CLEAN_ANSWER!r} - {CORRUPT_ANSWER!r}: clean {d_clean:+.2f}, corrupted {d_corrupt:+.2f}"
+    )
+    print(
+        f"patch blocks.L.hook_in at one position ({n_layers} layers x {n_pos} positions, batched);"
+    )
     print("1.00 = the clean answer fully restored, 0.00 = still the corrupted one")
     subject, end = model.to_str_tokens(CLEAN, prepend_bos=False)[SUBJECT], "last"
-    print(f"{'layer':>5}  {'at ' + repr(subject):>12}  {'at ' + end:>8}  prediction (patched at last)")
+    print(
+        f"{'layer':>5}  {'at ' + repr(subject):>12}  {'at ' + end:>8}  prediction (patched at last)"
+    )
     for i in _PATCH_ROWS:
-        print(f"{i:>5}  {scores[i, SUBJECT].item():12.2f}  {scores[i, last].item():8.2f}  {predicted[i][last]!r}")
-    flips = next(i for i in range(n_layers) if all(predicted[j][last] == CLEAN_ANSWER for j in range(i, n_layers)))
+        print(
+            f"{i:>5}  {scores[i, SUBJECT].item():12.2f}  {scores[i, last].item():8.2f}  {predicted[i][last]!r}"
+        )
+    flips = next(
+        i
+        for i in range(n_layers)
+        if all(predicted[j][last] == CLEAN_ANSWER for j in range(i, n_layers))
+    )
     stops = next(i for i in range(n_layers) if predicted[i][SUBJECT] != CLEAN_ANSWER)
     summary = (
         f"patched at the last position, the answer flips to {CLEAN_ANSWER!r} from blocks.{flips}.hook_in on; "
@@ -191,19 +217,29 @@ def _induction(model: Any) -> tuple[Any, Any, list[str], tuple[int, int]]:
     gen = torch.Generator().manual_seed(INDUCTION_SEED)
     half = torch.randint(1000, 40000, (INDUCTION_BATCH, length), generator=gen)
     ids = torch.cat([half, half], dim=1)
-    logits, cache = model.run_with_cache(ids, names_filter=lambda name: name.endswith("attn.hook_pattern"))
+    logits, cache = model.run_with_cache(
+        ids, names_filter=lambda name: name.endswith("attn.hook_pattern")
+    )
     nll = -torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    print(f"{INDUCTION_BATCH} sequences; loss per token on the first copy {nll[:, : length - 1].mean().item():.2f}, "
-          f"on the second {nll[:, length:].mean().item():.2f}")
+    print(
+        f"{INDUCTION_BATCH} sequences; loss per token on the first copy {nll[:, : length - 1].mean().item():.2f}, "
+        f"on the second {nll[:, length:].mean().item():.2f}"
+    )
     queries = torch.arange(length, 2 * length)
-    scores = torch.stack([
-        cache[f"blocks.{i}.attn.hook_pattern"][:, :, queries, queries - length + 1].mean(dim=(0, 2))
-        for i in range(n)
-    ])  # [layer, head]: attention from a repeated token to the one after its first occurrence
+    scores = torch.stack(
+        [
+            cache[f"blocks.{i}.attn.hook_pattern"][:, :, queries, queries - length + 1].mean(
+                dim=(0, 2)
+            )
+            for i in range(n)
+        ]
+    )  # [layer, head]: attention from a repeated token to the one after its first occurrence
     top = scores.flatten().topk(5)
     print("top heads by induction score (mean attention to the token after the earlier copy):")
     for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-        print(f"  blocks.{index // scores.shape[1]}.attn head {index % scores.shape[1]}  {value:.3f}")
+        print(
+            f"  blocks.{index // scores.shape[1]}.attn head {index % scores.shape[1]}  {value:.3f}"
+        )
     best = int(top.indices[0])
     tokens = model.to_str_tokens(ids[0])
     return scores, cache, tokens, (best // scores.shape[1], best % scores.shape[1])
@@ -220,7 +256,10 @@ def _steering(model: Any) -> None:
     spec = {hook: {"op": "add", "value": (STEER_SCALE * direction).tolist()}}
     # One batch of two: the same prompt, with and without the spec (specs are per prompt).
     plain, steered = model.generate(
-        [STEER_PROMPT, STEER_PROMPT], max_new_tokens=NEW_TOKENS, prepend_bos=False, intervene=[None, spec]
+        [STEER_PROMPT, STEER_PROMPT],
+        max_new_tokens=NEW_TOKENS,
+        prepend_bos=False,
+        intervene=[None, spec],
     )
     print(f"prompt:  {STEER_PROMPT!r}")
     print(f"plain:   {plain!r}")

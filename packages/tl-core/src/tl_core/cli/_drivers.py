@@ -13,7 +13,9 @@ __all__ = ["register"]
 
 def register(sub: Any) -> None:
     """Add the ``drivers`` subcommand."""
-    parser = sub.add_parser("drivers", help="list installed drivers, versions, engines and features")
+    parser = sub.add_parser(
+        "drivers", help="list installed drivers, versions, engines and features"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(run=run)
 
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     header = ("driver", "distribution", "version", "engine", "kind", "status")
     lines = [header] + [
-        (r["name"], r["distribution"], r["version"], r["engine"], r["kind"], r["status"]) for r in table
+        (r["name"], r["distribution"], r["version"], r["engine"], r["kind"], r["status"])
+        for r in table
     ]
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     for line in lines:

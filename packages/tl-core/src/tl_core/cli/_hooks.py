@@ -29,7 +29,9 @@ def register(sub: Any) -> None:
         "hooks", help="list a model's hooks: layout, and whether specs can edit them (and why not)"
     )
     _model_options(hooks)
-    hooks.add_argument("--all", action="store_true", help="also list the hooks the driver cannot fire")
+    hooks.add_argument(
+        "--all", action="store_true", help="also list the hooks the driver cannot fire"
+    )
     hooks.set_defaults(run=run_hooks)
     resolve = sub.add_parser("resolve", help="show what a hook name (or alias) resolves to")
     resolve.add_argument("names", nargs="+")
@@ -55,7 +57,9 @@ def run_hooks(args: argparse.Namespace) -> int:
     bridge = _boot(args)
     try:
         namespace = bridge.namespace
-        print(f"{bridge!r}: {len(namespace.served)} hooks served, {len(namespace.editable)} editable")
+        print(
+            f"{bridge!r}: {len(namespace.served)} hooks served, {len(namespace.editable)} editable"
+        )
         for name in namespace.ordered:
             if name in namespace.editable:
                 print(f"{name:42s} {namespace.layout(name):9s} edit")

@@ -40,7 +40,9 @@ __all__ = [
 #: ``"post_norm"``: ``h = x + n1(attn(x)); out = h + n2(mlp(h))`` (OLMo 2, EXAONE 4);
 #: ``"mixer"``: ``out = x + mixer(n(x))``, a state-space mixer in place of attention and MLP (Mamba);
 #: ``"opaque"``: a block tl does not read inside (hybrids and recurrent blocks).
-BlockForm = Literal["sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "mixer", "opaque"]
+BlockForm = Literal[
+    "sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "mixer", "opaque"
+]
 
 #: How queries and keys are normalised: ``"none"``; ``"per_head"`` (one scale per head and
 #: position: Qwen3, Gemma 3); ``"across_heads"`` (all heads of a position together: OLMo 2).
@@ -51,11 +53,24 @@ AttentionVariant = Literal["mha", "gqa", "mqa", "mla"]
 MLPVariant = Literal["dense", "gated", "moe"]
 
 # Config field names, in the order families use them.
-_EPS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "rms_norm_epsilon", "norm_eps")
+_EPS = (
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "norm_epsilon",
+    "rms_norm_epsilon",
+    "norm_eps",
+)
 _ATTN_SOFTCAP = ("attn_logit_softcapping",)
 _FINAL_SOFTCAP = ("final_logit_softcapping",)
 # Scalar multipliers some families apply outside their modules (Granite, Cohere, MiniCPM).
-_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "logit_scale")
+_MULTIPLIERS = (
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+    "logit_scale",
+)
 
 
 @dataclass(frozen=True)
@@ -318,7 +333,10 @@ def _dense_layers(config: Any, n_layers: int) -> tuple[int, ...]:
 
 def uses_alibi(config: Any) -> bool:
     """Whether a config's attention scores carry ALiBi's additive position bias."""
-    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in ("bloom", "mpt")
+    return bool(getattr(config, "alibi", False)) or getattr(config, "model_type", None) in (
+        "bloom",
+        "mpt",
+    )
 
 
 def describe_model(
@@ -372,7 +390,10 @@ def describe_model(
     mlp: MLPDescription | None
     if info.n_experts:
         shared = info.d_shared_expert
-        n_shared, width = getattr(config, "n_shared_experts", None), getattr(config, "moe_intermediate_size", None)
+        n_shared, width = (
+            getattr(config, "n_shared_experts", None),
+            getattr(config, "moe_intermediate_size", None),
+        )
         if shared is None and isinstance(n_shared, int) and n_shared > 0 and isinstance(width, int):
             shared = n_shared * width  # DeepSeek: n shared experts run as one wider one
         expert_width = getattr(config, "moe_intermediate_size", None)

@@ -42,28 +42,74 @@ def attention_checks(
     if pattern is not None and attention_sinks:
         rows = pattern.double().sum(dim=-1)
         over = (rows - 1.0).clamp(min=0.0)
-        out.append(compare(f"{a}hook_pattern sums to at most 1 over keys (sinks take the rest)", (a + "hook_pattern",), over, torch.zeros_like(over), rtol=rtol))
+        out.append(
+            compare(
+                f"{a}hook_pattern sums to at most 1 over keys (sinks take the rest)",
+                (a + "hook_pattern",),
+                over,
+                torch.zeros_like(over),
+                rtol=rtol,
+            )
+        )
     elif pattern is not None:
         rows = pattern.double().sum(dim=-1)
-        out.append(compare(f"{a}hook_pattern sums to 1 over keys", (a + "hook_pattern",), rows, torch.ones_like(rows), rtol=rtol))
+        out.append(
+            compare(
+                f"{a}hook_pattern sums to 1 over keys",
+                (a + "hook_pattern",),
+                rows,
+                torch.ones_like(rows),
+                rtol=rtol,
+            )
+        )
     if pattern is not None and v is not None and z is not None:
         # pattern [b h q k], v [b k h_kv dh], z [b q h dh]
         rep = pattern.shape[1] // max(1, v.shape[2])
         values = v.double().repeat_interleave(rep, dim=2) if rep > 1 else v.double()
         rebuilt = torch.einsum("bhqk,bkhd->bqhd", pattern.double(), values)
-        out.append(compare(f"{a}hook_z == {a}hook_pattern @ {a}hook_v", (a + "hook_z", a + "hook_v", a + "hook_pattern"), rebuilt, z, rtol=rtol))
+        out.append(
+            compare(
+                f"{a}hook_z == {a}hook_pattern @ {a}hook_v",
+                (a + "hook_z", a + "hook_v", a + "hook_pattern"),
+                rebuilt,
+                z,
+                rtol=rtol,
+            )
+        )
     else:
-        out.append(compare(f"{a}hook_z == {a}hook_pattern @ {a}hook_v", (a + "hook_z", a + "hook_v", a + "hook_pattern"), None, None, rtol=rtol))
+        out.append(
+            compare(
+                f"{a}hook_z == {a}hook_pattern @ {a}hook_v",
+                (a + "hook_z", a + "hook_v", a + "hook_pattern"),
+                None,
+                None,
+                rtol=rtol,
+            )
+        )
     scores = cache.get(a + "hook_attn_scores")
     if scores is not None and pattern is not None:
         allowed = torch.isfinite(scores)
-        rebuilt = torch.softmax(scores.double().masked_fill(~allowed, -math.inf), dim=-1).nan_to_num(0.0)
+        rebuilt = torch.softmax(
+            scores.double().masked_fill(~allowed, -math.inf), dim=-1
+        ).nan_to_num(0.0)
         if attention_sinks:
             rebuilt = rebuilt * pattern.double().sum(dim=-1, keepdim=True)
         what = "softmax(scores) * its row sum" if attention_sinks else "softmax(scores)"
-        out.append(compare(f"{a}hook_pattern == {what.replace('scores', a + 'hook_attn_scores')}", (a + "hook_attn_scores",), rebuilt, pattern, rtol=rtol))
-        q = cache.get(a + ("hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q"))
-        k = cache.get(a + ("hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k"))
+        out.append(
+            compare(
+                f"{a}hook_pattern == {what.replace('scores', a + 'hook_attn_scores')}",
+                (a + "hook_attn_scores",),
+                rebuilt,
+                pattern,
+                rtol=rtol,
+            )
+        )
+        q = cache.get(
+            a + ("hook_rot_q" if info.positional_embedding_type == "rotary" else "hook_q")
+        )
+        k = cache.get(
+            a + ("hook_rot_k" if info.positional_embedding_type == "rotary" else "hook_k")
+        )
         if q is not None and k is not None and not score_bias:
             out.append(_scores_check(a, q, k, scores, allowed, info, rtol, attn_softcap))
     out.extend(_rotary_checks(a, cache, rtol))
@@ -71,11 +117,21 @@ def attention_checks(
         result = torch.einsum("bqhd,hde->bqe", z.double(), W_O[layer].double())
         if b_O is not None:
             result = result + b_O[layer].double()
-        out.append(compare(f"{a}hook_out == {a}hook_z @ W_O + b_O", (a + "hook_out", a + "hook_z"), result, cache[a + "hook_out"], rtol=rtol))
+        out.append(
+            compare(
+                f"{a}hook_out == {a}hook_z @ W_O + b_O",
+                (a + "hook_out", a + "hook_z"),
+                result,
+                cache[a + "hook_out"],
+                rtol=rtol,
+            )
+        )
     return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     """``x`` (``b p h dh``) rotated by a ``b p r`` table on its first ``r`` features."""
     import torch
 
@@ -90,12 +146,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     return torch.cat((head * c + turned * s, rest), dim=-1)
 
 
-def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> list[CertificationCheck]:
+def _rotary_checks(
+    a: str, cache: Mapping[str, torch.Tensor], rtol: float
+) -> list[CertificationCheck]:
     """``hook_rot_q``/``hook_rot_k`` are ``hook_q``/``hook_k`` (after any QK-norm) rotated by
     the served table, or, without a served table, of the same length (a rotation)."""
     import torch
 
-    q, k = cache.get(a + "q_norm.hook_out", cache.get(a + "hook_q")), cache.get(a + "k_norm.hook_out", cache.get(a + "hook_k"))
+    q, k = (
+        cache.get(a + "q_norm.hook_out", cache.get(a + "hook_q")),
+        cache.get(a + "k_norm.hook_out", cache.get(a + "hook_k")),
+    )
     rq, rk = cache.get(a + "hook_rot_q"), cache.get(a + "hook_rot_k")
     if rq is None or rk is None or q is None or k is None:
         return []
@@ -110,15 +171,39 @@ def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> li
             ("halves", cos, sin, False),
             ("interleaved pairs", cos, sin, True),
             # GLM: the first half of the table, each entry twice, on interleaved pairs.
-            ("interleaved, half table", cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1), True),
+            (
+                "interleaved, half table",
+                cos[..., :half].repeat_interleave(2, -1),
+                sin[..., :half].repeat_interleave(2, -1),
+                True,
+            ),
         )
         if 2 * cos.shape[-1] <= q.shape[-1]:
             # gpt-oss: one table entry per rotated pair, applied to the two halves.
-            layouts += (("halves, one entry per pair", torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), False),)
+            layouts += (
+                (
+                    "halves, one entry per pair",
+                    torch.cat((cos, cos), -1),
+                    torch.cat((sin, sin), -1),
+                    False,
+                ),
+            )
         for layout, c, s_, interleaved in layouts:
-            got = torch.cat((_rotate(q.double(), c.double(), s_.double(), interleaved), _rotate(k.double(), c.double(), s_.double(), interleaved)), dim=2)
+            got = torch.cat(
+                (
+                    _rotate(q.double(), c.double(), s_.double(), interleaved),
+                    _rotate(k.double(), c.double(), s_.double(), interleaved),
+                ),
+                dim=2,
+            )
             want = torch.cat((rq.double(), rk.double()), dim=2)
-            check = compare(f"{a}hook_rot_q/k == {a}hook_q/k rotated by {a}hook_cos/sin ({layout})", hooks, got, want, rtol=rtol)
+            check = compare(
+                f"{a}hook_rot_q/k == {a}hook_q/k rotated by {a}hook_cos/sin ({layout})",
+                hooks,
+                got,
+                want,
+                rtol=rtol,
+            )
             if check.passed:
                 return [check]
             tried.append(check)
@@ -128,8 +213,20 @@ def _rotary_checks(a: str, cache: Mapping[str, torch.Tensor], rtol: float) -> li
     # YaRN multiplies its table by an attention factor: one constant for every head and
     # position, fitted here; a plain rotation gives exactly 1.
     factor = float((rotated * lengths).sum() / (lengths * lengths).sum().clamp_min(1e-30))
-    scaled = "" if abs(factor - 1.0) <= rtol else f" times one factor, {factor:.4g} (YaRN's attention factor)"
-    return [compare(f"|{a}hook_rot_q/k| == |{a}hook_q/k|{scaled} (rotation keeps each head's length)", sources, rotated, lengths * factor, rtol=rtol)]
+    scaled = (
+        ""
+        if abs(factor - 1.0) <= rtol
+        else f" times one factor, {factor:.4g} (YaRN's attention factor)"
+    )
+    return [
+        compare(
+            f"|{a}hook_rot_q/k| == |{a}hook_q/k|{scaled} (rotation keeps each head's length)",
+            sources,
+            rotated,
+            lengths * factor,
+            rtol=rtol,
+        )
+    ]
 
 
 def _scores_check(

@@ -75,7 +75,9 @@ def pad_batch(
                 f"{tuple(input_ids.shape)}"
             )
         if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise UserError(f"the token-id tensor is empty (shape {tuple(ids.shape)}); pass at least one token")
+            raise UserError(
+                f"the token-id tensor is empty (shape {tuple(ids.shape)}); pass at least one token"
+            )
         ids = ids.long().to(device) if device is not None else ids.long()
         batch, width = ids.shape
         return TokenBatch(ids, (width,) * batch, (0,) * batch)
@@ -123,7 +125,11 @@ def _as_rows(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[list[in
     if isinstance(input_ids, (str, bytes)):
         raise UserError("token ids must be ints, not text; pass text to the bridge (it tokenizes)")
     if not isinstance(input_ids, Sequence):
-        hint = " (convert an array with torch.as_tensor(ids))" if hasattr(input_ids, "__array__") else ""
+        hint = (
+            " (convert an array with torch.as_tensor(ids))"
+            if hasattr(input_ids, "__array__")
+            else ""
+        )
         raise UserError(
             f"token ids must be a list of ints, a list of such lists, or a tensor; got "
             f"{describe_value(input_ids)}{hint}"
@@ -148,7 +154,9 @@ def _as_rows(input_ids: Sequence[int] | Sequence[Sequence[int]]) -> list[list[in
                 f"token ids is a list of lists of ints, e.g. [[1, 2, 3], [4, 5]]"
             )
         if not row:
-            raise UserError(f"prompt {index} is an empty list of token ids; every prompt needs a token")
+            raise UserError(
+                f"prompt {index} is an empty list of token ids; every prompt needs a token"
+            )
         for position, token in enumerate(row):
             if not _is_int(token):
                 raise UserError(

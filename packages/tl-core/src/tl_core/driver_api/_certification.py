@@ -43,7 +43,9 @@ __all__ = [
 #: by tl from real tensors), ``reconstructed_read_only``, ``structurally_absent`` (the
 #: architecture has no such tensor) or ``uncertified`` (not served: no equation could
 #: vouch for it, or one failed).
-CertifiedStatus = Literal["real", "derived", "reconstructed_read_only", "structurally_absent", "uncertified"]
+CertifiedStatus = Literal[
+    "real", "derived", "reconstructed_read_only", "structurally_absent", "uncertified"
+]
 CERTIFIED_STATUSES: tuple[CertifiedStatus, ...] = (
     "real",
     "derived",
@@ -183,7 +185,9 @@ class Certification:
                 lines.append(f"  {check.line()}")
         refused = {n: c for n, c in self.weights.items() if c.status != "real"}
         if self.weights:
-            lines.append(f"weights: {len(self.weights) - len(refused)} of {len(self.weights)} certified")
+            lines.append(
+                f"weights: {len(self.weights) - len(refused)} of {len(self.weights)} certified"
+            )
             lines += [f"  refused {name}: {cert.reason}" for name, cert in refused.items()]
         lines.append("hooks:")
         for status, names in self.by_status().items():
@@ -196,7 +200,9 @@ class Certification:
                 reasons.setdefault(_template(n), self.statuses[n].reason)
             for name in shown:
                 reason = self.statuses[name].reason if verbose else reasons.get(name, "")
-                lines.append(f"    {name}" + (f"  ({reason})" if reason and status != "real" else ""))
+                lines.append(
+                    f"    {name}" + (f"  ({reason})" if reason and status != "real" else "")
+                )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -238,7 +244,9 @@ def compare(
     """
     hooks = tuple(hooks)
     if got is None or want is None:
-        return CertificationCheck(equation, hooks, False, math.inf, 0.0, "a hook on one side never fired")
+        return CertificationCheck(
+            equation, hooks, False, math.inf, 0.0, "a hook on one side never fired"
+        )
     if tuple(got.shape) != tuple(want.shape):
         detail = f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}"
         return CertificationCheck(equation, hooks, False, math.inf, 0.0, detail)
@@ -291,7 +299,10 @@ def statuses_from_checks(
             if check.passed:
                 passed.add(hook)
             else:
-                failed.setdefault(hook, f"failed: {check.equation}" + (f" ({check.detail})" if check.detail else ""))
+                failed.setdefault(
+                    hook,
+                    f"failed: {check.equation}" + (f" ({check.detail})" if check.detail else ""),
+                )
     if strict:
         _withdraw_tainted(checks, failed, passed)
     out: dict[str, HookCertificate] = {}
@@ -306,32 +317,51 @@ def statuses_from_checks(
             out[name] = HookCertificate("uncertified", failed[name])
         elif name in passed:
             note = (read_only or {}).get(name, "")
-            out[name] = HookCertificate("real", f"read-only: {note}" if note else "checked by an equation")
+            out[name] = HookCertificate(
+                "real", f"read-only: {note}" if note else "checked by an equation"
+            )
         elif described:
-            out[name] = HookCertificate("real", "described by hand; checked by the family's parity test")
+            out[name] = HookCertificate(
+                "real", "described by hand; checked by the family's parity test"
+            )
         else:
-            out[name] = HookCertificate("uncertified", "no equation checks it on an inferred architecture")
+            out[name] = HookCertificate(
+                "uncertified", "no equation checks it on an inferred architecture"
+            )
     return out
 
 
-def _withdraw_tainted(checks: list[CertificationCheck], failed: dict[str, str], passed: set[str]) -> None:
+def _withdraw_tainted(
+    checks: list[CertificationCheck], failed: dict[str, str], passed: set[str]
+) -> None:
     changed = True
     while changed:
         changed = False
         for hook in sorted(passed - set(failed)):
             covering = [c for c in checks if c.passed and hook in c.hooks]
-            tainted = [next(h for h in c.hooks if h in failed) for c in covering if any(h in failed for h in c.hooks)]
+            tainted = [
+                next(h for h in c.hooks if h in failed)
+                for c in covering
+                if any(h in failed for h in c.hooks)
+            ]
             if covering and len(tainted) == len(covering):
-                failed[hook] = f"failed: every equation over it also covers {tainted[0]}, which failed"
+                failed[hook] = (
+                    f"failed: every equation over it also covers {tainted[0]}, which failed"
+                )
                 changed = True
 
 
-def certified_level(statuses: Mapping[str, HookCertificate], n_layers: int) -> Literal["full", "sublayers", "residual"]:
+def certified_level(
+    statuses: Mapping[str, HookCertificate], n_layers: int
+) -> Literal["full", "sublayers", "residual"]:
     """How far certification proved a model: ``"full"`` when every block's attention
     pattern and sublayer outputs are real, ``"sublayers"`` when only the outputs are,
     else ``"residual"``."""
     served = {name for name, cert in statuses.items() if cert.status == "real"}
     blocks = range(n_layers)
-    if not all(f"blocks.{i}.attn.hook_out" in served and f"blocks.{i}.mlp.hook_out" in served for i in blocks):
+    if not all(
+        f"blocks.{i}.attn.hook_out" in served and f"blocks.{i}.mlp.hook_out" in served
+        for i in blocks
+    ):
         return "residual"
     return "full" if all(f"blocks.{i}.attn.hook_pattern" in served for i in blocks) else "sublayers"

@@ -56,7 +56,10 @@ def check_driver(driver: Driver, *, prompts: Sequence[Sequence[int]] | None = No
     if driver.provides_sequence_logits:
         logits = result.logits
         if logits is None or tuple(logits.shape) != (len(rows), max(lengths), info.d_vocab):
-            raise _fail(driver, f"sequence logits have shape {None if logits is None else tuple(logits.shape)}")
+            raise _fail(
+                driver,
+                f"sequence logits have shape {None if logits is None else tuple(logits.shape)}",
+            )
     _check_alias(driver)
     _check_refusals(driver, rows)
     _check_edit(driver, rows)
@@ -77,13 +80,18 @@ def _check_sampling(driver: Any, rows: list[list[int]]) -> None:
     """Each sampling option changes what is generated, as it promises."""
 
     def generate(**options: Any) -> torch.Tensor:
-        out = driver.forward(rows, max_new_tokens=_SAMPLED, stop_at_eos=False, return_logits=False, **options)
+        out = driver.forward(
+            rows, max_new_tokens=_SAMPLED, stop_at_eos=False, return_logits=False, **options
+        )
         return torch.as_tensor(out.new_tokens)
 
     greedy = generate()
     first = generate(do_sample=True, seed=1)
     if torch.equal(first, greedy):
-        raise _fail(driver, f"do_sample=True generated the greedy tokens ({_SAMPLED} per prompt): it ignores do_sample")
+        raise _fail(
+            driver,
+            f"do_sample=True generated the greedy tokens ({_SAMPLED} per prompt): it ignores do_sample",
+        )
     if not torch.equal(generate(do_sample=True, seed=1), first):
         raise _fail(driver, "two samplings with seed=1 differ: it ignores seed")
     if torch.equal(generate(do_sample=True, seed=2), first):
@@ -92,7 +100,9 @@ def _check_sampling(driver: Any, rows: list[list[int]]) -> None:
         raise _fail(driver, "sampling with top_k=1 differs from greedy decoding: it ignores top_k")
     # The most likely token alone reaches this nucleus on any vocabulary under a million.
     if not torch.equal(generate(do_sample=True, seed=1, top_p=1e-6), greedy):
-        raise _fail(driver, "sampling with top_p=1e-6 differs from greedy decoding: it ignores top_p")
+        raise _fail(
+            driver, "sampling with top_p=1e-6 differs from greedy decoding: it ignores top_p"
+        )
 
 
 def _check_shape(driver: Any, name: str, tensor: Any, batch: int, pos: int) -> None:
@@ -110,7 +120,10 @@ def _check_alias(driver: Any) -> None:
         return
     result = driver.forward([[1, 2, 3]], capture=["blocks.0.hook_resid_post"], max_new_tokens=0)
     if set(result.captured) != {canonical}:
-        raise _fail(driver, f"capturing an alias returned keys {sorted(result.captured)}, expected the canonical name")
+        raise _fail(
+            driver,
+            f"capturing an alias returned keys {sorted(result.captured)}, expected the canonical name",
+        )
 
 
 def _check_refusals(driver: Any, rows: list[list[int]]) -> None:
@@ -134,7 +147,11 @@ def _check_edit(driver: Any, rows: list[list[int]]) -> None:
     """A suppress spec at one position zeroes that position of the hook, and only it."""
     namespace = driver.namespace
     target = next(
-        (n for n in namespace.ordered if n in namespace.editable and namespace.layout(n) == "b p d"),
+        (
+            n
+            for n in namespace.ordered
+            if n in namespace.editable and namespace.layout(n) == "b p d"
+        ),
         None,
     )
     if target is None:
@@ -142,11 +159,17 @@ def _check_edit(driver: Any, rows: list[list[int]]) -> None:
     position = min(len(r) for r in rows) - 1
     plain = driver.forward(rows, capture=[target], max_new_tokens=0).captured[target]
     spec = {target: {"op": "suppress", "pos": position}}
-    edited = driver.forward(rows, capture=[target], intervene=spec, max_new_tokens=0).captured[target]
+    edited = driver.forward(rows, capture=[target], intervene=spec, max_new_tokens=0).captured[
+        target
+    ]
     if bool(edited[:, position].abs().max() > 0):
-        raise _fail(driver, f"a suppress spec on {target!r} at position {position} left non-zero values")
+        raise _fail(
+            driver, f"a suppress spec on {target!r} at position {position} left non-zero values"
+        )
     others = [p for p in range(edited.shape[1]) if p != position]
     for row, length in enumerate(len(r) for r in rows):
         kept = [p for p in others if p < length]
         if kept and not torch.allclose(edited[row, kept], plain[row, kept]):
-            raise _fail(driver, f"a spec at position {position} of {target!r} changed other positions")
+            raise _fail(
+                driver, f"a spec at position {position} of {target!r} changed other positions"
+            )

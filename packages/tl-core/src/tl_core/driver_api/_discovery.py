@@ -121,7 +121,9 @@ class EngineRequirement:
 
 
 #: ``name<0.33,>=0.32; extra == "cuda"`` as metadata writes a requirement: its name and range.
-_REQUIREMENT = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(?P<spec>[^;]*)")
+_REQUIREMENT = re.compile(
+    r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(?P<spec>[^;]*)"
+)
 
 
 def _ordered(spec: str) -> str:

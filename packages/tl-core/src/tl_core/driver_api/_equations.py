@@ -90,17 +90,38 @@ def equation_checks(
     def has(name: str) -> bool:
         return name in names
 
-    def check(equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None, **kw: object) -> None:
+    def check(
+        equation: str,
+        hooks: Iterable[str],
+        got: torch.Tensor | None,
+        want: torch.Tensor | None,
+        **kw: object,
+    ) -> None:
         checks.append(compare(equation, hooks, got, want, rtol=rtol, **kw))  # type: ignore[arg-type]
 
     n = info.n_layers
     if logits is not None and reference_logits is not None:
         check("logits == the engine's own logits", ("unembed.hook_out",), logits, reference_logits)
     hidden = list(hidden_states or ())[:n]
-    by_input = [compare(f"blocks.{i}.hook_in == the engine's hidden_states[{i}]", (f"blocks.{i}.hook_in",), get(f"blocks.{i}.hook_in"), h, rtol=rtol) for i, h in enumerate(hidden)]
+    by_input = [
+        compare(
+            f"blocks.{i}.hook_in == the engine's hidden_states[{i}]",
+            (f"blocks.{i}.hook_in",),
+            get(f"blocks.{i}.hook_in"),
+            h,
+            rtol=rtol,
+        )
+        for i, h in enumerate(hidden)
+    ]
     # Some families (Mamba) report each block's output where others report its input.
     by_output = [
-        compare(f"blocks.{i}.hook_out == the engine's hidden_states[{i}] (it reports block outputs)", (f"blocks.{i}.hook_out",), get(f"blocks.{i}.hook_out"), h, rtol=rtol)
+        compare(
+            f"blocks.{i}.hook_out == the engine's hidden_states[{i}] (it reports block outputs)",
+            (f"blocks.{i}.hook_out",),
+            get(f"blocks.{i}.hook_out"),
+            h,
+            rtol=rtol,
+        )
         for i, h in enumerate(hidden[: n - 1])
     ]
     if not all(c.passed for c in by_input) and by_output and all(c.passed for c in by_output):
@@ -108,7 +129,12 @@ def equation_checks(
     else:
         checks.extend(by_input)
     if has("embed.hook_out") and not has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
-        check("embed.hook_out == blocks.0.hook_in", ("embed.hook_out",), get("embed.hook_out"), get("blocks.0.hook_in"))
+        check(
+            "embed.hook_out == blocks.0.hook_in",
+            ("embed.hook_out",),
+            get("embed.hook_out"),
+            get("blocks.0.hook_in"),
+        )
     elif has("embed.hook_out") and has("pos_embed.hook_out") and not has("embed_ln.hook_out"):
         embed, pos = get("embed.hook_out"), get("pos_embed.hook_out")
         same = embed is not None and pos is not None and embed.shape == pos.shape
@@ -127,13 +153,25 @@ def equation_checks(
         check(f"{a} == ln_final.hook_in", (a, "ln_final.hook_in"), get(a), get("ln_final.hook_in"))
     for i in range(n):
         try:
-            checks.extend(_block_checks(i, cache, info, rtol, W_O, b_O, attn_softcap, score_bias, attention_sinks))
+            checks.extend(
+                _block_checks(
+                    i, cache, info, rtol, W_O, b_O, attn_softcap, score_bias, attention_sinks
+                )
+            )
         except (RuntimeError, ValueError, IndexError) as exc:
             # Shapes the structure does not predict (per-layer head sizes): nothing inside
             # this block is vouched for.
             inside = tuple(n for n in cache if n.startswith(f"blocks.{i}.") and n.count(".") > 2)
-            checks.append(CertificationCheck(f"blocks.{i}: its sublayer equations", inside, False, math.inf, 0.0,
-                                             f"could not be evaluated: {type(exc).__name__}: {exc}"))
+            checks.append(
+                CertificationCheck(
+                    f"blocks.{i}: its sublayer equations",
+                    inside,
+                    False,
+                    math.inf,
+                    0.0,
+                    f"could not be evaluated: {type(exc).__name__}: {exc}",
+                )
+            )
     for prefix in ("ln_final", "embed_ln"):
         checks.extend(_norm_checks(prefix, cache, info, rtol))
     return checks
@@ -163,7 +201,9 @@ def _block_checks(
             return None
         return sum((v.double() for v in values[1:]), values[0].double())  # type: ignore[union-attr]
 
-    def check(equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+    def check(
+        equation: str, hooks: Iterable[str], got: torch.Tensor | None, want: torch.Tensor | None
+    ) -> None:
         hooks = tuple(hooks)
         if not any(b + h in cache for h in hooks):
             return  # none of its sites is served (an opaque block): nothing to vouch for
@@ -171,9 +211,19 @@ def _block_checks(
         out.append(compare(text, (b + h for h in hooks), got, want, rtol=rtol))
 
     if info.mixer:
-        check("@hook_out == @hook_in + @mixer.hook_out", ("mixer.hook_out",), add("hook_in", "mixer.hook_out"), get("hook_out"))
+        check(
+            "@hook_out == @hook_in + @mixer.hook_out",
+            ("mixer.hook_out",),
+            add("hook_in", "mixer.hook_out"),
+            get("hook_out"),
+        )
         if b + "ln1.hook_out" in cache:
-            check("@mixer.hook_in == @ln1.hook_out", ("mixer.hook_in", "ln1.hook_out"), get("mixer.hook_in"), get("ln1.hook_out"))
+            check(
+                "@mixer.hook_in == @ln1.hook_out",
+                ("mixer.hook_in", "ln1.hook_out"),
+                get("mixer.hook_in"),
+                get("ln1.hook_out"),
+            )
         if b + "ln1.hook_in" in cache:
             check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
         out.extend(_norm_checks(b + "ln1", cache, info, rtol))
@@ -181,8 +231,18 @@ def _block_checks(
     attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
     mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
     if info.sandwich_norm:
-        check("@attn.hook_out == @ln1_post.hook_in", ("attn.hook_out", "ln1_post.hook_in"), get("attn.hook_out"), get("ln1_post.hook_in"))
-        check("@mlp.hook_out == @ln2_post.hook_in", ("mlp.hook_out", "ln2_post.hook_in"), get("mlp.hook_out"), get("ln2_post.hook_in"))
+        check(
+            "@attn.hook_out == @ln1_post.hook_in",
+            ("attn.hook_out", "ln1_post.hook_in"),
+            get("attn.hook_out"),
+            get("ln1_post.hook_in"),
+        )
+        check(
+            "@mlp.hook_out == @ln2_post.hook_in",
+            ("mlp.hook_out", "ln2_post.hook_in"),
+            get("mlp.hook_out"),
+            get("ln2_post.hook_in"),
+        )
     if info.parallel_attn_mlp:
         check(
             f"@hook_out == @hook_in + @{attn_out} + @{mlp_out}",
@@ -206,18 +266,35 @@ def _block_checks(
     if b + "ln1.hook_in" in cache:
         check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
     if b + "ln1.hook_out" in cache and b + "attn.hook_in" in cache:
-        check("@attn.hook_in == @ln1.hook_out", ("attn.hook_in", "ln1.hook_out"), get("attn.hook_in"), get("ln1.hook_out"))
+        check(
+            "@attn.hook_in == @ln1.hook_out",
+            ("attn.hook_in", "ln1.hook_out"),
+            get("attn.hook_in"),
+            get("ln1.hook_out"),
+        )
     elif b + "ln1.hook_in" not in cache and b + "attn.hook_in" in cache:
         # No norm before attention (OLMo 2 and 3, EXAONE 4): it reads the block input.
         check("@attn.hook_in == @hook_in", ("attn.hook_in",), get("attn.hook_in"), get("hook_in"))
     if b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
-        check("@mlp.hook_in == @ln2.hook_out", ("mlp.hook_in", "ln2.hook_out"), get("mlp.hook_in"), get("ln2.hook_out"))
+        check(
+            "@mlp.hook_in == @ln2.hook_out",
+            ("mlp.hook_in", "ln2.hook_out"),
+            get("mlp.hook_in"),
+            get("ln2.hook_out"),
+        )
     elif info.parallel_attn_mlp and b + "ln1.hook_out" in cache and b + "mlp.hook_in" in cache:
         # One norm feeds both sublayers of a parallel block (GPT-J, Phi, Cohere).
-        check("@mlp.hook_in == @ln1.hook_out", ("mlp.hook_in",), get("mlp.hook_in"), get("ln1.hook_out"))
+        check(
+            "@mlp.hook_in == @ln1.hook_out",
+            ("mlp.hook_in",),
+            get("mlp.hook_in"),
+            get("ln1.hook_out"),
+        )
     elif not info.parallel_attn_mlp and b + "ln2.hook_in" in cache and b + "mlp.hook_in" in cache:
         # No norm before the MLP: it reads the residual between the sublayers.
-        check("@mlp.hook_in == @ln2.hook_in", ("mlp.hook_in",), get("mlp.hook_in"), get("ln2.hook_in"))
+        check(
+            "@mlp.hook_in == @ln2.hook_in", ("mlp.hook_in",), get("mlp.hook_in"), get("ln2.hook_in")
+        )
     for qk in ("q", "k"):
         if b + f"attn.{qk}_norm.hook_in" in cache:
             # The QK-norm reads the projection (hook_q/hook_k are taken before it).
@@ -229,7 +306,11 @@ def _block_checks(
             )
     for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
         out.extend(_norm_checks(b + norm, cache, info, rtol))
-    out.extend(attention_checks(b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks))
+    out.extend(
+        attention_checks(
+            b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks
+        )
+    )
     out.extend(_mlp_checks(b, cache, info, rtol))
     out.extend(_router_checks(b, cache, info))
     if info.d_shared_expert is not None:
@@ -237,7 +318,9 @@ def _block_checks(
     return out
 
 
-def _shared_expert_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+def _shared_expert_checks(
+    b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float
+) -> list[CertificationCheck]:
     """The shared expert is a gated MLP, and the block's MLP output is the routed experts'
     output plus the shared expert's, scaled by the sigmoid of its gate where it has one."""
     import torch
@@ -249,8 +332,20 @@ def _shared_expert_checks(b: str, cache: Mapping[str, torch.Tensor], info: Model
     if act is not None and (pre is not None or post is not None):
         rebuilt = act(pre.double()) * lin.double() if pre is not None and lin is not None else None
         hooks = (s + "hook_pre", s + "hook_pre_linear", s + "hook_post")
-        out.append(compare(f"{s}hook_post == act({s}hook_pre) * {s}hook_pre_linear", hooks, rebuilt, post, rtol=rtol))
-    routed, shared, gate = cache.get(m + "experts.hook_out"), cache.get(s + "hook_out"), cache.get(s + "hook_gate")
+        out.append(
+            compare(
+                f"{s}hook_post == act({s}hook_pre) * {s}hook_pre_linear",
+                hooks,
+                rebuilt,
+                post,
+                rtol=rtol,
+            )
+        )
+    routed, shared, gate = (
+        cache.get(m + "experts.hook_out"),
+        cache.get(s + "hook_out"),
+        cache.get(s + "hook_gate"),
+    )
     if routed is None and shared is None:
         return out
     gated = gate is not None
@@ -260,25 +355,52 @@ def _shared_expert_checks(b: str, cache: Mapping[str, torch.Tensor], info: Model
         total = routed.double() + scale * shared.double()
     what = f"sigmoid({s}hook_gate) * {s}hook_out" if gated else f"{s}hook_out"
     hooks = (m + "experts.hook_out", s + "hook_out", *((s + "hook_gate",) if gated else ()))
-    out.append(compare(f"{m}hook_out == {m}experts.hook_out + {what}", hooks, total, cache.get(m + "hook_out"), rtol=rtol))
+    out.append(
+        compare(
+            f"{m}hook_out == {m}experts.hook_out + {what}",
+            hooks,
+            total,
+            cache.get(m + "hook_out"),
+            rtol=rtol,
+        )
+    )
     return out
 
 
-def _router_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo) -> list[CertificationCheck]:
+def _router_checks(
+    b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo
+) -> list[CertificationCheck]:
     """The chosen experts are the top-k of the router logits, and only they carry weight."""
     import torch
 
     m = b + "mlp."
-    logits, weights, indices = (cache.get(m + s) for s in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices"))
+    logits, weights, indices = (
+        cache.get(m + s)
+        for s in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices")
+    )
     if logits is None and weights is None and indices is None:
         return []
     names = (m + "hook_router_logits", m + "hook_expert_indices")
     if logits is None or indices is None:
-        return [compare(f"{m}hook_expert_indices == top-k({m}hook_router_logits)", names, None, None, rtol=0.0)]
+        return [
+            compare(
+                f"{m}hook_expert_indices == top-k({m}hook_router_logits)",
+                names,
+                None,
+                None,
+                rtol=0.0,
+            )
+        ]
     k = indices.shape[-1]
     top = torch.topk(logits.double(), k, dim=-1).indices.sort(dim=-1).values
     chosen = indices.long().sort(dim=-1).values
-    check = compare(f"{m}hook_expert_indices == top-k({m}hook_router_logits)", names, top.double(), chosen.double(), rtol=0.0)
+    check = compare(
+        f"{m}hook_expert_indices == top-k({m}hook_router_logits)",
+        names,
+        top.double(),
+        chosen.double(),
+        rtol=0.0,
+    )
     out = [check]
     if weights is not None:
         picked = torch.zeros_like(weights, dtype=torch.bool).scatter(-1, indices.long(), True)
@@ -286,21 +408,36 @@ def _router_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo) -
         out.append(
             compare(
                 f"{m}hook_expert_weights is zero off {m}hook_expert_indices",
-                (m + "hook_expert_weights",), stray, torch.zeros_like(stray), rtol=0.0,
+                (m + "hook_expert_weights",),
+                stray,
+                torch.zeros_like(stray),
+                rtol=0.0,
             )
         )
     del info
     return out
 
 
-def _norm_checks(prefix: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+def _norm_checks(
+    prefix: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float
+) -> list[CertificationCheck]:
     """``hook_normalized * hook_scale`` gives back the (centred, for LayerNorm) input."""
-    x, scale, normed = (cache.get(f"{prefix}.{s}") for s in ("hook_in", "hook_scale", "hook_normalized"))
+    x, scale, normed = (
+        cache.get(f"{prefix}.{s}") for s in ("hook_in", "hook_scale", "hook_normalized")
+    )
     if normed is None and scale is None:
         return []
     if x is None or scale is None or normed is None:
         hooks = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized"]
-        return [compare(f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.hook_in", hooks, None, None, rtol=rtol)]
+        return [
+            compare(
+                f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.hook_in",
+                hooks,
+                None,
+                None,
+                rtol=rtol,
+            )
+        ]
     centred = x.double()
     if info.normalization_type == "LN":
         centred = centred - centred.mean(dim=-1, keepdim=True)
@@ -317,7 +454,9 @@ def _norm_checks(prefix: str, cache: Mapping[str, torch.Tensor], info: ModelInfo
     ]
 
 
-def _mlp_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float) -> list[CertificationCheck]:
+def _mlp_checks(
+    b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol: float
+) -> list[CertificationCheck]:
     m = b + "mlp."
     pre, lin, post = (cache.get(m + s) for s in ("hook_pre", "hook_pre_linear", "hook_post"))
     if pre is None or post is None:
@@ -329,7 +468,23 @@ def _mlp_checks(b: str, cache: Mapping[str, torch.Tensor], info: ModelInfo, rtol
     rebuilt = act(pre.double())
     if info.gated_mlp:
         if lin is None:
-            return [compare(f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear", hooks, None, None, rtol=rtol)]
+            return [
+                compare(
+                    f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear",
+                    hooks,
+                    None,
+                    None,
+                    rtol=rtol,
+                )
+            ]
         rebuilt = rebuilt * lin.double()
-        return [compare(f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear", hooks, rebuilt, post, rtol=rtol)]
+        return [
+            compare(
+                f"{m}hook_post == act({m}hook_pre) * {m}hook_pre_linear",
+                hooks,
+                rebuilt,
+                post,
+                rtol=rtol,
+            )
+        ]
     return [compare(f"{m}hook_post == act({m}hook_pre)", hooks, rebuilt, post, rtol=rtol)]

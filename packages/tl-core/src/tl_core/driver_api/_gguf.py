@@ -91,7 +91,9 @@ def gguf_source(model: Any, gguf_file: Any = None) -> Path | None:
         where = f"{os.fspath(model)!r}"
     else:
         if not isinstance(gguf_file, (str, os.PathLike)):
-            raise UserError(f"gguf_file must be a file name, got {type(gguf_file).__name__}: {gguf_file!r}")
+            raise UserError(
+                f"gguf_file must be a file name, got {type(gguf_file).__name__}: {gguf_file!r}"
+            )
         if model is None or not isinstance(model, (str, os.PathLike)):
             raise UserError(
                 f"gguf_file={os.fspath(gguf_file)!r} names a file inside a folder: pass the folder "
@@ -283,7 +285,9 @@ def _publish(partial: Path, final: Path, sha256: str, dtype: str) -> None:
             raise
 
 
-def _convert(path: Path, out: Path, dtype: torch.dtype, auto_model: Any, auto_tokenizer: Any) -> None:
+def _convert(
+    path: Path, out: Path, dtype: torch.dtype, auto_model: Any, auto_tokenizer: Any
+) -> None:
     folder, name = str(path.parent), path.name
     try:
         tokenizer = auto_tokenizer.from_pretrained(folder, gguf_file=name)

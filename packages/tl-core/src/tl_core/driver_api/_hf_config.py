@@ -94,7 +94,9 @@ def model_info_from_config(
     head_dim = getattr(config, "head_dim", None)
     d_head = int(head_dim) if head_dim else int(d_model) // int(n_heads)
     n_kv = first_set(config, ("num_key_value_heads", "num_kv_heads"))
-    if getattr(config, "multi_query", None) is True and not getattr(config, "new_decoder_architecture", False):
+    if getattr(config, "multi_query", None) is True and not getattr(
+        config, "new_decoder_architecture", False
+    ):
         # GPT-BigCode, Falcon-7B: multi-query attention has one key/value head, whatever
         # count the config also carries (transformers ignores it).
         n_kv = 1

@@ -159,8 +159,14 @@ class LocalDriver(NamespaceFacts, ABC):
         # object, same size), the per-head switch or the attached dictionaries change.
         # The key holds the dictionaries' point maps themselves (compared by identity), not ids
         # that a detached and re-attached dictionary could reuse.
-        key = (len(points), self.split_qkv_input, tuple((site, hp) for site, (_, hp) in self._dictionaries.items()))
-        cached: tuple[Mapping[str, HookPoint], object, dict[str, HookPoint]] | None = self.__dict__.get("_served_points")
+        key = (
+            len(points),
+            self.split_qkv_input,
+            tuple((site, hp) for site, (_, hp) in self._dictionaries.items()),
+        )
+        cached: tuple[Mapping[str, HookPoint], object, dict[str, HookPoint]] | None = (
+            self.__dict__.get("_served_points")
+        )
         if cached is not None and cached[0] is points and cached[1] == key:
             return cached[2]
         extra = self._dictionary_points
@@ -176,12 +182,18 @@ class LocalDriver(NamespaceFacts, ABC):
     @property
     def _dictionaries(self) -> dict[str, tuple[DictionarySite, dict[str, HookPoint]]]:
         """Canonical site -> the dictionary attached there and the HookPoints of its sites."""
-        entries: dict[str, tuple[DictionarySite, dict[str, HookPoint]]] = self.__dict__.setdefault("_dictionary_entries", {})
+        entries: dict[str, tuple[DictionarySite, dict[str, HookPoint]]] = self.__dict__.setdefault(
+            "_dictionary_entries", {}
+        )
         return entries
 
     @property
     def _dictionary_points(self) -> dict[str, HookPoint]:
-        return {name: point for _, points in self._dictionaries.values() for name, point in points.items()}
+        return {
+            name: point
+            for _, points in self._dictionaries.values()
+            for name, point in points.items()
+        }
 
     @property
     def dictionary_sites(self) -> Mapping[str, DictionarySite]:
@@ -199,7 +211,9 @@ class LocalDriver(NamespaceFacts, ABC):
             DriverContractError: ``points`` does not hold exactly ``site.names``.
         """
         if set(points) != set(site.names):
-            raise DriverContractError(f"dictionary sites {sorted(points)} are not {list(site.names)}")
+            raise DriverContractError(
+                f"dictionary sites {sorted(points)} are not {list(site.names)}"
+            )
         namespace = self.namespace.with_dictionary(site)
         self._dictionaries[site.hook] = (site, dict(points))
         self._namespace = namespace
@@ -270,7 +284,12 @@ class LocalDriver(NamespaceFacts, ABC):
 
     def batch(self, input_ids: Any, *, padding_side: str = "right") -> TokenBatch:
         """Pad ``input_ids`` with this tokenizer's pad id, on the model's device."""
-        return pad_batch(input_ids, pad_id=padding_id(self.tokenizer), padding_side=padding_side, device=self.device)  # type: ignore[arg-type]
+        return pad_batch(
+            input_ids,
+            pad_id=padding_id(self.tokenizer),
+            padding_side=padding_side,  # type: ignore[arg-type]
+            device=self.device,
+        )
 
     def forward(
         self,
@@ -485,7 +504,9 @@ class _Capture:
         self._store[self._name] = x.detach()
 
 
-def _move(store: Mapping[str, torch.Tensor], device: torch.device | str | None) -> dict[str, torch.Tensor]:
+def _move(
+    store: Mapping[str, torch.Tensor], device: torch.device | str | None
+) -> dict[str, torch.Tensor]:
     if device is None:
         return dict(store)
     return {k: v.to(device) for k, v in store.items()}
@@ -503,5 +524,3 @@ def _left_to_right(x: torch.Tensor, left: TokenBatch, layout: str) -> torch.Tens
         else:
             out[row, :length] = x[row, span]
     return out
-
-

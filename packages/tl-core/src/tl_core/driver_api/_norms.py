@@ -39,7 +39,9 @@ def normalization_type(kind: NormKind) -> Literal["LN", "RMS"]:
     return "LN" if kind == "layernorm" else "RMS"
 
 
-def norm_statistics(x: torch.Tensor, kind: NormKind, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def norm_statistics(
+    x: torch.Tensor, kind: NormKind, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(centred input, scale, normalized)`` of ``x`` in the norm's compute dtype.
 
     ``scale`` is ``sqrt(var + eps)`` (``[..., 1]``); ``normalized`` is ``centred *
@@ -119,7 +121,9 @@ def norm_module_eps(module: Any, kind: NormKind | None = None, width: int | None
     if module in _MEASURED:
         return _MEASURED[module]
     if kind is None or width is None:
-        raise AttributeError(f"norm module {type(module).__name__} has no {'/'.join(_EPS_ATTRIBUTES)} attribute")
+        raise AttributeError(
+            f"norm module {type(module).__name__} has no {'/'.join(_EPS_ATTRIBUTES)} attribute"
+        )
     measured = _measure_eps(module, kind, width)
     if measured is None:
         raise AttributeError(
@@ -144,8 +148,15 @@ def _measure_eps(module: Any, kind: NormKind, width: int) -> float | None:
     if parameter is not None and parameter.device.type == "meta":
         return None
     device = parameter.device if parameter is not None else torch.device("cpu")
-    dtype = parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
-    x = torch.randn(1, 4, width, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e-4
+    dtype = (
+        parameter.dtype
+        if parameter is not None and parameter.is_floating_point()
+        else torch.float32
+    )
+    x = (
+        torch.randn(1, 4, width, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        * 1e-4
+    )
     x = x.to(device=device, dtype=dtype)
     bias = getattr(module, "bias", None)
     try:

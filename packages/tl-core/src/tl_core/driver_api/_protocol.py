@@ -162,7 +162,14 @@ class NamespaceFacts:
 
 _REQUIRED_METHODS = ("forward", "close", "supports")
 _REQUIRED_SETS = ("supported_hook_points", "non_fireable_hook_points")
-_TOKENIZER_MEMBERS = ("encode", "decode", "token_to_str", "bos_token_id", "eos_token_id", "pad_token_id")
+_TOKENIZER_MEMBERS = (
+    "encode",
+    "decode",
+    "token_to_str",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 
 
 def validate_driver(driver: object, *, name: str | None = None) -> None:

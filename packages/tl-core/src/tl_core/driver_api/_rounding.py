@@ -105,7 +105,9 @@ class RoundingCheck:
     @property
     def ratio(self) -> float:
         """The candidate's error as a multiple of what is allowed (<= 1 passes)."""
-        return max(_share(self.candidate_max, self.limit_max), _share(self.candidate_rms, self.limit_rms))
+        return max(
+            _share(self.candidate_max, self.limit_max), _share(self.candidate_rms, self.limit_rms)
+        )
 
     def __str__(self) -> str:
         verdict = "ok" if self.ok else "TOO FAR"

@@ -32,7 +32,9 @@ class SamplingOptions:
         seed: int | None = None,
     ) -> None:
         if temperature <= 0:
-            raise UserError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy")
+            raise UserError(
+                f"temperature must be > 0, got {temperature}; use do_sample=False for greedy"
+            )
         if top_k is not None and top_k < 1:
             raise UserError(f"top_k must be >= 1, got {top_k}")
         if top_p is not None and not 0 < top_p <= 1:

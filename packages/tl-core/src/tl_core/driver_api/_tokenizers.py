@@ -41,7 +41,9 @@ def id_list(ids: Any) -> list[int]:
         return [ids]
     out = list(ids)
     if any(isinstance(i, (list, tuple)) for i in out):
-        raise TypeError("decode takes one sequence of token ids; decode each row of a batch on its own")
+        raise TypeError(
+            "decode takes one sequence of token ids; decode each row of a batch on its own"
+        )
     return [int(i) for i in out]
 
 

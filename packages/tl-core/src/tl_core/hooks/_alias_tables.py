@@ -268,7 +268,9 @@ _TL_BRIDGE: dict[str, Rule] = {
     ),
     "blocks.{i}.attn.o.hook_in": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_z", _FLAT)),
     "blocks.{i}.attn.o.hook_out": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_out")),
-    "blocks.{i}.attn.hook_attn_in": Rule("tl_bridge", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)),
+    "blocks.{i}.attn.hook_attn_in": Rule(
+        "tl_bridge", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)
+    ),
     **{
         f"blocks.{{i}}.attn.hook_{x}_normed": Rule(
             "tl_bridge", _alias(f"blocks.{{i}}.attn.{x}_norm.hook_out", "QK-norm models only.")
@@ -341,7 +343,9 @@ _TL_BRIDGE: dict[str, Rule] = {
     # A shared expert (Qwen2-MoE) is a gated MLP of its own, and its gate a Linear.
     **{
         f"blocks.{{i}}.mlp.{name}": Rule(
-            "tl_bridge", _alias(canonical, _SHARED_ONLY), ((_no_shared_expert, _absent(_NO_SHARED)),)
+            "tl_bridge",
+            _alias(canonical, _SHARED_ONLY),
+            ((_no_shared_expert, _absent(_NO_SHARED)),),
         )
         for name, canonical in {
             "shared_expert.hook_in": "blocks.{i}.mlp.hook_in",

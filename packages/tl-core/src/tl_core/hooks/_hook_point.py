@@ -348,4 +348,6 @@ def only_rerouted(*fired: tuple[torch.Tensor, torch.Tensor]) -> bool:
         what they were given.
     """
     new = [(before, after) for before, after in fired if after is not before]
-    return bool(new) and all(torch.equal(before, after.reshape(before.shape)) for before, after in new)
+    return bool(new) and all(
+        torch.equal(before, after.reshape(before.shape)) for before, after in new
+    )

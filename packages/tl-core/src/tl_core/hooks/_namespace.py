@@ -137,7 +137,9 @@ class HookNamespace:
                     generic = f"{label} serves it for capture only"
                     table[name] = _IDS_REASON if template.layout in _IDS else generic
                 elif not present and template.requires is not None:
-                    table[name] = f"this {model} has no such site: {MISSING_BECAUSE[template.requires]}"
+                    table[name] = (
+                        f"this {model} has no such site: {MISSING_BECAUSE[template.requires]}"
+                    )
                 else:
                     table[name] = f"{label} does not serve it"
         return cls(info, served_set, editable_set, MappingProxyType(table), driver)

@@ -6,7 +6,13 @@ from tl_core.hooks._model_info import ModelInfo
 
 __all__ = ["feature_shape", "position_axis"]
 
-_KV_HOOKS = ("attn.hook_k", "attn.hook_v", "attn.hook_rot_k", "attn.hook_k_input", "attn.hook_v_input")
+_KV_HOOKS = (
+    "attn.hook_k",
+    "attn.hook_v",
+    "attn.hook_rot_k",
+    "attn.hook_k_input",
+    "attn.hook_v_input",
+)
 _KV_NORM = ".attn.k_norm."
 
 

@@ -215,9 +215,7 @@ _LN2_POST = _norm_family(
     "= mlp.hook_out",
 )
 _LN_FINAL = _norm_family("ln_final", "the final norm", "norm", "= the last block's hook_out")
-_EMBED_LN = _norm_family(
-    "embed_ln", "the embedding norm (BLOOM)", "embed_norm", "= embed.hook_out"
-)
+_EMBED_LN = _norm_family("embed_ln", "the embedding norm (BLOOM)", "embed_norm", "= embed.hook_out")
 
 #: The vocabulary, in forward order: global hooks before the blocks, one block's hooks,
 #: global hooks after the blocks.
@@ -563,7 +561,9 @@ def is_canonical(name: object) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _names_for(info: ModelInfo, include_attn_result: bool, include_split_qkv_input: bool) -> tuple[str, ...]:
+def _names_for(
+    info: ModelInfo, include_attn_result: bool, include_split_qkv_input: bool
+) -> tuple[str, ...]:
     head: list[str] = []
     block: list[HookTemplate] = []
     tail: list[str] = []

@@ -252,8 +252,7 @@ class NativeConfig:
         """
         if not isinstance(data, Mapping):
             raise ConfigError(
-                f"A NativeConfig is built from a mapping of field names, got "
-                f"{type(data).__name__}."
+                f"A NativeConfig is built from a mapping of field names, got {type(data).__name__}."
             )
         known = [f.name for f in dataclasses.fields(cls)]
         for key in data:
@@ -261,8 +260,7 @@ class NativeConfig:
                 close = difflib.get_close_matches(str(key), known, n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
-                    f"Unknown NativeConfig field {key!r}.{hint} "
-                    f"Known fields: {', '.join(known)}."
+                    f"Unknown NativeConfig field {key!r}.{hint} Known fields: {', '.join(known)}."
                 )
         return cls(**data)
 

@@ -22,7 +22,6 @@ from tl_core.native._model import NativeTransformer
 __all__ = ["NativeDriver"]
 
 
-
 class NativeDriver(LocalDriver):
     """Runs a ``NativeTransformer`` with the built-in byte-level tokenizer."""
 
@@ -113,7 +112,9 @@ class NativeDriver(LocalDriver):
         )
 
 
-def _config(config: NativeConfig | Mapping[str, Any] | str | None, overrides: Mapping[str, Any]) -> NativeConfig:
+def _config(
+    config: NativeConfig | Mapping[str, Any] | str | None, overrides: Mapping[str, Any]
+) -> NativeConfig:
     if isinstance(config, str):
         return NativeConfig.preset(config, **overrides)
     if config is None:

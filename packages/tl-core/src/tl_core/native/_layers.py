@@ -260,8 +260,12 @@ class Attention(nn.Module):
         return out if b is None else out + b
 
     def _split(
-        self, point: HookPoint, resid: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor],
-        w: torch.Tensor, b: torch.Tensor | None,
+        self,
+        point: HookPoint,
+        resid: torch.Tensor,
+        norm: Callable[[torch.Tensor], torch.Tensor],
+        w: torch.Tensor,
+        b: torch.Tensor | None,
     ) -> torch.Tensor:
         """Project each head from its own normalised copy of the block input."""
         copies = point(resid[:, :, None, :].expand(-1, -1, w.shape[0], -1).clone())

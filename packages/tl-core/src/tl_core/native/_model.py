@@ -277,8 +277,9 @@ class NativeTransformer(nn.Module):
 
     def _check_input_ids(self, input_ids: torch.Tensor | None) -> torch.Tensor:
         if input_ids is None:
-            raise UserError("input_ids is None; pass token ids [batch, pos], or "
-                            "start_at_layer with residual.")
+            raise UserError(
+                "input_ids is None; pass token ids [batch, pos], or start_at_layer with residual."
+            )
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
             found = input_ids.shape if isinstance(input_ids, torch.Tensor) else type(input_ids)
             raise UserError(f"input_ids must be a 2-D tensor [batch, pos], got {found}.")

@@ -37,7 +37,9 @@ def _matplotlib() -> Any:
     try:
         import matplotlib.figure
     except ImportError:
-        raise UserError(f"plotting needs matplotlib, which is not installed; {PLOTS_EXTRA}") from None
+        raise UserError(
+            f"plotting needs matplotlib, which is not installed; {PLOTS_EXTRA}"
+        ) from None
     return matplotlib.figure
 
 
@@ -150,15 +152,24 @@ def plot_logit_lens(
     width = max(5.0, 1.0 * data.shape[1] + 2.5)
     height = max(4.0, 0.28 * data.shape[0] + 1.5)
     figure, axes = _axes(ax, (width, height))
-    image = axes.imshow(data, cmap="viridis", aspect="auto", vmin=0.0, vmax=max(1e-9, float(data.max())))
+    image = axes.imshow(
+        data, cmap="viridis", aspect="auto", vmin=0.0, vmax=max(1e-9, float(data.max()))
+    )
     _ticks(axes, "x", cols, rotate=True)
     _ticks(axes, "y", rows)
     if cell_text is not None:
         high = 0.6 * float(data.max())
         for i, row in enumerate(cell_text):
             for j, text in enumerate(row):
-                axes.text(j, i, text, ha="center", va="center", fontsize=6,
-                          color="black" if data[i, j] > high else "white")
+                axes.text(
+                    j,
+                    i,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="black" if data[i, j] > high else "white",
+                )
     axes.set_xlabel("position")
     axes.set_ylabel("residual stream")
     if title:
@@ -272,7 +283,9 @@ def plot_head_scores(
         UserError: matplotlib is missing, or ``scores`` is not 2-D.
     """
     data = _matrix(scores, "scores")
-    figure, axes = _axes(ax, (max(4.0, 0.45 * data.shape[1] + 2), max(4.0, 0.22 * data.shape[0] + 1.5)))
+    figure, axes = _axes(
+        ax, (max(4.0, 0.45 * data.shape[1] + 2), max(4.0, 0.22 * data.shape[0] + 1.5))
+    )
     image = axes.imshow(data, cmap="magma", aspect="auto")
     axes.set_xticks(range(data.shape[1]))
     axes.set_yticks(range(data.shape[0]))

@@ -16,7 +16,14 @@ import torch
 
 from tl_core._errors import ConfigError
 
-__all__ = ["ARCHITECTURES", "NORMALIZATIONS", "DictionaryArchitecture", "Linear", "Normalization", "SparseDictionary"]
+__all__ = [
+    "ARCHITECTURES",
+    "NORMALIZATIONS",
+    "DictionaryArchitecture",
+    "Linear",
+    "Normalization",
+    "SparseDictionary",
+]
 
 #: ``x -> x @ W + b`` for one of a dictionary's two matrices, computed by an engine's own
 #: kernel (e.g. vLLM's oneDNN GEMM on CPUs, with the weight prepacked); ``None``: torch.
@@ -96,7 +103,9 @@ class SparseDictionary:
         if self.architecture not in ARCHITECTURES:
             out.append(f"architecture {self.architecture!r} is not one of {ARCHITECTURES}")
         if self.normalize_activations not in NORMALIZATIONS:
-            out.append(f"normalize_activations {self.normalize_activations!r} is not one of {NORMALIZATIONS}")
+            out.append(
+                f"normalize_activations {self.normalize_activations!r} is not one of {NORMALIZATIONS}"
+            )
         if self.W_enc.dim() != 2 or self.W_dec.dim() != 2:
             return [*out, "W_enc and W_dec must be matrices"]
         d_in, d_sae = self.W_enc.shape
@@ -106,16 +115,24 @@ class SparseDictionary:
             out.append(f"b_enc has shape {tuple(self.b_enc.shape)}, expected ({d_sae},)")
         if tuple(self.b_dec.shape) != (self.d_out,):
             out.append(f"b_dec has shape {tuple(self.b_dec.shape)}, expected ({self.d_out},)")
-        if self.architecture == "jumprelu" and (self.threshold is None or tuple(self.threshold.shape) != (d_sae,)):
+        if self.architecture == "jumprelu" and (
+            self.threshold is None or tuple(self.threshold.shape) != (d_sae,)
+        ):
             out.append(f"a jumprelu dictionary needs a threshold of shape ({d_sae},)")
         if self.architecture == "topk" and (not isinstance(self.k, int) or not 0 < self.k <= d_sae):
             out.append(f"a topk dictionary needs 0 < k <= d_sae ({d_sae}), got k={self.k!r}")
         if self.W_skip is not None and tuple(self.W_skip.shape) != (self.d_out, d_in):
-            out.append(f"W_skip has shape {tuple(self.W_skip.shape)}, expected (d_out, d_in) = ({self.d_out}, {d_in})")
+            out.append(
+                f"W_skip has shape {tuple(self.W_skip.shape)}, expected (d_out, d_in) = ({self.d_out}, {d_in})"
+            )
         if self.is_transcoder and self.apply_b_dec_to_input:
-            out.append("a transcoder cannot subtract b_dec from its input (apply_b_dec_to_input must be False)")
+            out.append(
+                "a transcoder cannot subtract b_dec from its input (apply_b_dec_to_input must be False)"
+            )
         if self.is_transcoder and self.normalize_activations != "none":
-            out.append("a transcoder takes no activation normalisation (sae-lens runs none on its output)")
+            out.append(
+                "a transcoder takes no activation normalisation (sae-lens runs none on its output)"
+            )
         if self.is_transcoder and self.flatten_heads:
             out.append("a transcoder cannot read heads flattened")
         return out
@@ -149,7 +166,9 @@ class SparseDictionary:
             or self.d_out != self.d_in
         )
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> SparseDictionary:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> SparseDictionary:
         """This dictionary with its tensors on ``device`` and/or in float ``dtype``."""
 
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -181,7 +200,9 @@ class SparseDictionary:
         """The dictionary's dtype (inputs are cast to it)."""
         return self.W_enc.dtype
 
-    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    def normalize(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``x`` normalised as the dictionary expects, and what undoes it on the output."""
         if self.normalize_activations == "constant_norm_rescale":
             coeff = (self.d_in**0.5) / x.norm(dim=-1, keepdim=True)
@@ -200,7 +221,9 @@ class SparseDictionary:
             x = x - self.b_dec
         if linear is not None:
             return linear(x)
-        return torch.addmm(self.b_enc, x.reshape(-1, x.shape[-1]), self.W_enc).view(*x.shape[:-1], -1)
+        return torch.addmm(self.b_enc, x.reshape(-1, x.shape[-1]), self.W_enc).view(
+            *x.shape[:-1], -1
+        )
 
     def activate(self, pre: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """Feature activations from pre-activations, by the architecture's rule.
@@ -214,7 +237,11 @@ class SparseDictionary:
         if self.architecture == "jumprelu":
             assert self.threshold is not None
             below = pre <= self.threshold
-            return (pre.masked_fill_(below, 0.0).relu_() if inplace else pre.masked_fill(below, 0.0).relu())
+            return (
+                pre.masked_fill_(below, 0.0).relu_()
+                if inplace
+                else pre.masked_fill(below, 0.0).relu()
+            )
         if self.architecture == "topk":
             assert self.k is not None
             values, indices = pre.topk(self.k, dim=-1, sorted=False)
@@ -229,9 +256,13 @@ class SparseDictionary:
             acts = acts / self.W_dec.norm(dim=-1)
         if linear is not None:
             return linear(acts)
-        return torch.addmm(self.b_dec, acts.reshape(-1, acts.shape[-1]), self.W_dec).view(*acts.shape[:-1], -1)
+        return torch.addmm(self.b_dec, acts.reshape(-1, acts.shape[-1]), self.W_dec).view(
+            *acts.shape[:-1], -1
+        )
 
-    def denormalize(self, out: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def denormalize(
+        self, out: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         """``out`` with the normalisation ``normalize`` applied to the input undone."""
         if undo is None:
             return out
@@ -240,7 +271,9 @@ class SparseDictionary:
             return out / scale
         return out * scale + shift
 
-    def decode(self, acts: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def decode(
+        self, acts: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The reconstruction of feature activations ``[..., d_sae]`` (normalisation undone
         with ``undo`` from ``normalize``)."""
         return self.denormalize(self.decode_linear(acts), undo)
@@ -254,7 +287,9 @@ class SparseDictionary:
         normed, _ = self.normalize(x.to(self.dtype))
         return self.activate(self.pre_activations(normed))
 
-    def reconstruct(self, x: torch.Tensor, encoder: Linear = None, decoder: Linear = None) -> torch.Tensor:
+    def reconstruct(
+        self, x: torch.Tensor, encoder: Linear = None, decoder: Linear = None
+    ) -> torch.Tensor:
         """What sae-lens's ``SAE.forward`` returns without the error term: encode, then
         decode (plus the skip path of a skip transcoder), in the dictionary's dtype."""
         x = x.to(self.dtype)

@@ -55,7 +55,10 @@ class DictionaryEvaluation:
     def __str__(self) -> str:
         rows = [
             ("CE recovered", f"{self.ce_recovered:.4f}"),
-            ("CE clean / spliced / zero", f"{self.ce_clean:.4f} / {self.ce_splice:.4f} / {self.ce_zero:.4f}"),
+            (
+                "CE clean / spliced / zero",
+                f"{self.ce_clean:.4f} / {self.ce_splice:.4f} / {self.ce_zero:.4f}",
+            ),
             ("KL to the model", f"{self.kl:.4f}"),
             ("explained variance", f"{self.explained_variance:.4f}"),
             ("L0", f"{self.l0:.2f}"),
@@ -70,8 +73,15 @@ def _token_rows(tokens: Any) -> torch.Tensor:
     try:
         rows = torch.as_tensor(tokens)
     except (TypeError, ValueError) as exc:
-        raise UserError(f"evaluate_dictionary takes token ids [rows, positions] of one length, got {type(tokens).__name__}: {exc}") from None
-    if rows.dim() != 2 or rows.dtype not in (torch.int32, torch.int64) or rows.shape[1] < 2 or rows.shape[0] < 1:
+        raise UserError(
+            f"evaluate_dictionary takes token ids [rows, positions] of one length, got {type(tokens).__name__}: {exc}"
+        ) from None
+    if (
+        rows.dim() != 2
+        or rows.dtype not in (torch.int32, torch.int64)
+        or rows.shape[1] < 2
+        or rows.shape[0] < 1
+    ):
         raise UserError(
             "evaluate_dictionary takes integer token ids shaped [rows, positions] with at least one row "
             f"of at least 2 positions (next-token losses), got {tuple(rows.shape)} {rows.dtype}"
@@ -108,7 +118,9 @@ def evaluate_dictionary(
     rows = _token_rows(tokens)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise UserError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    spliced = bridge.add_sae(dictionary, hook_name=hook_name, output_hook_name=output_hook_name, use_error_term=True)
+    spliced = bridge.add_sae(
+        dictionary, hook_name=hook_name, output_hook_name=output_hook_name, use_error_term=True
+    )
     try:
         with torch.no_grad():
             return _evaluate(bridge, spliced, rows, batch_size, progress)
@@ -116,8 +128,12 @@ def evaluate_dictionary(
         spliced.remove()
 
 
-def _evaluate(bridge: Any, spliced: Any, rows: torch.Tensor, batch_size: int, progress: bool) -> DictionaryEvaluation:
-    acts, error, out = (spliced.site(s) for s in ("hook_sae_acts_post", "hook_sae_error", "hook_sae_output"))
+def _evaluate(
+    bridge: Any, spliced: Any, rows: torch.Tensor, batch_size: int, progress: bool
+) -> DictionaryEvaluation:
+    acts, error, out = (
+        spliced.site(s) for s in ("hook_sae_acts_post", "hook_sae_error", "hook_sae_output")
+    )
     ce = {"clean": 0.0, "splice": 0.0, "zero": 0.0}
     kl_sum, predicted = 0.0, 0
     counts = torch.zeros(spliced.dictionary.d_sae, dtype=torch.long)
@@ -126,11 +142,16 @@ def _evaluate(bridge: Any, spliced: Any, rows: torch.Tensor, batch_size: int, pr
     starts = range(0, rows.shape[0], batch_size)
     for step, start in enumerate(starts):
         batch = rows[start : start + batch_size]
-        clean, cache = bridge.run_with_cache(batch, names_filter=[acts, error, out], prepend_bos=False)
+        clean, cache = bridge.run_with_cache(
+            batch, names_filter=[acts, error, out], prepend_bos=False
+        )
         splice = bridge.forward(batch, intervene={error: {"op": "suppress"}}, prepend_bos=False)
         zero = bridge.forward(batch, intervene={out: {"op": "suppress"}}, prepend_bos=False)
         targets = batch[:, 1:].to(clean.device)
-        logp = {k: torch.log_softmax(v[:, :-1].double(), dim=-1) for k, v in (("clean", clean), ("splice", splice), ("zero", zero))}
+        logp = {
+            k: torch.log_softmax(v[:, :-1].double(), dim=-1)
+            for k, v in (("clean", clean), ("splice", splice), ("zero", zero))
+        }
         for k, lp in logp.items():
             ce[k] += float(-lp.gather(-1, targets[..., None]).sum())
         kl_sum += float((logp["clean"].exp() * (logp["clean"] - logp["splice"])).sum())

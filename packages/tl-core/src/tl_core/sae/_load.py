@@ -44,7 +44,9 @@ def _settings(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         )
     reshape = cfg.get("reshape_activations", "none")
     if reshape not in ("none", "hook_z"):
-        raise ConfigError(f"{where}: reshape_activations {reshape!r} is not one tl runs ('none', 'hook_z')")
+        raise ConfigError(
+            f"{where}: reshape_activations {reshape!r} is not one tl runs ('none', 'hook_z')"
+        )
     metadata = cfg.get("metadata") or {}
     return {
         "architecture": architecture,
@@ -71,7 +73,9 @@ def load_dictionary(folder: str | Path) -> SparseDictionary:
     path = Path(folder).expanduser()
     for name in (_CFG, _WEIGHTS):
         if not (path / name).is_file():
-            raise UserError(f"{path} has no {name}: a sae-lens dictionary folder holds {_CFG} and {_WEIGHTS}")
+            raise UserError(
+                f"{path} has no {name}: a sae-lens dictionary folder holds {_CFG} and {_WEIGHTS}"
+            )
     from safetensors.torch import load_file
 
     cfg = json.loads((path / _CFG).read_text())

@@ -12,7 +12,14 @@ __all__ = ["random_dictionary"]
 
 
 def random_dictionary(
-    d_in: int, d_sae: int, *, d_out: int | None = None, seed: int = 0, scale: float = 0.3, skip: bool = False, **settings: Any
+    d_in: int,
+    d_sae: int,
+    *,
+    d_out: int | None = None,
+    seed: int = 0,
+    scale: float = 0.3,
+    skip: bool = False,
+    **settings: Any,
 ) -> SparseDictionary:
     """A dictionary with Gaussian weights (``scale`` their standard deviation, biases a
     third of it), reproducible from ``seed``.

@@ -67,7 +67,9 @@ class Splice:
     def site(self, name: str) -> str:
         """The full name of one of its sites: ``splice.site("hook_sae_acts_post")``."""
         if name not in DICTIONARY_SITES:
-            raise ConfigError(f"{name!r} is not a dictionary site; they are {', '.join(DICTIONARY_SITES)}")
+            raise ConfigError(
+                f"{name!r} is not a dictionary site; they are {', '.join(DICTIONARY_SITES)}"
+            )
         return self.attachment.site.name(name)
 
     def remove(self) -> None:
@@ -99,7 +101,9 @@ def plan_attachment(
     """
     name = hook_name or dictionary.hook_name
     if name is None:
-        raise ConfigError("the dictionary names no site (its cfg has no hook_name): pass hook_name=")
+        raise ConfigError(
+            "the dictionary names no site (its cfg has no hook_name): pass hook_name="
+        )
     hook = namespace.lookup(name, edit=True)
     out_name = output_hook_name or dictionary.output_hook_name
     if dictionary.is_transcoder and out_name is None:
@@ -107,7 +111,11 @@ def plan_attachment(
             f"this dictionary is a transcoder (it reads {hook!r} and writes another site) but "
             "names no output site: pass output_hook_name=, e.g. 'blocks.0.mlp.hook_out'"
         )
-    if not dictionary.is_transcoder and out_name is not None and namespace.canonical(out_name) != hook:
+    if (
+        not dictionary.is_transcoder
+        and out_name is not None
+        and namespace.canonical(out_name) != hook
+    ):
         raise ConfigError(
             f"output_hook_name={out_name!r}: a sparse autoencoder writes the site it reads "
             f"({hook!r}); only transcoders write another site"
@@ -120,18 +128,32 @@ def plan_attachment(
         )
     _check_width(namespace, hook, dictionary.d_in, dictionary.flatten_heads, "reads")
     _check_width(namespace, output, dictionary.d_out, dictionary.flatten_heads, "writes")
-    chosen = top_k if top_k is not None else (dictionary.k if dictionary.architecture == "topk" else None)
+    chosen = (
+        top_k
+        if top_k is not None
+        else (dictionary.k if dictionary.architecture == "topk" else None)
+    )
     chosen = min(DEFAULT_TOP_K, dictionary.d_sae) if chosen is None else chosen
-    if isinstance(chosen, bool) or not isinstance(chosen, int) or not 0 < chosen <= dictionary.d_sae:
-        raise ConfigError(f"top_k must be an int in 1..{dictionary.d_sae} (the dictionary's features), got {top_k!r}")
+    if (
+        isinstance(chosen, bool)
+        or not isinstance(chosen, int)
+        or not 0 < chosen <= dictionary.d_sae
+    ):
+        raise ConfigError(
+            f"top_k must be an int in 1..{dictionary.d_sae} (the dictionary's features), got {top_k!r}"
+        )
     site = DictionarySite(hook, output, dictionary.d_in, dictionary.d_sae, dictionary.d_out, chosen)
     return Attachment(dictionary, site, bool(use_error_term))
 
 
-def _check_width(namespace: HookNamespace, hook: str, width: int, flatten_heads: bool, verb: str) -> None:
+def _check_width(
+    namespace: HookNamespace, hook: str, width: int, flatten_heads: bool, verb: str
+) -> None:
     shape = namespace.feature_shape(hook)
     if shape is None:
-        raise ConfigError(f"a dictionary cannot read or write {hook!r}: its width is the prompt's length")
+        raise ConfigError(
+            f"a dictionary cannot read or write {hook!r}: its width is the prompt's length"
+        )
     per_head = len(shape) == 2
     if per_head != flatten_heads or math.prod(shape) != width:
         flat = " with heads flattened" if flatten_heads else ""
@@ -186,12 +208,16 @@ def splice(
         return Splice(attachment, lambda: driver.detach_dictionary(attachment.site.hook))
     if isinstance(driver, LocalDriver):
         return Splice(attachment, _attach_local(driver, attachment))
-    raise UnsupportedFeatureError(f"driver {getattr(driver, 'name', type(driver).__name__)!r} cannot run dictionaries")
+    raise UnsupportedFeatureError(
+        f"driver {getattr(driver, 'name', type(driver).__name__)!r} cannot run dictionaries"
+    )
 
 
 def _attach_local(driver: LocalDriver, attachment: Attachment) -> Callable[[], None]:
     site = attachment.site
-    attachment = Attachment(attachment.dictionary.to(driver.device), site, attachment.use_error_term)
+    attachment = Attachment(
+        attachment.dictionary.to(driver.device), site, attachment.use_error_term
+    )
     points = {name: HookPoint(name) for name in site.names}
     by_site = {short: points[site.name(short)] for short in DICTIONARY_SITES}
 

@@ -95,13 +95,24 @@ def encode_and_decode(
     clean = None
     if attachment.use_error_term:
         # An in-place activation leaves seen_pre holding the activations: only identity counts.
-        edited = sae_in is not raw or seen_pre is not pre or seen_acts is not acts or seen_linear is not linear
+        edited = (
+            sae_in is not raw
+            or seen_pre is not pre
+            or seen_acts is not acts
+            or seen_linear is not linear
+        )
         with torch.no_grad():
-            clean = d.reconstruct(raw, attachment.encoder, attachment.decoder) if edited else output.detach()
+            clean = (
+                d.reconstruct(raw, attachment.encoder, attachment.decoder)
+                if edited
+                else output.detach()
+            )
     return Decoded(output, clean)
 
 
-def finish(attachment: Attachment, actual: torch.Tensor, decoded: Decoded, visit: Visit) -> torch.Tensor:
+def finish(
+    attachment: Attachment, actual: torch.Tensor, decoded: Decoded, visit: Visit
+) -> torch.Tensor:
     """What the written site passes on: the reconstruction, plus the error term ``actual -
     clean reconstruction`` when it is on (``hook_sae_error``, computed without gradient as
     sae-lens does), through ``hook_sae_output``. In the dictionary's dtype.
@@ -132,7 +143,9 @@ class DictionaryRun:
         copies: Whether ``visit`` copies what it keeps (see ``encode_and_decode``).
     """
 
-    def __init__(self, attachment: Attachment, visit: Visit, wants_top_k: Callable[[], bool], *, copies: bool) -> None:
+    def __init__(
+        self, attachment: Attachment, visit: Visit, wants_top_k: Callable[[], bool], *, copies: bool
+    ) -> None:
         self.attachment = attachment
         self._visit = visit
         self._wants_top_k = wants_top_k
@@ -145,7 +158,9 @@ class DictionaryRun:
         its reconstruction for ``write`` and leaves ``x`` as it is."""
         attachment = self.attachment
         flat = x.flatten(-2) if attachment.dictionary.flatten_heads else x
-        decoded = encode_and_decode(attachment, flat, self._visit, top_k=self._wants_top_k(), copies=self._copies)
+        decoded = encode_and_decode(
+            attachment, flat, self._visit, top_k=self._wants_top_k(), copies=self._copies
+        )
         if attachment.site.output_hook != attachment.site.hook:
             self._pending = decoded
             return x
@@ -159,6 +174,8 @@ class DictionaryRun:
         """
         site = self.attachment.site
         if self._pending is None:
-            raise TLError(f"the transcoder writing {site.output_hook!r} found no input: {site.hook!r} did not fire first")
+            raise TLError(
+                f"the transcoder writing {site.output_hook!r} found no input: {site.hook!r} did not fire first"
+            )
         decoded, self._pending = self._pending, None
         return finish(self.attachment, y, decoded, self._visit).to(y.dtype)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = ["InterventionPlan", "build_plan"]
 
+
 @dataclass(frozen=True)
 class InterventionPlan:
     """A validated ``intervene=`` argument for one batch, ready for a driver to apply.
@@ -241,13 +242,22 @@ def _resolve_for_prompt(
             where = f"intervention on {name!r}"
             if spec.features is not None:
                 _check_features(spec, width, shape, where)
-            _check_width(spec, width if spec.features is None else len(spec.features), shape, index, length, where)
+            _check_width(
+                spec,
+                width if spec.features is None else len(spec.features),
+                shape,
+                index,
+                length,
+                where,
+            )
             resolved.append(_resolve_positions(spec, index, length, where))
         out[canonical] = tuple(resolved)
     return out
 
 
-def _check_features(spec: InterventionSpec, width: int, shape: tuple[int, ...] | None, where: str) -> None:
+def _check_features(
+    spec: InterventionSpec, width: int, shape: tuple[int, ...] | None, where: str
+) -> None:
     if shape is None:
         raise _error(
             f"{where}: key 'features' does not apply to attention scores or patterns (their "
@@ -293,5 +303,7 @@ def _resolve_positions(
 ) -> InterventionSpec:
     if spec.pos is None:
         return spec
-    resolved = absolute_positions(spec.pos, length, where=f"{where} for prompt {index}", span=f"a prompt of length {length}")
+    resolved = absolute_positions(
+        spec.pos, length, where=f"{where} for prompt {index}", span=f"a prompt of length {length}"
+    )
     return spec if resolved == spec.pos else replace(spec, pos=resolved)

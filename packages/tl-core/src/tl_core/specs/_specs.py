@@ -79,7 +79,12 @@ _POS = {
 _FEATURES = {
     "oneOf": [
         {"type": "integer", "minimum": 0},
-        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1, "uniqueItems": True},
+        {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0},
+            "minItems": 1,
+            "uniqueItems": True,
+        },
     ],
     "description": "Indices into the hook's (flattened) feature axis to edit, e.g. an SAE's "
     "features on hook_sae_acts_post or neurons on mlp.hook_post; absent means all of them. "
@@ -167,7 +172,13 @@ class InterventionSpec:
     features: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        fields = {"op": self.op, "factor": self.factor, "value": self.value, "pos": self.pos, "features": self.features}
+        fields = {
+            "op": self.op,
+            "factor": self.factor,
+            "value": self.value,
+            "pos": self.pos,
+            "features": self.features,
+        }
         normalised = _normalise(
             {k: v for k, v in fields.items() if v is not None}, "InterventionSpec"
         )
@@ -334,7 +345,13 @@ def _normalise(raw: Mapping[Any, Any], where: str) -> InterventionSpec:
                 "position"
             )
     spec = object.__new__(InterventionSpec)
-    for name, item in (("op", op), ("factor", factor), ("value", value), ("pos", pos), ("features", features)):
+    for name, item in (
+        ("op", op),
+        ("factor", factor),
+        ("value", value),
+        ("pos", pos),
+        ("features", features),
+    ):
         object.__setattr__(spec, name, item)
     return spec
 
@@ -433,7 +450,15 @@ def _vector(raw: object, where: str, key: str, row: int | None = None) -> tuple[
 
 
 def _distinct_ints(
-    raw: object, where: str, key: str, *, expected: str, omit: str, noun: str, distinct: str, minimum: int | None = None
+    raw: object,
+    where: str,
+    key: str,
+    *,
+    expected: str,
+    omit: str,
+    noun: str,
+    distinct: str,
+    minimum: int | None = None,
 ) -> tuple[int, ...]:
     """An int or a non-empty list of distinct ints (``pos``, ``features``), as a tuple.
 
@@ -448,12 +473,18 @@ def _distinct_ints(
     for item in items:
         if isinstance(item, float) and item.is_integer():
             item = int(item)
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or (minimum is not None and item < minimum):
+        if (
+            isinstance(item, bool)
+            or not isinstance(item, numbers.Integral)
+            or (minimum is not None and item < minimum)
+        ):
             raise _error(f"{where}: key {key!r} expects {expected}, found {_describe(item)}")
         out.append(int(item))
     if len(set(out)) != len(out):
         repeated = next(v for v in out if out.count(v) > 1)
-        raise _error(f"{where}: key {key!r} lists {noun} {repeated} more than once; expected {distinct}")
+        raise _error(
+            f"{where}: key {key!r} lists {noun} {repeated} more than once; expected {distinct}"
+        )
     return tuple(out)
 
 
@@ -464,7 +495,9 @@ def _positions(raw: object, where: str) -> tuple[int, ...]:
     )  # fmt: skip
 
 
-def absolute_positions(positions: Sequence[int], length: int, *, where: str = "", span: str = "") -> tuple[int, ...]:
+def absolute_positions(
+    positions: Sequence[int], length: int, *, where: str = "", span: str = ""
+) -> tuple[int, ...]:
     """``pos`` resolved against a sequence: negative positions count from its end.
 
     Args:

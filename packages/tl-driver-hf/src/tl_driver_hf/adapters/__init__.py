@@ -51,7 +51,9 @@ def register_adapter(adapter: ArchitectureAdapter) -> None:
         TypeError: ``adapter`` is not an ``ArchitectureAdapter``.
     """
     if not isinstance(adapter, ArchitectureAdapter):
-        raise TypeError(f"register_adapter takes an ArchitectureAdapter, got {type(adapter).__name__}")
+        raise TypeError(
+            f"register_adapter takes an ArchitectureAdapter, got {type(adapter).__name__}"
+        )
     _EXTRA.insert(0, adapter)
 
 

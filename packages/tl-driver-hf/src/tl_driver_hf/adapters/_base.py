@@ -27,6 +27,7 @@ NormKind = _CoreNormKind
 #: (weight ``[in, out]``).
 LinearKind = Literal["linear", "conv1d"]
 
+
 @dataclass(frozen=True)
 class ArchitectureAdapter:
     """How one transformers family maps onto the canonical hook tree.

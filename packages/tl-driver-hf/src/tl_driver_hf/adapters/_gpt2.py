@@ -31,7 +31,10 @@ ADAPTERS = (
         rotary=False,
         # GPT-2's eager attention takes the softmax in the activations' dtype.
         softmax_fp32=False,
-        hub_patterns=(r"^(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?$", r"^stanford-crfm/"),
+        hub_patterns=(
+            r"^(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?$",
+            r"^stanford-crfm/",
+        ),
         known_models=(
             "openai-community/gpt2",
             "openai-community/gpt2-medium",

@@ -29,7 +29,9 @@ VLLM_TINY_SIZES: Final[dict[str, int]] = {
 }  # fmt: skip
 
 
-def tiny_default_model(model_type: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None) -> PreTrainedModel:
+def tiny_default_model(
+    model_type: str, seed: int = 0, *, sizes: Mapping[str, int] | None = None
+) -> PreTrainedModel:
     """A tiny float32 causal LM of ``model_type``: its default config with ``TINY_SIZES``.
 
     Special token ids past the tiny vocabulary are dropped and per-layer ``layer_types``
@@ -50,7 +52,11 @@ def tiny_default_model(model_type: str, seed: int = 0, *, sizes: Mapping[str, in
 
 
 def write_tiny_default_checkpoint(
-    model_type: str, path: str | os.PathLike[str], *, sizes: Mapping[str, int] | None = None, seed: int = 0
+    model_type: str,
+    path: str | os.PathLike[str],
+    *,
+    sizes: Mapping[str, int] | None = None,
+    seed: int = 0,
 ) -> Path:
     """Write ``tiny_default_model(model_type)`` with a tiny tokenizer into the folder ``path``
     (loadable offline by transformers and vLLM; written atomically).
