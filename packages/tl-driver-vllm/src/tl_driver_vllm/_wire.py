@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Outbox", "SharedFiles", "pack", "unpack"]
+__all__ = ["TAG_KEY", "Outbox", "SharedFiles", "pack", "unpack"]
+
+#: The SamplingParams.extra_args key that tags a request with its run-local id.
+TAG_KEY = "tl_request"
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dtype): dtype

@@ -27,7 +27,7 @@ from tl_driver_vllm._families import (
     resolve,
     settle,
 )
-from tl_driver_vllm._hooks import block_template
+from tl_driver_vllm.driver._namespace import block_template
 
 __all__ = [
     "Backend",

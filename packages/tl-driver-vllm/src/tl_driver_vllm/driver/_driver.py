@@ -23,22 +23,22 @@ from tl_core.driver_api import (
     NamespaceFacts,
     build_plan,
 )
-from tl_driver_vllm._architecture import layout_architecture
-from tl_driver_vllm._backend import classes_kept
-from tl_driver_vllm._certify import ANCHOR_LOGPROBS, certify_engine, refusal
-from tl_driver_vllm._derive import serving_layout
 from tl_driver_vllm._dictionaries import check_replicated, pack_attachment
 from tl_driver_vllm._families import Layout, model_info
-from tl_driver_vllm._gguf import gguf_checkpoint
-from tl_driver_vllm._hooks import INPUT_SITES, hook_namespace
-from tl_driver_vllm._inputs import check_tokens, refuse_positions, token_rows
-from tl_driver_vllm._lifecycle import children, shutdown, socket_files
-from tl_driver_vllm._memory import available_memory, cpu_kv_cache
-from tl_driver_vllm._merge import edit_table, merge_batched, pad_rows
-from tl_driver_vllm._options import engine_kwargs, sampling_kwargs
-from tl_driver_vllm._run_state import TAG_KEY
-from tl_driver_vllm._spawn import check_main_guard
-from tl_driver_vllm._wire import SharedFiles, unpack
+from tl_driver_vllm._wire import TAG_KEY, SharedFiles, unpack
+from tl_driver_vllm.driver._architecture import layout_architecture
+from tl_driver_vllm.driver._backend import classes_kept
+from tl_driver_vllm.driver._certify import ANCHOR_LOGPROBS, certify_engine, refusal
+from tl_driver_vllm.driver._derive import serving_layout
+from tl_driver_vllm.driver._edit_tables import edit_table
+from tl_driver_vllm.driver._gguf import gguf_checkpoint
+from tl_driver_vllm.driver._inputs import check_tokens, refuse_positions, token_rows
+from tl_driver_vllm.driver._lifecycle import children, shutdown, socket_files
+from tl_driver_vllm.driver._memory import available_memory, cpu_kv_cache
+from tl_driver_vllm.driver._merge import merge_batched, pad_rows
+from tl_driver_vllm.driver._namespace import INPUT_SITES, hook_namespace
+from tl_driver_vllm.driver._options import engine_kwargs, sampling_kwargs
+from tl_driver_vllm.driver._spawn import check_main_guard
 
 if TYPE_CHECKING:
     from tl_core.sae import Attachment

@@ -24,8 +24,6 @@ __all__ = ["NORMED", "Allocate", "RequestPlan", "RunState", "Step", "copy_rows"]
 
 #: Internal capture of the final norm's output, from which logits are computed.
 NORMED = "__normed__"
-#: The SamplingParams.extra_args key that tags a request with its run-local id.
-TAG_KEY = "tl_request"
 
 
 #: ``(shape, dtype, device) -> tensor``: where a run's result buffers are made (``_wire.Outbox``).
