@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tl_core.models import SMOLLM2, smollm2_gguf
     from tl_driver_hf import describe_architecture
-    from tl_driver_vllm.driver._driver import VLLMDriver
+    from tl_driver_vllm._driver_side._driver import VLLMDriver
 
     if not SMOLLM2.is_installed():
         print(f"needs the model file: {SMOLLM2.install_command}", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tl_core import ConfigError, ModelInfo
-from tl_driver_vllm.driver._memory import AVAILABLE_SHARE, MEMORY_OPTIONS, cpu_kv_cache
+from tl_driver_vllm._driver_side._memory import AVAILABLE_SHARE, MEMORY_OPTIONS, cpu_kv_cache
 
 GiB = 2**30
 #: SmolLM2-135M's sizes: 30 layers, 3 key/value heads of 64, an 8192-token context.
@@ -127,7 +127,7 @@ def test_boots_with_no_memory_option_while_memory_is_held(
     psutil = pytest.importorskip("psutil")
     from vllm.platforms import current_platform
 
-    import tl_driver_vllm.driver._driver as driver_module
+    import tl_driver_vllm._driver_side._driver as driver_module
     from tl_core import RemoteBridge
 
     if not current_platform.is_cpu():

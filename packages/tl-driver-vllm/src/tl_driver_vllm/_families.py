@@ -33,7 +33,7 @@ class Layout:
     """How one architecture family is laid out inside vLLM's ``*ForCausalLM`` module.
 
     One instance per family, keyed by architecture name in ``FAMILY_LAYOUTS``. The worker installs
-    hooks from these fields alone (``tl_driver_vllm.worker._sites``), and the driver derives the
+    hooks from these fields alone (``tl_driver_vllm._worker_side._sites``), and the driver derives the
     ``ModelInfo`` and the hook namespace from them, so adding a family whose vLLM module has
     this shape is one table row plus its parity test.
 
@@ -517,7 +517,7 @@ def layout_for(architecture: str) -> Layout:
         raise ConfigError(
             f"the vllm driver has no row for vLLM's own {architecture!r} model class; rows: "
             f"{', '.join(sorted(FAMILY_LAYOUTS))}. Other architectures run on vLLM's Transformers "
-            "backend, placed by the hf driver's description (tl_driver_vllm.driver._derive)."
+            "backend, placed by the hf driver's description (tl_driver_vllm._driver_side._derive)."
         )
     return layout
 

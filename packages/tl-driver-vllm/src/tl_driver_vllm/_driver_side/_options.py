@@ -12,7 +12,7 @@ from tl_core import ConfigError, UserError
 
 __all__ = ["WORKER_EXTENSION", "engine_kwargs", "sampling_kwargs"]
 
-WORKER_EXTENSION = "tl_driver_vllm.worker._worker.TLWorkerExtension"
+WORKER_EXTENSION = "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
 
 # Options the driver must own: hooks need eager mode (see README, "Compilation"),
 # captures need every prompt position computed, and the worker extension is ours.

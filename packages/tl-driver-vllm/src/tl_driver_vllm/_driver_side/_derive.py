@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tl_core import ConfigError
+from tl_driver_vllm._driver_side._namespace import block_template
 from tl_driver_vllm._families import (
     FAMILY_LAYOUTS,
     NOT_RUN_BY_VLLM,
@@ -27,7 +28,6 @@ from tl_driver_vllm._families import (
     resolve,
     settle,
 )
-from tl_driver_vllm.driver._namespace import block_template
 
 __all__ = [
     "Backend",

@@ -19,15 +19,15 @@ from torch.utils.hooks import RemovableHandle
 from tl_core import ConfigError
 from tl_core.driver_api import NormKind, norm_module_eps
 from tl_driver_vllm._families import Layout
-from tl_driver_vllm.worker._block_hooks import (
+from tl_driver_vllm._worker_side._block_hooks import (
     CallThrough,
     ResidualInput,
     SharedNormInput,
     Unbatched,
 )
-from tl_driver_vllm.worker._patterns import AttentionFacts
-from tl_driver_vllm.worker._run_state import NORMED, RunState
-from tl_driver_vllm.worker._site_hooks import (
+from tl_driver_vllm._worker_side._patterns import AttentionFacts
+from tl_driver_vllm._worker_side._run_state import NORMED, RunState
+from tl_driver_vllm._worker_side._site_hooks import (
     AttentionInput,
     GateUpSplit,
     InputSite,

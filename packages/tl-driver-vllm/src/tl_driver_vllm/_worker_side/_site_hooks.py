@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tl_core.driver_api import NormKind, norm_statistics
-from tl_driver_vllm.worker._run_state import RunState
+from tl_driver_vllm._worker_side._run_state import RunState
 
 __all__ = [
     "AttentionInput",

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tl_driver_vllm._families import Layout
-from tl_driver_vllm.worker._run_state import RunState
+from tl_driver_vllm._worker_side._run_state import RunState
 
 __all__ = ["CallThrough", "ResidualInput", "SharedNormInput", "Unbatched", "install_activations"]
 

@@ -19,11 +19,11 @@ from tl_core import TLError
 from tl_driver_vllm._dictionaries import unpack_attachment
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._wire import TAG_KEY, Outbox, pack
-from tl_driver_vllm.worker._block_hooks import install_activations
-from tl_driver_vllm.worker._patterns import AttentionFacts, attention_facts, rebuild
-from tl_driver_vllm.worker._run_state import NORMED, RequestPlan, RunState, Step
-from tl_driver_vllm.worker._shards import Shard, layer_shards
-from tl_driver_vllm.worker._sites import (
+from tl_driver_vllm._worker_side._block_hooks import install_activations
+from tl_driver_vllm._worker_side._patterns import AttentionFacts, attention_facts, rebuild
+from tl_driver_vllm._worker_side._run_state import NORMED, RequestPlan, RunState, Step
+from tl_driver_vllm._worker_side._shards import Shard, layer_shards
+from tl_driver_vllm._worker_side._sites import (
     attention_inputs,
     install_sites,
     norm_eps,

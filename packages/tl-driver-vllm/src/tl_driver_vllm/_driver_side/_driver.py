@@ -24,21 +24,21 @@ from tl_core.driver_api import (
     build_plan,
 )
 from tl_driver_vllm._dictionaries import check_replicated, pack_attachment
+from tl_driver_vllm._driver_side._architecture import layout_architecture
+from tl_driver_vllm._driver_side._backend import classes_kept
+from tl_driver_vllm._driver_side._certify import ANCHOR_LOGPROBS, certify_engine, refusal
+from tl_driver_vllm._driver_side._derive import serving_layout
+from tl_driver_vllm._driver_side._edit_tables import edit_table
+from tl_driver_vllm._driver_side._gguf import gguf_checkpoint
+from tl_driver_vllm._driver_side._inputs import check_tokens, refuse_positions, token_rows
+from tl_driver_vllm._driver_side._lifecycle import children, shutdown, socket_files
+from tl_driver_vllm._driver_side._memory import available_memory, cpu_kv_cache
+from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows
+from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace
+from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_kwargs
+from tl_driver_vllm._driver_side._spawn import check_main_guard
 from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._wire import TAG_KEY, SharedFiles, unpack
-from tl_driver_vllm.driver._architecture import layout_architecture
-from tl_driver_vllm.driver._backend import classes_kept
-from tl_driver_vllm.driver._certify import ANCHOR_LOGPROBS, certify_engine, refusal
-from tl_driver_vllm.driver._derive import serving_layout
-from tl_driver_vllm.driver._edit_tables import edit_table
-from tl_driver_vllm.driver._gguf import gguf_checkpoint
-from tl_driver_vllm.driver._inputs import check_tokens, refuse_positions, token_rows
-from tl_driver_vllm.driver._lifecycle import children, shutdown, socket_files
-from tl_driver_vllm.driver._memory import available_memory, cpu_kv_cache
-from tl_driver_vllm.driver._merge import merge_batched, pad_rows
-from tl_driver_vllm.driver._namespace import INPUT_SITES, hook_namespace
-from tl_driver_vllm.driver._options import engine_kwargs, sampling_kwargs
-from tl_driver_vllm.driver._spawn import check_main_guard
 
 if TYPE_CHECKING:
     from tl_core.sae import Attachment
