@@ -76,6 +76,7 @@ BOOTS = {
 }
 VARIES = "<!-- tutorial output varies by processor -->"
 _RECORDED = re.compile(r"<!-- tutorial recorded on: (?P<cpu>[^\n]*?) -->")
+_PADDED_NUMBER = re.compile(r" +#")
 _QUOTED = re.compile(r"'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"")
 _NEEDS = re.compile(r"<!-- tutorial needs: (?P<names>[a-z_, ]+) -->")
 _FIGURE = re.compile(r"!\[[^\]]*\]\(figures/(?P<name>[^)\s]+\.png)\)")
@@ -142,10 +143,13 @@ def processor() -> str:
 
 
 def same_form(shown: str, actual: str) -> bool:
-    """Whether ``actual`` reads as ``shown`` with every number and quoted string free to differ."""
+    """Whether ``actual`` reads as ``shown`` with every number and quoted string free to differ.
+
+    A number's padding is free too: ``f"{feature:4d}"`` pads 396 with one more space than 2040.
+    """
 
     def form(text: str) -> str:
-        return NUMBER.sub("#", _QUOTED.sub("''", text))
+        return _PADDED_NUMBER.sub(" #", NUMBER.sub("#", _QUOTED.sub("''", text)))
 
     return form(shown) == form(actual)
 

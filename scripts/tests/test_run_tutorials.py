@@ -169,11 +169,11 @@ _TRAINED = """# A trained page
 <!-- tutorial output varies by processor -->
 
 ```python
-print("feature", 7, "fires on", repr(" dog"), "at 13.2")
+print(f"feature {7:4d} fires on {' dog'!r} at 13.2")
 ```
 
 ```
-feature 7 fires on ' dog' at 13.2
+feature    7 fires on ' dog' at 13.2
 ```
 
 ```python
@@ -189,7 +189,7 @@ steps 400
 def _recorded_elsewhere(page: str) -> str:
     """The page as if a run on another processor had shown other features and values."""
     return page.replace(
-        "feature 7 fires on ' dog' at 13.2", 'feature 2040 fires on " cat\'s" at 9.75'
+        "feature    7 fires on ' dog' at 13.2", 'feature 2040 fires on " cat\'s" at 9.75'
     )
 
 
@@ -220,7 +220,7 @@ def test_a_marked_block_is_checked_exactly_where_it_was_recorded(
     page.write_text(_recorded_elsewhere(_TRAINED))
     monkeypatch.setattr(run_tutorials, "processor", lambda: "Chip A")
     problems = run_tutorials.check(page, write=False)
-    assert len(problems) == 1 and "+feature 7 fires on ' dog' at 13.2" in problems[0]
+    assert len(problems) == 1 and "+feature    7 fires on ' dog' at 13.2" in problems[0]
 
 
 def test_write_records_the_page_on_this_processor(
