@@ -19,6 +19,7 @@ from tl_core.driver_api import (
     HookCertificate,
     compare,
     equation_checks,
+    silent_hook_checks,
     statuses_from_checks,
 )
 
@@ -309,6 +310,21 @@ def test_a_hook_that_never_fired_fails_the_equations_that_need_it() -> None:
         "blocks.0.hook_out == blocks.0.ln2.hook_in + blocks.0.mlp.hook_out",
     }
     assert all(c.detail == "a hook on one side never fired" for c in failed.values())
+
+
+def test_a_hook_missing_from_the_drivers_own_forward_is_refused_by_name() -> None:
+    info = _info("sequential", 2, "RMS", True, True)
+    cache, _ = synthetic(info, seed=0)
+    names = sorted(cache)
+    silent = ["blocks.0.attn.hook_z", "blocks.1.hook_in"]
+    fired = {name: value for name, value in cache.items() if name not in silent}
+    checks = silent_hook_checks(names, fired)
+    assert [c.hooks for c in checks] == [(name,) for name in silent]
+    assert not any(c.passed for c in checks)
+    assert checks[0].equation == "blocks.0.attn.hook_z fires in a forward"
+    statuses = statuses_from_checks(names, checks, described=True, strict=True)
+    assert {name for name in names if statuses[name].status != "real"} == set(silent)
+    assert silent_hook_checks(names, cache) == []
 
 
 def test_a_mixer_block_adds_its_mixer_output_and_reads_its_norm() -> None:

@@ -26,6 +26,7 @@ from tl_core.driver_api import (
     certified_level,
     compare,
     equation_checks,
+    silent_hook_checks,
     statuses_from_checks,
     uses_alibi,
 )
@@ -286,18 +287,7 @@ def certify_driver(
     checks += latent_checks(driver, cache, rtol)
     if logits is not None:
         checks += readout_checks(driver, cache, ids, logits, rtol)
-    for name in names:
-        if name not in cache and not _opt_in(name):
-            checks.append(
-                CertificationCheck(
-                    f"{name} fires in a forward",
-                    (name,),
-                    False,
-                    float("inf"),
-                    0.0,
-                    "it never fired",
-                )
-            )
+    checks += silent_hook_checks([n for n in names if not _opt_in(n)], cache)
     weight_checks: dict[str, CertificationCheck] = {}
     unchecked_weights: dict[str, HookCertificate] = {}
     if thorough:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         HookCertificate as HookCertificate,
         certified_level as certified_level,
         compare as compare,
+        silent_hook_checks as silent_hook_checks,
         statuses_from_checks as statuses_from_checks,
     )
     from tl_core.driver_api._conformance import check_driver as check_driver

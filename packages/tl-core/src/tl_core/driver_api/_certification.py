@@ -17,7 +17,7 @@ certify with it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -261,6 +261,25 @@ def compare(
         return CertificationCheck(equation, hooks, False, math.inf, allowed, "a side is not finite")
     error = float((a - b).abs().max())
     return CertificationCheck(equation, hooks, error <= allowed, error, allowed)
+
+
+def silent_hook_checks(names: Iterable[str], fired: Container[str]) -> list[CertificationCheck]:
+    """A failed check for each hook in ``names`` that never fired in the driver's own forward.
+
+    A certification run captures every hook the driver serves; one missing from what it
+    captured is not in the driver's forward at all, so it cannot be certified.
+
+    Args:
+        names: The hooks the run asked for (leave out those that fire only on request).
+        fired: The hooks the run captured.
+    """
+    return [
+        CertificationCheck(
+            f"{name} fires in a forward", (name,), False, math.inf, 0.0, "it never fired"
+        )
+        for name in names
+        if name not in fired
+    ]
 
 
 def statuses_from_checks(

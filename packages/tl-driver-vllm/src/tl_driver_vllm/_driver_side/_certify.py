@@ -20,6 +20,7 @@ from tl_core.driver_api import (
     canonical_hook_names,
     certified_level,
     equation_checks,
+    silent_hook_checks,
     statuses_from_checks,
     uses_alibi,
 )
@@ -83,18 +84,7 @@ def certify_engine(
         checks.append(_logprob_check(logits[0, -1].float(), *anchor, rtol))
     elif logits is not None and result.new_tokens is not None:
         checks.append(_greedy_check(logits[0, -1].float(), int(result.new_tokens[0, 0]), rtol))
-    for name in names:
-        if name not in captured:
-            checks.append(
-                CertificationCheck(
-                    f"{name} fires in a forward",
-                    (name,),
-                    False,
-                    float("inf"),
-                    0.0,
-                    "it never fired",
-                )
-            )
+    checks += silent_hook_checks(names, captured)
     namespace = driver.namespace
     statuses = statuses_from_checks(
         canonical_hook_names(info, include_attn_result=True, include_split_qkv_input=True),
