@@ -136,7 +136,10 @@ def hooked_attention(
         value = _fire_bhpd(site.v, value)
     fired = list(zip(given, (query, key, value), strict=True))
     n_rep = query.shape[1] // key.shape[1]
-    scores = torch.matmul(query, repeat_kv(key, n_rep).transpose(2, 3)) * scaling
+    # In place where eager attention makes a new tensor: the same bits, and with every hook
+    # captured each fresh [b, h, q, k] buffer is memory the forward touches for the first time.
+    # (Neither a matmul's nor a scalar multiply's backward reads its own output.)
+    scores = torch.matmul(query, repeat_kv(key, n_rep).transpose(2, 3)).mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -145,7 +148,7 @@ def hooked_attention(
         allowed = None
     else:
         allowed = _allowed(attention_mask, query.shape[2], key.shape[2], query.device)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill_(~allowed, float("-inf"))
     if site is not None and site.scores.has_hooks:
         fired.append((scores, site.scores(scores)))
         scores = fired[-1][1]
