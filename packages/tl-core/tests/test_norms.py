@@ -8,7 +8,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from tl_core.driver_api import NORM_KINDS, apply_norm_weight, norm_module_eps, norm_statistics
+from tl_core.driver_api import (
+    NORM_KINDS,
+    apply_norm_weight,
+    centred_input,
+    norm_module_eps,
+    norm_statistics,
+)
 
 
 @settings(max_examples=25, deadline=None)
@@ -27,15 +33,17 @@ def test_layernorm_and_rms_statistics_match_torch(
     )
     weight = torch.randn(width, dtype=torch.float64)
     bias = torch.randn(width, dtype=torch.float64)
-    centred, scale, normalized = norm_statistics(x, "layernorm", eps)
+    scale, normalized = norm_statistics(x, "layernorm", eps)
     want = nn.functional.layer_norm(x, (width,), weight, bias, eps=eps)
     torch.testing.assert_close(
         apply_norm_weight(normalized, weight, bias, "layernorm", x.dtype), want
     )
-    torch.testing.assert_close(normalized * scale, centred)
+    torch.testing.assert_close(normalized * scale, centred_input(x, "layernorm"))
+    torch.testing.assert_close(scale, (x.var(-1, correction=0, keepdim=True) + eps).sqrt())
     # RMS norms compute in float32 (as transformers' do): float32 tolerances.
     f32 = {"rtol": 1e-5, "atol": 1e-5 * max(1.0, float(weight.abs().max()))}
-    _, rms_scale, rms_normalized = norm_statistics(x, "rms", eps)
+    rms_scale, rms_normalized = norm_statistics(x, "rms", eps)
+    torch.testing.assert_close(rms_normalized * rms_scale, centred_input(x, "rms"))
     want_scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     torch.testing.assert_close(rms_scale.double(), want_scale, rtol=1e-5, atol=0.0)
     want_rms = nn.functional.rms_norm(x, (width,), weight, eps=eps)
@@ -103,3 +111,17 @@ class _ShapedCodedNorm(nn.Module):
 def test_a_weightless_norm_is_measured_at_its_own_width() -> None:
     # The width passed is only a fallback: this norm refuses any width but its own.
     assert norm_module_eps(_ShapedCodedNorm(12), "layernorm", width=64) == 1e-5
+
+
+@pytest.mark.parametrize("kind", NORM_KINDS)
+def test_statistics_with_gradients_equal_those_without_and_carry_the_gradient(kind: str) -> None:
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)) * 4 + 1
+    plain_scale, plain_normalized = norm_statistics(x, kind, 1e-5)  # type: ignore[arg-type]
+    leaf = x.clone().requires_grad_(True)
+    scale, normalized = norm_statistics(leaf, kind, 1e-5)  # type: ignore[arg-type]
+    torch.testing.assert_close(scale, plain_scale)
+    torch.testing.assert_close(normalized, plain_normalized)
+    # The scale's gradient reaches the input: hook_scale's backward hooks depend on it.
+    (grad,) = torch.autograd.grad(scale.sum(), leaf)
+    want = (centred_input(x, kind) / plain_scale / x.shape[-1]).to(grad.dtype)  # type: ignore[arg-type]
+    torch.testing.assert_close(grad, want)

@@ -15,12 +15,18 @@ import torch
 from torch import nn
 
 from tl_core import UserError
-from tl_core.driver_api import NormKind, apply_norm_weight, norm_module_eps, norm_statistics
+from tl_core.driver_api import (
+    NormKind,
+    apply_norm_weight,
+    centred_input,
+    norm_module_eps,
+    norm_statistics,
+)
 
 if TYPE_CHECKING:
     from tl_driver_hf._probe import ModuleCall
 
-__all__ = ["norm_eps", "normalize", "apply_weight", "is_norm_module", "norm_kind_of"]
+__all__ = ["centred", "norm_eps", "normalize", "apply_weight", "is_norm_module", "norm_kind_of"]
 
 _KINDS: tuple[NormKind, ...] = ("rms", "rms_weight_first", "rms_plus_one", "layernorm")
 
@@ -31,12 +37,15 @@ def norm_eps(module: nn.Module, kind: NormKind | None = None, width: int | None 
     return norm_module_eps(module, kind, width)
 
 
-def normalize(
-    x: torch.Tensor, kind: NormKind, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(centred input, scale, normalized)`` of ``x`` (tl-core's one copy of the norm math,
+def normalize(x: torch.Tensor, kind: NormKind, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, normalized)`` of ``x`` (tl-core's one copy of the norm math,
     ``tl_core.driver_api.norm_statistics``)."""
     return norm_statistics(x, kind, eps)
+
+
+def centred(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
+    """What the norm divides by its scale (``tl_core.driver_api.centred_input``)."""
+    return centred_input(x, kind)
 
 
 def apply_weight(
@@ -73,7 +82,7 @@ def norm_kind_of(module: nn.Module, call: ModuleCall | None) -> NormKind | None:
         except AttributeError:
             continue
         try:
-            _, _, normed = normalize(x, kind, eps)
+            _, normed = normalize(x, kind, eps)
             out = apply_weight(normed, module, kind, x.dtype)
         except (RuntimeError, TypeError):
             continue

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tl_core import HookPoint, UserError
-from tl_driver_hf._norms import apply_weight, norm_eps, normalize
+from tl_driver_hf._norms import apply_weight, centred, norm_eps, normalize
 
 __all__ = [
     "HeadView",
@@ -329,13 +329,15 @@ def _norm_hook(
         result = output
         if (scale is not None and scale.has_hooks) or (normed is not None and normed.has_hooks):
             x = args[0]
-            centred, s, n = normalize(x, kind, norm_eps(module))
+            s, n = normalize(x, kind, norm_eps(module))
             if view is not None:
-                centred, s, n = view.to_tl(centred), view.scale_to_tl(s), view.to_tl(n)
+                s, n = view.scale_to_tl(s), view.to_tl(n)
             new_s, s_in_place = _fire(scale, s)
             s_edited = s_in_place or new_s is not s
             if s_edited or _has_bwd(scale):
-                n = centred / new_s
+                # Only an edited scale (or its gradient) needs the centred input.
+                c = centred(x, kind)
+                n = (c if view is None else view.to_tl(c)) / new_s
             new_n, n_in_place = _fire(normed, n)
             if s_edited or n_in_place or new_n is not n or _has_bwd(scale, normed):
                 weighted = new_n if view is None else view.to_model(new_n)

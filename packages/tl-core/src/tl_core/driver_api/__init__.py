@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         NORM_KINDS as NORM_KINDS,
         NormKind as NormKind,
         apply_norm_weight as apply_norm_weight,
+        centred_input as centred_input,
         norm_module_eps as norm_module_eps,
         norm_statistics as norm_statistics,
         normalization_type as normalization_type,

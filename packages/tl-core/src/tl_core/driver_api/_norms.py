@@ -19,6 +19,7 @@ __all__ = [
     "NORM_KINDS",
     "NormKind",
     "apply_norm_weight",
+    "centred_input",
     "norm_module_eps",
     "norm_statistics",
     "normalization_type",
@@ -41,29 +42,52 @@ def normalization_type(kind: NormKind) -> Literal["LN", "RMS"]:
 
 def norm_statistics(
     x: torch.Tensor, kind: NormKind, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(centred input, scale, normalized)`` of ``x`` in the norm's compute dtype.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, normalized)`` of ``x`` in the norm's compute dtype.
 
-    ``scale`` is ``sqrt(var + eps)`` (``[..., 1]``); ``normalized`` is ``centred *
-    rsqrt(var + eps)``. RMS norms compute in float32; LayerNorm in float32 for half-precision
-    inputs, else in the input's dtype. The centred input (``x`` itself, in float32, for RMS
-    norms) lets an edited scale be applied. ``scale`` and ``normalized`` are fresh tensors
-    that hooks may edit in place.
+    ``scale`` is ``sqrt(var + eps)`` (``[..., 1]``); ``normalized`` is the centred input
+    times ``rsqrt(var + eps)``. RMS norms compute in float32, with transformers' operations,
+    so they match its RMS norms bit for bit; LayerNorm computes in float32 for half-precision
+    inputs, else in the input's dtype, with torch's fused kernel, whose statistics give the
+    scale without gradients (a tenth of the step-by-step formula's time, paid by every norm
+    of a forward that captures ``hook_normalized``; with gradients the scale comes from the
+    formula and may differ from the fused one in the last bit). Both are fresh tensors that
+    hooks may edit in place.
     """
     import torch
 
     if kind == "layernorm":
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        centred = xf - xf.mean(dim=-1, keepdim=True)
+        xf = _layernorm_input(x)
+        normalized, _, rstd = torch.native_layer_norm(xf, xf.shape[-1:], None, None, eps)
+        if not normalized.requires_grad:
+            return rstd.reciprocal(), normalized
+        # The fused kernel's statistics carry no gradient; the scale's comes from the formula.
+        var = centred_input(x, kind).pow(2).mean(dim=-1, keepdim=True)
     else:
-        centred = x.float()
-    var = centred.pow(2).mean(dim=-1, keepdim=True)
-    inv = torch.rsqrt(var + eps)
+        xf = x.float()
+        var = xf.pow(2).mean(dim=-1, keepdim=True)
+        normalized = xf * torch.rsqrt(var + eps)
     scale = (var + eps).sqrt()
     if scale.requires_grad:
         # sqrt keeps its output for the backward pass, and hooks may edit the scale in place.
         scale = scale.clone()
-    return centred, scale, centred * inv
+    return scale, normalized
+
+
+def centred_input(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
+    """The input a norm divides by its scale, in its compute dtype: ``x`` minus its mean for
+    LayerNorm, ``x`` itself (in float32) for RMS norms. ``centred_input(x) / scale`` is
+    ``normalized``, which is how a driver applies an edited ``hook_scale``."""
+    if kind == "layernorm":
+        xf = _layernorm_input(x)
+        return xf - xf.mean(dim=-1, keepdim=True)
+    return x.float()
+
+
+def _layernorm_input(x: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def apply_norm_weight(
@@ -168,7 +192,7 @@ def _measure_eps(module: Any, kind: NormKind, width: int) -> float | None:
         return None
     for eps in _CANDIDATE_EPS:
         with torch.no_grad():
-            got = apply_norm_weight(norm_statistics(x, kind, eps)[2], weight, bias, kind, x.dtype)
+            got = apply_norm_weight(norm_statistics(x, kind, eps)[1], weight, bias, kind, x.dtype)
         if torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-6):
             return eps
     return None

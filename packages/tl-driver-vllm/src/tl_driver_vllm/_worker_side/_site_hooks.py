@@ -38,11 +38,11 @@ __all__ = [
 
 def normalized(x: torch.Tensor, norm: NormKind, eps: float) -> torch.Tensor:
     """A norm's value before its weight (and bias), from its input (over the last axis)."""
-    return norm_statistics(x, norm, eps)[2].to(x.dtype)
+    return norm_statistics(x, norm, eps)[1].to(x.dtype)
 
 
 def _scale(x: torch.Tensor, norm: NormKind, eps: float) -> torch.Tensor:
-    return norm_statistics(x, norm, eps)[1].to(x.dtype)
+    return norm_statistics(x, norm, eps)[0].to(x.dtype)
 
 
 def _visit_views(
