@@ -6,6 +6,7 @@ import importlib.metadata as metadata
 from typing import Any
 
 import pytest
+import torch
 
 from tl_core import DriverContractError
 from tl_core.driver_api import ForwardResult, check_driver
@@ -71,6 +72,22 @@ class _DropsAnOption(_IgnoresSpecs):
         return self._inner.forward(input_ids, **kwargs)  # type: ignore[no-any-return]
 
 
+class _PaddingReachesRealPositions(_IgnoresSpecs):
+    """Right-pads each row as left padding would sit: shorter rows come back shifted."""
+
+    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
+        result = self._inner.forward(input_ids, **kwargs)
+        longest = max(result.lengths)
+        captured = {
+            name: torch.stack(
+                [row.roll(longest - length, dims=0) if row.ndim >= 2 else row
+                 for row, length in zip(value, result.lengths, strict=True)]
+            ) if name == "blocks.0.attn.hook_out" else value
+            for name, value in result.captured.items()
+        }  # fmt: skip
+        return ForwardResult(result.logits, captured, result.new_tokens, None, result.lengths)
+
+
 def _dropping(option: str) -> type:
     return type(f"_Drops_{option}", (_DropsAnOption,), {"option": option})
 
@@ -81,6 +98,7 @@ def _dropping(option: str) -> type:
         (_IgnoresSpecs, "accepted a spec on read-only"),
         (_ValidatesThenIgnoresSpecs, "left non-zero values"),
         (_DropsAHook, "returned no tensor"),
+        (_PaddingReachesRealPositions, "prompt 2 run alone gives another 'blocks.0.attn.hook_out'"),
         (_dropping("do_sample"), "it ignores do_sample"),
         (_dropping("seed"), "it ignores seed"),
         (_dropping("top_k"), "it ignores top_k"),

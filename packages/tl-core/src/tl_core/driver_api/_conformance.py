@@ -3,13 +3,14 @@
 A driver's own test suite calls it on each engine it can boot; it goes beyond
 ``validate_driver`` (the attributes) to what a researcher relies on: every served hook
 captures with its canonical shape, aliases resolve through the namespace, a spec edits the
-tensor it names and only at the positions it lists, bad names and specs are refused, and
-ragged batches keep each prompt's length.
+tensor it names and only at the positions it lists, bad names and specs are refused,
+ragged batches keep each prompt's length and give each prompt the values it gets alone, and
+sampling options change what is generated as they promise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ def check_driver(driver: Driver, *, prompts: Sequence[Sequence[int]] | None = No
                 f"sequence logits have shape {None if logits is None else tuple(logits.shape)}",
             )
     _check_alias(driver)
+    _check_padding(driver, rows, result.captured)
     _check_refusals(driver, rows)
     _check_edit(driver, rows)
     if driver.supports("generation"):
@@ -124,6 +126,48 @@ def _check_alias(driver: Any) -> None:
             driver,
             f"capturing an alias returned keys {sorted(result.captured)}, expected the canonical name",
         )
+
+
+#: Hooks compared between a batch and a prompt run alone: block 0's attention reads every
+#: position (a padding or offset mistake shows there) and runs before any router, whose top-k
+#: could flip on a rounding difference and make later values legitimately differ.
+_PADDING_PROBES = ("embed.hook_out", "blocks.0.attn.hook_out", "blocks.0.attn.hook_z")
+
+
+def _check_padding(driver: Any, rows: list[list[int]], batched: Mapping[str, torch.Tensor]) -> None:
+    """What a prompt gets in a ragged batch, it gets alone and as its own prefix: padding
+    and batching change no value a hook serves at a real position."""
+    probes = [n for n in _PADDING_PROBES if n in driver.namespace.served]
+    if not probes:
+        return
+    shortest = min(range(len(rows)), key=lambda r: len(rows[r]))
+    longest = max(range(len(rows)), key=lambda r: len(rows[r]))
+    half = max(1, len(rows[longest]) // 2)
+    runs = [
+        (f"prompt {shortest} run alone", rows[shortest], shortest),
+        (f"the first {half} tokens of prompt {longest} run alone", rows[longest][:half], longest),
+    ]
+    for what, prompt, row in runs:
+        alone = driver.forward([prompt], capture=probes, max_new_tokens=0).captured
+        for name in probes:
+            want = batched[name][row, : len(prompt)].float()
+            got = torch.as_tensor(alone.get(name))[0, : len(prompt)].float()
+            scale = max(1.0, float(want.abs().max()))
+            if got.shape != want.shape or not torch.allclose(
+                got, want, rtol=1e-3, atol=1e-3 * scale
+            ):
+                raise _fail(
+                    driver,
+                    f"{what} gives another {name!r} than in the ragged batch (largest "
+                    f"difference {_largest_difference(got, want)}): padding or batching "
+                    f"reaches real positions",
+                )
+
+
+def _largest_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} against {tuple(want.shape)}"
+    return f"{float((got - want).abs().max()):.3g}"
 
 
 def _check_refusals(driver: Any, rows: list[list[int]]) -> None:
