@@ -73,7 +73,7 @@ class _DropsAnOption(_IgnoresSpecs):
 
 
 class _PaddingReachesRealPositions(_IgnoresSpecs):
-    """Right-pads each row as left padding would sit: shorter rows come back shifted."""
+    """Hands shorter rows back shifted right, as a driver that left-pads and forgets the offset."""
 
     def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
         result = self._inner.forward(input_ids, **kwargs)

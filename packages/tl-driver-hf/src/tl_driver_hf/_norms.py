@@ -15,18 +15,12 @@ import torch
 from torch import nn
 
 from tl_core import UserError
-from tl_core.driver_api import (
-    NormKind,
-    apply_norm_weight,
-    centred_input,
-    norm_module_eps,
-    norm_statistics,
-)
+from tl_core.driver_api import NormKind, apply_norm_weight, norm_module_eps, norm_statistics
 
 if TYPE_CHECKING:
     from tl_driver_hf._probe import ModuleCall
 
-__all__ = ["centred", "norm_eps", "normalize", "apply_weight", "is_norm_module", "norm_kind_of"]
+__all__ = ["norm_eps", "normalize", "apply_weight", "is_norm_module", "norm_kind_of"]
 
 _KINDS: tuple[NormKind, ...] = ("rms", "rms_weight_first", "rms_plus_one", "layernorm")
 
@@ -41,11 +35,6 @@ def normalize(x: torch.Tensor, kind: NormKind, eps: float) -> tuple[torch.Tensor
     """``(scale, normalized)`` of ``x`` (tl-core's one copy of the norm math,
     ``tl_core.driver_api.norm_statistics``)."""
     return norm_statistics(x, kind, eps)
-
-
-def centred(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
-    """What the norm divides by its scale (``tl_core.driver_api.centred_input``)."""
-    return centred_input(x, kind)
 
 
 def apply_weight(

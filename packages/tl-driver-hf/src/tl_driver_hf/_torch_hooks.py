@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from tl_core import HookPoint, UserError
-from tl_driver_hf._norms import apply_weight, centred, norm_eps, normalize
+from tl_core.driver_api import centred_input
+from tl_driver_hf._norms import apply_weight, norm_eps, normalize
 
 __all__ = [
     "HeadView",
@@ -336,7 +337,7 @@ def _norm_hook(
             s_edited = s_in_place or new_s is not s
             if s_edited or _has_bwd(scale):
                 # Only an edited scale (or its gradient) needs the centred input.
-                c = centred(x, kind)
+                c = centred_input(x, kind)
                 n = (c if view is None else view.to_tl(c)) / new_s
             new_n, n_in_place = _fire(normed, n)
             if s_edited or n_in_place or new_n is not n or _has_bwd(scale, normed):

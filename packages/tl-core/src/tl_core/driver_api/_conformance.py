@@ -150,24 +150,17 @@ def _check_padding(driver: Any, rows: list[list[int]], batched: Mapping[str, tor
     for what, prompt, row in runs:
         alone = driver.forward([prompt], capture=probes, max_new_tokens=0).captured
         for name in probes:
+            _check_shape(driver, name, alone.get(name), 1, len(prompt))
             want = batched[name][row, : len(prompt)].float()
-            got = torch.as_tensor(alone.get(name))[0, : len(prompt)].float()
+            got = alone[name][0].float()
             scale = max(1.0, float(want.abs().max()))
-            if got.shape != want.shape or not torch.allclose(
-                got, want, rtol=1e-3, atol=1e-3 * scale
-            ):
+            if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * scale):
                 raise _fail(
                     driver,
                     f"{what} gives another {name!r} than in the ragged batch (largest "
-                    f"difference {_largest_difference(got, want)}): padding or batching "
+                    f"difference {float((got - want).abs().max()):.3g}): padding or batching "
                     f"reaches real positions",
                 )
-
-
-def _largest_difference(got: torch.Tensor, want: torch.Tensor) -> str:
-    if got.shape != want.shape:
-        return f"shape {tuple(got.shape)} against {tuple(want.shape)}"
-    return f"{float((got - want).abs().max()):.3g}"
 
 
 def _check_refusals(driver: Any, rows: list[list[int]]) -> None:
