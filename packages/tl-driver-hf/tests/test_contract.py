@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from tl_core import TransformerBridge
-from tl_core.driver_api import check_driver
+from tl_core.driver_api import check_driver, validation_calls
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -16,3 +16,18 @@ def test_the_hf_driver_keeps_the_contract(
     bridge_of: Callable[[str], TransformerBridge], family: str
 ) -> None:
     check_driver(bridge_of(family).driver)
+
+
+def test_one_run_with_cache_validates_once(
+    bridge_of: Callable[[str], TransformerBridge],
+) -> None:
+    bridge = bridge_of("llama")
+    names = ["blocks.0.hook_resid_post", "hook_embed", "blocks.1.attn.hook_z"]
+    spec = {"blocks.0.mlp.hook_post": {"op": "scale", "factor": 0.5}}
+    with validation_calls() as counts:
+        bridge.run_with_cache(
+            ["two prompts", "b"], names_filter=names, intervene=spec, stop_at_layer=2
+        )
+    lookups = {k.removeprefix("lookup:"): n for k, n in counts.items() if k.startswith("lookup:")}
+    assert lookups == dict.fromkeys([*names, *spec], 1), counts
+    assert (counts["pad_batch"], counts["block_index"]) == (1, 1), counts

@@ -93,6 +93,23 @@ def test_patterns_through_the_bridge_cache(
         assert bool(torch.isneginf(scores[:, future]).all())  # masked with -inf, as on hf
 
 
+def test_one_run_with_cache_validates_once(booted: tuple[RemoteBridge, Reference]) -> None:
+    from tl_core.driver_api import validation_calls
+
+    bridge, _ = booted
+    names = ["blocks.0.hook_resid_post", "hook_embed", "blocks.1.attn.hook_z"]
+    spec = {"blocks.0.mlp.hook_post": {"op": "scale", "factor": 0.5}}
+    with validation_calls() as counts:
+        bridge.run_with_cache(
+            ["two prompts", "b"], names_filter=names, intervene=spec, stop_at_layer=1
+        )
+    # The residual stream entering the stop layer is read from one more hook.
+    assert counts.pop("lookup:blocks.1.hook_in") == 1
+    lookups = {k.removeprefix("lookup:"): n for k, n in counts.items() if k.startswith("lookup:")}
+    assert lookups == dict.fromkeys([*names, *spec], 1), counts
+    assert (counts["pad_batch"], counts["block_index"]) == (1, 1), counts
+
+
 def test_loss_uses_sequence_logits(booted: tuple[RemoteBridge, Reference]) -> None:
     bridge, ref = booted
     text = "Trains left the station every twenty minutes."

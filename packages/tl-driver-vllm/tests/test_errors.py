@@ -163,7 +163,7 @@ def test_bad_token_ids_fail_before_engine_work(
         bridge.driver.forward([[1, vocab]])
     with pytest.raises(UserError, match="max_model_len"):
         bridge.driver.forward([[5] * 250], max_new_tokens=10)
-    with pytest.raises(UserError, match="non-empty"):
+    with pytest.raises(UserError, match="empty list of token ids"):
         bridge.driver.forward([[]])
     assert engine_calls == []
 

@@ -15,16 +15,15 @@ from tl_core import (  # noqa: E402
     ModelInfo,
     SpecError,
     TLError,
-    UserError,
     canonical_hook_names,
 )
-from tl_core.driver_api import get_driver_entry  # noqa: E402
+from tl_core.driver_api import SamplingOptions, get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
 from tl_driver_vllm._driver_side._derive import serving_layout  # noqa: E402
 from tl_driver_vllm._driver_side._edit_tables import edit_table  # noqa: E402
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows  # noqa: E402
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace  # noqa: E402
-from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_kwargs  # noqa: E402
+from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_params  # noqa: E402
 from tl_driver_vllm._families import FAMILY_LAYOUTS, layout_for, model_info  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
 from tl_driver_vllm._worker_side._shards import Shard, layer_shards  # noqa: E402
@@ -178,19 +177,11 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
 
 
 def test_sampling_options_map_to_sampling_params() -> None:
-    assert sampling_kwargs({}) == {"temperature": 0.0}
-    kwargs: dict[str, Any] = {
-        "do_sample": True,
-        "temperature": 0.7,
-        "top_k": 5,
-        "top_p": 0.9,
-        "seed": 1,
-        "x": 1,
-    }
-    assert sampling_kwargs(kwargs) == {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 1}
-    assert kwargs == {"x": 1}  # unknown options stay for the caller to refuse
-    with pytest.raises(UserError, match="top_p"):
-        sampling_kwargs({"do_sample": True, "top_p": 0.0})
+    assert sampling_params(SamplingOptions()) == {"temperature": 0.0}
+    assert sampling_params(SamplingOptions(temperature=0.5, top_k=3)) == {"temperature": 0.0}
+    options = SamplingOptions(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, seed=1)
+    assert sampling_params(options) == {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 1}
+    assert sampling_params(SamplingOptions(do_sample=True)) == {"temperature": 1.0}
 
 
 def _info(arch: str) -> ModelInfo:

@@ -2,9 +2,10 @@
 
 The four things every driver does: (1) at boot, describe the model's hook names in a
 ``HookNamespace`` (what it serves, what specs may edit, why the rest cannot fire);
-(2) before any engine work, resolve capture names through the namespace and validate the
-specs with ``build_plan``; (3) during the run, at each site, apply the prompt's compiled
-edits and then capture; (4) return right-padded tensors with each prompt's length.
+(2) take one ``ForwardRequest`` in ``run``: the bridge (or ``RequestForward.forward``, the
+keyword form) already resolved its names through that namespace and planned its specs, so
+the driver trusts it; (3) during the run, at each site, apply the prompt's compiled edits
+and then capture; (4) return right-padded tensors with each prompt's length.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ import torch
 from tl_core import ModelInfo, UserError
 from tl_core.driver_api import (
     AffineEdit,
+    ForwardRequest,
     ForwardResult,
     HookNamespace,
     InterventionPlan,
     NamespaceFacts,
+    RequestForward,
     SamplingOptions,
     Tokenizer,
-    build_plan,
     canonical_hook_names,
     compile_specs,
     next_tokens,
-    pad_batch,
 )
 from tl_driver_template._engine import ToyEngine
 
@@ -47,7 +48,7 @@ def _sites(info: ModelInfo) -> dict[str, Any]:
     return sites
 
 
-class TemplateDriver(NamespaceFacts):
+class TemplateDriver(RequestForward, NamespaceFacts):
     """A remote-kind driver: the engine runs the model, the driver reads and edits sites.
 
     Attributes:
@@ -88,38 +89,35 @@ class TemplateDriver(NamespaceFacts):
         """Whether the driver has ``feature``."""
         return feature in _FEATURES
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | Sequence[Sequence[int]],
-        *,
-        capture: Sequence[str] = (),
-        intervene: Any = None,
-        max_new_tokens: int = 1,
-        return_logits: bool = True,
-        **kwargs: Any,
-    ) -> ForwardResult:
-        """Run prompts with captures and specs (see ``tl_core.driver_api.Driver``)."""
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """Run one validated request (see ``tl_core.driver_api.ForwardRequest``).
+
+        The bridge built the request: names are canonical, specs planned, ids in range.
+        ``forward``, the keyword form, comes from ``RequestForward``.
+        """
         engine = self._running()
-        stop_at_eos = bool(kwargs.pop("stop_at_eos", True))
-        sampling = SamplingOptions.pop_from(kwargs)
-        if kwargs:
-            raise UserError(
-                f"driver 'template' got unknown forward options {sorted(kwargs)}; it takes "
-                f"capture, intervene, max_new_tokens, return_logits, stop_at_eos and "
-                f"{', '.join(SamplingOptions.KEYS)}"
-            )
-        rows = pad_batch(input_ids, pad_id=0).rows()
-        lengths = tuple(len(r) for r in rows)
-        names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
-        plan = build_plan(
-            intervene, lengths=lengths, namespace=self.namespace, allow_callables=False
-        )
-        per_prompt = [self._run_one(engine, row, b, names, plan) for b, row in enumerate(rows)]
+        rows = request.batch.rows()
+        lengths = request.lengths
+        names = list(request.capture)
+        per_prompt = [
+            self._run_one(engine, row, b, names, request.plan) for b, row in enumerate(rows)
+        ]
         captured = {n: _pad([p[0][n] for p in per_prompt], lengths) for n in names}
-        logits = _pad([p[1] for p in per_prompt], lengths) if return_logits else None
+        logits = None
+        if request.logits == "all":
+            logits = _pad([p[1] for p in per_prompt], lengths)
+        elif request.logits == "last":
+            logits = torch.stack([p[1][-1:] for p in per_prompt])
         new = None
-        if max_new_tokens >= 1:
-            new = self._generate(engine, rows, plan, max_new_tokens, sampling, stop_at_eos)
+        if request.max_new_tokens >= 1:
+            new = self._generate(
+                engine,
+                rows,
+                request.plan,
+                request.max_new_tokens,
+                request.sampling,
+                request.stop_at_eos,
+            )
         return ForwardResult(logits, captured, new, None, lengths)
 
     def _run_one(

@@ -14,10 +14,11 @@ from tl_core import HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
     Architecture,
     Certification,
+    ForwardRequest,
+    ForwardResult,
     LocalDriver,
     ModelReadout,
     Tokenizer,
-    block_index,
     canonical_hook_names,
 )
 from tl_driver_hf._architecture import served_architecture
@@ -417,10 +418,10 @@ class HFDriver(LocalDriver):
             )
         return self._model.readout()
 
-    def forward(self, input_ids: Any, **kwargs: Any) -> Any:
-        """As ``LocalDriver.forward``; refuses a model booted without weights first."""
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """As ``LocalDriver.run``; refuses a model booted without weights first."""
         self._check_runnable()
-        return super().forward(input_ids, **kwargs)
+        return super().run(request)
 
     def run_model(
         self,
@@ -432,28 +433,12 @@ class HFDriver(LocalDriver):
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One forward of the transformers model with the attached hooks."""
+        """One forward of the transformers model with the attached hooks.
+
+        Block indices come checked (``LocalDriver.run_model``); ``residual`` with them.
+        """
         self._check_runnable()
-        n_layers = self.info.n_layers
-        start = (
-            None
-            if start_at_layer is None
-            else block_index(start_at_layer, "start_at_layer", n_layers)
-        )
-        stop = (
-            None if stop_at_layer is None else block_index(stop_at_layer, "stop_at_layer", n_layers)
-        )
-        if start is not None and stop is not None and start > stop:
-            raise UserError(
-                f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
-                f"stop_at_layer ({stop_at_layer}) at block {stop}; start must not exceed stop."
-            )
-        if start is None and residual is not None:
-            raise UserError("residual was given without start_at_layer; pass start_at_layer=k")
-        if start is not None and residual is None:
-            raise UserError(
-                "start_at_layer needs residual: the [batch, pos, d_model] input of that block"
-            )
+        start, stop = start_at_layer, stop_at_layer
         if start is None:
             ids = self._check_ids(input_ids)
             batch, seq = ids.shape
@@ -482,7 +467,7 @@ class HFDriver(LocalDriver):
             handle = None
             if stop is not None:
                 parts = self._model.parts
-                target = parts.layers[stop].layer if stop < n_layers else parts.final_norm
+                target = parts.layers[stop].layer if stop < self.info.n_layers else parts.final_norm
                 if target is not None:
                     handle = target.register_forward_pre_hook(
                         stopper, with_kwargs=True, prepend=True

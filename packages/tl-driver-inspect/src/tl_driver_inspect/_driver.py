@@ -17,18 +17,17 @@ import dataclasses
 import difflib
 import os
 import threading
-from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from tl_core import ModelInfo, UserError
 from tl_core.driver_api import (
+    ForwardRequest,
     ForwardResult,
     HookNamespace,
     NamespaceFacts,
+    RequestForward,
     Tokenizer,
-    build_plan,
+    call_driver,
 )
 
 __all__ = ["PROVIDERS", "InspectDriver"]
@@ -45,10 +44,9 @@ _UNAMBIGUOUS = {"tl_bridge": "tl_hf", "tl_bridge_vllm": "tl_vllm"}
 
 #: What a remote driver can do, whatever engine the provider runs (as the vLLM driver).
 _FEATURES = frozenset({"generation", "batching", "position_interventions"})
-_SAMPLING = frozenset({"do_sample", "temperature", "top_k", "top_p", "seed", "stop_at_eos"})
 
 
-class InspectDriver(NamespaceFacts):
+class InspectDriver(RequestForward, NamespaceFacts):
     """An inspect_ai model provider of this package, serving tl's hooks.
 
     Boot it with ``RemoteBridge.boot_inspect(model, provider="tl_bridge", **options)``.
@@ -187,63 +185,16 @@ class InspectDriver(NamespaceFacts):
 
     # -- running ----------------------------------------------------------------------
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | Sequence[Sequence[int]],
-        *,
-        capture: Sequence[str] = (),
-        intervene: Any = None,
-        max_new_tokens: int = 1,
-        return_logits: bool = True,
-        **kwargs: Any,
-    ) -> ForwardResult:
-        """Run prompts through the provider's tl driver with captures and specs.
-
-        Args:
-            input_ids: ``[batch, pos]`` ids or a list of ragged id lists.
-            capture: Hook names (aliases allowed), returned under canonical names.
-            intervene: Declarative specs for every prompt (a mapping) or per prompt (a
-                list); Python callables are refused (the driver is remote).
-            max_new_tokens: Tokens to generate (0 = prefill only).
-            return_logits: Return ``[batch, pos, vocab]`` logits of the prompts.
-            **kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-                ``stop_at_eos``.
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """Run one validated request on the provider's tl driver (``forward`` is its keyword
+        form; partial forwards and ``capture_device`` need a local driver).
 
         Returns:
             The provider driver's ``ForwardResult`` (right-padded, per-prompt lengths).
-
-        Raises:
-            UserError: Bad names, specs, options or inputs, before any engine work.
         """
         inner = self.inner
-        unknown = sorted(set(kwargs) - _SAMPLING)
-        if unknown:
-            raise UserError(
-                f"driver 'inspect' got unknown forward options {unknown}; it takes capture, "
-                "intervene, max_new_tokens, return_logits, do_sample, temperature, top_k, "
-                "top_p, seed and stop_at_eos (partial forwards and capture_device need a "
-                "local driver: TransformerBridge.boot_transformers)"
-            )
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0
-        ):
-            raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        lengths = _lengths(input_ids)
-        names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
-        build_plan(  # validates before any engine work; the provider's driver runs it
-            intervene, lengths=lengths, namespace=self.namespace, allow_callables=False
-        )
         with self._lock:
-            return inner.forward(  # type: ignore[no-any-return]
-                input_ids,
-                capture=names,
-                intervene=intervene,
-                max_new_tokens=max_new_tokens,
-                return_logits=return_logits,
-                **kwargs,
-            )
+            return call_driver(inner, request)
 
     def readout(self) -> Any:
         """The final norm and unembedding, from the provider's driver (cache analysis)."""
@@ -370,20 +321,3 @@ def _close_api(api: Any) -> None:
     close = getattr(api, "close", None)
     if callable(close):
         close()
-
-
-def _lengths(input_ids: Any) -> tuple[int, ...]:
-    """Per-prompt lengths of ``[batch, pos]`` ids or ragged id lists (for spec checks)."""
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 1:
-            return (int(input_ids.shape[0]),)
-        if input_ids.dim() != 2:
-            raise UserError(
-                f"input_ids must be [batch, pos] ids or a list of id lists, got a tensor of "
-                f"shape {tuple(input_ids.shape)}"
-            )
-        return (int(input_ids.shape[1]),) * int(input_ids.shape[0])
-    rows = list(input_ids)
-    if rows and not isinstance(rows[0], (list, tuple, torch.Tensor)):
-        return (len(rows),)
-    return tuple(len(r) for r in rows)

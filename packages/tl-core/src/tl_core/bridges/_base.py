@@ -16,22 +16,24 @@ from typing import Any, ClassVar, Literal, TypeVar, Union
 import torch
 
 from tl_core._errors import UnsupportedFeatureError, UserError
-from tl_core.bridges._engine_call import EngineCall, reached
 from tl_core.bridges._loss import next_token_loss
 from tl_core.bridges._prompts import check_context, encode, generated_output, prompt_rows
+from tl_core.bridges._stopping import reached
 from tl_core.cache._cache import ActivationCache
 from tl_core.driver_api._architecture import Architecture
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
-from tl_core.driver_api._layers import block_index
 from tl_core.driver_api._protocol import ForwardResult, validate_driver
+from tl_core.driver_api._request import ForwardRequest, LogitsWanted, partial_layers
+from tl_core.driver_api._sampling import SamplingOptions
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._splice import Splice, splice
+from tl_core.specs._plan import build_plan
 
 __all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
 
@@ -144,9 +146,46 @@ class Bridge:
         """Canonical hook name -> HookPoint for every hook this bridge can fire."""
         raise NotImplementedError
 
-    def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
+    def _execute(self, request: ForwardRequest) -> ForwardResult:
         """Run the engine once; ``logits`` holds the residual stream when stopping early."""
         raise NotImplementedError
+
+    def _request(
+        self,
+        batch: TokenBatch,
+        *,
+        capture: Sequence[str] = (),
+        intervene: Any = None,
+        max_new_tokens: int = 0,
+        logits: LogitsWanted = "all",
+        sampling: SamplingOptions | None = None,
+        stop_at_eos: bool = True,
+        start_at_layer: int | None = None,
+        stop_at_layer: int | None = None,
+        residual: torch.Tensor | None = None,
+        capture_device: torch.device | str | None = None,
+    ) -> ForwardRequest:
+        """The one request of a bridge call: names canonical, layers resolved, specs planned."""
+        plan = build_plan(
+            intervene,
+            lengths=batch.lengths,
+            namespace=self.namespace,
+            allow_callables=self.driver.supports("intervention_callbacks"),
+        )
+        return ForwardRequest(
+            batch=batch,
+            plan=plan,
+            capture=tuple(capture),
+            intervene=intervene,
+            max_new_tokens=max_new_tokens,
+            logits=logits,
+            sampling=sampling if sampling is not None else SamplingOptions(),
+            stop_at_eos=stop_at_eos,
+            stop_at_layer=stop_at_layer,
+            start_at_layer=start_at_layer,
+            residual=residual,
+            capture_device=capture_device,
+        )
 
     # -- tokens -----------------------------------------------------------------------
 
@@ -380,8 +419,9 @@ class Bridge:
                 "the input is None; expected a text, a list of texts, or token ids (or "
                 "residual= with start_at_layer= to start from a block's input)"
             )
-        if residual is not None and start_at_layer is None:
-            raise UserError("residual is the input of a block: also pass start_at_layer")
+        start, stop = partial_layers(
+            start_at_layer, stop_at_layer, residual, n_layers=self.cfg.n_layers
+        )
         source = input if input is not None else tokens
         if source is None:
             assert residual is not None
@@ -389,18 +429,19 @@ class Bridge:
         else:
             batch = self._token_batch(source, prepend_bos=prepend_bos)
         self._check_context(batch)
-        wants_loss = stop_at_layer is None and return_type in ("loss", "both")
+        wants_loss = stop is None and return_type in ("loss", "both")
         if wants_loss and source is None:
             raise UserError("a loss needs the token ids: pass input or tokens")
-        call = EngineCall(
+        request = self._request(
+            batch,
             intervene=intervene,
-            need_logits=return_type is not None,
-            start_at_layer=start_at_layer,
-            stop_at_layer=stop_at_layer,
+            logits="all" if return_type is not None else "none",
+            start_at_layer=start,
+            stop_at_layer=stop,
             residual=residual,
         )
-        result = self._execute(batch, call)
-        return self._output(result, batch, return_type, loss_per_token, stop_at_layer)
+        result = self._execute(request)
+        return self._output(result, batch, return_type, loss_per_token, stop)
 
     def loss(
         self,
@@ -460,8 +501,8 @@ class Bridge:
         """
         _check_return_type(return_type)
         names = self.select_hooks(names_filter)
-        if stop_at_layer is not None:
-            stop = block_index(stop_at_layer, "stop_at_layer", self.cfg.n_layers)
+        _, stop = partial_layers(None, stop_at_layer, None, n_layers=self.cfg.n_layers)
+        if stop is not None:
             names = [n for n in names if reached(n, stop)]
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         self._check_context(batch)
@@ -469,18 +510,19 @@ class Bridge:
         bwd: list[HookSpec] = []
         if incl_bwd:
             self._require("gradients", "incl_bwd=True caches gradients")
-            if stop_at_layer is not None:
+            if stop is not None:
                 raise UserError("incl_bwd needs the loss, which stop_at_layer skips")
             bwd = [(n, _GradCapture(grads, n, device)) for n in names]
         with self.hooks((), bwd):
-            call = EngineCall(
+            request = self._request(
+                batch,
                 capture=names,
                 intervene=intervene,
-                need_logits=return_type is not None or incl_bwd,
+                logits="all" if return_type is not None or incl_bwd else "none",
                 capture_device=device,
-                stop_at_layer=stop_at_layer,
+                stop_at_layer=stop,
             )
-            result = self._execute(batch, call)
+            result = self._execute(request)
             if incl_bwd:
                 assert result.logits is not None
                 loss = next_token_loss(result.logits, batch.ids, batch.lengths)
@@ -490,7 +532,7 @@ class Bridge:
                     return_type or "loss"
                 ]
             else:
-                out = self._output(result, batch, return_type, False, stop_at_layer)
+                out = self._output(result, batch, return_type, False, stop)
         captured = {n: result.captured[n] for n in names if n in result.captured}
         cache = ActivationCache(
             captured,
@@ -536,19 +578,21 @@ class Bridge:
             raise UserError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         self._check_context(batch, max_new_tokens)
-        sampling = {
-            "do_sample": do_sample,
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
-            "seed": seed,
-            "stop_at_eos": stop_at_eos,
-        }
-        call = EngineCall(
-            intervene=intervene, max_new_tokens=max_new_tokens, need_logits=False, sampling=sampling
+        sampling = SamplingOptions(
+            do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
+        )
+        if not isinstance(stop_at_eos, bool):
+            raise UserError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
+        request = self._request(
+            batch,
+            intervene=intervene,
+            max_new_tokens=max_new_tokens,
+            logits="none",
+            sampling=sampling,
+            stop_at_eos=stop_at_eos,
         )
         with torch.no_grad():
-            result = self._execute(batch, call)
+            result = self._execute(request)
         assert result.new_tokens is not None
         return generated_output(self.tokenizer, input, result.new_tokens, return_type)
 

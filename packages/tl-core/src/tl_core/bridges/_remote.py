@@ -8,16 +8,16 @@ after the fact: a hook that tries is an error that points to ``intervene=``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from tl_core._errors import RemoteHookMutationError, UnsupportedFeatureError
 from tl_core.bridges._base import Bridge
-from tl_core.bridges._engine_call import EngineCall, reached
-from tl_core.driver_api._batching import TokenBatch
-from tl_core.driver_api._layers import block_index
+from tl_core.bridges._stopping import reached
 from tl_core.driver_api._protocol import ForwardResult
+from tl_core.driver_api._request import ForwardRequest, call_driver
 from tl_core.hooks._hook_point import HookPoint
 
 __all__ = ["RemoteBridge"]
@@ -63,16 +63,16 @@ class RemoteBridge(Bridge):
             self._points = {n: self._points.get(n) or HookPoint(n) for n in served}
         return dict(self._points)
 
-    def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
-        if call.start_at_layer is not None or call.residual is not None:
+    def _execute(self, request: ForwardRequest) -> ForwardResult:
+        if request.start_at_layer is not None or request.residual is not None:
             raise UnsupportedFeatureError(
                 f"driver {self._name!r} runs the model inside an engine, which starts from "
                 f"token ids, not from a residual stream (start_at_layer/residual); use a "
                 f"local driver (native, hf) to run part of a model"
             )
-        stop_at_layer, capture = call.stop_at_layer, call.capture
-        stop_hook = None if stop_at_layer is None else self._stop_hook(stop_at_layer)
-        logits_wanted = call.need_logits and stop_hook is None
+        stop = request.stop_at_layer
+        stop_hook = None if stop is None else self._stop_hook(stop)
+        logits_wanted = request.logits != "none" and stop_hook is None
         if logits_wanted and not self.driver.provides_sequence_logits:
             raise UnsupportedFeatureError(
                 f"driver {self._name!r} does not return logits at every position, so it "
@@ -80,29 +80,28 @@ class RemoteBridge(Bridge):
             )
         # Points are in forward order, so the replay fires hooks in that order too.
         hooked = [n for n, p in self.hook_dict.items() if p.has_hooks]
-        if stop_at_layer is not None:
-            stop = block_index(stop_at_layer, "stop_at_layer", self.driver.info.n_layers)
+        if stop is not None:
             hooked = [n for n in hooked if reached(n, stop)]
-        names = list(dict.fromkeys([*capture, *hooked, *([stop_hook] if stop_hook else [])]))
-        result = self.driver.forward(
-            batch.rows(),
+        capture = request.capture
+        names = tuple(dict.fromkeys([*capture, *hooked, *([stop_hook] if stop_hook else [])]))
+        engine_request = replace(
+            request,
             capture=names,
-            intervene=call.intervene,
-            max_new_tokens=call.max_new_tokens,
-            return_logits=logits_wanted,
-            **call.sampling,
+            logits=request.logits if logits_wanted else "none",
+            stop_at_layer=None,
+            capture_device=None,
         )
+        result = call_driver(self.driver, engine_request)
         self._replay(result.captured, hooked)
         captured = {n: result.captured[n] for n in capture}
-        if call.capture_device is not None:
-            captured = {n: t.to(call.capture_device) for n, t in captured.items()}
+        if request.capture_device is not None:
+            captured = {n: t.to(request.capture_device) for n, t in captured.items()}
         logits = result.captured[stop_hook] if stop_hook is not None else result.logits
         return ForwardResult(logits, captured, result.new_tokens, result.raw_output, result.lengths)
 
-    def _stop_hook(self, stop_at_layer: int) -> str:
-        """The hook holding the residual stream that enters block ``stop_at_layer``."""
+    def _stop_hook(self, stop: int) -> str:
+        """The hook holding the residual stream that enters block ``stop`` (``0..n_layers``)."""
         info = self.driver.info
-        stop = block_index(stop_at_layer, "stop_at_layer", info.n_layers)
         if stop < info.n_layers:
             name = f"blocks.{stop}.hook_in"
         elif info.normalization_type is not None:

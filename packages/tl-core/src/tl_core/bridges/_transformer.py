@@ -9,10 +9,9 @@ from torch import nn
 
 from tl_core._errors import UnsupportedFeatureError
 from tl_core.bridges._base import Bridge
-from tl_core.bridges._engine_call import EngineCall
-from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._local import LocalDriver
 from tl_core.driver_api._protocol import ForwardResult
+from tl_core.driver_api._request import ForwardRequest, call_driver
 from tl_core.hooks._hook_point import HookPoint
 
 __all__ = ["TransformerBridge"]
@@ -86,22 +85,8 @@ class TransformerBridge(Bridge, nn.Module):
 
     # -- running ----------------------------------------------------------------------
 
-    def _execute(self, batch: TokenBatch, call: EngineCall) -> ForwardResult:
-        ids: Any = batch.rows() if batch.is_ragged or call.max_new_tokens > 0 else batch.ids
-        if call.start_at_layer is not None and call.residual is not None:
-            ids = batch.ids  # only the shape and the loss's targets matter
-        return self.driver.forward(  # type: ignore[no-any-return]
-            ids,
-            capture=call.capture,
-            intervene=call.intervene,
-            max_new_tokens=call.max_new_tokens,
-            return_logits=call.need_logits or call.stop_at_layer is not None,
-            capture_device=call.capture_device,
-            start_at_layer=call.start_at_layer,
-            stop_at_layer=call.stop_at_layer,
-            residual=call.residual,
-            **call.sampling,
-        )
+    def _execute(self, request: ForwardRequest) -> ForwardResult:
+        return call_driver(self.driver, request)
 
     def set_use_split_qkv_input(self, enabled: bool) -> TransformerBridge:
         """Give each attention head its own copy of the block input (``attn.hook_q_input``,

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         statuses_from_checks as statuses_from_checks,
     )
     from tl_core.driver_api._conformance import check_driver as check_driver
+    from tl_core.driver_api._counting import validation_calls as validation_calls
     from tl_core.driver_api._discovery import (
         DriverEntry as DriverEntry,
         EngineRequirement as EngineRequirement,
@@ -79,6 +80,16 @@ if TYPE_CHECKING:
         ForwardResult as ForwardResult,
         NamespaceFacts as NamespaceFacts,
         validate_driver as validate_driver,
+    )
+    from tl_core.driver_api._request import (
+        LOCAL_OPTIONS as LOCAL_OPTIONS,
+        ForwardRequest as ForwardRequest,
+        LogitsWanted as LogitsWanted,
+        RequestForward as RequestForward,
+        build_request as build_request,
+        call_driver as call_driver,
+        logits_wanted as logits_wanted,
+        partial_layers as partial_layers,
     )
     from tl_core.driver_api._rounding import (
         DEFAULT_ERROR_FACTOR as DEFAULT_ERROR_FACTOR,

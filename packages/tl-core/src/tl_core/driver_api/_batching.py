@@ -38,6 +38,20 @@ class TokenBatch:
         ids = self.ids.tolist()
         return [row[o : o + n] for row, o, n in zip(ids, self.offsets, self.lengths, strict=True)]
 
+    def to(self, device: torch.device | str) -> TokenBatch:
+        """The same batch with its ids on ``device``."""
+        ids = self.ids.to(device)
+        return self if ids is self.ids else TokenBatch(ids, self.lengths, self.offsets)
+
+    def repadded(self, padding_side: Literal["right", "left"], pad_id: int) -> TokenBatch:
+        """The same prompts padded on ``padding_side`` with ``pad_id`` (no re-validation)."""
+        width = self.ids.shape[1]
+        ids = torch.full_like(self.ids, pad_id)
+        offsets = tuple(0 if padding_side == "right" else width - n for n in self.lengths)
+        for row, (old, new, n) in enumerate(zip(self.offsets, offsets, self.lengths, strict=True)):
+            ids[row, new : new + n] = self.ids[row, old : old + n]
+        return TokenBatch(ids, self.lengths, offsets)
+
     def attention_mask(self) -> torch.Tensor:
         """``[batch, pos]`` with 1 at real tokens and 0 at padding."""
         cols = torch.arange(self.ids.shape[1], device=self.ids.device)

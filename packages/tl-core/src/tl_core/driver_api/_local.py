@@ -17,9 +17,10 @@ from torch import nn
 
 from tl_core._errors import DriverContractError, UnsupportedFeatureError, UserError
 from tl_core.cache._readout import ModelReadout
-from tl_core.driver_api._batching import TokenBatch, pad_batch
+from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
-from tl_core.driver_api._sampling import SamplingOptions, next_tokens
+from tl_core.driver_api._request import LOCAL_OPTIONS, ForwardRequest, RequestForward
+from tl_core.driver_api._sampling import next_tokens
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._dictionary_sites import DictionarySite
 from tl_core.hooks._hook_point import HookHandle, HookPoint
@@ -39,7 +40,7 @@ _SPLIT_READ_ONLY = (
 )
 
 
-class LocalDriver(NamespaceFacts, ABC):
+class LocalDriver(RequestForward, NamespaceFacts, ABC):
     """Base class for in-process drivers (``native``, ``hf``).
 
     Subclasses implement the abstract members; everything in the Driver protocol is
@@ -53,6 +54,8 @@ class LocalDriver(NamespaceFacts, ABC):
     provides_sequence_logits: bool = True
     #: Features this driver has; local drivers have all of them unless they say otherwise.
     features: ClassVar[frozenset[str]] = FEATURES
+    #: ``forward`` also takes capture_device and the partial-forward options.
+    forward_options: ClassVar[frozenset[str]] = LOCAL_OPTIONS
 
     @property
     @abstractmethod
@@ -91,8 +94,10 @@ class LocalDriver(NamespaceFacts, ABC):
             input_ids: ``[batch, pos]`` ids (``None`` when starting from ``residual``).
             attention_mask: ``[batch, pos]``, 1 for real tokens; ``None`` = all real.
             position_ids: ``[batch, pos]``; ``None`` = derived from the mask or ``arange``.
-            start_at_layer: Start at this block, reading ``residual`` as its input.
-            stop_at_layer: Return the residual stream entering this block.
+            start_at_layer: Start at this block, reading ``residual`` as its input (a block
+                index in ``0..n_layers``, already checked: ``build_request`` resolves what
+                the user gave).
+            stop_at_layer: Return the residual stream entering this block (checked too).
             residual: ``[batch, pos, d_model]`` input of ``start_at_layer``.
 
         Returns:
@@ -282,74 +287,41 @@ class LocalDriver(NamespaceFacts, ABC):
             allow_callables=self.supports("intervention_callbacks"),
         )
 
-    def batch(self, input_ids: Any, *, padding_side: str = "right") -> TokenBatch:
-        """Pad ``input_ids`` with this tokenizer's pad id, on the model's device."""
-        return pad_batch(
-            input_ids,
-            pad_id=padding_id(self.tokenizer),
-            padding_side=padding_side,  # type: ignore[arg-type]
-            device=self.device,
-        )
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """Run one validated request (see ``Driver.forward``; ``forward`` is its keyword form).
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | Sequence[Sequence[int]],
-        *,
-        capture: Sequence[str] = (),
-        intervene: Any = None,
-        max_new_tokens: int = 1,
-        return_logits: bool = True,
-        capture_device: torch.device | str | None = None,
-        start_at_layer: int | None = None,
-        stop_at_layer: int | None = None,
-        residual: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> ForwardResult:
-        """Run prompts with captures and interventions (see ``Driver.forward``).
-
-        Extra keyword arguments of local drivers: ``capture_device`` (where captures go;
-        default: stay where computed), ``start_at_layer``/``stop_at_layer``/``residual``
-        (partial forwards; with ``stop_at_layer`` the ``logits`` field holds the residual
-        stream), and for ``max_new_tokens > 1`` the sampling options of ``generate``.
-
-        Raises:
-            UserError: Bad names, specs, options or inputs, before the model runs.
+        Local drivers also honour ``capture_device``, ``start_at_layer``/``stop_at_layer``/
+        ``residual`` (partial forwards; with ``stop_at_layer`` the ``logits`` field holds
+        the residual stream) and, for ``max_new_tokens > 1``, the sampling options.
         """
-        sampling = SamplingOptions.pop_from(kwargs)
-        stop_at_eos = bool(kwargs.pop("stop_at_eos", True))
-        if kwargs:
-            raise UserError(
-                f"{type(self).__name__}.forward got unknown options {sorted(kwargs)}; "
-                f"local drivers take capture, intervene, max_new_tokens, return_logits, "
-                f"capture_device, start_at_layer, stop_at_layer, residual and sampling options"
-            )
-        if max_new_tokens < 0:
-            raise UserError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        batch = self.batch(input_ids)
-        self._check_context(batch, max_new_tokens)
-        names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
-        plan = self.plan(intervene, batch.lengths)
-        if max_new_tokens > 1 or (max_new_tokens == 1 and sampling.do_sample):
-            if start_at_layer is not None or stop_at_layer is not None:
-                raise UserError("start_at_layer/stop_at_layer cannot be combined with generation")
-            return self._generate(
-                batch, names, plan, max_new_tokens, sampling, capture_device, stop_at_eos
-            )
+        batch = request.batch.to(self.device)
+        self._check_context(batch, request.max_new_tokens)
+        if request.decodes:
+            return self._generate(batch, request)
         store: dict[str, torch.Tensor] = {}
-        with self.attached(plan, batch, capture=names, store=store):
+        start, stop = request.start_at_layer, request.stop_at_layer
+        with self.attached(request.plan, batch, capture=request.capture, store=store):
             out = self.run_model(
-                None if start_at_layer is not None and residual is not None else batch.ids,
-                start_at_layer=start_at_layer,
-                stop_at_layer=stop_at_layer,
-                residual=residual,
+                None if start is not None and request.residual is not None else batch.ids,
+                start_at_layer=start,
+                stop_at_layer=stop,
+                residual=request.residual,
             )
         new = None
-        if max_new_tokens == 1 and stop_at_layer is None:
+        last_logits = None
+        if stop is None and (request.max_new_tokens == 1 or request.logits == "last"):
             last = torch.tensor(batch.lengths, device=out.device) - 1
-            new = out[torch.arange(out.shape[0], device=out.device), last].argmax(-1)[:, None]
+            last_logits = out[torch.arange(out.shape[0], device=out.device), last]
+            if request.max_new_tokens == 1:
+                new = last_logits.argmax(-1)[:, None]
+        logits: torch.Tensor | None = out
+        if request.logits == "none" and stop is None:
+            logits = None
+        elif request.logits == "last" and last_logits is not None:
+            logits = last_logits[:, None]
         return ForwardResult(
-            logits=out if return_logits else None,
-            captured=_move(store, capture_device),
+            logits=logits,
+            captured=_move(store, request.capture_device),
             new_tokens=new,
             raw_output=None,
             lengths=batch.lengths,
@@ -412,35 +384,27 @@ class LocalDriver(NamespaceFacts, ABC):
             for handle in handles:
                 handle.remove()
 
-    def _generate(
-        self,
-        batch: TokenBatch,
-        capture: Sequence[str],
-        plan: InterventionPlan,
-        max_new_tokens: int,
-        sampling: SamplingOptions,
-        capture_device: torch.device | str | None,
-        stop_at_eos: bool,
-    ) -> ForwardResult:
+    def _generate(self, batch: TokenBatch, request: ForwardRequest) -> ForwardResult:
         """Decode step by step with the plan active at every step (full recomputation).
 
         Prompts are left-padded so every row's next token is the last column; positions
         come from the attention mask, and spec positions are shifted by each row's padding.
         """
-        left = self.batch(batch.rows(), padding_side="left")
+        left = batch.repadded("left", padding_id(self.tokenizer))
         ids, mask = left.ids, left.attention_mask()
-        eos = self.tokenizer.eos_token_id if stop_at_eos else None
+        eos = self.tokenizer.eos_token_id if request.stop_at_eos else None
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         generated: list[torch.Tensor] = []
         store: dict[str, torch.Tensor] = {}
         first_logits: torch.Tensor | None = None
-        for step in range(max_new_tokens):
+        for step in range(request.max_new_tokens):
             step_batch = TokenBatch(ids, left.lengths, left.offsets)
-            with self.attached(plan, step_batch, capture=capture if step == 0 else (), store=store):
+            capture = request.capture if step == 0 else ()
+            with self.attached(request.plan, step_batch, capture=capture, store=store):
                 logits = self.run_model(ids, attention_mask=mask)
             if first_logits is None:
                 first_logits = logits
-            token = next_tokens(logits[:, -1], sampling)
+            token = next_tokens(logits[:, -1], request.sampling)
             if eos is not None:
                 token = torch.where(done, torch.full_like(token, eos), token)
                 done |= token == eos
@@ -450,11 +414,16 @@ class LocalDriver(NamespaceFacts, ABC):
             if eos is not None and bool(done.all()):
                 break
         assert first_logits is not None
+        logits_out: torch.Tensor | None = None
+        if request.logits == "all":
+            logits_out = _left_to_right(first_logits, left, "b p vocab")
+        elif request.logits == "last":
+            logits_out = first_logits[:, -1:]
         return ForwardResult(
-            logits=_left_to_right(first_logits, left, "b p vocab"),
+            logits=logits_out,
             captured={
                 k: _left_to_right(v, left, self.namespace.layout(k))
-                for k, v in _move(store, capture_device).items()
+                for k, v in _move(store, request.capture_device).items()
             },
             new_tokens=torch.stack(generated, dim=1),
             raw_output=None,

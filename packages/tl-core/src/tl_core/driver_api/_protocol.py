@@ -70,6 +70,11 @@ class Driver(Protocol):
     through the ``tl_core.drivers`` entry-point group. ``packages/_template`` is a working
     driver to start from; ``tl_core.driver_api.check_driver`` runs the contract checks on
     a booted driver.
+
+    Drivers in this repository also have ``run(request: ForwardRequest) -> ForwardResult``,
+    which bridges call with a request validated once; ``forward`` is its keyword form
+    (``RequestForward``). ``run`` is optional: a driver with only ``forward`` is called
+    through ``call_driver`` with ``request.keywords()``.
     """
 
     #: The name users type to get this driver (its entry-point name).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -31,22 +33,47 @@ class SamplingOptions:
         top_p: float | None = None,
         seed: int | None = None,
     ) -> None:
-        if temperature <= 0:
+        if not isinstance(do_sample, bool):
+            raise UserError(f"do_sample must be True or False, got {do_sample!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise UserError(f"temperature must be a number > 0, got {temperature!r}")
+        if not math.isfinite(temperature) or temperature <= 0:
             raise UserError(
                 f"temperature must be > 0, got {temperature}; use do_sample=False for greedy"
             )
-        if top_k is not None and top_k < 1:
-            raise UserError(f"top_k must be >= 1, got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {top_p}")
-        self.do_sample = do_sample
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+        ):
+            raise UserError(f"top_k must be an int >= 1 (or None), got {top_k!r}")
+        if top_p is not None and (
+            isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1
+        ):
+            raise UserError(f"top_p must be a number in (0, 1] (or None), got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise UserError(f"seed must be an int (or None), got {seed!r}")
+        self.do_sample: bool = do_sample
+        self.temperature: float = float(temperature)
+        self.top_k: int | None = top_k
+        self.top_p: float | None = None if top_p is None else float(top_p)
+        self.seed: int | None = seed
         #: The private generator seeded with ``seed``; ``None`` (the global RNG) without one.
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
+
+    def keywords(self) -> dict[str, Any]:
+        """The options as ``Driver.forward`` keywords (the inverse of ``pop_from``)."""
+        return {
+            "do_sample": self.do_sample,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.keywords().items())
+        return f"SamplingOptions({shown})"
 
     #: The ``Driver.forward`` keywords that choose tokens.
     KEYS = ("do_sample", "temperature", "top_k", "top_p", "seed")

@@ -101,13 +101,13 @@ class NativeDriver(LocalDriver):
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One forward of the native model."""
-        return self._model(  # type: ignore[no-any-return]
+        """One forward of the native model (ids and block indices checked by the request)."""
+        return self._model.run_blocks(
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            start_at_layer=start_at_layer,
-            stop_at_layer=stop_at_layer,
+            start=start_at_layer,
+            stop=stop_at_layer,
             residual=residual,
         )
 

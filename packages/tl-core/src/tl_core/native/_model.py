@@ -234,23 +234,59 @@ class NativeTransformer(nn.Module):
         n_layers = self.cfg.n_layers
         start = 0
         if start_at_layer is not None:
-            start = block_index(start_at_layer, "start_at_layer", self.cfg.n_layers)
-        stop = n_layers
+            start = block_index(start_at_layer, "start_at_layer", n_layers)
+        stop = None
         if stop_at_layer is not None:
-            stop = block_index(stop_at_layer, "stop_at_layer", self.cfg.n_layers)
-        if start > stop:
+            stop = block_index(stop_at_layer, "stop_at_layer", n_layers)
+        if stop is not None and start > stop:
             raise UserError(
                 f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
                 f"stop_at_layer ({stop_at_layer}) at block {stop}; start must not exceed stop."
             )
-        ids: torch.Tensor | None = None
         if start_at_layer is None:
             if residual is not None:
                 raise UserError(
                     "residual was given without start_at_layer; pass start_at_layer=k to "
                     "feed it into block k, or drop residual."
                 )
-            ids = self._check_input_ids(input_ids)
+            input_ids = self._check_input_ids(input_ids)
+        return self.run_blocks(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            start=None if start_at_layer is None else start,
+            stop=stop,
+            residual=residual,
+        )
+
+    def run_blocks(
+        self,
+        input_ids: torch.Tensor | None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        start: int | None = None,
+        stop: int | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``forward`` for callers that checked the ids and resolved the block indices.
+
+        Args:
+            input_ids: In-range token ids ``[b, p]`` (``None`` when starting from
+                ``residual``).
+            attention_mask: As in ``forward``.
+            position_ids: As in ``forward``.
+            start: Block index in ``0..n_layers`` that reads ``residual``; ``None``: embed.
+            stop: Block index in ``start..n_layers`` to stop before; ``None``: run to logits.
+            residual: The input of block ``start``.
+
+        Raises:
+            UserError: A residual or mask of the wrong shape, a sequence past ``n_ctx``.
+        """
+        ids: torch.Tensor | None = None
+        if start is None:
+            assert input_ids is not None
+            ids = input_ids
             batch, seq = ids.shape
             device = ids.device
         else:
@@ -268,9 +304,9 @@ class NativeTransformer(nn.Module):
             x = self.embed(ids)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(positions)
-        for block in self._block_list()[start:stop]:
+        for block in self._block_list()[start or 0 : stop]:
             x = block(x, ctx)
-        if stop_at_layer is not None:
+        if stop is not None:
             return x
         logits: torch.Tensor = self.unembed(self.ln_final(x), self.W_U)
         return logits

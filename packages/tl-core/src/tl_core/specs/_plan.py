@@ -161,8 +161,9 @@ def _read_mapping(
         items = list(entry) if _is_list(entry) else [entry]
         if not items:
             continue
-        canonical = namespace.lookup(name)
         callables = [item for item in items if _is_callable(item)]
+        # Resolved once: specs need an editable hook, functions only a served one.
+        canonical = namespace.lookup(name, edit=not callables)
         if callables and not allow_callables:
             raise _error(
                 f"{where}: this driver takes declarative specs only, found Python function "
@@ -178,7 +179,6 @@ def _read_mapping(
         if callables:
             fns.setdefault(canonical, []).extend(callables)
         else:
-            namespace.lookup(name, edit=True)
             parsed = [_parse(i, where) for i in items]
             if canonical.endswith(".hook_scale"):
                 for spec in parsed:

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,11 +17,12 @@ from tl_core import ModelInfo, TLError, UserError
 from tl_core.driver_api import (
     Architecture,
     Certification,
+    ForwardRequest,
     ForwardResult,
     HFTokenizer,
     ModelReadout,
     NamespaceFacts,
-    build_plan,
+    RequestForward,
 )
 from tl_driver_vllm._dictionaries import check_replicated, pack_attachment
 from tl_driver_vllm._driver_side._architecture import layout_architecture
@@ -30,12 +31,12 @@ from tl_driver_vllm._driver_side._certify import ANCHOR_LOGPROBS, certify_engine
 from tl_driver_vllm._driver_side._derive import serving_layout
 from tl_driver_vllm._driver_side._edit_tables import edit_table
 from tl_driver_vllm._driver_side._gguf import gguf_checkpoint
-from tl_driver_vllm._driver_side._inputs import check_tokens, refuse_positions, token_rows
+from tl_driver_vllm._driver_side._inputs import check_room, refuse_positions
 from tl_driver_vllm._driver_side._lifecycle import children, shutdown, socket_files
 from tl_driver_vllm._driver_side._memory import available_memory, cpu_kv_cache
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace
-from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_kwargs
+from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_params
 from tl_driver_vllm._driver_side._spawn import check_main_guard
 from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._wire import TAG_KEY, SharedFiles, unpack
@@ -51,7 +52,7 @@ _FEATURES = frozenset({"generation", "batching", "position_interventions"})
 _LOG = logging.getLogger("vllm.tl_driver_vllm")
 
 
-class VLLMDriver(NamespaceFacts):
+class VLLMDriver(RequestForward, NamespaceFacts):
     """A vLLM engine serving tl's hooks; boot it with ``RemoteBridge.boot_vllm``.
 
     Captures and declarative interventions run inside the engine's workers, at every step
@@ -365,83 +366,33 @@ class VLLMDriver(NamespaceFacts):
 
     # -- running ----------------------------------------------------------------------
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | Sequence[Sequence[int]],
-        *,
-        capture: Sequence[str] = (),
-        intervene: Any = None,
-        max_new_tokens: int = 1,
-        return_logits: bool | Literal["last"] = True,
-        **kwargs: Any,
-    ) -> ForwardResult:
-        """Run prompts in the engine with captures and interventions.
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """Run one validated request in the engine (``forward`` is its keyword form).
 
-        Args:
-            input_ids: ``[batch, pos]`` ids or a list of ragged id lists.
-            capture: Hook names (aliases allowed); values cover the prompt positions.
-            intervene: Specs for every prompt (a mapping) or per prompt (a list).
-            max_new_tokens: Tokens to generate (0 = prefill only); specs stay active at
-                every step (specs with ``pos`` edit prompt positions only).
-            return_logits: ``True``: ``[batch, pos, vocab]`` logits of the prompts;
-                ``"last"``: ``[batch, 1, vocab]``, each prompt's last position (what
-                predicts the next token), computed only there; ``False``: none (no
-                logits are computed or sent). Logits come in the engine's dtype.
-            **kwargs: ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``,
-                ``stop_at_eos`` (default ``True``).
-
-        Returns:
-            Right-padded captures and logits with per-prompt ``lengths``; ``new_tokens``
-            (padded with EOS after a prompt stops) when ``max_new_tokens >= 1``.
+        Captures cover the prompt positions; specs stay active at every decoding step
+        (specs with ``pos`` edit prompt positions only). ``request.logits``: ``"all"``
+        gives ``[batch, pos, vocab]``, ``"last"`` ``[batch, 1, vocab]`` computed only at
+        each prompt's last position, ``"none"`` computes and sends none; logits come in the
+        engine's dtype. ``new_tokens`` (padded with EOS after a prompt stops) comes when
+        ``max_new_tokens >= 1``.
 
         Raises:
-            UserError: Bad names, specs, options or inputs, before any engine work.
+            UserError: A prompt plus its new tokens past ``max_model_len``, or a spec with
+                ``pos`` on an engine booted without position interventions; before any
+                engine work.
         """
         llm = self._engine()
-        sampling = sampling_kwargs(kwargs)
-        stop_at_eos = bool(kwargs.pop("stop_at_eos", True))
-        if kwargs:
-            raise UserError(
-                f"driver 'vllm' got unknown forward options {sorted(kwargs)}; it takes capture, "
-                "intervene, max_new_tokens, return_logits, do_sample, temperature, top_k, top_p, "
-                "seed and stop_at_eos"
-            )
-        if (
-            isinstance(max_new_tokens, bool)
-            or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 0
-        ):
-            raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not (isinstance(return_logits, bool) or return_logits == "last"):
-            raise UserError(
-                f"return_logits must be True (every prompt position), 'last' (each prompt's "
-                f"last position) or False, got {return_logits!r}"
-            )
-        rows = token_rows(input_ids)
-        lengths = tuple(len(r) for r in rows)
-        check_tokens(rows, max_new_tokens, vocab=self.info.d_vocab, limit=self.info.n_ctx)
-        names = list(dict.fromkeys(self.namespace.lookup(n) for n in capture))
-        plan = build_plan(
-            intervene, lengths=lengths, namespace=self.namespace, allow_callables=False
-        )
+        check_room(request.lengths, request.max_new_tokens, limit=self.info.n_ctx)
         if not self._positions:
-            refuse_positions(plan.per_prompt)
-        return self._run(
-            llm, rows, lengths, names, plan, max_new_tokens, return_logits, sampling, stop_at_eos
-        )
-
-    def _run(
-        self,
-        llm: Any,
-        rows: list[list[int]],
-        lengths: tuple[int, ...],
-        names: list[str],
-        plan: Any,
-        max_new_tokens: int,
-        return_logits: bool | str,
-        sampling: dict[str, Any],
-        stop_at_eos: bool,
-    ) -> ForwardResult:
+            refuse_positions(request.plan.per_prompt)
+        rows = request.batch.rows()
+        lengths = request.lengths
+        names = list(request.capture)
+        plan = request.plan
+        max_new_tokens = request.max_new_tokens
+        return_logits = {"all": True, "last": "last", "none": False}[request.logits]
+        sampling = sampling_params(request.sampling)
+        stop_at_eos = request.stop_at_eos
         from vllm import SamplingParams
 
         run = next(self._runs)

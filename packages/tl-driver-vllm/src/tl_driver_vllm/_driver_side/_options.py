@@ -5,12 +5,12 @@ Everything here is checked before an engine starts, so a bad option costs no boo
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from tl_core import ConfigError, UserError
+from tl_core import ConfigError
+from tl_core.driver_api import SamplingOptions
 
-__all__ = ["WORKER_EXTENSION", "engine_kwargs", "sampling_kwargs"]
+__all__ = ["WORKER_EXTENSION", "engine_kwargs", "sampling_params"]
 
 WORKER_EXTENSION = "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
 
@@ -97,36 +97,18 @@ def engine_kwargs(
     return out
 
 
-_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "seed")
+def sampling_params(options: SamplingOptions) -> dict[str, Any]:
+    """tl's (validated) sampling options as ``SamplingParams`` fields.
 
-
-def sampling_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Pop tl's sampling options from ``kwargs`` and map them to ``SamplingParams`` fields.
-
-    Greedy decoding unless ``do_sample=True`` (as on every tl driver).
-
-    Raises:
-        UserError: An option out of range.
+    Greedy decoding unless ``do_sample`` (as on every tl driver).
     """
-    options = {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs}
-    if not options.pop("do_sample", False):
+    if not options.do_sample:
         return {"temperature": 0.0}
-    temperature = float(options.get("temperature", 1.0))
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise UserError(
-            f"temperature must be > 0, got {temperature}; use do_sample=False for greedy"
-        )
-    out: dict[str, Any] = {"temperature": temperature}
-    top_k = options.get("top_k")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise UserError(f"top_k must be an int >= 1, got {top_k!r}")
-        out["top_k"] = top_k
-    top_p = options.get("top_p")
-    if top_p is not None:
-        if not 0 < float(top_p) <= 1:
-            raise UserError(f"top_p must be in (0, 1], got {top_p!r}")
-        out["top_p"] = float(top_p)
-    if options.get("seed") is not None:
-        out["seed"] = int(options["seed"])
+    out: dict[str, Any] = {"temperature": options.temperature}
+    if options.top_k is not None:
+        out["top_k"] = options.top_k
+    if options.top_p is not None:
+        out["top_p"] = options.top_p
+    if options.seed is not None:
+        out["seed"] = options.seed
     return out

@@ -1,0 +1,50 @@
+"""Count the validation work one call does, for tests that a request is validated once."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from unittest import mock
+
+from tl_core.driver_api import _batching, _layers
+from tl_core.hooks._namespace import HookNamespace
+
+__all__ = ["validation_calls"]
+
+
+@contextmanager
+def validation_calls() -> Iterator[Counter[str]]:
+    """Count name resolutions, paddings and layer checks inside the ``with`` block.
+
+    The counter's keys: ``"lookup:<name as given>"`` for each ``HookNamespace.lookup``,
+    ``"pad_batch"`` and ``"block_index"``. Every module that imported ``pad_batch`` or
+    ``block_index`` by name is patched too, so a copy of the call anywhere is counted.
+    Meant for driver tests: one ``run_with_cache`` should resolve each name once, pad once
+    and check its stop layer once, however many layers it passes through.
+    """
+    counts: Counter[str] = Counter()
+    lookup = HookNamespace.lookup
+
+    def counted_lookup(self: HookNamespace, name: str, **kwargs: Any) -> str:
+        counts[f"lookup:{name}"] += 1
+        return lookup(self, name, **kwargs)
+
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(HookNamespace, "lookup", counted_lookup))
+        for original in (_batching.pad_batch, _layers.block_index):
+            wrapper = _counting(original, counts)
+            for module in list(sys.modules.values()):
+                if getattr(module, original.__name__, None) is original:
+                    stack.enter_context(mock.patch.object(module, original.__name__, wrapper))
+        yield counts
+
+
+def _counting(function: Callable[..., Any], counts: Counter[str]) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts[function.__name__] += 1
+        return function(*args, **kwargs)
+
+    return counted

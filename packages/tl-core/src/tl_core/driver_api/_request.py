@@ -1,0 +1,311 @@
+"""``ForwardRequest``: one engine call, validated once, that every driver trusts.
+
+The bridge builds it (``Bridge._execute``) from what it already resolved: the padded batch,
+canonical names, the intervention plan and the stop layer. A driver's ``run(request)`` does
+no validation of its own. ``Driver.forward``'s keyword form is ``build_request`` followed by
+``run``: ``RequestForward`` gives a driver that form, and ``call_driver`` feeds a request to
+a third-party driver that only has the keyword form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+
+from tl_core._errors import UserError
+from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
+from tl_core.driver_api._layers import block_index
+from tl_core.driver_api._sampling import SamplingOptions
+from tl_core.driver_api._tokenizers import padding_id
+from tl_core.specs._plan import InterventionPlan, build_plan
+
+if TYPE_CHECKING:
+    from tl_core.driver_api._protocol import ForwardResult
+
+__all__ = [
+    "LOCAL_OPTIONS",
+    "ForwardRequest",
+    "LogitsWanted",
+    "RequestForward",
+    "build_request",
+    "call_driver",
+    "logits_wanted",
+    "partial_layers",
+]
+
+#: Which logits a request wants: none, each prompt's last position, or every position.
+LogitsWanted = Literal["none", "last", "all"]
+
+#: ``forward`` keywords beyond the common ones that only in-process drivers take.
+LOCAL_OPTIONS: frozenset[str] = frozenset(
+    {"capture_device", "start_at_layer", "stop_at_layer", "residual"}
+)
+
+_COMMON = (
+    "capture, intervene, max_new_tokens, return_logits, stop_at_eos and the sampling options "
+    + ", ".join(SamplingOptions.KEYS)
+)
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """One validated engine call.
+
+    Attributes:
+        batch: Right-padded prompts on the CPU (ids in range, lengths per prompt).
+        plan: The intervention plan, checked against the driver's namespace and the
+            prompts' lengths.
+        capture: Canonical hook names to return, each once, resolved against the same
+            namespace.
+        intervene: The ``intervene=`` argument the plan was built from (for drivers that
+            take the keyword form, see ``keywords``).
+        max_new_tokens: Tokens to generate (0: prefill only).
+        logits: ``"all"`` (``[batch, pos, vocab]``), ``"last"`` (``[batch, 1, vocab]``,
+            each prompt's last position) or ``"none"``.
+        sampling: Validated decoding options.
+        stop_at_eos: Stop a prompt's decoding at EOS (later tokens are EOS).
+        stop_at_layer: Block index in ``0..n_layers`` to stop before (local drivers; the
+            ``logits`` field then holds the residual stream).
+        start_at_layer: Block index to start at from ``residual`` (local drivers).
+        residual: ``[batch, pos, d_model]`` input of ``start_at_layer``.
+        capture_device: Where captures go (``None``: where computed).
+    """
+
+    batch: TokenBatch
+    plan: InterventionPlan
+    capture: tuple[str, ...] = ()
+    intervene: Any = None
+    max_new_tokens: int = 0
+    logits: LogitsWanted = "all"
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stop_at_eos: bool = True
+    stop_at_layer: int | None = None
+    start_at_layer: int | None = None
+    residual: torch.Tensor | None = None
+    capture_device: torch.device | str | None = None
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Real length of each prompt."""
+        return self.batch.lengths
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the call generates step by step (more than one token, or a sampled one)."""
+        return self.max_new_tokens > 1 or (self.max_new_tokens == 1 and self.sampling.do_sample)
+
+    def keywords(self) -> tuple[list[list[int]], dict[str, Any]]:
+        """The request as ``Driver.forward``'s keyword form: ``(prompt rows, keywords)``.
+
+        Options left at their defaults are not passed, so a remote driver's keyword form
+        accepts what it is given.
+        """
+        kwargs: dict[str, Any] = {
+            "capture": list(self.capture),
+            "intervene": self.intervene,
+            "max_new_tokens": self.max_new_tokens,
+            "return_logits": {"all": True, "none": False, "last": "last"}[self.logits],
+        }
+        kwargs.update({k: v for k, v in self.sampling.keywords().items() if v is not None})
+        if not self.stop_at_eos:
+            kwargs["stop_at_eos"] = False
+        local = {
+            "capture_device": self.capture_device,
+            "start_at_layer": self.start_at_layer,
+            "stop_at_layer": self.stop_at_layer,
+            "residual": self.residual,
+        }
+        kwargs.update({k: v for k, v in local.items() if v is not None})
+        return self.batch.rows(), kwargs
+
+
+def build_request(
+    driver: Any,
+    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+    *,
+    capture: Sequence[str] = (),
+    intervene: Any = None,
+    max_new_tokens: int = 1,
+    return_logits: bool | Literal["last"] = True,
+    **options: Any,
+) -> ForwardRequest:
+    """Check ``Driver.forward``'s keyword form against ``driver`` and build its request.
+
+    The driver's ``forward_options`` (a set of names, e.g. ``LOCAL_OPTIONS``) say which
+    keywords beyond the common ones it takes.
+
+    Raises:
+        UserError: Unknown options, bad ids, names, specs, sampling options or layers, all
+            before any engine work; the message names what was wrong.
+    """
+    sampling = SamplingOptions.pop_from(options)
+    stop_at_eos = options.pop("stop_at_eos", True)
+    if not isinstance(stop_at_eos, bool):
+        raise UserError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
+    accepted: frozenset[str] = getattr(driver, "forward_options", frozenset())
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        extra = "".join(f", {name}" for name in sorted(accepted))
+        local = sorted(set(unknown) & LOCAL_OPTIONS)
+        hint = (
+            f" ({', '.join(local)}: partial forwards and capture_device need a local driver, "
+            "TransformerBridge.boot_transformers)"
+            if local
+            else ""
+        )
+        raise UserError(
+            f"driver {driver.name!r} got unknown forward options {unknown}; it takes "
+            f"{_COMMON}{extra}{hint}"
+        )
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
+        raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    batch = pad_batch(input_ids, pad_id=padding_id(driver.tokenizer))
+    check_token_range(batch, driver.info.d_vocab)
+    namespace = driver.namespace
+    start, stop = partial_layers(
+        options.get("start_at_layer"),
+        options.get("stop_at_layer"),
+        options.get("residual"),
+        n_layers=driver.info.n_layers,
+    )
+    if (start is not None or stop is not None) and (
+        max_new_tokens > 1 or (max_new_tokens == 1 and sampling.do_sample)
+    ):
+        raise UserError(
+            f"start_at_layer/stop_at_layer cannot be combined with generation (max_new_tokens="
+            f"{max_new_tokens}); run the partial forward with max_new_tokens=0 or 1"
+        )
+    return ForwardRequest(
+        batch=batch,
+        capture=tuple(dict.fromkeys(namespace.lookup(n) for n in capture)),
+        plan=build_plan(
+            intervene,
+            lengths=batch.lengths,
+            namespace=namespace,
+            allow_callables=driver.supports("intervention_callbacks"),
+        ),
+        intervene=intervene,
+        max_new_tokens=max_new_tokens,
+        logits=logits_wanted(return_logits),
+        sampling=sampling,
+        stop_at_eos=stop_at_eos,
+        stop_at_layer=stop,
+        start_at_layer=start,
+        residual=options.get("residual"),
+        capture_device=options.get("capture_device"),
+    )
+
+
+def partial_layers(
+    start_at_layer: object, stop_at_layer: object, residual: object, *, n_layers: int
+) -> tuple[int | None, int | None]:
+    """Resolve a partial forward's block indices (negatives count back from the end).
+
+    Returns:
+        ``(start, stop)`` as indices in ``0..n_layers``, ``None`` where not given.
+
+    Raises:
+        UserError: A bad index, a start after the stop, or ``residual`` without
+            ``start_at_layer`` (or the reverse).
+    """
+    start = (
+        None if start_at_layer is None else block_index(start_at_layer, "start_at_layer", n_layers)
+    )
+    stop = None if stop_at_layer is None else block_index(stop_at_layer, "stop_at_layer", n_layers)
+    if start is not None and stop is not None and start > stop:
+        raise UserError(
+            f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
+            f"stop_at_layer ({stop_at_layer}) at block {stop}; start must not exceed stop."
+        )
+    if start is None and residual is not None:
+        raise UserError("residual is the input of a block: also pass start_at_layer")
+    if start is not None and residual is None:
+        raise UserError(
+            "start_at_layer needs residual: the [batch, pos, d_model] input of that block"
+        )
+    return start, stop
+
+
+def logits_wanted(return_logits: object) -> LogitsWanted:
+    """``return_logits`` (``True``, ``False`` or ``"last"``) as a ``LogitsWanted``.
+
+    Raises:
+        UserError: Any other value.
+    """
+    if return_logits is True:
+        return "all"
+    if return_logits is False:
+        return "none"
+    if return_logits == "last":
+        return "last"
+    raise UserError(
+        f"return_logits must be True (every prompt position), 'last' (each prompt's last "
+        f"position) or False, got {return_logits!r}"
+    )
+
+
+class RequestForward:
+    """Gives a driver with ``run(request)`` the keyword form of ``Driver.forward``."""
+
+    #: ``forward`` keywords beyond the common ones this driver takes.
+    forward_options: ClassVar[frozenset[str]] = frozenset()
+
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """Run one validated request (drivers implement this)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        capture: Sequence[str] = (),
+        intervene: Any = None,
+        max_new_tokens: int = 1,
+        return_logits: bool | Literal["last"] = True,
+        **options: Any,
+    ) -> ForwardResult:
+        """Run prompts with captures and specs: ``run(build_request(self, ...))``.
+
+        Args:
+            input_ids: ``[batch, pos]`` ids, one ``[pos]`` prompt, or ragged id lists.
+            capture: Hook names (canonical or aliases) to return in ``captured``.
+            intervene: ``{hook: spec | [spec, ...]}`` for every prompt, or a list with one
+                mapping (or ``None``) per prompt; callables on drivers with
+                ``intervention_callbacks``.
+            max_new_tokens: Tokens to generate after the prompt (0 = prefill only).
+            return_logits: ``True`` (every position), ``"last"`` or ``False``.
+            **options: ``stop_at_eos``, the sampling options, and the driver's
+                ``forward_options``.
+
+        Raises:
+            UserError: Bad options, ids, names or specs, before any engine work.
+        """
+        request = build_request(
+            self,
+            input_ids,
+            capture=capture,
+            intervene=intervene,
+            max_new_tokens=max_new_tokens,
+            return_logits=return_logits,
+            **options,
+        )
+        return self.run(request)
+
+
+def call_driver(driver: Any, request: ForwardRequest) -> ForwardResult:
+    """Run ``request`` on ``driver``: through ``run`` when its ``forward`` is the keyword
+    form of ``run`` (``RequestForward``'s), else through ``forward`` with
+    ``request.keywords()``: drivers written before ``ForwardRequest``, and subclasses that
+    override ``forward``, get the call they implement."""
+    run = getattr(driver, "run", None)
+    if callable(run) and getattr(type(driver), "forward", None) is RequestForward.forward:
+        return run(request)  # type: ignore[no-any-return]
+    rows, kwargs = request.keywords()
+    return driver.forward(rows, **kwargs)  # type: ignore[no-any-return]

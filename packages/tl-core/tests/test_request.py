@@ -1,0 +1,181 @@
+"""One ``ForwardRequest`` per call: validated once, trusted by the driver, same as the keywords."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tl_core import RemoteBridge, TransformerBridge, UserError
+from tl_core.driver_api import (
+    ForwardRequest,
+    RequestForward,
+    build_request,
+    call_driver,
+    validation_calls,
+)
+
+_SPEC = {"blocks.0.mlp.hook_post": {"op": "scale", "factor": 0.5}}
+_NAMES = ["blocks.0.hook_resid_post", "hook_embed", "blocks.1.attn.hook_pattern"]
+
+
+@pytest.fixture(scope="module")
+def bridge() -> TransformerBridge:
+    return TransformerBridge.boot_native("gpt2", n_layers=3)
+
+
+def _assert_validated_once(counts: Any, names: list[str]) -> None:
+    lookups = {
+        key.removeprefix("lookup:"): n for key, n in counts.items() if key.startswith("lookup:")
+    }
+    assert lookups == dict.fromkeys(names, 1), counts
+    assert counts["pad_batch"] == 1, counts
+    assert counts["block_index"] == 1, counts
+
+
+def test_run_with_cache_resolves_pads_and_checks_the_stop_layer_once(
+    bridge: TransformerBridge,
+) -> None:
+    with validation_calls() as counts:
+        bridge.run_with_cache(
+            ["a ragged batch", "b"], names_filter=_NAMES, intervene=_SPEC, stop_at_layer=-1
+        )
+    _assert_validated_once(counts, [*_NAMES, *_SPEC])
+
+
+def test_the_counter_sees_a_second_validation(bridge: TransformerBridge) -> None:
+    # The guard of the test above: a driver that re-resolved and re-padded would be caught.
+    with validation_calls() as counts:
+        bridge.driver.forward([[1, 2, 3]], capture=["hook_embed"], intervene=_SPEC, stop_at_layer=1)
+        bridge.driver.forward([[1, 2, 3]], capture=["hook_embed"], max_new_tokens=0)
+    assert counts["lookup:hook_embed"] == 2
+    assert counts["pad_batch"] == 2
+
+
+def test_remote_bridge_validates_once_too() -> None:
+    with RemoteBridge(TransformerBridge.boot_native("llama", n_layers=2).driver) as remote:
+        with validation_calls() as counts:
+            remote.run_with_cache(
+                "hi there", names_filter=_NAMES[:2], intervene=_SPEC, stop_at_layer=1
+            )
+    # The remote bridge reads the residual stream at its stop layer from one more hook.
+    assert counts.pop("lookup:blocks.1.hook_in") == 1
+    _assert_validated_once(counts, [*_NAMES[:2], *_SPEC])
+
+
+def test_a_request_and_its_keywords_give_the_same_result(bridge: TransformerBridge) -> None:
+    driver = bridge.driver
+    request = build_request(
+        driver,
+        [[5, 6, 7, 8], [9, 10]],
+        capture=["blocks.1.hook_out"],
+        intervene=_SPEC,
+        max_new_tokens=0,
+    )
+    assert request.capture == ("blocks.1.hook_out",)
+    rows, keywords = request.keywords()
+    assert rows == [[5, 6, 7, 8], [9, 10]]
+    by_keywords = driver.forward(rows, **keywords)
+    by_request = driver.run(request)
+    torch.testing.assert_close(by_request.logits, by_keywords.logits, rtol=0, atol=0)
+    torch.testing.assert_close(
+        by_request.captured["blocks.1.hook_out"], by_keywords.captured["blocks.1.hook_out"]
+    )
+
+
+def test_a_keyword_only_driver_runs_through_call_driver(bridge: TransformerBridge) -> None:
+    class KeywordOnly:
+        """A driver from before ForwardRequest: forward with keywords, no run."""
+
+        def __init__(self) -> None:
+            self.seen: dict[str, Any] = {}
+
+        def forward(self, input_ids: Any, **kwargs: Any) -> Any:
+            self.seen = dict(kwargs, input_ids=input_ids)
+            return bridge.driver.forward(input_ids, **kwargs)
+
+    request = build_request(
+        bridge.driver, [[1, 2, 3]], capture=["hook_embed"], max_new_tokens=2, do_sample=True, seed=4
+    )
+    keyword_only = KeywordOnly()
+    result = call_driver(keyword_only, request)
+    assert keyword_only.seen["capture"] == ["embed.hook_out"]
+    assert keyword_only.seen["seed"] == 4 and keyword_only.seen["do_sample"] is True
+    assert result.new_tokens is not None and result.new_tokens.shape == (1, 2)
+
+
+def test_last_logits_are_each_prompts_last_position(bridge: TransformerBridge) -> None:
+    rows = [[3, 4, 5, 6], [7, 8]]
+    full = bridge.driver.forward(rows, max_new_tokens=0).logits
+    last = bridge.driver.forward(rows, max_new_tokens=0, return_logits="last").logits
+    assert last.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(last[:, 0], torch.stack([full[0, 3], full[1, 1]]))
+    assert bridge.driver.forward(rows, max_new_tokens=0, return_logits=False).logits is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"beam_width": 2}, r"unknown forward options \['beam_width'\]"),
+        ({"return_logits": "first"}, "return_logits must be True"),
+        ({"max_new_tokens": -1}, "max_new_tokens must be an int >= 0"),
+        ({"stop_at_eos": "yes"}, "stop_at_eos must be True or False"),
+        ({"top_k": 0, "do_sample": True}, "top_k must be an int >= 1"),
+        ({"seed": 1.5}, "seed must be an int"),
+        ({"start_at_layer": 1}, "start_at_layer needs residual"),
+        (
+            {"stop_at_layer": 1, "start_at_layer": 2, "residual": torch.zeros(1, 3, 64)},
+            "start must not exceed stop",
+        ),
+        ({"stop_at_layer": 1, "max_new_tokens": 3}, "cannot be combined with generation"),
+        ({"stop_at_layer": 9}, "stop_at_layer=9 is out of range"),
+    ],
+)
+def test_bad_keywords_are_refused_before_the_model_runs(
+    bridge: TransformerBridge, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(UserError, match=message):
+        build_request(bridge.driver, [[1, 2, 3]], **kwargs)
+
+
+def test_a_remote_style_driver_refuses_local_options(bridge: TransformerBridge) -> None:
+    class Remote(RequestForward):
+        """Takes only the common keywords, as a serving engine's driver does."""
+
+        name = "remote"
+        namespace = bridge.driver.namespace
+        info = bridge.driver.info
+        tokenizer = bridge.driver.tokenizer
+
+        def supports(self, feature: str) -> bool:
+            return False
+
+        def run(self, request: ForwardRequest) -> Any:
+            raise AssertionError("refused before running")
+
+    with pytest.raises(UserError, match="capture_device: partial forwards and capture_device"):
+        Remote().forward([[1, 2]], capture_device="cpu")
+    with pytest.raises(UserError, match="declarative specs only"):
+        Remote().forward([[1, 2]], intervene={"hook_embed": lambda x, hook: x})
+
+
+def test_requests_are_immutable(bridge: TransformerBridge) -> None:
+    request = build_request(bridge.driver, [[1, 2]])
+    assert isinstance(request, ForwardRequest)
+    with pytest.raises(AttributeError):
+        request.capture = ("embed.hook_out",)  # type: ignore[misc]
+
+
+def test_a_subclass_that_overrides_forward_is_called_through_it() -> None:
+    from tl_core.native import NativeDriver
+
+    class Faulty(NativeDriver):
+        """Overrides the keyword form, as drivers written before ForwardRequest do."""
+
+        def forward(self, input_ids: Any, **kwargs: Any) -> Any:
+            result = super().forward(input_ids, **kwargs)
+            return type(result)(result.logits * 0, result.captured, None, None, result.lengths)
+
+    bridge = TransformerBridge(Faulty.boot("gpt2", n_layers=1))
+    assert bool((bridge([[1, 2, 3]]) == 0).all())
