@@ -37,7 +37,9 @@ def validation_calls() -> Iterator[Counter[str]]:
         for original in (_batching.pad_batch, _layers.block_index):
             wrapper = _counting(original, counts)
             for module in list(sys.modules.values()):
-                if getattr(module, original.__name__, None) is original:
+                # The module's own namespace, not getattr: lazy modules (transformers')
+                # would import their submodules on a missing name.
+                if getattr(module, "__dict__", {}).get(original.__name__) is original:
                     stack.enter_context(mock.patch.object(module, original.__name__, wrapper))
         yield counts
 
