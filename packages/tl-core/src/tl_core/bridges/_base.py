@@ -25,7 +25,12 @@ from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batc
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
 from tl_core.driver_api._protocol import ForwardResult, validate_driver
-from tl_core.driver_api._request import ForwardRequest, LogitsWanted, partial_layers
+from tl_core.driver_api._request import (
+    ForwardRequest,
+    LogitsWanted,
+    partial_layers,
+    planned_request,
+)
 from tl_core.driver_api._sampling import SamplingOptions
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._hook_point import HookHandle, HookPoint
@@ -33,7 +38,6 @@ from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._splice import Splice, splice
-from tl_core.specs._plan import build_plan
 
 __all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]
 
@@ -166,17 +170,11 @@ class Bridge:
         capture_device: torch.device | str | None = None,
     ) -> ForwardRequest:
         """The one request of a bridge call: names canonical, layers resolved, specs planned."""
-        plan = build_plan(
-            intervene,
-            lengths=batch.lengths,
-            namespace=self.namespace,
-            allow_callables=self.driver.supports("intervention_callbacks"),
-        )
-        return ForwardRequest(
-            batch=batch,
-            plan=plan,
-            capture=tuple(capture),
+        return planned_request(
+            self.driver,
+            batch,
             intervene=intervene,
+            capture=tuple(capture),
             max_new_tokens=max_new_tokens,
             logits=logits,
             sampling=sampling if sampling is not None else SamplingOptions(),

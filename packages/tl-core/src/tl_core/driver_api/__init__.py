@@ -90,6 +90,7 @@ if TYPE_CHECKING:
         call_driver as call_driver,
         logits_wanted as logits_wanted,
         partial_layers as partial_layers,
+        planned_request as planned_request,
     )
     from tl_core.driver_api._rounding import (
         DEFAULT_ERROR_FACTOR as DEFAULT_ERROR_FACTOR,

@@ -34,6 +34,7 @@ __all__ = [
     "call_driver",
     "logits_wanted",
     "partial_layers",
+    "planned_request",
 ]
 
 #: Which logits a request wants: none, each prompt's last position, or every position.
@@ -182,16 +183,11 @@ def build_request(
             f"start_at_layer/stop_at_layer cannot be combined with generation (max_new_tokens="
             f"{max_new_tokens}); run the partial forward with max_new_tokens=0 or 1"
         )
-    return ForwardRequest(
-        batch=batch,
-        capture=tuple(dict.fromkeys(namespace.lookup(n) for n in capture)),
-        plan=build_plan(
-            intervene,
-            lengths=batch.lengths,
-            namespace=namespace,
-            allow_callables=driver.supports("intervention_callbacks"),
-        ),
+    return planned_request(
+        driver,
+        batch,
         intervene=intervene,
+        capture=tuple(dict.fromkeys(namespace.lookup(n) for n in capture)),
         max_new_tokens=max_new_tokens,
         logits=logits_wanted(return_logits),
         sampling=sampling,
@@ -201,6 +197,30 @@ def build_request(
         residual=options.get("residual"),
         capture_device=options.get("capture_device"),
     )
+
+
+def planned_request(
+    driver: Any, batch: TokenBatch, *, intervene: Any = None, **fields: Any
+) -> ForwardRequest:
+    """A request for ``batch`` with ``intervene`` planned against ``driver``'s namespace.
+
+    Args:
+        driver: The driver that will run it (its namespace, and whether it takes callables).
+        batch: The checked, right-padded prompts.
+        intervene: The ``intervene=`` argument.
+        **fields: The other ``ForwardRequest`` fields, already checked (canonical names,
+            resolved layers, ``SamplingOptions``).
+
+    Raises:
+        SpecError, HookNameError: From ``build_plan``.
+    """
+    plan = build_plan(
+        intervene,
+        lengths=batch.lengths,
+        namespace=driver.namespace,
+        allow_callables=driver.supports("intervention_callbacks"),
+    )
+    return ForwardRequest(batch=batch, plan=plan, intervene=intervene, **fields)
 
 
 def partial_layers(
