@@ -15,7 +15,15 @@ interleaved rounds (median, wall clock):
 - ``attn.hook_result`` of every layer (``n_heads`` rows of ``d_model`` per position) and
   attention patterns rebuilt for every layer (``pos`` x ``pos`` per head), for the record;
 - sequence logits (``bridge.forward(prompts)``: ``[batch, pos, vocab]``) and last-position
-  logits (``driver.forward(..., return_logits="last")``), to show what logits cost.
+  logits (``driver.forward(..., return_logits="last")``), to show what logits cost;
+- decoding: plain vLLM generating 64 new tokens for 8 prompts (the decoding baseline), the
+  driver doing the same with nothing requested, and with one ``add`` spec (steered).
+
+Then, unless ``--no-defaults``, a second child boots plain vLLM as users run it, in its
+default compiled mode without tl (prefix caching off, as the driver runs it, so every
+round computes its prefill), on the checkpoint vLLM loaded for tl, and times the prefill
+and decoding baselines; every case is also reported against those, next to its ratio to
+the eager engine (the comparison issue #19 asks for).
 
 Ratios divide the baseline's time by each case's, in the same mode and run: of the
 median wall-clock times (the headline), of the fastest rounds, and of the median CPU
@@ -61,6 +69,15 @@ from _harness import (
 
 MODES = {"in-process": "0", "multiprocess": "1"}
 BASELINE = "plain vLLM prefill"
+DECODE_PROMPTS, DECODE_TOKENS = 8, 64
+DECODE_BASELINE = f"plain vLLM decoding ({DECODE_PROMPTS} prompts, {DECODE_TOKENS} new tokens)"
+DECODE_PLAIN = "tl driver decoding, nothing requested"
+DECODE_STEER = "tl driver decoding, intervention only (1 add spec)"
+#: Cases timed against the decoding baseline; every other case against prefill.
+DECODE_CASES = (DECODE_BASELINE, DECODE_PLAIN, DECODE_STEER)
+#: What the plain engine with vLLM's defaults times: the two baselines of each phase.
+DEFAULT_PREFILL = "vLLM defaults (compiled): prefill"
+DEFAULT_DECODE = "vLLM defaults (compiled): decoding"
 CAPTURE = "residual capture, every layer"
 STEER = "intervention only (1 add spec)"
 SITES = "every head/neuron site, every layer"
@@ -127,8 +144,23 @@ def cases(bridge: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]
     def cache(names: list[str]) -> Callable[[], Any]:
         return lambda: bridge.run_with_cache(prompts, names_filter=names, return_type=None)
 
+    decode_params = SamplingParams(
+        max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    decoding = prompts[:DECODE_PROMPTS]
+
+    def generate(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: driver.forward(
+            decoding, max_new_tokens=DECODE_TOKENS, return_logits=False, stop_at_eos=False, **kwargs
+        )
+
     return {
         BASELINE: lambda: llm.generate(requests, params, use_tqdm=False),
+        DECODE_BASELINE: lambda: llm.generate(
+            [{"prompt_token_ids": p} for p in decoding], decode_params, use_tqdm=False
+        ),
+        DECODE_PLAIN: generate(),
+        DECODE_STEER: generate(intervene=steer),
         "tl driver, nothing requested": lambda: bridge.forward(prompts, None),
         CAPTURE: cache(resid),
         STEER: lambda: bridge.forward(prompts, None, intervene=steer),
@@ -151,7 +183,7 @@ def _child(args: argparse.Namespace) -> None:
     bridge = RemoteBridge.boot_vllm(
         str(args.model),
         dtype=args.dtype,
-        max_model_len=args.tokens + 8,
+        max_model_len=args.tokens + 8 + DECODE_TOKENS,
         max_num_batched_tokens=max(2048, args.tokens),
         max_num_seqs=args.prompts,
         kv_cache_memory_bytes=512 * 2**20,
@@ -168,12 +200,36 @@ def _child(args: argparse.Namespace) -> None:
         samples, cpu = _time_both(timed, repeats=args.repeats)
         load_after = load_average()
         workers_elsewhere = not bridge.driver._raw
+        # What vLLM loaded (a GGUF file's dequantised folder): the default engine loads it too.
+        checkpoint = str(bridge.driver._llm.llm_engine.model_config.model)
     finally:
         bridge.close()
-    base, base_cpu = summarize(samples[BASELINE]), summarize(cpu[BASELINE])
+    rows = _rows(args, samples, cpu)
+    payload = {
+        "layers": info.n_layers,
+        "d_model": info.d_model,
+        "d_vocab": info.d_vocab,
+        "engine_process": workers_elsewhere,
+        "checkpoint": checkpoint,
+        "rows": rows,
+        "load": [None if v is None else v[0] for v in (load_before, load_after)],
+    }
+    Path(args.child_json).write_text(json.dumps(payload))
+
+
+def _rows(
+    args: argparse.Namespace, samples: dict[str, list[float]], cpu: dict[str, list[float]]
+) -> list[dict[str, Any]]:
+    """One row per case: its times, tokens/s, and ratios to its phase's baseline."""
     rows = []
     for name, values in samples.items():
+        decode = name in DECODE_CASES or name == DEFAULT_DECODE
+        baseline = DECODE_BASELINE if decode else BASELINE
+        if baseline not in samples:  # the default engine's child: its own cases are baselines
+            baseline = name
+        base, base_cpu = summarize(samples[baseline]), summarize(cpu[baseline])
         stats, cpu_stats = summarize(values), summarize(cpu[name])
+        tokens = DECODE_PROMPTS * DECODE_TOKENS if decode else args.prompts * args.tokens
         rows.append(
             {
                 "case": name,
@@ -181,22 +237,48 @@ def _child(args: argparse.Namespace) -> None:
                 "min_s": stats.minimum,
                 "q1_s": stats.q1,
                 "q3_s": stats.q3,
-                "tokens_per_s": args.prompts * args.tokens / stats.median,
+                "tokens_per_s": tokens / stats.median,
                 "ratio": base.median / stats.median,
                 "ratio_best": base.minimum / stats.minimum,
                 "cpu_s": cpu_stats.median,
                 "ratio_cpu": base_cpu.median / cpu_stats.median,
             }
         )
-    payload = {
-        "layers": info.n_layers,
-        "d_model": info.d_model,
-        "d_vocab": info.d_vocab,
-        "engine_process": workers_elsewhere,
-        "rows": rows,
-        "load": [None if v is None else v[0] for v in (load_before, load_after)],
+    return rows
+
+
+def _default_child(args: argparse.Namespace) -> None:
+    """Time plain vLLM as users run it: its default (compiled) mode, no tl.
+
+    One option differs from vLLM's defaults: prefix caching is off, as the tl driver runs
+    it, so every round computes its prefill instead of reading the previous round's cache.
+    """
+    import torch
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(args.model),
+        dtype=args.dtype,
+        max_model_len=args.tokens + 8 + DECODE_TOKENS,
+        max_num_batched_tokens=max(2048, args.tokens),
+        max_num_seqs=args.prompts,
+        kv_cache_memory_bytes=512 * 2**20,
+        enable_prefix_caching=False,
+    )
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, vocab, (args.prompts, args.tokens), generator=gen).tolist()
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    decode = SamplingParams(
+        max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False
+    )
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    timed = {
+        DEFAULT_PREFILL: lambda: llm.generate(requests, prefill, use_tqdm=False),
+        DEFAULT_DECODE: lambda: llm.generate(requests[:DECODE_PROMPTS], decode, use_tqdm=False),
     }
-    Path(args.child_json).write_text(json.dumps(payload))
+    samples, cpu = _time_both(timed, repeats=args.repeats)
+    Path(args.child_json).write_text(json.dumps({"rows": _rows(args, samples, cpu)}))
 
 
 def _cpu_seconds() -> float:
@@ -238,8 +320,10 @@ def _time_both(
     return wall, {name: values[-repeats:] for name, values in cpu.items()}
 
 
-def _run_child(args: argparse.Namespace, model: Path, mode: str, tmp: Path) -> dict[str, Any]:
-    out = tmp / f"{model.name}-{mode}.json"
+def _run_child(
+    args: argparse.Namespace, model: Path, mode: str, tmp: Path, *, default: bool = False
+) -> dict[str, Any]:
+    out = tmp / f"{model.name}-{mode}{'-default' if default else ''}.json"
     env = {
         **os.environ,
         "VLLM_ENABLE_V1_MULTIPROCESSING": MODES[mode],
@@ -262,6 +346,7 @@ def _run_child(args: argparse.Namespace, model: Path, mode: str, tmp: Path) -> d
         str(args.tokens),
         "--repeats",
         str(args.repeats),
+        *(["--default-engine"] if default else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
@@ -286,9 +371,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--default-engine", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-defaults",
+        action="store_true",
+        help="skip the plain engine in vLLM's default (compiled) mode",
+    )
     args = parser.parse_args(argv)
     if args.child_json:
-        _child(args)
+        (_default_child if args.default_engine else _child)(args)
         return {}
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -330,6 +421,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = {mode: _run_child(args, folder, mode, tmp) for mode in modes}
             report["models"][model_name] = results
             _print_table(label, results)
+            if not args.no_defaults:
+                defaults = {
+                    mode: _run_child(
+                        args, Path(results[mode]["checkpoint"]), mode, tmp, default=True
+                    )
+                    for mode in modes
+                }
+                report["models"][model_name + " (vLLM defaults)"] = defaults
+                _print_against_defaults(results, defaults)
     write_json(args.json, report)
     return report
 
@@ -371,6 +471,37 @@ def _print_table(label: str, results: dict[str, dict[str, Any]]) -> None:
                 f"{mode}: {case} {row['ratio']:.2f}x wall ({row['ratio_cpu']:.2f}x cpu) {verdict} "
                 f"the >= {target}x target"
             )
+
+
+def _print_against_defaults(
+    results: dict[str, dict[str, Any]], defaults: dict[str, dict[str, Any]]
+) -> None:
+    """Each case against plain vLLM in its default (compiled) mode, booted in its own child
+    right after the tl engine's: the comparison a user makes."""
+    modes = list(results)
+    header = ["case"] + [f"{m} vs defaults" for m in modes] + [f"{m} vs eager" for m in modes]
+    table = []
+    for row in results[modes[0]]["rows"]:
+        case = row["case"]
+        decode = case in DECODE_CASES
+        cells = [case]
+        for mode in modes:
+            base = next(
+                r["median_s"]
+                for r in defaults[mode]["rows"]
+                if r["case"] == (DEFAULT_DECODE if decode else DEFAULT_PREFILL)
+            )
+            mine = next(r for r in results[mode]["rows"] if r["case"] == case)
+            cells.append(f"{base / mine['median_s']:.2f}x")
+        for mode in modes:
+            mine = next(r for r in results[mode]["rows"] if r["case"] == case)
+            cells.append(f"{mine['ratio']:.2f}x")
+        table.append(cells)
+    print(
+        "\nagainst plain vLLM with its defaults (compiled; prefix caching off), booted in its "
+        "own process after the tl engine, same prompts (ratio of medians; > 1 is faster)"
+    )
+    print(format_table(header, table))
 
 
 if __name__ == "__main__":
