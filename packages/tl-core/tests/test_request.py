@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tl_core import RemoteBridge, TransformerBridge, UserError
 from tl_core.driver_api import (
@@ -179,3 +180,41 @@ def test_a_subclass_that_overrides_forward_is_called_through_it() -> None:
 
     bridge = TransformerBridge(Faulty.boot("gpt2", n_layers=1))
     assert bool((bridge([[1, 2, 3]]) == 0).all())
+
+
+_ROWS = st.lists(st.lists(st.integers(0, 258), min_size=1, max_size=9), min_size=1, max_size=4)
+_CAPTURE = st.lists(
+    st.sampled_from(
+        ["hook_embed", "embed.hook_out", "blocks.0.hook_resid_post", "blocks.1.mlp.hook_post"]
+    ),
+    max_size=4,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rows=_ROWS, capture=_CAPTURE, logits=st.sampled_from([True, False, "last"]))
+def test_the_keyword_form_of_any_request_builds_the_same_request(
+    bridge: TransformerBridge, rows: list[list[int]], capture: list[str], logits: Any
+) -> None:
+    request = build_request(
+        bridge.driver, rows, capture=capture, max_new_tokens=0, return_logits=logits
+    )
+    assert request.lengths == tuple(len(r) for r in rows)
+    assert request.batch.rows() == rows
+    assert len(set(request.capture)) == len(request.capture)  # each name once, canonical
+    again = build_request(bridge.driver, *request.keywords()[:1], **request.keywords()[1])
+    assert (again.capture, again.logits, again.lengths) == (
+        request.capture,
+        request.logits,
+        request.lengths,
+    )
+    assert torch.equal(again.batch.ids, request.batch.ids)
+    result = bridge.driver.run(request)
+    assert set(result.captured) == set(request.capture)
+    if request.logits == "none":
+        assert result.logits is None
+    else:
+        width = 1 if request.logits == "last" else max(request.lengths)
+        assert result.logits is not None and result.logits.shape[:2] == (len(rows), width)
