@@ -418,7 +418,7 @@ class Bridge:
                 "residual= with start_at_layer= to start from a block's input)"
             )
         start, stop = partial_layers(
-            start_at_layer, stop_at_layer, residual, n_layers=self.cfg.n_layers
+            start_at_layer, stop_at_layer, residual, n_layers=self.driver.info.n_layers
         )
         source = input if input is not None else tokens
         if source is None:
@@ -499,7 +499,7 @@ class Bridge:
         """
         _check_return_type(return_type)
         names = self.select_hooks(names_filter)
-        _, stop = partial_layers(None, stop_at_layer, None, n_layers=self.cfg.n_layers)
+        _, stop = partial_layers(None, stop_at_layer, None, n_layers=self.driver.info.n_layers)
         if stop is not None:
             names = [n for n in names if reached(n, stop)]
         batch = self._token_batch(input, prepend_bos=prepend_bos)
