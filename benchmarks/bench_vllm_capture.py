@@ -174,21 +174,24 @@ def cases(bridge: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]
     }
 
 
+def _engine_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options both children boot with: room for the prompts and the decoding."""
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.tokens + 8 + DECODE_TOKENS,
+        "max_num_batched_tokens": max(2048, args.tokens),
+        "max_num_seqs": args.prompts,
+        "kv_cache_memory_bytes": 512 * 2**20,
+    }
+
+
 def _child(args: argparse.Namespace) -> None:
     """Time one model in the mode this process was started in; write the rows as JSON."""
     import torch
 
     from tl_core import RemoteBridge
 
-    bridge = RemoteBridge.boot_vllm(
-        str(args.model),
-        dtype=args.dtype,
-        max_model_len=args.tokens + 8 + DECODE_TOKENS,
-        max_num_batched_tokens=max(2048, args.tokens),
-        max_num_seqs=args.prompts,
-        kv_cache_memory_bytes=512 * 2**20,
-        use_attn_result=True,
-    )
+    bridge = RemoteBridge.boot_vllm(str(args.model), **_engine_sizes(args), use_attn_result=True)
     try:
         info = bridge.driver.info
         gen = torch.Generator().manual_seed(0)
@@ -256,15 +259,7 @@ def _default_child(args: argparse.Namespace) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=str(args.model),
-        dtype=args.dtype,
-        max_model_len=args.tokens + 8 + DECODE_TOKENS,
-        max_num_batched_tokens=max(2048, args.tokens),
-        max_num_seqs=args.prompts,
-        kv_cache_memory_bytes=512 * 2**20,
-        enable_prefix_caching=False,
-    )
+    llm = LLM(model=str(args.model), **_engine_sizes(args), enable_prefix_caching=False)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (args.prompts, args.tokens), generator=gen).tolist()
