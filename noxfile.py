@@ -389,6 +389,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_native_capture.py", *session.posargs)
     session.run("python", "benchmarks/bench_hf_capture.py", "--no-optional", *session.posargs)
     session.run("python", "benchmarks/bench_attribution.py", *session.posargs)
+    session.run("python", "benchmarks/bench_call_overhead.py", "--drivers", "native,hf")
 
 
 @nox.session(python=PYTHON, tags=["bench"])
@@ -404,3 +405,10 @@ def bench_vllm(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench_vllm_capture.py", *session.posargs, env=SHARED_TL_CACHE)
     session.run("python", "benchmarks/bench_sae.py", env=SHARED_TL_CACHE)
     session.run("python", "benchmarks/bench_capture_store.py", "--driver", "vllm")
+    session.run(
+        "python",
+        "benchmarks/bench_call_overhead.py",
+        "--drivers",
+        "vllm",
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
