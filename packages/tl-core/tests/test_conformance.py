@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tl_core import DriverContractError
-from tl_core.driver_api import ForwardResult, check_driver
+from tl_core.driver_api import ForwardResult, build_request, check_driver
 from tl_core.native import NativeDriver
 
 
@@ -51,7 +51,7 @@ class _ValidatesThenIgnoresSpecs(_IgnoresSpecs):
 
     def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
         if kwargs.get("intervene") is not None:
-            self._inner.plan(kwargs["intervene"], [len(r) for r in input_ids])
+            build_request(self._inner, input_ids, intervene=kwargs["intervene"])
         return super().forward(input_ids, **kwargs)
 
 

@@ -28,7 +28,7 @@ from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._order import forward_order
 from tl_core.specs._affine import AffineEdit, compile_plan
-from tl_core.specs._plan import InterventionPlan, build_plan
+from tl_core.specs._plan import InterventionPlan
 
 __all__ = ["LocalDriver"]
 
@@ -278,15 +278,6 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
             return param.device
         return torch.device("cpu")
 
-    def plan(self, intervene: Any, lengths: Sequence[int]) -> InterventionPlan:
-        """Validate ``intervene`` against this driver before any model work."""
-        return build_plan(
-            intervene,
-            lengths=lengths,
-            namespace=self.namespace,
-            allow_callables=self.supports("intervention_callbacks"),
-        )
-
     def run(self, request: ForwardRequest) -> ForwardResult:
         """Run one validated request (see ``Driver.forward``; ``forward`` is its keyword form).
 
@@ -302,7 +293,7 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         start, stop = request.start_at_layer, request.stop_at_layer
         with self.attached(request.plan, batch, capture=request.capture, store=store):
             out = self.run_model(
-                None if start is not None and request.residual is not None else batch.ids,
+                None if start is not None else batch.ids,
                 start_at_layer=start,
                 stop_at_layer=stop,
                 residual=request.residual,

@@ -245,7 +245,10 @@ def partial_layers(
             f"stop_at_layer ({stop_at_layer}) at block {stop}; start must not exceed stop."
         )
     if start is None and residual is not None:
-        raise UserError("residual is the input of a block: also pass start_at_layer")
+        raise UserError(
+            "residual was given without start_at_layer; pass start_at_layer=k to feed it "
+            "into block k, or drop residual"
+        )
     if start is not None and residual is None:
         raise UserError(
             "start_at_layer needs residual: the [batch, pos, d_model] input of that block"

@@ -9,7 +9,7 @@ from torch import nn
 
 from tl_core._errors import ConfigError, UnsupportedFeatureError, UserError
 from tl_core.cache._readout import ModelReadout
-from tl_core.driver_api._layers import block_index
+from tl_core.driver_api._request import partial_layers
 from tl_core.hooks._hook_point import HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.native._config import NativeConfig
@@ -231,30 +231,16 @@ class NativeTransformer(nn.Module):
         Raises:
             UserError: Inputs of the wrong shape, dtype or range.
         """
-        n_layers = self.cfg.n_layers
-        start = 0
-        if start_at_layer is not None:
-            start = block_index(start_at_layer, "start_at_layer", n_layers)
-        stop = None
-        if stop_at_layer is not None:
-            stop = block_index(stop_at_layer, "stop_at_layer", n_layers)
-        if stop is not None and start > stop:
-            raise UserError(
-                f"start_at_layer ({start_at_layer}) resolves to block {start}, after "
-                f"stop_at_layer ({stop_at_layer}) at block {stop}; start must not exceed stop."
-            )
-        if start_at_layer is None:
-            if residual is not None:
-                raise UserError(
-                    "residual was given without start_at_layer; pass start_at_layer=k to "
-                    "feed it into block k, or drop residual."
-                )
+        start, stop = partial_layers(
+            start_at_layer, stop_at_layer, residual, n_layers=self.cfg.n_layers
+        )
+        if start is None:
             input_ids = self._check_input_ids(input_ids)
         return self.run_blocks(
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            start=None if start_at_layer is None else start,
+            start=start,
             stop=stop,
             residual=residual,
         )
