@@ -32,6 +32,7 @@ nox.options.sessions = [
     "vllm",
     "parity",
     "integration",
+    "ray",
     "transformer_lens",
     "sae_lens",
     "lint",
@@ -210,6 +211,20 @@ def integration(session: nox.Session) -> None:
     session.run(
         "pytest", str(ROOT / "tests-integration"), "-q", *session.posargs, env=SHARED_TL_CACHE
     )
+
+
+@nox.session(python=PYTHON, tags=["test"])
+@_frees_its_env
+def ray(session: nox.Session) -> None:
+    """Capture jobs on a Ray cluster simulated on this machine (Ray nodes on the loopback
+    address only): parts equal to one process, a killed worker retried, bad input refused."""
+    _install(
+        session,
+        "pytest",
+        f"{ROOT / 'packages' / 'tl-core'}[ray]",
+        str(ROOT / "packages" / "tl-driver-hf"),  # the hf job and its tiny checkpoint
+    )
+    session.run("pytest", str(ROOT / "tests-ray"), "-q", *session.posargs)
 
 
 #: Peer tools, each compared in its own environment (none is a dependency of tl).

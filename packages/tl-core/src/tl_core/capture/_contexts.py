@@ -15,7 +15,7 @@ from tl_core.capture._config import CaptureConfig
 from tl_core.capture._source import Document
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 
-__all__ = ["NOT_A_DOCUMENT", "Context", "Tokens", "contexts"]
+__all__ = ["NOT_A_DOCUMENT", "Context", "Tokens", "contexts", "most_contexts"]
 
 #: The document index of a position holding an inserted token (BOS, separator, padding).
 NOT_A_DOCUMENT = -1
@@ -122,3 +122,28 @@ def _one_per_document(
         for start in range(0, len(ids), width):
             chunk = ids[start : start + width]
             yield chunk, [document.index] * len(chunk), document.progress
+
+
+def most_contexts(documents: Iterable[Document], config: CaptureConfig) -> int:
+    """An upper bound of the contexts the job cuts from ``documents``, without a tokenizer.
+
+    A token covers at least one byte of text (byte-level BPE, SentencePiece with byte
+    fallback, WordPiece, the byte tokenizer), and one more is allowed per document for a
+    tokenizer that adds a word-start marker, so a document of ``b`` bytes is at most
+    ``b + 1`` tokens.
+    """
+    width = config.context_size - (1 if config.prepend_bos else 0)
+    tokens = contexts_cut = documents_seen = 0
+    for document in documents:
+        if not document.text:
+            continue
+        most = len(document.text.encode("utf-8")) + 1
+        documents_seen += 1
+        tokens += most
+        contexts_cut += -(-most // width)
+    if config.pack:
+        separators = documents_seen - 1 if config.separator != "none" and documents_seen else 0
+        contexts_cut = -(-(tokens + separators) // width)
+    if config.max_tokens is not None:
+        contexts_cut = min(contexts_cut, config.max_tokens)
+    return contexts_cut

@@ -3,7 +3,10 @@
 The lock records the holder's process id, host, command line and, where ``/proc`` exists,
 the process's start time (with the boot id). A process id is reused once its process has
 exited, so a live process with the lock's id holds the lock only when its start time is
-the recorded one; a lock whose id now belongs to another process is taken over.
+the recorded one; a lock whose id now belongs to another process is taken over. A lock
+may also name the attempt of a job it belongs to (a part run by a cluster, which starts an
+attempt only after the previous one's process died): a later attempt of the same job takes
+it over from any host.
 """
 
 from __future__ import annotations
@@ -72,8 +75,16 @@ class StoreLock:
     the lock file to delete once the job is known to be gone.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, job: str | None = None) -> None:
+        """
+        Args:
+            folder: The store folder.
+            job: What this writer is one attempt of (e.g. a cluster job's part); a lock left
+                by another attempt of the same job is taken over wherever it was written,
+                since the cluster starts an attempt only after the previous one died.
+        """
         self.path = folder / LOCK
+        self.job = job
         self.notes: list[str] = []
         self._held = False
 
@@ -85,6 +96,7 @@ class StoreLock:
                 "host": socket.gethostname(),
                 "started": process_start(pid),
                 "command": " ".join(sys.argv)[:200],
+                **({"job": self.job} if self.job is not None else {}),
             }
         )
 
@@ -139,8 +151,20 @@ class StoreLock:
 
     def _take_over_if_stale(self) -> None:
         text, holder = self._read()
+        why = self._stale_reason(holder)
+        # Take it over only if it still holds what was judged stale (another writer may
+        # have taken it over meanwhile).
+        with contextlib.suppress(OSError):
+            if self.path.read_text() == text:
+                self.path.unlink()
+        self.notes.append(f"took over {self.path}, left by a capture that did not finish: {why}")
+
+    def _stale_reason(self, holder: dict[str, Any]) -> str:
+        """Why the lock ``holder`` wrote is stale; raises when its writer may still run."""
         pid, host = holder["pid"], holder.get("host") or ""
         folder, here = self.path.parent, socket.gethostname()
+        if self.job is not None and holder.get("job") == self.job:
+            return f"an earlier attempt of {self.job} (process {pid} on {host or 'an unknown host'}) died"
         if host and host != here:
             raise UserError(
                 f"{folder} is locked by a capture on host {host!r} (process {pid}); if that job is "
@@ -151,7 +175,9 @@ class StoreLock:
             command = _command(pid)
             shown = f" ({command})" if command else ""
             if started is not None and now is not None and started != now:
-                why = f"its process {pid} has exited; that id now belongs to another process{shown}"
+                return (
+                    f"its process {pid} has exited; that id now belongs to another process{shown}"
+                )
             elif started is not None and started == now:
                 raise UserError(
                     f"another capture (process {pid}{shown}) is writing {folder}; wait for it to "
@@ -171,14 +197,7 @@ class StoreLock:
                     f"process that got the same id. If no capture is writing {folder}, delete "
                     f"{self.path} and rerun"
                 )
-        else:
-            why = f"its process {pid} no longer runs" if pid > 0 else "it names no process"
-        # Take it over only if it still holds what was judged stale (another writer may
-        # have taken it over meanwhile).
-        with contextlib.suppress(OSError):
-            if self.path.read_text() == text:
-                self.path.unlink()
-        self.notes.append(f"took over {self.path}, left by a capture that did not finish: {why}")
+        return f"its process {pid} no longer runs" if pid > 0 else "it names no process"
 
     def release(self) -> None:
         """Remove the lock, if this object holds it."""

@@ -49,7 +49,15 @@ from tl_core.capture._source import DocumentSource, open_source
 from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._load import load_dictionary
 
-__all__ = ["CaptureSummary", "capture", "disk_full", "parse_part"]
+__all__ = [
+    "CaptureSummary",
+    "Preflight",
+    "capture",
+    "capture_attempt",
+    "disk_full",
+    "parse_part",
+    "preflight",
+]
 
 _LOG = logging.getLogger("tl_core.capture")
 
@@ -336,12 +344,26 @@ def capture(
             store; another writer; a full disk. Each message says what to change.
         SpecError: Malformed specs in ``intervene``, or specs the model cannot apply.
     """
-    started = time.perf_counter()
-    part = parse_part(part) if isinstance(part, str) else parse_part(f"{part[0]}/{part[1]}")
-    folder = Path(output)
-    # Everything that needs no model is checked before it boots, and nothing is written
-    # before the first shard: a failed run leaves no store to refuse the corrected rerun.
-    _check_output(folder)
+    return capture_attempt(
+        config, output, part=part, repair=repair, progress=progress, bridge=bridge, job=None
+    )
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What ``preflight`` read: the input, its digest, and the dictionaries to attach."""
+
+    source: DocumentSource
+    digest: str
+    dictionaries: list[SparseDictionary]
+
+
+def preflight(config: CaptureConfig, folders: Sequence[tuple[Path, tuple[int, int]]]) -> Preflight:
+    """Every check of a job that needs no model, for the stores ``folders`` (each with its
+    part): the input (read once in full), the specs' structure, the dictionaries, the
+    context size where the model's config is readable, and each store's configuration."""
+    for folder, _ in folders:
+        _check_output(folder)
     source = open_source(config.input, config.input_format, config.text_field)
     digest = source.digest()  # reads the whole input: empty, binary, not UTF-8, no text field
     check_intervene(config.intervene, _SPECS)
@@ -350,7 +372,30 @@ def capture(
     limit = context_limit_before_boot(config)
     if limit is not None:
         check_context_size(config, limit, booted=False)
-    check_resumable(folder, config, digest, part)
+    for folder, part in folders:
+        check_resumable(folder, config, digest, part)
+    return Preflight(source, digest, dictionaries)
+
+
+def capture_attempt(
+    config: CaptureConfig,
+    output: str | Path,
+    *,
+    part: tuple[int, int] | str,
+    repair: bool,
+    progress: bool,
+    bridge: Any,
+    job: str | None,
+) -> CaptureSummary:
+    """``capture``, as one attempt of ``job`` when it is given: the store's lock left by an
+    earlier attempt of the same job is taken over from any host (see ``StoreLock``)."""
+    started = time.perf_counter()
+    part = parse_part(part) if isinstance(part, str) else parse_part(f"{part[0]}/{part[1]}")
+    folder = Path(output)
+    # Everything that needs no model is checked before it boots, and nothing is written
+    # before the first shard: a failed run leaves no store to refuse the corrected rerun.
+    checked = preflight(config, [(folder, part)])
+    source, digest, dictionaries = checked.source, checked.digest, checked.dictionaries
     if bridge is not None and getattr(bridge.driver, "name", config.driver) != config.driver:
         raise UserError(
             f"the bridge runs driver {bridge.driver.name!r}, the config names {config.driver!r}"
@@ -359,7 +404,7 @@ def capture(
     try:
         with _no_space(folder, "taking the store's lock"):
             folder.mkdir(parents=True, exist_ok=True)
-            lock = StoreLock(folder).acquire()  # a live writer is refused before the boot
+            lock = StoreLock(folder, job=job).acquire()  # a live writer is refused before the boot
         try:
             for note in lock.notes:
                 _LOG.warning("tl capture: %s", note)

@@ -103,6 +103,41 @@ def register(sub: Any) -> None:
         "--repair", action="store_true", help="redo recorded shards that are missing or damaged"
     )
     run.add_argument("--quiet", action="store_true", help="no progress line")
+    cluster = run.add_argument_group(
+        "on a Ray cluster (pip install 'tl-core[ray]'; see docs/capture.md)"
+    )
+    cluster.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the job's parts as Ray tasks and merge them into --output: on the cluster at ADDRESS (host:port, or auto), or with no ADDRESS on a cluster started on this machine for the job (loopback only)",
+    )
+    cluster.add_argument(
+        "--parts", type=int, metavar="N", help="with --ray: how many parts (engines) to run"
+    )
+    cluster.add_argument(
+        "--part-cpus", type=float, metavar="C", help="with --ray: CPUs each part holds (default 1)"
+    )
+    cluster.add_argument(
+        "--part-gpus",
+        type=float,
+        metavar="G",
+        help="with --ray: GPUs each part holds (default: vllm tensor_parallel_size x pipeline_parallel_size, hf on cuda 1, else 0)",
+    )
+    cluster.add_argument(
+        "--max-retries",
+        type=int,
+        default=3,
+        metavar="R",
+        help="with --ray: how often a part whose worker died is started again (default 3)",
+    )
+    cluster.add_argument(
+        "--keep-parts",
+        action="store_true",
+        help="with --ray: keep the part folders (<output>.parts/) after the merge",
+    )
     run.set_defaults(run=_run)
 
     merge = actions.add_parser("merge", help="join the complete parts of a sharded capture")
@@ -208,6 +243,8 @@ def _run(args: argparse.Namespace) -> int:
         intervene=_specs(args.intervene),
         dictionaries=tuple(_dictionary(entry, args.sae_top_k) for entry in args.sae),
     )
+    if args.ray is not None or args.parts is not None:
+        return _run_on_ray(args, config)
     try:
         summary = capture(
             config, args.output, part=args.shard, repair=args.repair, progress=not args.quiet
@@ -221,6 +258,42 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     for note in summary.notes:
         print(f"note: {note}")
+    print(summary)
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace, config: Any) -> int:
+    from tl_core.capture import capture_on_ray
+
+    if args.ray is None:
+        raise UserError("--parts splits a job over a Ray cluster: add --ray [ADDRESS]")
+    if args.parts is None:
+        raise UserError("--ray needs --parts N: how many parts (engines) the job runs in")
+    if args.shard != "0/1" or args.repair:
+        given = "--shard" if args.shard != "0/1" else "--repair"
+        raise UserError(
+            f"{given} does not combine with --ray, which runs every part itself (a rerun "
+            f"of the same command resumes each part)"
+        )
+    try:
+        summary = capture_on_ray(
+            config,
+            args.output,
+            parts=args.parts,
+            address=args.ray or None,
+            part_cpus=args.part_cpus,
+            part_gpus=args.part_gpus,
+            max_retries=args.max_retries,
+            keep_parts=args.keep_parts,
+            progress=not args.quiet,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"tl capture: interrupted; every part keeps the shards it recorded in "
+            f"{args.output}.parts/. Rerun the same command to continue.",
+            file=sys.stderr,
+        )
+        return 130
     print(summary)
     return 0
 
