@@ -1,18 +1,20 @@
 """The parts of ``capture_on_ray`` that need no cluster: the bound on contexts checked
-before any engine boots, a retried part's lock, the resources a part asks for, and the
-message when Ray is not installed. (The cluster itself: ``tests-ray``, ``nox -s ray``.)"""
+before any engine boots, a retried part's lock, the resources a part asks for, the message
+when Ray is not installed, and the merge that trusts the parts' own verification. (The
+cluster itself: ``tests-ray``, ``nox -s ray``.)"""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from tl_core import UserError
-from tl_core.capture import CaptureConfig, capture_on_ray
+from tl_core.capture import CaptureConfig, capture, capture_on_ray, merge_stores
 from tl_core.capture._cluster import part_resources
 from tl_core.capture._contexts import contexts, most_contexts
 from tl_core.capture._lock import LOCK, StoreLock
@@ -112,3 +114,23 @@ def test_a_part_asks_for_what_its_engine_needs() -> None:
     }
     with pytest.raises(UserError, match="part resources must be >= 0"):
         part_resources(job("native"), cpus=-1)
+
+
+def test_merge_without_verify_reads_no_checksum_but_still_checks_each_entry(
+    tmp_path: Path, write_documents: Callable[..., Path]
+) -> None:
+    source = write_documents(tmp_path / "docs.txt", n=30)
+    parts = [tmp_path / f"part-{i}" for i in range(2)]
+    for i, folder in enumerate(parts):
+        capture(_job(source), folder, part=(i, 2), progress=False)
+    shard = parts[1] / "shard-000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # one activation byte: size and header unchanged
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="shard 1"):
+        merge_stores(parts, tmp_path / "verified")
+    merged = merge_stores(parts, tmp_path / "trusted", verify=False)
+    assert len(merged.shards) == merged.total_shards
+    shard.write_bytes(bytes(data[:-1]))  # a truncated shard is refused either way
+    with pytest.raises(UserError, match="shard 1"):
+        merge_stores(parts, tmp_path / "truncated", verify=False)

@@ -28,12 +28,18 @@ def _link_or_copy(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def merge_stores(parts: Sequence[str | Path], output: str | Path) -> Manifest:
+def merge_stores(
+    parts: Sequence[str | Path], output: str | Path, *, verify: bool = True
+) -> Manifest:
     """Join complete parts of one job into a store at ``output``.
 
     Args:
         parts: The parts' store folders (any order).
         output: A new folder for the merged store.
+        verify: Check every shard's SHA-256 (reads the whole store once). Without it each
+            shard's size, header and manifest entry are still checked; a caller that had
+            every part verified where it was written (as ``capture_on_ray`` does, on the
+            parts' nodes in parallel) skips the second read.
 
     Returns:
         The merged store's manifest.
@@ -82,7 +88,7 @@ def merge_stores(parts: Sequence[str | Path], output: str | Path) -> Manifest:
                 f"{folder} counts {manifest.total_shards} shards, {folders[0]} {total}: the parts read different inputs"
             )
         for record in manifest.shards.values():
-            check_shard(folder, record, manifest.fingerprint, checksum=True)
+            check_shard(folder, record, manifest.fingerprint, checksum=verify)
             merged.shards[record.index] = record
         manifest.check_totals(folder)
     gaps = [i for i in range(total) if i not in merged.shards]

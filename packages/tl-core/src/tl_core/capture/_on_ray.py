@@ -30,9 +30,10 @@ from tl_core.capture._cluster import (
 )
 from tl_core.capture._config import CaptureConfig
 from tl_core.capture._contexts import most_contexts
-from tl_core.capture._manifest import MANIFEST
+from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.capture._merge import merge_stores
 from tl_core.capture._run import capture_attempt, preflight
+from tl_core.capture._shards import check_shard
 
 __all__ = ["ClusterSummary", "capture_on_ray", "part_folders"]
 
@@ -74,33 +75,39 @@ def part_folders(output: Path, parts: int) -> list[Path]:
     return [root / f"part-{i}-of-{parts}" for i in range(parts)]
 
 
-class _Attempts:
-    """A Ray actor counting each part's attempts (a second one is a retry)."""
+#: The folder, next to the parts, where each attempt of a part leaves an empty file
+#: ``part-<i>.<n>.<host>.<pid>`` (a second file of a part is a retry).
+ATTEMPTS = ".attempts"
 
-    def __init__(self) -> None:
-        self.started: dict[int, list[str]] = {}
 
-    def begin(self, part: int, where: str) -> int:
-        self.started.setdefault(part, []).append(where)
-        return len(self.started[part])
+def _begin_attempt(root: Path, part: int) -> None:
+    """Record that an attempt of ``part`` starts here (host and process in the file name)."""
+    folder = root / ATTEMPTS
+    folder.mkdir(exist_ok=True)
+    number = sum(1 for _ in folder.glob(f"part-{part}.*")) + 1
+    host = socket.gethostname().replace(".", "-")
+    (folder / f"part-{part}.{number}.{host}.{os.getpid()}").touch()
 
-    def seen(self) -> dict[int, list[str]]:
-        return self.started
+
+def _attempts(root: Path) -> dict[int, list[str]]:
+    """Part -> where each of its attempts ran, in order."""
+    seen: dict[int, list[tuple[int, str]]] = {}
+    for path in (root / ATTEMPTS).glob("part-*"):
+        part, number, host, pid = path.name.removeprefix("part-").split(".")
+        seen.setdefault(int(part), []).append((int(number), f"{host} pid {pid}"))
+    return {part: [where for _, where in sorted(runs)] for part, runs in seen.items()}
 
 
 def _run_part(
-    config: CaptureConfig, folder: str, part: int, parts: int, job: str, attempts: Any
+    config: CaptureConfig, folder: str, part: int, parts: int, job: str
 ) -> dict[str, Any]:
     """One part, on a Ray worker: its folder must be the shared one the driver checked."""
-    import ray
-
-    where = f"{socket.gethostname()} pid {os.getpid()}"
-    ray.get(attempts.begin.remote(part, where))
     if not Path(folder).parent.is_dir():
         raise UserError(
             f"part {part}/{parts} runs on {socket.gethostname()}, which cannot see "
             f"{Path(folder).parent}: every node must mount the job's folder at the same path"
         )
+    _begin_attempt(Path(folder).parent, part)
     summary = capture_attempt(
         config,
         folder,
@@ -110,6 +117,11 @@ def _run_part(
         bridge=None,
         job=f"{job} part {part}/{parts}",
     )
+    # Every shard's checksum, read back here: the parts verify in parallel, on their own
+    # nodes, what the merge would otherwise read again in one process.
+    manifest = Manifest.load(Path(folder))
+    for record in manifest.shards.values():
+        check_shard(Path(folder), record, manifest.fingerprint, checksum=True)
     return {"tokens": summary.tokens_written, "complete": summary.complete}
 
 
@@ -247,7 +259,7 @@ def capture_on_ray(
             folders, stream if stream is not None else sys.stderr, progress_interval
         )
         tokens = _run_parts(ray, config, folders, need, max_retries, display, progress)
-        merged = merge_stores(folders, output)
+        merged = merge_stores(folders, output, verify=False)  # each part verified its own
     finally:
         disconnect()
     if not keep_parts:
@@ -287,20 +299,20 @@ def _run_parts(
     progress: bool,
 ) -> int:
     """Submit the parts, show progress until all end; returns the tokens they ran."""
-    attempts = ray.remote(num_cpus=0)(_Attempts).remote()
     task = ray.remote(_run_part).options(
         max_retries=max_retries, retry_exceptions=False, **need.options()
     )
     job = f"ray job {uuid.uuid4().hex[:12]}"
+    shutil.rmtree(folders[0].parent / ATTEMPTS, ignore_errors=True)  # an earlier run's
     pending = {
-        task.remote(config, str(folder), i, len(folders), job, attempts): i
+        task.remote(config, str(folder), i, len(folders), job): i
         for i, folder in enumerate(folders)
     }
     done = 0
     try:
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-            display.attempts(ray.get(attempts.seen.remote()), show=progress)
+            display.attempts(_attempts(folders[0].parent), show=progress)
             for ref in ready:
                 part = pending.pop(ref)
                 try:
@@ -315,7 +327,6 @@ def _run_parts(
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
-        ray.kill(attempts)
     return display.tokens()
 
 

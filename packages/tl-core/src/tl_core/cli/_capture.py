@@ -145,6 +145,11 @@ def register(sub: Any) -> None:
     merge.add_argument(
         "--output", required=True, type=Path, help="a new folder for the merged store"
     )
+    merge.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the shards' checksums (sizes, headers and manifest entries are still checked)",
+    )
     merge.set_defaults(run=_merge)
 
     info = actions.add_parser("info", help="check a store and summarise it")
@@ -301,7 +306,7 @@ def _run_on_ray(args: argparse.Namespace, config: Any) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from tl_core.capture import merge_stores
 
-    manifest = merge_stores(args.parts, args.output)
+    manifest = merge_stores(args.parts, args.output, verify=not args.no_verify)
     print(
         f"{args.output}: merged {len(args.parts)} parts, {len(manifest.shards)} shards, {manifest.rows:,} rows"
     )
