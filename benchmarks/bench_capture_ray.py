@@ -124,7 +124,7 @@ def main() -> None:
                     config, out, parts=n, progress=False, keep_parts=True, part_cpus=cpus / n
                 )
                 times[f"ray, {n} parts"].append(time.perf_counter() - started)
-                parts = sorted((work / f"ray-{n}-{repeat}.parts").iterdir())
+                parts = sorted((work / f"ray-{n}-{repeat}.parts").glob("part-*"))
                 for verify in (True, False):
                     merged = work / f"merge-{n}-{repeat}-{verify}"
                     started = time.perf_counter()
