@@ -87,6 +87,54 @@ def test_a_worker_elsewhere_sends_bytes(files: SharedFiles, tmp_path: Path) -> N
     assert sorted(os.listdir(tmp_path)) == ["probe"]
 
 
+#: A worker process: captures one buffer through an ``Outbox`` given the driver's offer, and
+#: prints whether it used shared memory and what it sent (pickled, hex).
+_WORKER = """
+import json, pickle, sys, torch
+from tl_driver_vllm._wire import Outbox
+outbox = Outbox(raw=False, offer=json.loads(sys.argv[1]))
+buffer = outbox.empty((4, 3), torch.float32, torch.device("cpu"))
+buffer.copy_(torch.arange(12.0).view(4, 3))
+sent = outbox.send(buffer)
+outbox.finish()
+print(pickle.dumps((outbox.shared, sent)).hex())
+"""
+
+
+@pytest.mark.parametrize("node", ["this machine", "another node"])
+def test_a_worker_chooses_its_carrier_by_what_it_can_see(files: SharedFiles, node: str) -> None:
+    """A worker on another node (here: a process in its own mount namespace, with its own
+    empty /dev/shm, as a Ray worker on another host has) cannot read the driver's probe and
+    sends bytes; a worker on this machine writes into the driver's folder. Both arrive
+    equal."""
+    import json
+    import pickle
+    import shutil
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _WORKER, json.dumps(files.offer())]
+    if node == "another node":
+        if shutil.which("unshare") is None:
+            pytest.fail(
+                "this test needs util-linux's unshare (a worker in its own mount namespace)"
+            )
+        namespace = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+        script = 'mount -t tmpfs tl-other-node /dev/shm && exec "$@"'
+        command = [*namespace, "sh", "-c", script, "sh", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shared, sent = pickle.loads(bytes.fromhex(done.stdout.strip()))
+    if node == "another node":
+        assert not shared and isinstance(sent["data"], bytes) and "file" not in sent
+    else:
+        assert shared and "file" in sent and "data" not in sent
+    (received,) = files.receive([_result({"a": sent})])
+    merged = merge_batched([received], vocab=1, check_ranks=False)
+    assert torch.equal(merged["a"], torch.arange(12.0).view(4, 3))
+    assert files.folder is not None and os.listdir(files.folder) == ["probe"]
+
+
 def test_full_shared_memory_falls_back_to_bytes(
     files: SharedFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
