@@ -140,7 +140,8 @@ def vllm(session: nox.Session) -> None:
         session,
         "pytest",
         "hypothesis",  # the input-surface property tests
-        f"{ROOT / 'packages' / 'tl-core'}[plots]",  # the tutorials draw figures
+        # plots: the tutorials draw figures; ray: TP=2 over vLLM's Ray executor (test_ray_executor.py)
+        f"{ROOT / 'packages' / 'tl-core'}[plots,ray]",
         *(str(ROOT / "packages" / p) for p in ("tl-driver-hf", "tl-driver-inspect", "tl-parity")),
         f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py, the tutorials
     )

@@ -6,7 +6,8 @@ per family (every served hook, head- and neuron-level sites and rebuilt patterns
 and the logits of a ragged batch with chunked prefill: plain, with every residual spec op
 per prompt, and with per-prompt specs on every head/neuron/norm site; steered greedy
 generation), then tensor parallelism 2 and pipeline parallelism 2 when the machine has two
-GPUs. Float32, each result measured against the hf driver on the CPU in float64 and
+GPUs, and tensor parallelism 2 over vLLM's Ray executor (``distributed_executor_backend=
+"ray"``, a Ray instance on the loopback address) when Ray is installed too. Float32, each result measured against the hf driver on the CPU in float64 and
 required within the parity suite's ``VLLM_FACTOR`` times the float32 hf driver's own error
 (``tl_core.driver_api.check_rounding``: a band that holds on any processor, GPU included);
 generation against plain transformers; and a JumpReLU SAE spliced at one block with
@@ -23,6 +24,7 @@ Usage (a GPU machine with tl-core, tl-driver-hf and tl-driver-vllm[cuda] install
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -71,6 +73,9 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
         options["tensor_parallel_size"] = 2
     if name == "pp2":
         options["pipeline_parallel_size"] = 2
+    if name == "tp2-ray":
+        options["tensor_parallel_size"] = 2
+        options["distributed_executor_backend"] = "ray"
     start = time.perf_counter()
     bridge = RemoteBridge.boot_vllm(folder, **options)
     boot = time.perf_counter() - start
@@ -160,8 +165,10 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
 
 def _run_stage(name: str, family: str, allow_cpu: bool) -> dict[str, Any]:
     env = dict(os.environ)
-    if name in ("tp2", "pp2"):
+    if name in ("tp2", "pp2", "tp2-ray"):
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if name == "tp2-ray":  # Ray and vLLM on the loopback address only
+        env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "VLLM_HOST_IP": "127.0.0.1"})
     else:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cmd = [sys.executable, __file__, "--stage", name, "--family", family]
@@ -197,14 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     stages = [("tp1", family) for family in args.families.split(",")]
+    has_ray = importlib.util.find_spec("ray") is not None
     if gpus >= 2:
         stages += [("tp2", "llama"), ("pp2", "llama")]
+        if has_ray:
+            stages.append(("tp2-ray", "llama"))
     results = [_run_stage(name, family, args.allow_cpu) for name, family in stages]
     print(
         f"\nvllm driver GPU check on {gpus} GPU(s) ({torch.cuda.get_device_name(0) if gpus else 'CPU'})"
     )
     if gpus < 2:
         print("tensor/pipeline parallelism 2: skipped (needs two GPUs)")
+    elif not has_ray:
+        print("tensor parallelism 2 over Ray: skipped (pip install 'tl-core[ray]')")
     for r in results:
         status = "PASS" if r["ok"] else "FAIL"
         detail = (
