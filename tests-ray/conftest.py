@@ -183,3 +183,9 @@ def own_cluster() -> Iterator[Cluster]:
 def ray_listening() -> Callable[[], list[str]]:
     """``ray_listening()``: the addresses Ray's processes under this test process listen on."""
     return lambda: listening(set(ray_processes(os.getpid())))
+
+
+@pytest.fixture
+def ray_pids() -> Callable[[], set[int]]:
+    """``ray_pids()``: Ray's processes under this test process, now."""
+    return lambda: set(ray_processes(os.getpid()))

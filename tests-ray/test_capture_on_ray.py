@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,24 @@ def test_two_parts_on_the_hf_driver_write_the_single_process_store(
     assert summary.parts == 2 and summary.retries == 0
     assert summary.shards == len(list((tmp_path / "single").glob("shard-*")))
     same_files(tmp_path / "merged", tmp_path / "single")
+
+
+def test_without_an_address_a_loopback_cluster_runs_the_job_and_is_stopped(
+    cluster: Cluster,
+    documents: Path,
+    reference: Path,
+    tmp_path: Path,
+    ray_pids: Callable[[], set[int]],
+) -> None:
+    """A cluster of its own, although another runs on this machine (the session's)."""
+    before = ray_pids()
+    summary = capture_on_ray(native_job(documents), tmp_path / "store", parts=2, progress=False)
+    assert summary.parts == 2
+    same_files(tmp_path / "store", reference)
+    deadline = time.monotonic() + 30
+    while ray_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ray_pids() - before, "the job's own cluster was stopped"
 
 
 def test_a_killed_worker_is_retried_and_the_store_is_the_same(

@@ -134,3 +134,16 @@ def test_merge_without_verify_reads_no_checksum_but_still_checks_each_entry(
     shard.write_bytes(bytes(data[:-1]))  # a truncated shard is refused either way
     with pytest.raises(UserError, match="shard 1"):
         merge_stores(parts, tmp_path / "truncated", verify=False)
+
+
+def test_nothing_imports_ray_unless_a_job_asks_for_a_cluster() -> None:
+    import subprocess
+
+    code = (
+        "import sys, tl_core, tl_core.capture, tl_core.cli;"
+        "from tl_core.capture import capture_on_ray, ClusterSummary;"
+        "import tl_core.capture._cluster, tl_core.capture._on_ray;"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -130,8 +130,8 @@ def connect(ray: ModuleType, address: str | None, *, cpus: int | None = None) ->
     if ray.is_initialized():
         return lambda: None  # the caller's own connection stays theirs
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
-    if address is None:
-        ray.init(include_dashboard=False, num_cpus=cpus, **quiet)
+    if address is None:  # "local": a new instance, never one found on this machine
+        ray.init(address="local", include_dashboard=False, num_cpus=cpus, **quiet)
         return _disconnect(ray)
     if address != "auto":
         _check_address(address)
