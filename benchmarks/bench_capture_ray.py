@@ -42,29 +42,14 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback node
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import write_json
 
+#: The vocabulary of the generated documents.
+WORDS = "the cat sat on a mat while dogs ran over hills and birds sang in old trees"
+
 
 def _text(path: Path, tokens: int) -> Path:
     """English-like documents of about ``tokens`` bytes (the native byte tokenizer)."""
     rng = random.Random(0)
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "over",
-        "hills",
-        "and",
-        "birds",
-        "sang",
-        "in",
-        "old",
-        "trees",
-    ]
+    words = WORDS.split()
     lines, count = [], 0
     while count < tokens:
         line = " ".join(rng.choice(words) for _ in range(rng.randint(20, 120)))

@@ -139,29 +139,15 @@ def cluster() -> Iterator[Cluster]:
         stop_cluster(started, before)
 
 
+#: The vocabulary of the generated documents.
+WORDS = "the cat sat on a mat while dogs ran over hills and birds sang in old trees"
+
+
 @pytest.fixture(scope="session")
 def documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """400 short English-like documents, one per line (enough for parts that run seconds)."""
     rng = random.Random(0)
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "over",
-        "hills",
-        "and",
-        "birds",
-        "sang",
-        "in",
-        "old",
-        "trees",
-    ]
+    words = WORDS.split()
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 60))) for _ in range(400)]
     path = tmp_path_factory.mktemp("input") / "docs.txt"
     path.write_text("\n".join(lines) + "\n")
