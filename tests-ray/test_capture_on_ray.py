@@ -174,6 +174,21 @@ def test_a_killed_worker_is_retried_and_the_store_is_the_same(
     same_files(out, reference)
 
 
+def test_a_part_that_fails_stops_the_job_naming_the_part(
+    cluster: Cluster, documents: Path, tmp_path: Path
+) -> None:
+    """An error only the booted model finds (a spec's hook it does not have) is the job's
+    own: not retried, reported with the part, every part folder kept for the fixed rerun."""
+    config = native_job(documents, intervene={"blocks.7.hook_out": {"op": "scale", "factor": 2.0}})
+    with pytest.raises(UserError, match=r"part [01]/2: .*blocks\.7"):
+        capture_on_ray(config, tmp_path / "store", parts=2, address=cluster.address, progress=False)
+    assert not (tmp_path / "store").exists()
+    attempts = sorted(
+        p.name.split(".")[0] for p in (tmp_path / "store.parts" / ".attempts").iterdir()
+    )
+    assert len(attempts) == len(set(attempts)), f"a part was retried: {attempts}"
+
+
 def _holder(store: Path) -> int | None:
     """The process id the store's lock names (``None`` while it is being written)."""
     try:
