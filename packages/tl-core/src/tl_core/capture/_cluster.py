@@ -117,9 +117,9 @@ def _check_address(address: str) -> None:
         ) from None
 
 
-def connect(ray: ModuleType, address: str | None, *, cpus: int | None = None) -> Callable[[], None]:
+def connect(ray: ModuleType, address: str | None) -> Callable[[], None]:
     """Connect to the Ray cluster at ``address``, or start one on this machine when it is
-    ``None`` (listening on the loopback address only; ``cpus`` caps its CPUs).
+    ``None`` (listening on the loopback address only, with this machine's CPUs).
 
     Returns:
         What to call when the job ends: it stops a cluster started here, or disconnects.
@@ -131,7 +131,7 @@ def connect(ray: ModuleType, address: str | None, *, cpus: int | None = None) ->
         return lambda: None  # the caller's own connection stays theirs
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
     if address is None:  # "local": a new instance, never one found on this machine
-        ray.init(address="local", include_dashboard=False, num_cpus=cpus, **quiet)
+        ray.init(address="local", include_dashboard=False, **quiet)
         return _disconnect(ray)
     if address != "auto":
         _check_address(address)

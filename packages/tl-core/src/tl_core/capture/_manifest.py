@@ -16,7 +16,7 @@ from typing import Any
 
 from tl_core._errors import UserError
 from tl_core.capture._config import fingerprint
-from tl_core.capture._shards import ShardRecord, fsync_folder
+from tl_core.capture._shards import ShardRecord, check_shard, fsync_folder
 
 __all__ = ["FORMAT", "MANIFEST", "HookRecord", "Manifest", "identity_differences"]
 
@@ -193,6 +193,17 @@ class Manifest:
             for name, value in self.recorded_totals.items()
             if value != getattr(self, name)
         ]
+
+    def check_shards(self, folder: Path, *, checksum: bool) -> None:
+        """Check every recorded shard in ``folder`` against its entry (``check_shard``; the
+        SHA-256 only when ``checksum``), then the totals (``check_totals``).
+
+        Raises:
+            UserError: The first shard or total that does not fit, and how to recover.
+        """
+        for record in self.shards.values():
+            check_shard(folder, record, self.fingerprint, checksum=checksum)
+        self.check_totals(folder)
 
     def check_totals(self, folder: Path) -> None:
         """Refuse totals that do not fit the entries; call it once the entries are checked

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from tl_core._errors import UserError
 from tl_core.capture._manifest import Manifest, identity_differences
-from tl_core.capture._shards import check_shard
 
 __all__ = ["merge_stores"]
 
@@ -87,10 +86,8 @@ def merge_stores(
             raise UserError(
                 f"{folder} counts {manifest.total_shards} shards, {folders[0]} {total}: the parts read different inputs"
             )
-        for record in manifest.shards.values():
-            check_shard(folder, record, manifest.fingerprint, checksum=verify)
-            merged.shards[record.index] = record
-        manifest.check_totals(folder)
+        manifest.check_shards(folder, checksum=verify)
+        merged.shards.update(manifest.shards)
     gaps = [i for i in range(total) if i not in merged.shards]
     if gaps:
         raise UserError(f"no part holds shards {gaps}")

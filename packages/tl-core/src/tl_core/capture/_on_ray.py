@@ -15,13 +15,14 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from tl_core._errors import UserError
 from tl_core.capture._cluster import (
+    PartResources,
     check_reachable,
     connect,
     import_ray,
@@ -33,7 +34,7 @@ from tl_core.capture._contexts import most_contexts
 from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.capture._merge import merge_stores
 from tl_core.capture._run import capture_attempt, preflight
-from tl_core.capture._shards import check_shard
+from tl_core.capture._source import Document
 
 __all__ = ["ClusterSummary", "capture_on_ray", "part_folders"]
 
@@ -98,9 +99,7 @@ def _attempts(root: Path) -> dict[int, list[str]]:
     return {part: [where for _, where in sorted(runs)] for part, runs in seen.items()}
 
 
-def _run_part(
-    config: CaptureConfig, folder: str, part: int, parts: int, job: str
-) -> dict[str, Any]:
+def _run_part(config: CaptureConfig, folder: str, part: int, parts: int, job: str) -> None:
     """One part, on a Ray worker: its folder must be the shared one the driver checked."""
     if not Path(folder).parent.is_dir():
         raise UserError(
@@ -108,7 +107,7 @@ def _run_part(
             f"{Path(folder).parent}: every node must mount the job's folder at the same path"
         )
     _begin_attempt(Path(folder).parent, part)
-    summary = capture_attempt(
+    capture_attempt(
         config,
         folder,
         part=(part, parts),
@@ -119,10 +118,7 @@ def _run_part(
     )
     # Every shard's checksum, read back here: the parts verify in parallel, on their own
     # nodes, what the merge would otherwise read again in one process.
-    manifest = Manifest.load(Path(folder))
-    for record in manifest.shards.values():
-        check_shard(Path(folder), record, manifest.fingerprint, checksum=True)
-    return {"tokens": summary.tokens_written, "complete": summary.complete}
+    Manifest.load(Path(folder)).check_shards(Path(folder), checksum=True)
 
 
 class _ClusterProgress:
@@ -275,7 +271,7 @@ def capture_on_ray(
     )
 
 
-def _check_parts(config: CaptureConfig, documents: Any, parts: int) -> None:
+def _check_parts(config: CaptureConfig, documents: Iterable[Document], parts: int) -> None:
     most = most_contexts(documents, config)
     shards = -(-most // config.shard_contexts) if config.shard_contexts else most
     if parts > shards:
@@ -293,7 +289,7 @@ def _run_parts(
     ray: Any,
     config: CaptureConfig,
     folders: Sequence[Path],
-    need: Any,
+    need: PartResources,
     max_retries: int,
     display: _ClusterProgress,
     progress: bool,

@@ -19,7 +19,7 @@ import torch
 
 from tl_core._errors import TLError, UserError
 from tl_core.capture._manifest import Manifest
-from tl_core.capture._shards import ROW_FIELDS, check_shard
+from tl_core.capture._shards import ROW_FIELDS
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._resolution import canonical_name
 
@@ -66,9 +66,7 @@ class CaptureStore:
                     f"{self.folder} is incomplete ({len(manifest.shards)} of {total} shards): rerun "
                     f"the capture to finish it, or pass allow_incomplete=True to read what is there"
                 )
-        for record in manifest.shards.values():
-            check_shard(self.folder, record, manifest.fingerprint, checksum=verify)
-        manifest.check_totals(self.folder)
+        manifest.check_shards(self.folder, checksum=verify)
         self._order = sorted(manifest.shards)
         self._starts = [0]
         for index in self._order:
