@@ -205,12 +205,14 @@ def test_an_unreachable_address_is_refused_before_any_engine(
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    started = time.monotonic()
+    import ray
+
     with pytest.raises(UserError, match=rf"no Ray cluster answers at 127.0.0.1:{port}"):
         capture_on_ray(
             native_job(documents), tmp_path / "store", parts=2, address=f"127.0.0.1:{port}"
         )
-    assert time.monotonic() - started < 30
+    # Refused by the address check itself, not after Ray's own connection retries.
+    assert not ray.is_initialized()
     assert not list(tmp_path.iterdir())
     with pytest.raises(UserError, match="is not host:port"):
         capture_on_ray(native_job(documents), tmp_path / "store", parts=2, address="nowhere")
