@@ -125,3 +125,17 @@ def test_statistics_with_gradients_equal_those_without_and_carry_the_gradient(ki
     (grad,) = torch.autograd.grad(scale.sum(), leaf)
     want = (centred_input(x, kind) / plain_scale / x.shape[-1]).to(grad.dtype)  # type: ignore[arg-type]
     torch.testing.assert_close(grad, want)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rms"])
+def test_statistics_written_into_a_buffer_are_the_same_bits(kind: str) -> None:
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    scale, normalized = norm_statistics(x, kind, 1e-5)  # type: ignore[arg-type]
+    out = torch.empty_like(normalized)
+    got_scale, got = norm_statistics(x, kind, 1e-5, out=out)  # type: ignore[arg-type]
+    assert got is out
+    assert torch.equal(got, normalized) and torch.equal(got_scale, scale)
+    # Where autograd records, the buffer (which it could not track) is left alone.
+    unused = torch.full_like(normalized, 7.0)
+    _, tracked = norm_statistics(x.clone().requires_grad_(), kind, 1e-5, out=unused)  # type: ignore[arg-type]
+    assert tracked.requires_grad and bool((unused == 7.0).all())

@@ -19,6 +19,7 @@ from tl_core.driver_api import FEATURES, DriverEntry, EngineRequirement
 from tl_driver_hf._version import __version__
 
 if TYPE_CHECKING:
+    from tl_driver_hf._arena import CaptureArena
     from tl_driver_hf._describe import ArchitectureDescription, describe_architecture
     from tl_driver_hf._driver import HFDriver
     from tl_driver_hf._support import (
@@ -35,6 +36,7 @@ __all__ = [
     "ENTRY",
     "ArchitectureAdapter",
     "ArchitectureDescription",
+    "CaptureArena",
     "HFDriver",
     "SupportReport",
     "__version__",
@@ -59,6 +61,7 @@ ENTRY = DriverEntry(
 )
 
 _LAZY = {
+    "CaptureArena": "tl_driver_hf._arena",
     "HFDriver": "tl_driver_hf._driver",
     "detect_tokenizer_bos_eos": "tl_driver_hf._tokenizer",
     "SupportReport": "tl_driver_hf._support",

@@ -31,6 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tl_core import HookPoint
 from tl_core.driver_api import only_rerouted
+from tl_driver_hf._arena import CaptureArena
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionSite", "attention_sites", "hooked_attention"]
 
@@ -52,6 +53,8 @@ class AttentionSite:
     pattern: HookPoint
     z: HookPoint
     softmax_fp32: bool
+    #: Where the scores, pattern and ``z`` go when hooks hold them (``_arena``).
+    arena: CaptureArena | None = None
 
     def needs_explicit(self, softcap: float | None, dtype: torch.dtype) -> bool:
         """Whether to compute attention step by step rather than call SDPA.
@@ -139,7 +142,11 @@ def hooked_attention(
     # In place where eager attention makes a new tensor: the same bits, and with every hook
     # captured each fresh [b, h, q, k] buffer is memory the forward touches for the first time.
     # (Neither a matmul's nor a scalar multiply's backward reads its own output.)
-    scores = torch.matmul(query, repeat_kv(key, n_rep).transpose(2, 3)).mul_(scaling)
+    keys_t = repeat_kv(key, n_rep).transpose(2, 3)
+    scores = _matmul(
+        query, keys_t, _buffer(site, "scores", (*query.shape[:3], keys_t.shape[-1]), query)
+    )
+    scores = scores.mul_(scaling)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None and attention_mask.dtype != torch.bool:
@@ -170,12 +177,14 @@ def hooked_attention(
         pattern = _softmax(scores.masked_fill(~row_valid, 0.0), fp32, value.dtype)
         pattern = pattern.masked_fill(~row_valid, 0.0)
     else:
-        pattern = _softmax(scores, fp32, value.dtype)
+        pattern = _softmax(scores, fp32, value.dtype, _buffer(site, "pattern", scores.shape, value))
     if site is not None and site.pattern.has_hooks:
         fired.append((pattern, site.pattern(pattern)))
         pattern = fired[-1][1]
     pattern = F.dropout(pattern, p=dropout, training=module.training)
-    z = torch.matmul(pattern, repeat_kv(value, n_rep)).transpose(1, 2).contiguous()
+    z = torch.matmul(pattern, repeat_kv(value, n_rep)).transpose(1, 2)
+    z_buffer = _buffer(site, "z", z.shape, z)
+    z = z.contiguous() if z_buffer is None else z_buffer.copy_(z)
     if softcap is None and sinks is None and query.dtype in _FAST_DTYPES and only_rerouted(*fired):
         # The hooks handed on equal values and only change the gradient (relevance rules,
         # probes, backward hooks): keep SDPA's bits, the explicit path's gradient.
@@ -188,7 +197,25 @@ def hooked_attention(
     return z, pattern
 
 
-def _softmax(scores: torch.Tensor, fp32: bool, dtype: torch.dtype) -> torch.Tensor:
+def _buffer(
+    site: AttentionSite | None, point: str, shape: tuple[int, ...] | torch.Size, like: torch.Tensor
+) -> torch.Tensor | None:
+    """An arena buffer for a value a hook at ``point`` sees (hooks may keep it), or ``None``."""
+    if site is None or site.arena is None or not getattr(site, point).has_hooks:
+        return None
+    return site.arena.empty(shape, like)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
+
+
+def _softmax(
+    scores: torch.Tensor, fp32: bool, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    if out is not None and scores.dtype == dtype and (scores.dtype == torch.float32 or not fp32):
+        # The same kernel as below, written into ``out`` (no dtype conversion to make).
+        return torch.softmax(scores, -1, out=out)
     if fp32:
         return F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     return F.softmax(scores, dim=-1).to(dtype)

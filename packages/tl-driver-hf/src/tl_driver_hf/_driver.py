@@ -22,6 +22,7 @@ from tl_core.driver_api import (
     canonical_hook_names,
 )
 from tl_driver_hf._architecture import served_architecture
+from tl_driver_hf._arena import CaptureArena
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
 from tl_driver_hf._boot_certification import certify_at_boot
 from tl_driver_hf._certify import certify_driver
@@ -116,6 +117,7 @@ class HFDriver(LocalDriver):
         self._inferred: InferredArchitecture | None = None
         #: Why the readout is refused (certification found it does not give the logits).
         self._readout_refused: str | None = None
+        self._arena = CaptureArena()
         self._build(names)
         self._configs = configs_of(hf_model)
         # Meta parameters without accelerate's offload hooks mean load_weights=False; with
@@ -136,6 +138,7 @@ class HFDriver(LocalDriver):
             n_kv_heads=info.kv_heads,
             d_head=info.d_head,
             parallel=info.parallel_attn_mlp,
+            arena=self._arena,
         )
         self._sites = self._wiring.attention_sites()
 
@@ -348,6 +351,13 @@ class HFDriver(LocalDriver):
         return self._model
 
     @property
+    def capture_arena(self) -> CaptureArena:
+        """The buffers the driver reuses for the attention and norm values it computes
+        (on the CPU, without gradients): it keeps the last forward's once nothing else holds
+        them; ``capture_arena.clear()`` frees them."""
+        return self._arena
+
+    @property
     def hooked_model(self) -> HFHookedModel:
         """The ``HFHookedModel`` (as ``module``, typed)."""
         return self._model
@@ -528,7 +538,11 @@ class HFDriver(LocalDriver):
             for cfg, _ in saved:
                 if self._hooked_attention:
                     setattr(cfg, _IMPL_ATTR, ATTN_IMPLEMENTATION)
-            with attention_sites(self._sites), inline_attention(self._sites, self._adapter):
+            with (
+                attention_sites(self._sites),
+                inline_attention(self._sites, self._adapter),
+                self._arena.forward(),
+            ):
                 if wire:
                     handles = self._wiring.install(state)
                 yield state

@@ -31,10 +31,12 @@ def norm_eps(module: nn.Module, kind: NormKind | None = None, width: int | None 
     return norm_module_eps(module, kind, width)
 
 
-def normalize(x: torch.Tensor, kind: NormKind, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def normalize(
+    x: torch.Tensor, kind: NormKind, eps: float, *, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, normalized)`` of ``x`` (tl-core's one copy of the norm math,
-    ``tl_core.driver_api.norm_statistics``)."""
-    return norm_statistics(x, kind, eps)
+    ``tl_core.driver_api.norm_statistics``), normalized written into ``out`` if given."""
+    return norm_statistics(x, kind, eps, out=out)
 
 
 def apply_weight(

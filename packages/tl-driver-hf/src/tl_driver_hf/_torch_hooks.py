@@ -15,6 +15,7 @@ from torch import nn
 
 from tl_core import HookPoint, UserError
 from tl_core.driver_api import centred_input
+from tl_driver_hf._arena import CaptureArena
 from tl_driver_hf._norms import apply_weight, norm_eps, normalize
 
 __all__ = [
@@ -319,18 +320,23 @@ def _norm_hook(
     normed: HookPoint | None,
     out: HookPoint | None,
     view: HeadView | None = None,
+    arena: CaptureArena | None = None,
 ) -> Callable[..., Any]:
     """Fire a norm's scale, normalized and output hooks; rebuild the output after edits.
 
     With a ``view`` (QK-norms) the hooks fire in tl's per-head layout whatever layout the
-    model normalises in.
+    model normalises in. Without one, a hooked normalized value of a float32 input is
+    written into an ``arena`` buffer.
     """
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
         result = output
         if (scale is not None and scale.has_hooks) or (normed is not None and normed.has_hooks):
             x = args[0]
-            s, n = normalize(x, kind, norm_eps(module))
+            into = None
+            if arena is not None and view is None and normed is not None and normed.has_hooks:
+                into = arena.empty(x.shape, x) if x.dtype == torch.float32 else None
+            s, n = normalize(x, kind, norm_eps(module), out=into)
             if view is not None:
                 s, n = view.scale_to_tl(s), view.to_tl(n)
             new_s, s_in_place = _fire(scale, s)

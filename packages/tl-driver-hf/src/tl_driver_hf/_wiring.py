@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import HookPoint
+from tl_driver_hf._arena import CaptureArena
 from tl_driver_hf._attention import AttentionSite
 from tl_driver_hf._flat import FLAT_SUFFIXES, FlatPoint, flat_points
 from tl_driver_hf._modules import LayerModules, ModelModules
@@ -63,8 +64,10 @@ class Wiring:
         n_kv_heads: int,
         d_head: int,
         parallel: bool,
+        arena: CaptureArena | None = None,
     ) -> None:
         self.modules = modules
+        self.arena = arena
         self.points = points
         self.adapter = adapter
         self.n_heads = n_heads
@@ -101,6 +104,7 @@ class Wiring:
                 pattern=self._point(p + "hook_pattern") or HookPoint(p + "hook_pattern"),
                 z=self._point(p + "hook_z") or HookPoint(p + "hook_z"),
                 softmax_fp32=self.adapter.softmax_fp32,
+                arena=self.arena,
             )
         return sites
 
@@ -152,7 +156,7 @@ class Wiring:
         names = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out"]
         if self._active(*names):
             scale, normed, out = (self._point(n) for n in names)
-            hook = _norm_hook(self.adapter.norm, scale, normed, out, view=view)
+            hook = _norm_hook(self.adapter.norm, scale, normed, out, view=view, arena=self.arena)
             handles.append(module.register_forward_hook(hook))
 
     def _install_layer(

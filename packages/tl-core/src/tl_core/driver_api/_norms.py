@@ -41,7 +41,7 @@ def normalization_type(kind: NormKind) -> Literal["LN", "RMS"]:
 
 
 def norm_statistics(
-    x: torch.Tensor, kind: NormKind, eps: float
+    x: torch.Tensor, kind: NormKind, eps: float, *, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, normalized)`` of ``x`` in the norm's compute dtype.
 
@@ -53,11 +53,23 @@ def norm_statistics(
     of a forward that captures ``hook_normalized``; with gradients the scale comes from the
     formula and may differ from the fused one in the last bit). Both are fresh tensors that
     hooks may edit in place.
+
+    ``out``, a tensor of ``x``'s shape in the compute dtype, receives ``normalized`` (the
+    same bits; a driver's reusable buffer) where no gradient is recorded; it is ignored
+    otherwise.
     """
     import torch
 
+    if out is not None and (x.requires_grad and torch.is_grad_enabled()):
+        out = None  # autograd does not record writes into ``out``
     if kind == "layernorm":
         xf = _layernorm_input(x)
+        if out is not None:
+            _, _, rstd = torch.ops.aten.native_layer_norm.out(
+                xf, xf.shape[-1:], None, None, eps,
+                out0=out, out1=xf.new_empty(0), out2=xf.new_empty(0),
+            )  # fmt: skip
+            return rstd.reciprocal(), out
         normalized, _, rstd = torch.native_layer_norm(xf, xf.shape[-1:], None, None, eps)
         if not normalized.requires_grad:
             return rstd.reciprocal(), normalized
@@ -66,7 +78,8 @@ def norm_statistics(
     else:
         xf = x.float()
         var = xf.pow(2).mean(dim=-1, keepdim=True)
-        normalized = xf * torch.rsqrt(var + eps)
+        rstd = torch.rsqrt(var + eps)
+        normalized = xf * rstd if out is None else torch.mul(xf, rstd, out=out)
     scale = (var + eps).sqrt()
     if scale.requires_grad:
         # sqrt keeps its output for the backward pass, and hooks may edit the scale in place.
