@@ -11,6 +11,8 @@ with ``TransformerBridge.boot_transformers`` and times, in interleaved rounds un
   practical floor for resid capture);
 - ``cache_resid`` / ``cache_all``: the driver's ``run_with_cache`` for the block outputs
   and for every hook;
+- ``cache_all_no_arena``: ``cache_all`` on a second bridge of the same folder whose capture
+  arena is off, so every captured value takes fresh memory (as before the arena);
 - ``transformer_lens_all`` / ``nnsight_blocks`` / ``torchlens_all``: the same work in
   those libraries, when they are importable.
 
@@ -98,6 +100,7 @@ class Workload:
         )
         self.n_layers = self.model.config.n_layer
         self._ht: Any = None
+        self._no_arena: Any = None
         self._nn: Any = None
 
     def fns(self, names: Sequence[str]) -> dict[str, Callable[[], object]]:
@@ -108,6 +111,7 @@ class Workload:
             "torch_hooks_blocks": self.torch_hooks_blocks,
             "cache_resid": self.cache_resid,
             "cache_all": self.cache_all,
+            "cache_all_no_arena": self.cache_all_no_arena,
             "transformer_lens_all": self.transformer_lens_all,
             "nnsight_blocks": self.nnsight_blocks,
             "torchlens_all": self.torchlens_all,
@@ -153,6 +157,14 @@ class Workload:
 
     def cache_all(self) -> object:
         return self.bridge.run_with_cache(self.ids)
+
+    def cache_all_no_arena(self) -> object:
+        if self._no_arena is None:
+            from tl_core import TransformerBridge
+
+            self._no_arena = TransformerBridge.boot_transformers(str(self.folder))
+            self._no_arena.driver.capture_arena.enabled = False
+        return self._no_arena.run_with_cache(self.ids)
 
     def transformer_lens_all(self) -> object:
         if self._ht is None:
@@ -219,7 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     shape = _QUICK if args.quick else _FULL
     repeats = args.repeats or (3 if args.quick else 5)
-    names = ["plain", "plain_sdpa", "torch_hooks_blocks", "cache_resid", "cache_all"]
+    names = [
+        "plain", "plain_sdpa", "torch_hooks_blocks", "cache_resid", "cache_all", "cache_all_no_arena"
+    ]  # fmt: skip
     optional = [] if args.no_optional else available_optional()
     missing = [m for m, v in _OPTIONAL.items() if v not in optional]
     with tempfile.TemporaryDirectory() as tmp:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from tl_core import TransformerBridge
+from tl_driver_hf._arena import CaptureArena, head_into_arena
 
 #: Values the driver computes itself (arena buffers) and one a transformers module computes.
 OWN = ("blocks.0.attn.hook_attn_scores", "blocks.1.attn.hook_pattern", "blocks.1.attn.hook_z")
@@ -38,22 +40,32 @@ def _pointers(cache: object, names: tuple[str, ...]) -> dict[str, int]:
 
 
 def test_a_dropped_cache_lends_its_memory_to_the_next_call(bridge: TransformerBridge) -> None:
-    _, first = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+    logits, first = bridge.run_with_cache(_ids(0), names_filter=NAMES)
     before = _pointers(first, OWN + NORMALIZED)
-    del first
-    _, second = bridge.run_with_cache(_ids(1), names_filter=NAMES)
+    before_logits = logits.data_ptr()
+    del first, logits
+    logits, second = bridge.run_with_cache(_ids(1), names_filter=NAMES)
     assert _pointers(second, OWN + NORMALIZED) == before
-    # The values are those of a forward with nothing to reuse.
+    assert logits.data_ptr() == before_logits
+    # The values are those of a forward with nothing to reuse, and of one the arena takes
+    # no part in (with gradients, the head is transformers' own nn.Linear).
     reused = {n: second[n].clone() for n in NAMES}
+    reused_logits = logits.clone()
     bridge.driver.capture_arena.clear()
-    _, fresh = bridge.run_with_cache(_ids(1), names_filter=NAMES)
+    fresh_logits, fresh = bridge.run_with_cache(_ids(1), names_filter=NAMES)
+    with torch.enable_grad():
+        tracked_logits, tracked = bridge.run_with_cache(_ids(1), names_filter=NAMES)
     for name in NAMES:
         assert torch.equal(reused[name], fresh[name]), name
+        assert torch.equal(reused[name], tracked[name]), name
+    assert torch.equal(reused_logits, fresh_logits)
+    assert torch.equal(reused_logits, tracked_logits.detach())
 
 
 def test_memory_something_still_holds_is_never_written(bridge: TransformerBridge) -> None:
-    _, held = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+    held_logits, held = bridge.run_with_cache(_ids(0), names_filter=NAMES)
     kept = {n: held[n].clone() for n in NAMES}
+    kept_logits = held_logits.clone()
     # Only a view of one value, and a tensor a hook stashed, outlive their cache.
     _, other = bridge.run_with_cache(_ids(2), names_filter=NAMES)
     view = other["blocks.1.attn.hook_pattern"][0]
@@ -71,6 +83,7 @@ def test_memory_something_still_holds_is_never_written(bridge: TransformerBridge
         _, cache = bridge.run_with_cache(_ids(seed), names_filter=NAMES)
         for name in NAMES:
             assert torch.equal(held[name], kept[name]), name
+        assert torch.equal(held_logits, kept_logits)
         assert torch.equal(view, view_before)
         assert torch.equal(stash[0], stashed)
         assert cache["blocks.1.attn.hook_pattern"].data_ptr() != view.data_ptr()
@@ -79,16 +92,33 @@ def test_memory_something_still_holds_is_never_written(bridge: TransformerBridge
 
 def test_the_arena_keeps_one_forward_and_frees_on_clear(bridge: TransformerBridge) -> None:
     arena = bridge.driver.capture_arena
-    _, cache = bridge.run_with_cache(_ids(0, batch=3), names_filter=NAMES)
+    logits, cache = bridge.run_with_cache(_ids(0, batch=3), names_filter=NAMES)
     big = arena.nbytes
     own = sum(cache[n].untyped_storage().nbytes() for n in OWN + NORMALIZED)
-    assert big == own
-    del cache
-    _, cache = bridge.run_with_cache(_ids(0, batch=1), names_filter=NAMES)
-    assert 0 < arena.nbytes == sum(cache[n].untyped_storage().nbytes() for n in OWN + NORMALIZED)
+    assert big == own + logits.untyped_storage().nbytes()
+    del cache, logits
+    logits, cache = bridge.run_with_cache(_ids(0, batch=1), names_filter=NAMES)
+    own = sum(cache[n].untyped_storage().nbytes() for n in OWN + NORMALIZED)
+    assert 0 < arena.nbytes == own + logits.untyped_storage().nbytes()
     assert arena.nbytes < big
     arena.clear()
     assert arena.nbytes == 0
+
+
+def test_a_disabled_arena_keeps_nothing(bridge: TransformerBridge) -> None:
+    arena = bridge.driver.capture_arena
+    _, cache = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+    assert arena.nbytes > 0
+    on = {n: cache[n].clone() for n in NAMES}
+    del cache
+    arena.enabled = False
+    try:
+        _, cache = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+        assert arena.nbytes == 0
+        for name in NAMES:
+            assert torch.equal(cache[name], on[name]), name
+    finally:
+        arena.enabled = True
 
 
 def test_gradients_take_no_part(bridge: TransformerBridge) -> None:
@@ -99,3 +129,26 @@ def test_gradients_take_no_part(bridge: TransformerBridge) -> None:
     assert bridge.driver.capture_arena.nbytes > 0
     for name in NAMES:
         assert torch.equal(cache[name], without[name]), name
+
+
+def test_only_a_plain_bias_free_linear_head_writes_into_the_arena() -> None:
+    arena = CaptureArena()
+    x = torch.randn(2, 3, 4)
+    for head in (nn.Linear(4, 5, bias=True), _ScaledLinear(4, 5, bias=False)):
+        with arena.forward(), head_into_arena(head, arena):
+            assert "forward" not in vars(head)
+            head(x)
+        assert arena.nbytes == 0
+    head = nn.Linear(4, 5, bias=False)
+    with arena.forward(), head_into_arena(head, arena):
+        out = head(x)
+    assert "forward" not in vars(head)
+    assert arena.nbytes == out.untyped_storage().nbytes()
+    assert torch.equal(out, nn.functional.linear(x, head.weight))
+
+
+class _ScaledLinear(nn.Linear):
+    """A head whose forward is not nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0

@@ -6,7 +6,9 @@ freed, and every first touch of a page is a fault (about 0.8 us per 4 KiB page h
 GPT-2-small-shaped forward, capturing every hook faulted 69 k more pages than a plain
 forward). The values transformers' own modules compute land wherever torch's allocator
 puts them, but the ones the driver computes (attention scores, pattern and ``z`` of the
-hooked attention, a norm's normalized value) can be written into buffers the driver keeps.
+hooked attention, a norm's normalized value) can be written into buffers the driver keeps,
+and so can the logits, where the head is a plain bias-free ``nn.Linear`` (the same matrix
+product, into a kept buffer).
 
 A buffer is handed out as a view, so the driver can tell from the storage's use count
 whether anything else (a cache, a view of it, a hook's stash, autograd) still holds it;
@@ -22,8 +24,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
-__all__ = ["CaptureArena"]
+__all__ = ["CaptureArena", "head_into_arena"]
 
 _Key = tuple[tuple[int, ...], torch.dtype]
 
@@ -42,10 +45,13 @@ def _use_count(buffer: torch.Tensor) -> int:
 class CaptureArena:
     """Reusable CPU buffers for the driver's own captured values, one forward's worth.
 
-    ``HFDriver.capture_arena``; ``clear()`` frees what it keeps between calls.
+    ``HFDriver.capture_arena``; ``clear()`` frees what it keeps between calls, and
+    ``enabled = False`` stops it (every value then takes fresh memory, and nothing is kept).
     """
 
     def __init__(self) -> None:
+        #: Whether forwards write into kept buffers (and keep them for the next forward).
+        self.enabled = True
         #: Buffers kept from earlier forwards: key -> [(buffer, its use count when free)].
         self._kept: dict[_Key, list[tuple[torch.Tensor, int]]] = {}
         #: Buffers handed out during the current forward (``None`` outside a forward).
@@ -55,6 +61,10 @@ class CaptureArena:
     def forward(self) -> Iterator[None]:
         """Hand out buffers for one forward; afterwards keep only the ones it used."""
         if self._taken is not None:  # a forward inside a forward (certification probes)
+            yield
+            return
+        if not self.enabled:
+            self._kept = {}
             yield
             return
         self._taken = {}
@@ -97,3 +107,31 @@ class CaptureArena:
     def clear(self) -> None:
         """Forget every kept buffer (freed once nothing else holds it)."""
         self._kept = {}
+
+
+@contextmanager
+def head_into_arena(head: nn.Module, arena: CaptureArena) -> Iterator[None]:
+    """For one forward, a bias-free ``nn.Linear`` head writes its logits into ``arena``.
+
+    ``nn.Linear`` without a bias computes ``x @ W.T`` as one ``mm`` over the flattened
+    positions; the head does the same ``mm`` into the arena's buffer, so the logits keep
+    their bits. Any other head (a bias, a subclass, accelerate's hooks on ``forward``) is
+    left alone, as is every call the arena takes no part in.
+    """
+    if type(head) is not nn.Linear or head.bias is not None or "forward" in vars(head):
+        yield
+        return
+    weight = head.weight
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = arena.empty((*x.shape[:-1], weight.shape[0]), x)
+        if out is None or x.dim() < 2 or x.dtype != weight.dtype or weight.device != x.device:
+            return nn.functional.linear(x, weight)
+        torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, weight.shape[0]))
+        return out
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward

@@ -22,7 +22,7 @@ from tl_core.driver_api import (
     canonical_hook_names,
 )
 from tl_driver_hf._architecture import served_architecture
-from tl_driver_hf._arena import CaptureArena
+from tl_driver_hf._arena import CaptureArena, head_into_arena
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
 from tl_driver_hf._boot_certification import certify_at_boot
 from tl_driver_hf._certify import certify_driver
@@ -352,9 +352,9 @@ class HFDriver(LocalDriver):
 
     @property
     def capture_arena(self) -> CaptureArena:
-        """The buffers the driver reuses for the attention and norm values it computes
-        (on the CPU, without gradients): it keeps the last forward's once nothing else holds
-        them; ``capture_arena.clear()`` frees them."""
+        """The buffers the driver reuses for the logits and the attention and norm values
+        it computes (on the CPU, without gradients): it keeps the last forward's, and writes
+        into them again once nothing else holds them; ``capture_arena.clear()`` frees them."""
         return self._arena
 
     @property
@@ -542,6 +542,7 @@ class HFDriver(LocalDriver):
                 attention_sites(self._sites),
                 inline_attention(self._sites, self._adapter),
                 self._arena.forward(),
+                head_into_arena(self._modules.lm_head, self._arena),
             ):
                 if wire:
                     handles = self._wiring.install(state)
