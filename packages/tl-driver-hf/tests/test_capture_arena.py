@@ -121,6 +121,23 @@ def test_a_disabled_arena_keeps_nothing(bridge: TransformerBridge) -> None:
         arena.enabled = True
 
 
+def test_past_its_budget_a_forward_takes_fresh_memory(bridge: TransformerBridge) -> None:
+    arena = bridge.driver.capture_arena
+    logits, cache = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+    everything = arena.nbytes
+    logits_bytes = logits.untyped_storage().nbytes()
+    del logits, cache
+    arena.max_bytes = everything - logits_bytes  # the logits come last and no longer fit
+    try:
+        bridge.run_with_cache(_ids(0), names_filter=NAMES)
+        assert arena.nbytes == everything - logits_bytes
+        arena.max_bytes = 0
+        bridge.run_with_cache(_ids(0), names_filter=NAMES)
+        assert arena.nbytes == 0
+    finally:
+        arena.max_bytes = arena.DEFAULT_MAX_BYTES
+
+
 def test_gradients_take_no_part(bridge: TransformerBridge) -> None:
     with torch.enable_grad():
         _, cache = bridge.run_with_cache(_ids(0), names_filter=NAMES)

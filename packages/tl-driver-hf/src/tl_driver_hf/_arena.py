@@ -20,6 +20,7 @@ memory, and autograd does not record ``out=`` writes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -47,11 +48,19 @@ class CaptureArena:
 
     ``HFDriver.capture_arena``; ``clear()`` frees what it keeps between calls, and
     ``enabled = False`` stops it (every value then takes fresh memory, and nothing is kept).
+    A forward's values past ``max_bytes`` take fresh memory and are not kept, so a call
+    with huge logits does not leave them held after the caller let them go.
     """
 
-    def __init__(self) -> None:
+    #: The default of ``max_bytes``: 2 GiB.
+    DEFAULT_MAX_BYTES = 2 << 30
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         #: Whether forwards write into kept buffers (and keep them for the next forward).
         self.enabled = True
+        #: The most bytes one forward's buffers may hold (and the arena keep after it).
+        self.max_bytes = max_bytes
+        self._taken_bytes = 0
         #: Buffers kept from earlier forwards: key -> [(buffer, its use count when free)].
         self._kept: dict[_Key, list[tuple[torch.Tensor, int]]] = {}
         #: Buffers handed out during the current forward (``None`` outside a forward).
@@ -67,7 +76,7 @@ class CaptureArena:
             self._kept = {}
             yield
             return
-        self._taken = {}
+        self._taken, self._taken_bytes = {}, 0
         try:
             yield
         finally:
@@ -77,8 +86,9 @@ class CaptureArena:
         """An uninitialised CPU tensor of ``shape`` and ``like``'s dtype to write into with
         ``out=``: a kept buffer nobody else holds when there is one, else a fresh one.
 
-        ``None`` where the arena takes no part (outside ``forward()``, off the CPU, or with
-        gradients enabled): the caller then computes as usual.
+        ``None`` where the arena takes no part (outside ``forward()``, off the CPU, with
+        gradients enabled, or past ``max_bytes`` for this forward): the caller then
+        computes as usual.
         """
         if (
             self._taken is None
@@ -86,6 +96,9 @@ class CaptureArena:
             or torch.is_grad_enabled()
             or _STORAGE_USE_COUNT is None
         ):
+            return None
+        size = like.element_size() * math.prod(shape)
+        if self._taken_bytes + size > self.max_bytes:
             return None
         key = (tuple(shape), like.dtype)
         kept = self._kept.get(key, [])
@@ -96,6 +109,7 @@ class CaptureArena:
         else:
             buffer = torch.empty(shape, dtype=like.dtype)
             free_count = _use_count(buffer)
+        self._taken_bytes += size
         self._taken.setdefault(key, []).append((buffer, free_count))
         return buffer.view(buffer.shape)
 
