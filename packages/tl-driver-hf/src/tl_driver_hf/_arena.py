@@ -6,7 +6,7 @@ freed, and every first touch of a page is a fault (about 0.8 us per 4 KiB page h
 GPT-2-small-shaped forward, capturing every hook faulted 69 k more pages than a plain
 forward). The values transformers' own modules compute land wherever torch's allocator
 puts them, but the ones the driver computes (attention scores, pattern and ``z`` of the
-hooked attention, a norm's normalized value) can be written into buffers the driver keeps,
+hooked attention, an RMS norm's normalized value) can be written into buffers the driver keeps,
 and so can the logits, where the head is a plain bias-free ``nn.Linear`` (the same matrix
 product, into a kept buffer).
 

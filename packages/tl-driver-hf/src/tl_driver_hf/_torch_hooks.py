@@ -325,8 +325,9 @@ def _norm_hook(
     """Fire a norm's scale, normalized and output hooks; rebuild the output after edits.
 
     With a ``view`` (QK-norms) the hooks fire in tl's per-head layout whatever layout the
-    model normalises in. Without one, a hooked normalized value of a float32 input is
-    written into an ``arena`` buffer.
+    model normalises in. Without one, a hooked normalized value of an RMS norm's float32
+    input is written into an ``arena`` buffer (a LayerNorm's comes fastest from the fused
+    kernel's own fresh output).
     """
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> Any:
@@ -335,7 +336,8 @@ def _norm_hook(
             x = args[0]
             into = None
             if arena is not None and view is None and normed is not None and normed.has_hooks:
-                into = arena.empty(x.shape, x) if x.dtype == torch.float32 else None
+                rms = kind != "layernorm" and x.dtype == torch.float32
+                into = arena.empty(x.shape, x) if rms else None
             s, n = normalize(x, kind, norm_eps(module), out=into)
             if view is not None:
                 s, n = view.scale_to_tl(s), view.to_tl(n)
