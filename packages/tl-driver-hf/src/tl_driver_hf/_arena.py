@@ -138,8 +138,9 @@ def head_into_arena(head: nn.Module, arena: CaptureArena) -> Iterator[None]:
     weight = head.weight
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        out = arena.empty((*x.shape[:-1], weight.shape[0]), x)
-        if out is None or x.dim() < 2 or x.dtype != weight.dtype or weight.device != x.device:
+        fits = x.dim() >= 2 and x.dtype == weight.dtype and x.device == weight.device
+        out = arena.empty((*x.shape[:-1], weight.shape[0]), x) if fits else None
+        if out is None:
             return nn.functional.linear(x, weight)
         torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out=out.view(-1, weight.shape[0]))
         return out

@@ -352,9 +352,10 @@ class HFDriver(LocalDriver):
 
     @property
     def capture_arena(self) -> CaptureArena:
-        """The buffers the driver reuses for the logits and the attention and norm values
-        it computes (on the CPU, without gradients): it keeps the last forward's, and writes
-        into them again once nothing else holds them; ``capture_arena.clear()`` frees them."""
+        """The buffers the driver reuses for the logits, the attention scores, pattern and
+        ``z``, and RMS norms' normalized values (on the CPU, without gradients): it keeps the
+        last forward's, and writes into them again once nothing else holds them;
+        ``capture_arena.clear()`` frees them (``docs/cache.md``)."""
         return self._arena
 
     @property
