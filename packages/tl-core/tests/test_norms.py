@@ -139,3 +139,14 @@ def test_statistics_written_into_a_buffer_are_the_same_bits(kind: str) -> None:
     unused = torch.full_like(normalized, 7.0)
     _, tracked = norm_statistics(x.clone().requires_grad_(), kind, 1e-5, out=unused)  # type: ignore[arg-type]
     assert tracked.requires_grad and bool((unused == 7.0).all())
+
+
+def test_layernorm_statistics_under_inference_mode_leave_gradients_working() -> None:
+    """A vLLM worker computes statistics under inference mode; an hf forward with gradients
+    in the same process must still get a gradient through them."""
+    with torch.inference_mode():
+        norm_statistics(torch.randn(2, 8), "layernorm", 1e-5)
+    x = torch.randn(2, 8, requires_grad=True)
+    scale, normalized = norm_statistics(x, "layernorm", 1e-5)
+    (normalized.sum() + scale.sum()).backward()  # type: ignore[no-untyped-call]
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())

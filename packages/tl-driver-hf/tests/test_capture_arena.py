@@ -145,6 +145,37 @@ def test_past_its_budget_a_forward_takes_fresh_memory(bridge: TransformerBridge)
         arena.max_bytes = arena.DEFAULT_MAX_BYTES
 
 
+def test_inference_mode_and_no_grad_calls_mix(bridge: TransformerBridge) -> None:
+    """Buffers made under inference mode cannot be written outside it (and its tensors keep
+    no version counter, which the norm hooks read to see in-place edits)."""
+    _, reference = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+    want = {n: reference[n].clone() for n in NAMES}
+    del reference
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            _, cache = bridge.run_with_cache(_ids(0), names_filter=NAMES)
+        for name in NAMES:
+            assert torch.equal(cache[name], want[name]), (inference, name)
+        del cache
+
+
+def test_an_in_place_edit_of_a_normalized_value_under_inference_mode_reaches_the_model(
+    bridge: TransformerBridge,
+) -> None:
+    def zero_last(x: torch.Tensor, hook: object) -> None:
+        x[:, -1] = 0.0
+
+    site = "ln_final.hook_normalized"
+    with torch.inference_mode():
+        plain = bridge.forward(_ids(0))
+        with bridge.hooks([(site, zero_last)]):
+            edited = bridge.forward(_ids(0))
+    torch.testing.assert_close(edited[:, :-1], plain[:, :-1])
+    assert not torch.allclose(edited[:, -1], plain[:, -1])
+    with bridge.hooks([(site, zero_last)]):
+        assert torch.equal(bridge.forward(_ids(0)), edited)  # the same edit under no_grad
+
+
 def test_gradients_take_no_part(bridge: TransformerBridge) -> None:
     with torch.enable_grad():
         _, cache = bridge.run_with_cache(_ids(0), names_filter=NAMES)

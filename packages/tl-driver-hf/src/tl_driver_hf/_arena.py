@@ -29,7 +29,9 @@ from torch import nn
 
 __all__ = ["CaptureArena", "head_into_arena"]
 
-_Key = tuple[tuple[int, ...], torch.dtype]
+#: Shape, dtype, and whether made under ``torch.inference_mode`` (such a tensor cannot be
+#: written outside it, so each mode has its own buffers).
+_Key = tuple[tuple[int, ...], torch.dtype, bool]
 
 
 #: torch's count of a storage's references (what inductor's CUDA graph trees read to tell
@@ -100,7 +102,7 @@ class CaptureArena:
         size = like.element_size() * math.prod(shape)
         if self._taken_bytes + size > self.max_bytes:
             return None
-        key = (tuple(shape), like.dtype)
+        key = (tuple(shape), like.dtype, torch.is_inference_mode_enabled())
         kept = self._kept.get(key, [])
         for index, (buffer, free_count) in enumerate(kept):
             if _use_count(buffer) == free_count:

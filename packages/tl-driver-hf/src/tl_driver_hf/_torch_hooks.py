@@ -372,9 +372,15 @@ def _fire(point: HookPoint | None, value: torch.Tensor) -> tuple[torch.Tensor, b
     ``value`` is the norm's recomputed scale or normalized value, the driver's own tensor, so
     hooks may edit it in place as TransformerLens's ``x[:, -1] = 0`` idiom does; the version
     counter, which every in-place write bumps (views share it), detects that at no cost.
+    Tensors made under ``torch.inference_mode`` keep no version counter: their values are
+    compared with a copy taken before the hooks ran.
     """
     if point is None or not point.has_hooks:
         return value, False
+    if value.is_inference():
+        before = value.clone()
+        out = point(value)
+        return out, not torch.equal(before, value)
     version = value._version
     out = point(value)
     return out, value._version != version

@@ -101,19 +101,16 @@ def centred_input(x: torch.Tensor, kind: NormKind) -> torch.Tensor:
     return x.float()
 
 
-_UNIT_AFFINE: dict[tuple[int, Any, Any], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _unit_affine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights of ones and biases of zeros for a LayerNorm over ``x``'s last axis (kept)."""
+    """Weights of ones and biases of zeros for a LayerNorm over ``x``'s last axis.
+
+    Made per call (two small tensors): a kept pair made under ``torch.inference_mode``
+    (a vLLM worker) could not be saved for backward by a later call with gradients.
+    """
     import torch
 
-    key = (x.shape[-1], x.dtype, x.device)
-    if key not in _UNIT_AFFINE:
-        width, dtype, device = key
-        ones = torch.ones(width, dtype=dtype, device=device)
-        _UNIT_AFFINE[key] = (ones, torch.zeros_like(ones))
-    return _UNIT_AFFINE[key]
+    ones = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return ones, torch.zeros_like(ones)
 
 
 def _layernorm_input(x: torch.Tensor) -> torch.Tensor:
