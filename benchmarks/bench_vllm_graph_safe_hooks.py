@@ -19,9 +19,17 @@ new tokens):
 - ``steer-table``: each layer adds its row of a persistent steering table (zeros), a
   plain tensor op compiled into the graph;
 - ``capture-op``: each layer copies its residual stream into a persistent buffer through a
-  custom op that mutates that buffer.
+  custom op that mutates that buffer;
+- ``dispatch-idle``, ``dispatch-capture``, ``dispatch-steer``: each layer calls one custom
+  op that mutates the layer's output in place and, at run time, calls whatever Python a
+  registry holds for that layer (nothing; a copy of the residual stream kept in a list;
+  a vector added in place at the middle layer). The op is opaque to inductor, so the
+  Python inside it runs at every step, as eager hooks do: the design that would let the
+  driver keep its per-run hooks in a compiled engine (on GPUs the op must also be one of
+  vLLM's splitting ops, so CUDA graphs never capture it).
 
-``--check`` also verifies, for ``steer-table`` and ``capture-op``, that the compiled
+``--check`` also verifies, for ``steer-table``, ``capture-op`` and the two working
+``dispatch-`` variants, that the compiled
 engine gives the same greedy tokens as an eager one with the same hooks, with and
 without a steering vector, and captures within 1e-5 of it relative to the largest value
 (inductor reorders float32 arithmetic), over three batch layouts, without compiling a new
@@ -52,8 +60,14 @@ from typing import Any
 # At module scope: ``torch.library.custom_op`` reads the ops' (string) annotations from here.
 import torch
 
-VARIANTS = ("plain-compiled", "plain-eager", "noop-op", "steer-table", "capture-op")
+VARIANTS = (
+    "plain-compiled", "plain-eager", "noop-op", "steer-table", "capture-op",
+    "dispatch-idle", "dispatch-capture", "dispatch-steer",
+)  # fmt: skip
+CHECKED = ("steer-table", "capture-op", "dispatch-capture", "dispatch-steer")
 _MAX_TOKENS = 8192
+#: What the ``dispatch-`` op runs for each layer (layer index -> Python), set per run.
+SITES: dict[int, Any] = {}
 
 
 def _install(variant: str, steer: dict[int, Any], bufs: dict[int, Any]) -> None:
@@ -77,6 +91,16 @@ def _install(variant: str, steer: dict[int, Any], bufs: dict[int, Any]) -> None:
     def _(x: torch.Tensor) -> None:
         return None
 
+    @torch.library.custom_op("tlbench::site", mutates_args=("delta",))
+    def site(delta: torch.Tensor, residual: torch.Tensor, layer: int) -> None:
+        work = SITES.get(layer)
+        if work is not None:
+            work(delta, residual)
+
+    @site.register_fake
+    def _(delta: torch.Tensor, residual: torch.Tensor, layer: int) -> None:
+        return None
+
     load = cpu_model_runner.CPUModelRunner.load_model
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -87,15 +111,18 @@ def _install(variant: str, steer: dict[int, Any], bufs: dict[int, Any]) -> None:
         for i, layer in enumerate(self.model.model.layers):
             steer[i] = torch.zeros(_MAX_TOKENS, hidden)
             bufs[i] = torch.zeros(_MAX_TOKENS, hidden)
-            layer.register_forward_hook(_hook(variant, steer[i], bufs[i]))
+            layer.register_forward_hook(_hook(variant, steer[i], bufs[i], i))
 
     cpu_model_runner.CPUModelRunner.load_model = load_model
 
 
-def _hook(variant: str, steer: Any, buf: Any) -> Any:
+def _hook(variant: str, steer: Any, buf: Any, index: int) -> Any:
 
     def hook(module: Any, args: Any, output: Any) -> Any:
         delta, residual = output  # Llama-style layers hand on (delta, residual)
+        if variant.startswith("dispatch"):
+            torch.ops.tlbench.site(delta, residual, index)
+            return None
         if variant == "noop-op":
             torch.ops.tlbench.noop(delta)
             return None
@@ -120,8 +147,16 @@ def _engine(model: str, eager: bool) -> Any:
 def _child_time(args: argparse.Namespace) -> None:
     from vllm import SamplingParams
 
-    _install(args.child, {}, {})
+    steer: dict[int, Any] = {}
+    _install(args.child, steer, {})
     llm = _engine(args.checkpoint, eager=args.child == "plain-eager")
+    kept: list[torch.Tensor] = []
+    if args.child == "dispatch-capture":
+        for i in steer:
+            SITES[i] = lambda d, r: kept.append(d + r)
+    elif args.child == "dispatch-steer":
+        vector = torch.zeros(steer[0].shape[1])
+        SITES[len(steer) // 2] = lambda d, r: d.add_(vector)
     gen = torch.Generator().manual_seed(0)
     vocab = 2000
     prefill = [
@@ -140,6 +175,7 @@ def _child_time(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             times[name].append(time.perf_counter() - start)
+            kept.clear()
     result = {
         "prefill_tok_s": args.prompts * args.tokens / statistics.median(times["prefill"][1:]),
         "decode_tok_s": 8 * 64 / statistics.median(times["decode"][1:]),
@@ -168,18 +204,41 @@ def _child_check(args: argparse.Namespace) -> None:
             table.zero_()
         if layer is not None:
             steer[layer][:] = 4.0 * direction
+        firsts: dict[int, torch.Tensor] = {}
+        if args.child.startswith("dispatch"):
+            SITES.clear()
+            for i in steer:
+                SITES[i] = _dispatched(
+                    args.child, firsts, i, 4.0 * direction if i == layer else None
+                )
         prompts = [
             {"prompt_token_ids": [5 + (j * 7 + k) % 50 for k in range(length)]}
             for j in range(n_prompts)
         ]
         done = llm.generate(prompts, params, use_tqdm=False)
         rows = n_prompts * length
+        kept = firsts if args.child.startswith("dispatch") else bufs
         out[label] = {
             "tokens": [list(o.outputs[0].token_ids) for o in done],
-            "captured": [bufs[i][:rows].tolist() for i in sorted(bufs)],
+            "captured": [kept[i][:rows].tolist() for i in sorted(kept)],
         }
     out["new_graphs"] = counters["stats"]["unique_graphs"] - graphs
     Path(args.out).write_text(json.dumps(out))
+
+
+def _dispatched(
+    variant: str, firsts: dict[int, torch.Tensor], layer: int, vector: torch.Tensor | None
+) -> Any:
+    """What the ``dispatch-`` op runs at one layer in ``--check``: steer in place, then keep
+    the first step's (the prefill's) residual stream."""
+
+    def work(delta: torch.Tensor, residual: torch.Tensor) -> None:
+        if vector is not None:
+            delta.add_(vector)
+        if variant == "dispatch-capture" and layer not in firsts:
+            firsts[layer] = delta + residual
+
+    return work
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> subprocess.CompletedProcess[str]:
@@ -210,7 +269,7 @@ def _checkpoint(model: str, tmp: Path) -> str:
 def _check(args: argparse.Namespace, tmp: Path) -> bool:
     """Compiled against eager, for the variants that edit and capture; prints the verdict."""
     good = True
-    for variant in ("steer-table", "capture-op"):
+    for variant in CHECKED:
         runs = {}
         for mode in ("eager", "compiled"):
             out = tmp / f"{variant}-{mode}.json"
@@ -225,7 +284,7 @@ def _check(args: argparse.Namespace, tmp: Path) -> bool:
         )
         steered = eager["plain"]["tokens"] != eager["steer-last"]["tokens"]
         worst, scale = 0.0, 0.0
-        if variant == "capture-op":
+        if variant in ("capture-op", "dispatch-capture"):
             for key in eager:
                 if key != "new_graphs":
                     a = torch.tensor(eager[key]["captured"])
