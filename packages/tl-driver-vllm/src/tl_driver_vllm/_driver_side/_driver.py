@@ -36,7 +36,11 @@ from tl_driver_vllm._driver_side._lifecycle import children, shutdown, socket_fi
 from tl_driver_vllm._driver_side._memory import available_memory, cpu_kv_cache
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace
-from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_params
+from tl_driver_vllm._driver_side._options import (
+    check_compiled_platform,
+    engine_kwargs,
+    sampling_params,
+)
 from tl_driver_vllm._driver_side._spawn import check_main_guard
 from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._wire import TAG_KEY, SharedFiles, unpack
@@ -130,8 +134,10 @@ class VLLMDriver(RequestForward, NamespaceFacts):
     ) -> VLLMDriver:
         """Start a vLLM engine for ``model`` with tl's worker extension.
 
-        Prefix caching is always off (cached positions would have no activations) and the
-        engine runs eagerly (hooks are Python code; see the README's "Compilation").
+        Prefix caching is always off (cached positions would have no activations). The
+        engine runs eagerly unless ``enforce_eager=False`` (vLLM's CPU build only): then
+        vLLM compiles the model, runs with nothing to capture or edit use the compiled
+        model, and runs with hooks its eager forward (see the README's "Compilation").
 
         On vLLM's CPU build with no memory option (``kv_cache_memory_bytes``,
         ``gpu_memory_utilization``, ``VLLM_CPU_KVCACHE_SPACE``), the KV cache is sized for
@@ -197,6 +203,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             pipeline_parallel_size=pipeline_parallel_size,
             vllm_kwargs=dict(vllm_kwargs),
         )
+        check_compiled_platform(kwargs)
         kwargs, notes = _machine_defaults(info, config, kwargs, frame=sys._getframe())
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
         from vllm import LLM

@@ -10,21 +10,16 @@ from typing import Any
 from tl_core import ConfigError
 from tl_core.driver_api import SamplingOptions
 
-__all__ = ["WORKER_EXTENSION", "engine_kwargs", "sampling_params"]
+__all__ = ["WORKER_EXTENSION", "check_compiled_platform", "engine_kwargs", "sampling_params"]
 
 WORKER_EXTENSION = "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
 
-# Options the driver must own: hooks need eager mode (see README, "Compilation"),
-# captures need every prompt position computed, and the worker extension is ours.
+# Options the driver must own: captures need every prompt position computed, and the
+# worker extension is ours.
 _FIXED: dict[str, tuple[bool, str]] = {
     "enable_prefix_caching": (
         False,
         "cached prefix positions are never recomputed, so they would have no activations",
-    ),
-    "enforce_eager": (
-        True,
-        "tl hooks are Python code that runs at every step; torch.compile "
-        "bakes hooks in at the first trace and CUDA graphs replay without them",
     ),
 }
 _REFUSED = {
@@ -67,6 +62,9 @@ def engine_kwargs(
     ):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"{key} must be an int >= 1, got {size!r}")
+    eager = vllm_kwargs.get("enforce_eager", True)
+    if not isinstance(eager, bool):
+        raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
     if not enable_batching:
         if vllm_kwargs.get("max_num_seqs", 1) != 1:
             raise ConfigError(
@@ -81,7 +79,8 @@ def engine_kwargs(
         "pipeline_parallel_size": pipeline_parallel_size,
         **vllm_kwargs,
         "enable_prefix_caching": False,
-        "enforce_eager": True,
+        # Eager unless asked: see the README's "Compilation" for what compiled mode runs.
+        "enforce_eager": eager,
         "worker_extension_cls": WORKER_EXTENSION,
     }
     if dtype is not None:
@@ -95,6 +94,29 @@ def engine_kwargs(
         if value is not None:
             out[key] = value
     return out
+
+
+def check_compiled_platform(kwargs: dict[str, Any]) -> None:
+    """Refuse compiled mode (``enforce_eager=False``) off vLLM's CPU build.
+
+    A run with hooks executes the model's eager forward inside the compiled engine; on
+    GPUs vLLM's runner would replay captured CUDA graphs for some steps, which run no
+    Python at all, so captures and edits would silently miss those steps.
+
+    Raises:
+        ConfigError: ``enforce_eager=False`` on a platform other than the CPU.
+    """
+    if kwargs.get("enforce_eager", True):
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ConfigError(
+            "boot_vllm(enforce_eager=False) runs only on vLLM's CPU build for now: on "
+            f"{type(current_platform).__name__} vLLM replays CUDA graphs that run no tl "
+            "hook, so captures and edits would miss steps. Remove the option (the driver "
+            "then runs vLLM eagerly)."
+        )
 
 
 def sampling_params(options: SamplingOptions) -> dict[str, Any]:

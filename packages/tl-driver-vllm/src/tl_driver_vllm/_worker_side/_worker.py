@@ -20,6 +20,7 @@ from tl_driver_vllm._dictionaries import unpack_attachment
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._wire import TAG_KEY, Outbox, pack
 from tl_driver_vllm._worker_side._block_hooks import install_activations
+from tl_driver_vllm._worker_side._compiled import EagerSwitch
 from tl_driver_vllm._worker_side._patterns import AttentionFacts, attention_facts, rebuild
 from tl_driver_vllm._worker_side._run_state import NORMED, RequestPlan, RunState, Step
 from tl_driver_vllm._worker_side._shards import Shard, layer_shards
@@ -55,6 +56,7 @@ class TLWorkerExtension:
     _tl_top_k: int | None
     _tl_outbox: Outbox | None
     _tl_dictionaries: dict[str, Any]
+    _tl_switch: EagerSwitch
 
     def tl_install(
         self, architecture: str, n_layers: int, sizes: dict[str, Any], layout: dict[str, Any]
@@ -76,6 +78,7 @@ class TLWorkerExtension:
         self._tl_dictionaries = {}
         tp_rank, tp_size, pp_rank, pp_size = _ranks()
         model = self._tl_model()
+        self._tl_switch = EagerSwitch(model)
         self._tl_fix_activations(architecture, tp_rank)
         self._tl_top_k = sizes.get("experts_per_token")
         self._tl_attention, self._tl_shards = self._tl_layer_facts(sizes, tp_rank, tp_size)
@@ -87,6 +90,7 @@ class TLWorkerExtension:
             "pp_size": pp_size,
             "model_class": type(model).__name__,
             "dtype": str(next(model.parameters()).dtype),
+            "compiled": bool(self._tl_switch),
         }
 
     def tl_begin(self, config: dict[str, Any]) -> None:
@@ -114,6 +118,9 @@ class TLWorkerExtension:
         )  # fmt: skip
         if handles:
             handles.append(model.register_forward_pre_hook(self._tl_step, with_kwargs=True))
+            if self._tl_switch:
+                # The compiled graph was traced without these hooks: run the eager engine.
+                self._tl_switch.set(True)
         self._tl_handles = handles
 
     def tl_attach_dictionary(self, payload: dict[str, Any]) -> None:
@@ -179,6 +186,9 @@ class TLWorkerExtension:
         for handle in getattr(self, "_tl_handles", []):
             handle.remove()
         self._tl_handles = []
+        switch = getattr(self, "_tl_switch", None)
+        if switch is not None and switch.eager:
+            switch.set(False)
 
     def tl_readout(self) -> dict[str, Any]:
         """Final norm and unembedding weights (this rank's vocabulary shard), as plain data."""

@@ -1,0 +1,150 @@
+"""Compiled mode (``enforce_eager=False``, vLLM's CPU build): runs with nothing to capture
+or edit use vLLM's compiled graph; runs with hooks its eager forward, with the same
+results as an eager engine and the hf driver; nothing is traced again after boot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from _tlv_support import ENGINE_OPTIONS, check, prompt_part, rounding_ratio  # noqa: E402
+
+from tl_core import ConfigError, RemoteBridge, TransformerBridge  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+LENGTHS = [9, 40, 3, 17]
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint: Any) -> Iterator[dict[str, Any]]:
+    folder = checkpoint("llama")
+    compiled = RemoteBridge.boot_vllm(
+        folder, dtype="float32", enforce_eager=False, **ENGINE_OPTIONS
+    )
+    try:
+        eager = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
+        try:
+            hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32)
+            exact = TransformerBridge.boot_transformers(str(folder), dtype=torch.float64)
+            gen = torch.Generator().manual_seed(5)
+            vocab = compiled.cfg.d_vocab
+            prompts = [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+            yield {
+                "compiled": compiled.driver, "eager": eager.driver, "hf": hf.driver,
+                "exact": exact.driver, "prompts": prompts,
+            }  # fmt: skip
+        finally:
+            eager.close()
+    finally:
+        compiled.close()
+
+
+def _layer_calls(driver: Any) -> Any:
+    """A counter of decoder layer 0's Python calls in the (in-process) worker: a hook added
+    after boot runs in the eager forward only, never inside the compiled graph."""
+
+    def install(worker: Any) -> Any:
+        layer = worker.model_runner.model.model.layers[0]
+        calls: list[int] = []
+        handle = layer.register_forward_pre_hook(lambda module, args: calls.append(1))
+        return calls, handle
+
+    [(calls, handle)] = driver._llm.collective_rpc(install)
+    return calls, handle
+
+
+def test_the_engine_is_compiled_and_reports_it(engines: dict[str, Any]) -> None:
+    assert all(w["compiled"] for w in engines["compiled"].workers)
+    assert not any(w["compiled"] for w in engines["eager"].workers)
+
+
+def test_a_run_without_hooks_uses_the_compiled_graph(engines: dict[str, Any]) -> None:
+    driver, prompts = engines["compiled"], engines["prompts"]
+    calls, handle = _layer_calls(driver)
+    try:
+        plain = driver.forward(prompts, max_new_tokens=6, return_logits=False)
+        assert calls == [], "the compiled engine ran its eager forward for a run without hooks"
+        hooked = driver.forward(
+            prompts, max_new_tokens=6, return_logits=False, capture=["blocks.0.hook_out"]
+        )
+        assert calls, "a run with hooks did not run the eager forward"
+        calls.clear()
+        driver.forward(prompts[:1], max_new_tokens=2, return_logits=False)
+        assert calls == [], "the eager forward outlived the run that needed it"
+    finally:
+        handle.remove()
+    eager = engines["eager"].forward(prompts, max_new_tokens=6, return_logits=False)
+    assert torch.equal(plain.new_tokens, eager.new_tokens)
+    assert torch.equal(hooked.new_tokens, eager.new_tokens)
+
+
+def test_captures_edits_and_logits_match_the_eager_engine_and_the_hf_driver(
+    engines: dict[str, Any],
+) -> None:
+    driver, prompts = engines["compiled"], engines["prompts"]
+    served = sorted(driver.supported_hook_points)
+    d = driver.info.d_model
+    intervene = {
+        "blocks.0.hook_out": {"op": "add", "value": [0.5] * d},
+        "blocks.1.attn.hook_z": {"op": "scale", "factor": 0.25, "pos": [0, -1]},
+    }
+    runs = {
+        name: engines[name].forward(prompts, capture=served, intervene=intervene)
+        for name in ("compiled", "eager", "hf", "exact")
+    }
+    report: dict[str, float] = {}
+    for b, n in enumerate(LENGTHS):
+        for name in [*served, "logits"]:
+            ours, eager, theirs, exact = (
+                prompt_part(r.logits if name == "logits" else r.captured[name], b, n)
+                for r in runs.values()
+            )
+            report[f"p{b}:{name}"] = rounding_ratio(ours, theirs, exact, name)
+            # The eager forward of both engines; vLLM may bind some custom ops (rotary
+            # embeddings) to other implementations when it compiles: float32 rounding.
+            # (Two engines in one process share those bindings: equal here, 1 ulp apart
+            # in separate processes.)
+            scale = max(1.0, float(eager.float().abs().nan_to_num(0.0).max()))
+            gap = float((ours.float() - eager.float()).abs().nan_to_num(0.0).max())
+            report[f"p{b}:{name} vs eager"] = gap / (1e-5 * scale)
+    check(report, 1.0, "compiled engine against the hf driver and the eager engine")
+
+
+def test_nothing_is_traced_again_after_boot(engines: dict[str, Any]) -> None:
+    from torch._dynamo.utils import counters
+
+    driver, prompts = engines["compiled"], engines["prompts"]
+    before = counters["stats"]["unique_graphs"]
+    d = driver.info.d_model
+    driver.forward(prompts[:2], max_new_tokens=3, return_logits=False)
+    driver.forward(prompts, capture=["blocks.1.hook_in"], max_new_tokens=0)
+    driver.forward(
+        prompts[1:], intervene={"blocks.0.hook_out": {"op": "add", "value": [1.0] * d}},
+        max_new_tokens=4, return_logits=False,
+    )  # fmt: skip
+    driver.forward(prompts[2:3], max_new_tokens=5, return_logits=False)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_compiled_mode_is_refused_off_the_cpu_build(
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm
+    from vllm.platforms import current_platform
+
+    def no_engine(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    with pytest.raises(ConfigError, match="CUDA graphs"):
+        RemoteBridge.boot_vllm(checkpoint("llama"), enforce_eager=False)
+    with pytest.raises(ConfigError, match="enforce_eager must be True or False"):
+        RemoteBridge.boot_vllm(checkpoint("llama"), enforce_eager="no")
