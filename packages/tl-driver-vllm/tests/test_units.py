@@ -600,3 +600,13 @@ def test_the_readout_anchor_sees_a_scale_the_greedy_token_cannot() -> None:
     assert _greedy_check(scaled, int(top.indices[0]), 1e-4).passed
     check = _logprob_check(scaled, top.indices, top.values, 1e-4)
     assert not check.passed and check.error > 100 * check.allowed
+
+
+def test_reading_a_hook_that_never_fired_names_it() -> None:
+    from tl_driver_vllm._worker_side._run_state import RunState
+
+    config = {"requests": {"r0": {"capture": ["blocks.0.hook_out"], "logits": False, "length": 3}}}
+    state = RunState(config, torch.device("cpu"), torch.float32)
+    state.check_written()  # nothing was written: a buffer that does not exist is not checked
+    with pytest.raises(TLError, match=r"'blocks\.0\.hook_out' never fired"):
+        state.batched("blocks.0.hook_out")

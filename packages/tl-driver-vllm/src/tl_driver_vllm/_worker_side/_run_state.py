@@ -282,8 +282,19 @@ class RunState:
                     self._check_written(name, plan)
 
     def batched(self, name: str) -> torch.Tensor:
-        """Hook ``name`` for the whole batch, ``[batch, width, ...]``, zero-padded."""
-        buffer = self.buffers[name]
+        """Hook ``name`` for the whole batch, ``[batch, width, ...]``, zero-padded.
+
+        Raises:
+            TLError: ``name`` never fired in this run (its site was not reached).
+        """
+        buffer = self.buffers.get(name)
+        if buffer is None:
+            raise TLError(
+                f"hook {name!r} never fired in this run, so nothing can be returned or "
+                "rebuilt from it: the engine's forward did not reach its site (a module "
+                "the family's layout names wrongly, or a compiled graph traced without "
+                "tl's hooks). Boot with certify=True to see which hooks fire."
+            )
         if name in self.square:
             return buffer  # allocated filled: only each prompt's own square was written
         for plan in self.plans.values():
