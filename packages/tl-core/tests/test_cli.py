@@ -49,6 +49,11 @@ def test_hooks_lists_the_namespace_with_reasons(capsys: pytest.CaptureFixture[st
     assert "not learned embeddings" in rows["pos_embed.hook_out"]  # listed with --all
 
 
+def test_hooks_compiled_needs_the_vllm_driver(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hooks", "--model", "llama", "--compiled"]) == 1
+    assert "add --driver vllm" in capsys.readouterr().err
+
+
 def test_unknown_hook_is_an_error_exit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["resolve", "blocks.2.hook_resid_psot", "--no-model"]) == 1
     assert "did you mean" in capsys.readouterr().err.lower()

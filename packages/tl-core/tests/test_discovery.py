@@ -82,6 +82,15 @@ def test_validate_driver_names_the_broken_attribute() -> None:
         validate_driver(bad)
     with pytest.raises(DriverContractError, match="not a canonical hook name"):
         HookNamespace.build(native.info, {"blocks.0.hook_resid_post"}, driver="bad")
+    with pytest.raises(DriverContractError, match="eager-only that it does not serve"):
+        HookNamespace.build(
+            native.info, {"blocks.0.hook_out"}, eager_only={"blocks.0.attn.hook_z": "why"}
+        )
+    marked = HookNamespace.build(
+        native.info, {"blocks.0.hook_out"}, eager_only={"blocks.0.hook_out": "why"}
+    )
+    assert dict(marked.eager_only) == {"blocks.0.hook_out": "why"}
+    assert not native.namespace.eager_only
     bad.namespace = native.namespace  # type: ignore[attr-defined]
     with pytest.raises(DriverContractError, match="'info' must be the ModelInfo of its namespace"):
         validate_driver(bad)

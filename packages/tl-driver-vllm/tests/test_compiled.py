@@ -1,7 +1,8 @@
 """Compiled mode (``enforce_eager=False``, vLLM's CPU build): runs with nothing to capture
-or edit use vLLM's compiled graph; runs with hooks its eager forward, within float32
-rounding of an eager engine and within the usual band of the hf driver; nothing is traced
-again after boot.
+or edit, and runs that capture the residual stream and logits or add to the residual
+stream, use vLLM's compiled graph; runs with other hooks its eager forward. Both are within
+float32 rounding of an eager engine and within the usual band of the hf driver; nothing is
+traced again after boot.
 """
 
 from __future__ import annotations
@@ -62,8 +63,19 @@ def _layer_calls(driver: Any) -> Any:
 
 
 def test_the_engine_is_compiled_and_reports_it(engines: dict[str, Any]) -> None:
-    assert all(w["compiled"] for w in engines["compiled"].workers)
-    assert not any(w["compiled"] for w in engines["eager"].workers)
+    assert all(w["compiled"] and w["resident"] for w in engines["compiled"].workers)
+    assert not any(w["compiled"] or w["resident"] for w in engines["eager"].workers)
+
+
+def test_the_namespace_marks_the_hooks_that_run_eagerly(engines: dict[str, Any]) -> None:
+    eager_only = engines["compiled"].namespace.eager_only
+    stream = {"blocks.0.hook_in", "blocks.1.hook_out", "ln_final.hook_in", "unembed.hook_out"}
+    assert stream.isdisjoint(eager_only)
+    assert {"blocks.0.attn.hook_z", "blocks.1.mlp.hook_post", "blocks.0.ln1.hook_out"} <= set(
+        eager_only
+    )
+    assert "embed.hook_in" not in eager_only  # filled from the request by the driver
+    assert not engines["eager"].namespace.eager_only
 
 
 def test_a_run_without_hooks_uses_the_compiled_graph(engines: dict[str, Any]) -> None:
@@ -73,9 +85,9 @@ def test_a_run_without_hooks_uses_the_compiled_graph(engines: dict[str, Any]) ->
         plain = driver.forward(prompts, max_new_tokens=6, return_logits=False)
         assert calls == [], "the compiled engine ran its eager forward for a run without hooks"
         hooked = driver.forward(
-            prompts, max_new_tokens=6, return_logits=False, capture=["blocks.0.hook_out"]
+            prompts, max_new_tokens=6, return_logits=False, capture=["blocks.0.attn.hook_z"]
         )
-        assert calls, "a run with hooks did not run the eager forward"
+        assert calls, "a run with a head-level hook did not run the eager forward"
         calls.clear()
         driver.forward(prompts[:1], max_new_tokens=2, return_logits=False)
         assert calls == [], "the eager forward outlived the run that needed it"
@@ -118,6 +130,57 @@ def test_captures_edits_and_logits_match_the_eager_engine_and_the_hf_driver(
     check(report, 1.0, "compiled engine against the hf driver and the eager engine")
 
 
+def _resident_runs(driver: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Residual captures, logits and per-prompt and positional ``add`` edits, prefill and
+    steered generation, with prompts of several lengths and chunked prefill."""
+    d = driver.info.d_model
+    gen = torch.Generator().manual_seed(11)
+    vectors = [torch.randn(d, generator=gen).tolist() for _ in range(3)]
+    capture = ["blocks.0.hook_in", "blocks.0.hook_out", "blocks.1.hook_out", "ln_final.hook_in"]
+    per_prompt = [
+        {"blocks.0.hook_out": {"op": "add", "value": vectors[b % 3]}} for b in range(len(prompts))
+    ]
+    positional = {"blocks.1.hook_in": {"op": "add", "value": vectors[2], "pos": [0, 1, -1]}}
+    steer = {"blocks.1.hook_out": {"op": "add", "value": vectors[0]}}
+    return {
+        "steered": driver.forward(prompts, max_new_tokens=7, return_logits=False, intervene=steer),
+        "prefill": driver.forward(prompts, capture=capture, intervene=per_prompt),
+        "positional": driver.forward(prompts, capture=capture[2:], intervene=positional),
+    }
+
+
+def test_residual_runs_stay_in_the_compiled_graph_and_match_the_eager_engine(
+    engines: dict[str, Any],
+) -> None:
+    driver, prompts = engines["compiled"], engines["prompts"]
+    calls, handle = _layer_calls(driver)
+    try:
+        ours = _resident_runs(driver, prompts)
+        assert calls == [], "a residual-stream run ran the eager forward"
+        scaled = {"blocks.0.hook_out": {"op": "scale", "factor": 0.5}}
+        fallback = driver.forward(prompts, capture=["blocks.0.hook_out"], intervene=scaled)
+        assert calls, "a run that scales the residual stream did not fall back to eager"
+    finally:
+        handle.remove()
+    eager = engines["eager"]
+    theirs = _resident_runs(eager, prompts)
+    for run in ("prefill", "positional"):
+        for b, n in enumerate(LENGTHS):
+            for name, value in [*theirs[run].captured.items(), ("logits", theirs[run].logits)]:
+                got = ours[run].logits if name == "logits" else ours[run].captured[name]
+                a, e = prompt_part(got, b, n).float(), prompt_part(value, b, n).float()
+                scale = max(1.0, float(e.abs().max()))
+                assert float((a - e).abs().max()) <= 1e-5 * scale, (run, b, name)
+    assert torch.equal(ours["steered"].new_tokens, theirs["steered"].new_tokens)
+    plain = engines["eager"].forward(prompts, max_new_tokens=7, return_logits=False)
+    assert not torch.equal(plain.new_tokens, theirs["steered"].new_tokens), "steering did nothing"
+    reference = eager.forward(prompts, capture=["blocks.0.hook_out"], intervene=scaled)
+    torch.testing.assert_close(
+        fallback.captured["blocks.0.hook_out"], reference.captured["blocks.0.hook_out"],
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+
+
 def test_nothing_is_traced_again_after_boot(engines: dict[str, Any]) -> None:
     from torch._dynamo.utils import counters
 
@@ -131,6 +194,10 @@ def test_nothing_is_traced_again_after_boot(engines: dict[str, Any]) -> None:
         max_new_tokens=4, return_logits=False,
     )  # fmt: skip
     driver.forward(prompts[2:3], max_new_tokens=5, return_logits=False)
+    driver.forward(
+        prompts[:3], capture=["blocks.0.hook_in", "ln_final.hook_in"], max_new_tokens=2,
+        intervene={"blocks.1.hook_in": {"op": "add", "value": [0.5] * d, "pos": [1]}},
+    )  # fmt: skip
     assert counters["stats"]["unique_graphs"] == before
 
 

@@ -1,7 +1,7 @@
 """vLLM's default mode (engine core in its own process): every served hook through shared
 memory, equal to the hf driver's; the same run as bytes where shared memory is not usable;
-on an eager engine and a compiled one (``enforce_eager=False``: runs with hooks run its
-eager forward).
+on an eager engine and a compiled one (``enforce_eager=False``: residual-stream runs and
+logits inside the compiled graph, runs with other hooks its eager forward).
 
 Its own module: vLLM caches its environment while an engine lives, so the mode switch
 below must not meet another module's in-process engine.
@@ -10,6 +10,7 @@ below must not meet another module's in-process engine.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,12 @@ def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
         intervene = [None, {"blocks.0.hook_out": {"op": "add", "value": vec, "pos": [3, 50]}}, None]
         result = driver.forward(PROMPTS, capture=capture, intervene=intervene, max_new_tokens=0)
         last = driver.forward(PROMPTS, max_new_tokens=0, return_logits="last")
+        # On the compiled engine, a run that only reads and adds to the residual stream
+        # runs inside the compiled graph (the others above run its eager forward).
+        stream = [
+            k for k in capture if re.fullmatch(r"blocks\.\d+\.hook_(in|out)|ln_final\.hook_in", k)
+        ]
+        residual = driver.forward(PROMPTS, capture=stream, intervene=intervene, max_new_tokens=0)
         assert _carriers(received) == {"file"}, "every tensor crosses as a shared-memory file"
         assert os.listdir(shared.folder) == ["probe"]
 
@@ -119,6 +126,14 @@ def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
                 result.logits[b, :n], want.logits[b, :n], truth.logits[b, :n]
             )
             report[f"p{b}:bytes:logits"] = diff(fallback.logits[b, :n], result.logits[b, :n])
+            for k in [*stream, "logits"]:
+                ours = residual.logits if k == "logits" else residual.captured[k]
+                theirs = want.logits if k == "logits" else want.captured[k]
+                exact_value = truth.logits if k == "logits" else truth.captured[k]
+                ratios[f"p{b}:stream:{k}"] = rounding_ratio(
+                    prompt_part(ours, b, n), prompt_part(theirs, b, n),
+                    prompt_part(exact_value, b, n), k,
+                )  # fmt: skip
             ratios[f"p{b}:last"] = rounding_ratio(
                 last.logits[b, 0], plain.logits[b, n - 1], plain_truth.logits[b, n - 1]
             )

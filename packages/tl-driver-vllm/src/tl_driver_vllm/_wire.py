@@ -34,10 +34,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["TAG_KEY", "Outbox", "SharedFiles", "pack", "unpack"]
+__all__ = ["RESIDENT_KEY", "TAG_KEY", "Outbox", "SharedFiles", "pack", "unpack"]
 
 #: The SamplingParams.extra_args key that tags a request with its run-local id.
 TAG_KEY = "tl_request"
+#: The ``additional_config`` key that carries a compiled engine's residual-stream layout to
+#: its workers (``_worker_side._resident``).
+RESIDENT_KEY = "tl_resident_sites"
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dtype): dtype

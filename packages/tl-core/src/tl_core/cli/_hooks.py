@@ -32,6 +32,12 @@ def register(sub: Any) -> None:
     hooks.add_argument(
         "--all", action="store_true", help="also list the hooks the driver cannot fire"
     )
+    hooks.add_argument(
+        "--compiled",
+        action="store_true",
+        help="boot the engine compiled (vllm: enforce_eager=False) and mark the hooks "
+        "that make a run leave the compiled graph",
+    )
     hooks.set_defaults(run=run_hooks)
     resolve = sub.add_parser("resolve", help="show what a hook name (or alias) resolves to")
     resolve.add_argument("names", nargs="+")
@@ -41,15 +47,25 @@ def register(sub: Any) -> None:
 
 
 def _boot(args: argparse.Namespace) -> Any:
+    from tl_core import ConfigError
     from tl_core.bridges._boot import boot
     from tl_core.cli._model_arg import check_model, default_driver
 
+    options: dict[str, Any] = {}
+    if getattr(args, "compiled", False):
+        if args.driver != "vllm":
+            chosen = args.driver or "chosen from --model"
+            raise ConfigError(
+                f"--compiled boots vLLM compiled, but the driver is {chosen!r}: add "
+                "--driver vllm (the other drivers have no compiled mode)"
+            )
+        options["enforce_eager"] = False
     if args.model is None:
         # Without --model the native GPT-2-style preset boots; other drivers say what they need.
         driver = args.driver or "native"
-        return boot("gpt2" if driver == "native" else None, driver=driver)
+        return boot("gpt2" if driver == "native" else None, driver=driver, **options)
     model = check_model(args.model)  # before any driver is imported
-    return boot(model, driver=args.driver or default_driver(model))
+    return boot(model, driver=args.driver or default_driver(model), **options)
 
 
 def run_hooks(args: argparse.Namespace) -> int:
@@ -60,11 +76,19 @@ def run_hooks(args: argparse.Namespace) -> int:
         print(
             f"{bridge!r}: {len(namespace.served)} hooks served, {len(namespace.editable)} editable"
         )
+        eager = namespace.eager_only
+        if eager:
+            print(f"{len(eager)} hooks run only in the engine's eager forward (marked 'eager')")
         for name in namespace.ordered:
+            mode = "eager " if name in eager else ""
             if name in namespace.editable:
-                print(f"{name:42s} {namespace.layout(name):9s} edit")
+                print(f"{name:42s} {namespace.layout(name):9s} {mode}edit".rstrip())
             else:
-                print(f"{name:42s} {namespace.layout(name):9s} read  {namespace.reasons[name]}")
+                print(
+                    f"{name:42s} {namespace.layout(name):9s} {mode}read  {namespace.reasons[name]}"
+                )
+        for reason in sorted(set(eager.values())):
+            print(f"eager: {reason}")
         if args.all:
             for name, reason in sorted(namespace.non_fireable_reasons.items()):
                 print(f"{name:42s} {namespace.layout(name):9s} -     {reason}")

@@ -58,6 +58,9 @@ class HookNamespace:
         driver: The driver's name, for messages.
         dictionaries: Canonical site -> the dictionary attached there (its sites are served
             under the site's name; see ``with_dictionary``).
+        eager_only: Served hooks that a compiled engine cannot serve inside its compiled
+            graph, with why: a run that reads or edits one runs the engine's eager forward
+            (slower, same values). Empty for drivers and engines that do not compile.
     """
 
     info: ModelInfo
@@ -66,6 +69,7 @@ class HookNamespace:
     reasons: Mapping[str, str] = field(default_factory=dict)
     driver: str = ""
     dictionaries: Mapping[str, DictionarySite] = field(default_factory=dict)
+    eager_only: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -77,6 +81,7 @@ class HookNamespace:
         read_only: Mapping[str, str] | None = None,
         reasons: Mapping[str, str] | None = None,
         driver: str = "",
+        eager_only: Mapping[str, str] | None = None,
     ) -> HookNamespace:
         """The namespace of a model whose driver serves ``served``.
 
@@ -91,6 +96,8 @@ class HookNamespace:
                 model structurally lacks get the structural reason; any other unserved
                 hook without a reason gets a generic one naming the driver.
             driver: The driver's name, for messages.
+            eager_only: Served names that run only in the engine's eager forward, with why
+                (see the attribute).
 
         Returns:
             The namespace.
@@ -115,6 +122,11 @@ class HookNamespace:
         if stray:
             raise DriverContractError(
                 f"{label} declares hooks editable that it does not serve: {sorted(stray)[:5]}"
+            )
+        unserved = frozenset(eager_only or ()) - served_set
+        if unserved:
+            raise DriverContractError(
+                f"{label} declares hooks eager-only that it does not serve: {sorted(unserved)[:5]}"
             )
         given = {**(reasons or {}), **(read_only or {})}
         model = info.architecture or "model"
@@ -142,7 +154,10 @@ class HookNamespace:
                     )
                 else:
                     table[name] = f"{label} does not serve it"
-        return cls(info, served_set, editable_set, MappingProxyType(table), driver)
+        return cls(
+            info, served_set, editable_set, MappingProxyType(table), driver,
+            eager_only=MappingProxyType(dict(eager_only or {})),
+        )  # fmt: skip
 
     def with_dictionary(self, site: DictionarySite) -> HookNamespace:
         """This namespace with a dictionary's sites served under ``site.hook``.

@@ -40,6 +40,7 @@ from tl_driver_vllm._driver_side._options import (
     check_compiled_platform,
     engine_kwargs,
     sampling_params,
+    with_resident_sites,
 )
 from tl_driver_vllm._driver_side._spawn import check_main_guard
 from tl_driver_vllm._families import Layout, model_info
@@ -104,12 +105,14 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         self._withheld = dict(withheld or {})
         self._attn_result = use_attn_result
         self._certification: Certification | None = None
+        self._resident = all(w.get("resident", False) for w in self.workers)
         self._namespace = hook_namespace(
             info,
             self._layout,
             attn_result=use_attn_result,
             tp_size=self._tp,
             withheld=self._withheld,
+            resident=self._resident,
         )
         self._ranks_checked = self._tp == 1
 
@@ -204,6 +207,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             vllm_kwargs=dict(vllm_kwargs),
         )
         check_compiled_platform(kwargs)
+        kwargs = with_resident_sites(kwargs, layout, info.d_model)
         kwargs, notes = _machine_defaults(info, config, kwargs, frame=sys._getframe())
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
         from vllm import LLM
@@ -297,6 +301,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
                 attn_result=self._attn_result,
                 tp_size=self._tp,
                 withheld=self._withheld,
+                resident=self._resident,
             )
             if not self._derived:
                 _LOG.warning(

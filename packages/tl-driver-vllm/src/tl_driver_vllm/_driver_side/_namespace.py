@@ -50,6 +50,11 @@ _TRANSFORMERS_ROTARY = (
     "vLLM runs {arch} on its Transformers backend, whose rotary table the vllm driver does "
     "not hook (hook_rot_q/hook_rot_k hold the rotated values)"
 )
+_IN_GRAPH = re.compile(r"blocks\.\d+\.hook_(in|out)|ln_final\.hook_(in|out)|unembed\.hook_out")
+_EAGER_ONLY = (
+    "a compiled engine traces only the residual stream and the final norm's output into its "
+    "graph; a run that reads or edits this hook runs the engine's eager forward"
+)
 _NO_LN1 = "{arch} has no norm before attention (attention reads the residual stream directly)"
 _NO_LN2 = "{arch} has no norm before the MLP (the MLP reads the residual stream directly)"
 _SHARED_LN = (
@@ -155,6 +160,7 @@ def hook_namespace(
     attn_result: bool = False,
     tp_size: int = 1,
     withheld: Mapping[str, str] | None = None,
+    resident: bool = False,
 ) -> HookNamespace:
     """The namespace of a model served by vLLM.
 
@@ -166,6 +172,8 @@ def hook_namespace(
             under tensor parallelism).
         withheld: Hooks the layout places but certification did not prove (names, or
             templates such as ``"blocks.{i}.ln2.hook_in"``), with the reason: not served.
+        resident: The engine is compiled with the residual-stream sites in its graph
+            (``_worker_side._resident``): every other engine-side hook is eager-only.
 
     Returns:
         The served, editable and non-fireable hooks, every one with its reason.
@@ -231,9 +239,16 @@ def hook_namespace(
             reasons[name] = why
     editable = served - set(read_only) - INPUT_SITES
     editable -= {n for n in served if n.endswith("mlp.hook_expert_indices")}
+    eager_only = {n: _EAGER_ONLY for n in served - INPUT_SITES if not _in_graph(n)}
     return HookNamespace.build(
-        info, served, editable=editable, read_only=read_only, reasons=reasons, driver="vllm"
-    )
+        info, served, editable=editable, read_only=read_only, reasons=reasons, driver="vllm",
+        eager_only=eager_only if resident else None,
+    )  # fmt: skip
+
+
+def _in_graph(name: str) -> bool:
+    """Whether a compiled engine serves ``name`` inside its compiled graph."""
+    return bool(_IN_GRAPH.fullmatch(name))
 
 
 def block_template(name: str) -> str:

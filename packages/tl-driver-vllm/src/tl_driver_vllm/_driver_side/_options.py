@@ -9,8 +9,16 @@ from typing import Any
 
 from tl_core import ConfigError
 from tl_core.driver_api import SamplingOptions
+from tl_driver_vllm._families import Layout
+from tl_driver_vllm._wire import RESIDENT_KEY
 
-__all__ = ["WORKER_EXTENSION", "check_compiled_platform", "engine_kwargs", "sampling_params"]
+__all__ = [
+    "WORKER_EXTENSION",
+    "check_compiled_platform",
+    "engine_kwargs",
+    "sampling_params",
+    "with_resident_sites",
+]
 
 WORKER_EXTENSION = "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
 
@@ -117,6 +125,29 @@ def check_compiled_platform(kwargs: dict[str, Any]) -> None:
             "hook, so captures and edits would miss steps. Remove the option (the driver "
             "then runs vLLM eagerly)."
         )
+
+
+def with_resident_sites(kwargs: dict[str, Any], layout: Layout, d_model: int) -> dict[str, Any]:
+    """``kwargs`` with the family's residual-stream layout in vLLM's ``additional_config``,
+    for a compiled engine of one of vLLM's own model classes (otherwise ``kwargs``).
+
+    The worker reads it right after vLLM loads the model and traces the residual-stream
+    sites into the compiled graph (``_worker_side._resident``); vLLM hashes it into its
+    compile cache key, so no graph traced without those sites is reused.
+    """
+    if kwargs.get("enforce_eager", True) or layout.batched:
+        return kwargs
+    extra = dict(kwargs.get("additional_config") or {})
+    extra[RESIDENT_KEY] = {
+        "inner": layout.inner,
+        "layers": layout.layers,
+        "final_norm": layout.final_norm,
+        "layer_input": layout.layer_input,
+        "residual_offset": layout.residual_offset,
+        "residual_pair": layout.residual_pair,
+        "d_model": d_model,
+    }
+    return {**kwargs, "additional_config": extra}
 
 
 def sampling_params(options: SamplingOptions) -> dict[str, Any]:

@@ -8,6 +8,7 @@ worker's own. This module is imported in every worker process and is safe to imp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, cast
@@ -22,6 +23,7 @@ from tl_driver_vllm._wire import TAG_KEY, Outbox, pack
 from tl_driver_vllm._worker_side._block_hooks import install_activations
 from tl_driver_vllm._worker_side._compiled import EagerSwitch
 from tl_driver_vllm._worker_side._patterns import AttentionFacts, attention_facts, rebuild
+from tl_driver_vllm._worker_side._resident import ResidentSites, install_on_load
 from tl_driver_vllm._worker_side._run_state import NORMED, RequestPlan, RunState, Step
 from tl_driver_vllm._worker_side._shards import Shard, layer_shards
 from tl_driver_vllm._worker_side._sites import (
@@ -35,6 +37,11 @@ from tl_driver_vllm._worker_side._sites import (
 __all__ = ["TLWorkerExtension"]
 
 _log = logging.getLogger("tl_driver_vllm")
+
+# Residual-stream sites must be on the model before vLLM's compiled warm-up traces it. A
+# vLLM build without the CPU model runner has no compiled mode for the driver.
+with contextlib.suppress(ImportError):
+    install_on_load()
 
 
 def _ranks() -> tuple[int, int, int, int]:
@@ -57,6 +64,8 @@ class TLWorkerExtension:
     _tl_outbox: Outbox | None
     _tl_dictionaries: dict[str, Any]
     _tl_switch: EagerSwitch
+    _tl_resident: ResidentSites | None
+    _tl_resident_run: bool
 
     def tl_install(
         self, architecture: str, n_layers: int, sizes: dict[str, Any], layout: dict[str, Any]
@@ -79,6 +88,8 @@ class TLWorkerExtension:
         tp_rank, tp_size, pp_rank, pp_size = _ranks()
         model = self._tl_model()
         self._tl_switch = EagerSwitch(model)
+        self._tl_resident = getattr(model, "_tl_resident", None) if self._tl_switch else None
+        self._tl_resident_run = False
         self._tl_fix_activations(architecture, tp_rank)
         self._tl_top_k = sizes.get("experts_per_token")
         self._tl_attention, self._tl_shards = self._tl_layer_facts(sizes, tp_rank, tp_size)
@@ -91,6 +102,7 @@ class TLWorkerExtension:
             "model_class": type(model).__name__,
             "dtype": str(next(model.parameters()).dtype),
             "compiled": bool(self._tl_switch),
+            "resident": self._tl_resident is not None,
         }
 
     def tl_begin(self, config: dict[str, Any]) -> None:
@@ -111,6 +123,18 @@ class TLWorkerExtension:
             dictionaries=self._tl_dictionaries,
         )  # fmt: skip
         self._tl_state = state
+        resident = self._tl_resident
+        if resident is not None and state.needed():
+            why = resident.refusal(state)
+            if why is None:
+                # Served inside the compiled graph: only the step layout is set in Python.
+                resident.begin(state)
+                self._tl_resident_run = True
+                self._tl_handles = [
+                    model.register_forward_pre_hook(self._tl_step, with_kwargs=True)
+                ]
+                return
+            _log.debug("tl: this run runs the eager forward: %s", why)
         _, tp_size, _, _ = _ranks()
         handles = install_sites(
             model, self._tl_layout, self._tl_n_layers, state,
@@ -186,6 +210,10 @@ class TLWorkerExtension:
         for handle in getattr(self, "_tl_handles", []):
             handle.remove()
         self._tl_handles = []
+        resident = getattr(self, "_tl_resident", None)
+        if resident is not None:
+            resident.end()
+        self._tl_resident_run = False
         switch = getattr(self, "_tl_switch", None)
         if switch is not None and switch.eager:
             switch.set(False)
@@ -291,16 +319,24 @@ class TLWorkerExtension:
         if state is None:
             return
         runner = self.model_runner  # type: ignore[attr-defined]
-        batch = runner.input_batch
-        n = batch.num_reqs
+        n = runner.input_batch.num_reqs
         starts = runner.query_start_loc.np[: n + 1]
-        computed = batch.num_computed_tokens_cpu[:n]
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         rows = positions.shape[-1] if isinstance(positions, torch.Tensor) else 0
         if n == 0 or rows < int(starts[n]):
             # Not a scheduled step (vLLM's dummy and profiling runs): nothing to map.
             state.step = Step([], torch.device("cpu"))
-            return
+        else:
+            state.step = self._tl_map_rows(state, runner, n, starts, positions.device)
+        if self._tl_resident_run:
+            self._tl_resident.step(state)  # type: ignore[union-attr]
+
+    def _tl_map_rows(
+        self, state: RunState, runner: Any, n: int, starts: Any, device: torch.device
+    ) -> Step:
+        """Rows of this step's tracked requests: ``(plan, first row, count, position)``."""
+        batch = runner.input_batch
+        computed = batch.num_computed_tokens_cpu[:n]
         entries = []
         for i, req_id in enumerate(batch.req_ids[:n]):
             if req_id not in state.tag_of:
@@ -312,7 +348,7 @@ class TLWorkerExtension:
             if plan is not None:
                 count = int(starts[i + 1] - starts[i])
                 entries.append((plan, int(starts[i]), count, int(computed[i])))
-        state.step = Step(entries, positions.device)
+        return Step(entries, device)
 
     def _tl_logits(self, state: RunState) -> dict[str, torch.Tensor]:
         """``unembed.hook_out`` and logits on this rank's vocabulary shard, batched, in the

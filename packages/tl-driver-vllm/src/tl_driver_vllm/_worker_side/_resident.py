@@ -1,0 +1,272 @@
+"""Worker side: residual-stream sites traced into vLLM's compiled graph.
+
+In compiled mode (``enforce_eager=False``) vLLM traces the backbone once, at boot. Hooks
+added later never run inside that graph, so a run with hooks falls back to the eager
+forward (``_compiled.EagerSwitch``). For the residual stream (``blocks.{i}.hook_in``,
+``blocks.{i}.hook_out``, ``ln_final.hook_in``) and the final norm's output (logits), the
+sites are instead installed *before* the trace, right after vLLM loads the model, as
+graph-safe work that one compiled graph serves for every run:
+
+* an ``add`` edit is a gather from a persistent per-site table: ``x + table[rows[:T]]``,
+  where row 0 of the table is zeros and ``rows`` (one entry per token of the step) is
+  written before each step; a run without edits adds exact zeros;
+* a capture is one opaque custom op per site (``tl_vllm::visit``) that hands the value to
+  whatever the current run registered for that site (``RunState.capture``) and does
+  nothing otherwise; it mutates only a one-element token, so inductor neither drops it nor
+  copies the residual stream for it.
+
+Outside a trace these hooks do nothing: the eager forward (eager fallback runs) is served
+by the run's ordinary hooks. What a run may do here, and why everything else runs eagerly,
+is ``ResidentSites.refusal``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tl_driver_vllm._wire import RESIDENT_KEY
+from tl_driver_vllm._worker_side._run_state import NORMED, RunState
+
+__all__ = ["RESIDENT_CAPACITY", "ResidentSites", "install_on_load"]
+
+#: Rows of each site's edit table (row 0 is the zero row): a run needing more runs eagerly.
+RESIDENT_CAPACITY = 64
+
+#: Hooks computed after the run from the final norm's output (``NORMED``).
+_AFTER_RUN = frozenset({"unembed.hook_out"})
+#: Per site token (its ``data_ptr``) -> what the current run does with the site's value.
+_WORK: dict[int, Callable[[torch.Tensor], None]] = {}
+
+
+@torch.library.custom_op("tl_vllm::visit", mutates_args=("token",))
+def _visit(x: torch.Tensor, token: torch.Tensor) -> None:
+    work = _WORK.get(token.data_ptr())
+    if work is not None:
+        work(x)
+
+
+@_visit.register_fake
+def _(x: torch.Tensor, token: torch.Tensor) -> None:
+    return None
+
+
+@dataclass
+class _Site:
+    """One residual-stream site: its hook names (forward order), table and step rows."""
+
+    names: tuple[str, ...]
+    table: torch.Tensor
+    rows: torch.Tensor
+    token: torch.Tensor
+    #: Rows of ``rows`` written for the current step (zeroed before the next).
+    dirty: int = 0
+
+
+class _ResidualHook:
+    """Pre-hook at a layer (or the final norm) that adds the site's table row and visits."""
+
+    def __init__(self, site: _Site, index: int, residual_at: int | None) -> None:
+        self.site, self.index, self.residual_at = site, index, residual_at
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not torch.compiler.is_compiling():
+            return None
+        at = self.residual_at
+        hidden = args[self.index]
+        residual = args[at] if at is not None and len(args) > at else None
+        x = hidden if residual is None else hidden + residual
+        x = x + self.site.table[self.site.rows[: x.shape[0]]]
+        torch.ops.tl_vllm.visit(x, self.site.token)
+        new = list(args)
+        new[self.index] = x
+        if residual is not None:
+            # The next fused add turns (x, 0) back into exactly x.
+            new[at] = torch.zeros_like(x)  # type: ignore[index]
+        return tuple(new), kwargs
+
+
+class _OutputHook:
+    """Forward hook on the final norm: visits its output (what logits are read from)."""
+
+    def __init__(self, site: _Site) -> None:
+        self.site = site
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if torch.compiler.is_compiling():
+            value = output[0] if isinstance(output, tuple) else output
+            torch.ops.tl_vllm.visit(value, self.site.token)
+
+
+class ResidentSites:
+    """The residual-stream sites of one model, traced into its compiled graph.
+
+    Args:
+        model: vLLM's top-level model, just loaded (before the compiled warm-up).
+        layout: The family's residual-stream layout (``RESIDENT_KEY``'s value).
+        max_tokens: The most tokens one step carries (vLLM's ``max_num_batched_tokens``).
+    """
+
+    def __init__(self, model: nn.Module, layout: dict[str, Any], max_tokens: int) -> None:
+        inner = model.get_submodule(layout["inner"])
+        layers = getattr(inner, layout["layers"])
+        final_norm = inner.get_submodule(layout["final_norm"])
+        param = next(model.parameters())
+        d_model = int(layout["d_model"])
+        n_layers = len(layers)
+        self.sites: list[_Site] = []
+        for k in range(n_layers + 1):
+            names = [f"blocks.{k - 1}.hook_out"] if k else []
+            names.append("ln_final.hook_in" if k == n_layers else f"blocks.{k}.hook_in")
+            site = self._site(tuple(names), d_model, max_tokens, param)
+            if k == n_layers:
+                index, residual_at = 0, 1 if layout["residual_pair"] else None
+                target = final_norm
+            else:
+                index = int(layout["layer_input"])
+                residual_at = index + int(layout["residual_offset"])
+                residual_at = residual_at if layout["residual_pair"] else None
+                target = layers[k]
+            target.register_forward_pre_hook(
+                _ResidualHook(site, index, residual_at), with_kwargs=True
+            )
+            self.sites.append(site)
+        self.output = self._site(("ln_final.hook_out", NORMED), d_model, 0, param)
+        final_norm.register_forward_hook(_OutputHook(self.output))
+        self.by_name = {n: s for s in (*self.sites, self.output) for n in s.names}
+        #: (site, hook, run table row -> site table row) per edited hook.
+        self._edited: list[tuple[_Site, str, torch.Tensor]] = []
+        self._visited: list[_Site] = []
+
+    @staticmethod
+    def _site(names: tuple[str, ...], d_model: int, max_tokens: int, param: torch.Tensor) -> _Site:
+        table = torch.zeros(RESIDENT_CAPACITY, d_model, device=param.device, dtype=param.dtype)
+        rows = torch.zeros(max(max_tokens, 1), dtype=torch.long, device=param.device)
+        return _Site(names, table, rows, torch.zeros(1, device=param.device))
+
+    def refusal(self, state: RunState) -> str | None:
+        """Why ``state`` cannot run in the compiled graph (``None``: it can).
+
+        The compiled graph serves captures of residual-stream sites and the final norm's
+        output (logits), and edits of residual-stream sites that only add (a scale of one
+        everywhere), at most one edited hook per site, captured only after its edit, with
+        fewer than ``RESIDENT_CAPACITY`` distinct vectors per site. Dictionaries and every
+        other site run eagerly.
+        """
+        if state.readers or state.writers:
+            return "a dictionary is attached"
+        outside = sorted(n for n in state.needed() - _AFTER_RUN if n not in self.by_name)
+        if outside:
+            return f"{outside[0]!r} is not a residual-stream site"
+        for name, table in state.tables.items():
+            site = self.by_name[name]
+            if site is self.output:
+                return f"{name!r} is edited (the final norm's output is read-only here)"
+            if table.zero is not None or not bool((table.scale == 1).all()):
+                return f"the edit of {name!r} scales (only additions run compiled)"
+            order = site.names.index(name)
+            if any(n in state.tables for n in site.names if n != name):
+                return f"{name!r} and another hook of the same site are both edited"
+            if any(n in state.captured for n in site.names[:order]):
+                return f"a hook captured before the edit of {name!r} at the same site"
+            if _distinct(table.bias)[0].shape[0] >= RESIDENT_CAPACITY:
+                return f"the edit of {name!r} adds {RESIDENT_CAPACITY} or more distinct vectors"
+        return None
+
+    def begin(self, state: RunState) -> None:
+        """Register ``state``'s captures and write its edit tables (``refusal`` was None)."""
+        self.end()
+        for site in (*self.sites, self.output):
+            names = tuple(n for n in site.names if n in state.captured)
+            if names:
+                _WORK[site.token.data_ptr()] = _capturer(state, names)
+                self._visited.append(site)
+        for name, table in state.tables.items():
+            site = self.by_name[name]
+            vectors, which = _distinct(table.bias)
+            site.table[1 : 1 + vectors.shape[0]].copy_(vectors)
+            # Row r of the run's table is row which[r] + 1 of the site's.
+            self._edited.append((site, name, which + 1))
+
+    def step(self, state: RunState) -> None:
+        """Point every edited site's rows at this step's table rows (before the step)."""
+        step = state.step
+        for site, name, remap in self._edited:
+            if site.dirty:
+                site.rows[: site.dirty].zero_()
+                site.dirty = 0
+            if step is None or not step.entries:
+                continue
+            rows, index = step.edit_rows(name, state.plans, site.rows.device)
+            if rows is None:
+                continue
+            if isinstance(rows, slice):
+                site.rows[rows] = remap[index]
+                site.dirty = rows.stop
+            else:
+                site.rows.index_copy_(0, rows, remap[index])
+                site.dirty = int(rows.max()) + 1
+
+    def end(self) -> None:
+        """Unregister the run and zero what it wrote (safe to call at any time)."""
+        for site in self._visited:
+            _WORK.pop(site.token.data_ptr(), None)
+        for site, _, _ in self._edited:
+            site.table.zero_()
+            site.rows.zero_()
+            site.dirty = 0
+        self._visited, self._edited = [], []
+
+
+def _distinct(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of an edit table and, per row, which one it is.
+
+    A positional edit has one row per prompt position (zeros where nothing is added), so
+    the distinct vectors are few however long the prompts are.
+    """
+    vectors, which = torch.unique(bias, dim=0, return_inverse=True)
+    return vectors, which
+
+
+def _capturer(state: RunState, names: tuple[str, ...]) -> Callable[[torch.Tensor], None]:
+    def work(x: torch.Tensor) -> None:
+        step = state.step
+        if step is None or not step.entries:
+            return
+        for name in names:
+            state.capture(name, x)
+
+    return work
+
+
+def install_on_load() -> None:
+    """Make vLLM's CPU model runner install resident sites right after loading a model.
+
+    Idempotent; inert for engines whose ``additional_config`` lacks ``RESIDENT_KEY`` (every
+    engine not booted compiled by the vllm driver). The sites end up on the model as
+    ``model._tl_resident``.
+    """
+    from vllm.v1.worker import cpu_model_runner
+
+    runner_cls = cpu_model_runner.CPUModelRunner
+    load = runner_cls.load_model
+    if getattr(load, "_tl_resident", False):
+        return
+
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
+        load(self, *args, **kwargs)
+        extra = getattr(self.vllm_config, "additional_config", None)
+        layout = extra.get(RESIDENT_KEY) if isinstance(extra, dict) else None
+        if layout is None or self.vllm_config.model_config.enforce_eager:
+            return
+        if self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            return  # stages hold some layers only: every run falls back to the eager forward
+        max_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
+        self.model._tl_resident = ResidentSites(self.model, layout, max_tokens)
+
+    load_model._tl_resident = True  # type: ignore[attr-defined]
+    runner_cls.load_model = load_model  # type: ignore[method-assign]
