@@ -17,7 +17,7 @@ graph-safe work that one compiled graph serves for every run:
 
 Outside a trace these hooks do nothing: the eager forward (eager fallback runs) is served
 by the run's ordinary hooks. What a run may do here, and why everything else runs eagerly,
-is ``ResidentSites.refusal``.
+is ``ResidentSites.start``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _(x: torch.Tensor, token: torch.Tensor) -> None:
     return None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Site:
     """One residual-stream site: its hook names (forward order), table and step rows."""
 
@@ -138,8 +138,8 @@ class ResidentSites:
         self.output = self._site(("ln_final.hook_out", NORMED), d_model, 0, param)
         final_norm.register_forward_hook(_OutputHook(self.output))
         self.by_name = {n: s for s in (*self.sites, self.output) for n in s.names}
-        #: (site, hook, run table row -> site table row) per edited hook.
-        self._edited: list[tuple[_Site, str, torch.Tensor]] = []
+        #: Per edited site: (hook, run table row -> site table row) per hook edited there.
+        self._edited: list[tuple[_Site, list[tuple[str, torch.Tensor]]]] = []
         self._visited: list[_Site] = []
 
     @staticmethod
@@ -148,88 +148,102 @@ class ResidentSites:
         rows = torch.zeros(max(max_tokens, 1), dtype=torch.long, device=param.device)
         return _Site(names, table, rows, torch.zeros(1, device=param.device))
 
-    def refusal(self, state: RunState) -> str | None:
-        """Why ``state`` cannot run in the compiled graph (``None``: it can).
+    def start(self, state: RunState) -> str | None:
+        """Serve ``state`` inside the compiled graph: register its captures and write its
+        edit tables. Returns why it cannot (then nothing changed), or ``None``.
 
         The compiled graph serves captures of residual-stream sites and the final norm's
         output (logits), and edits of residual-stream sites that only add (a scale of one
-        everywhere), at most one edited hook per site, captured only after its edit, with
-        fewer than ``RESIDENT_CAPACITY`` distinct vectors per site. Dictionaries and every
-        other site run eagerly.
+        everywhere) where no prompt edits two hooks of one site or captures a hook of the
+        site ahead of its edit (the graph adds once, before the capture), with fewer than
+        ``RESIDENT_CAPACITY`` distinct vectors per site. Dictionaries and every other site
+        run eagerly.
         """
-        if state.readers or state.writers:
-            return "a dictionary is attached"
-        outside = sorted(n for n in state.needed() - _AFTER_RUN if n not in self.by_name)
-        if outside:
-            return f"{outside[0]!r} is not a residual-stream site"
-        for name, table in state.tables.items():
-            site = self.by_name[name]
-            if site is self.output:
-                return f"{name!r} is edited (the final norm's output is read-only here)"
-            if table.zero is not None or not bool((table.scale == 1).all()):
-                return f"the edit of {name!r} scales (only additions run compiled)"
-            order = site.names.index(name)
-            if any(n in state.tables for n in site.names if n != name):
-                return f"{name!r} and another hook of the same site are both edited"
-            if any(n in state.captured for n in site.names[:order]):
-                return f"a hook captured before the edit of {name!r} at the same site"
-            if _distinct(table.bias)[0].shape[0] >= RESIDENT_CAPACITY:
-                return f"the edit of {name!r} adds {RESIDENT_CAPACITY} or more distinct vectors"
-        return None
-
-    def begin(self, state: RunState) -> None:
-        """Register ``state``'s captures and write its edit tables (``refusal`` was None)."""
+        why = self._refusal(state)
+        if why is not None:
+            return why
+        tables = self._site_tables(state)
+        if isinstance(tables, str):
+            return tables
         self.end()
         for site in (*self.sites, self.output):
             names = tuple(n for n in site.names if n in state.captured)
             if names:
                 _WORK[site.token.data_ptr()] = _capturer(state, names)
                 self._visited.append(site)
-        for name, table in state.tables.items():
-            site = self.by_name[name]
-            vectors, which = _distinct(table.bias)
+        for site, (vectors, remaps) in tables.items():
             site.table[1 : 1 + vectors.shape[0]].copy_(vectors)
-            # Row r of the run's table is row which[r] + 1 of the site's.
-            self._edited.append((site, name, which + 1))
+            self._edited.append((site, remaps))
+        return None
+
+    def _refusal(self, state: RunState) -> str | None:
+        if state.readers or state.writers:
+            return "a dictionary is attached"
+        outside = sorted(n for n in state.needed() - _AFTER_RUN if n not in self.by_name)
+        if outside:
+            return f"{outside[0]!r} is not a residual-stream site"
+        for name, table in state.tables.items():
+            if self.by_name[name] is self.output:
+                return f"{name!r} is edited (the final norm's output is read-only here)"
+            if table.zero is not None or not bool((table.scale == 1).all()):
+                return f"the edit of {name!r} scales (only additions run compiled)"
+        for plan in state.plans.values():
+            for site in self.sites:
+                edited = [k for k, n in enumerate(site.names) if n in plan.edits]
+                if len(edited) > 1:
+                    return f"prompt {plan.index} edits two hooks of one site {site.names}"
+                if edited and any(n in plan.capture for n in site.names[: edited[0]]):
+                    return f"prompt {plan.index} captures a hook of {site.names} ahead of its edit"
+        return None
+
+    def _site_tables(
+        self, state: RunState
+    ) -> dict[_Site, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] | str:
+        """Per edited site: its distinct vectors, and per hook, run table row -> site row."""
+        parts: dict[_Site, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+        for name, table in state.tables.items():
+            vectors, which = torch.unique(table.bias, dim=0, return_inverse=True)
+            parts.setdefault(self.by_name[name], []).append((name, vectors, which))
+        out: dict[_Site, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
+        for site, edits in parts.items():
+            remaps, first = [], 1  # row 0 stays zeros
+            for name, vectors, which in edits:
+                remaps.append((name, which + first))
+                first += vectors.shape[0]
+            if first > RESIDENT_CAPACITY:
+                return f"{first - 1} distinct vectors are added at {site.names} (at most {RESIDENT_CAPACITY - 1})"
+            out[site] = (torch.cat([v for _, v, _ in edits]), remaps)
+        return out
 
     def step(self, state: RunState) -> None:
         """Point every edited site's rows at this step's table rows (before the step)."""
         step = state.step
-        for site, name, remap in self._edited:
+        for site, remaps in self._edited:
             if site.dirty:
                 site.rows[: site.dirty].zero_()
                 site.dirty = 0
             if step is None or not step.entries:
                 continue
-            rows, index = step.edit_rows(name, state.plans, site.rows.device)
-            if rows is None:
-                continue
-            if isinstance(rows, slice):
-                site.rows[rows] = remap[index]
-                site.dirty = rows.stop
-            else:
-                site.rows.index_copy_(0, rows, remap[index])
-                site.dirty = int(rows.max()) + 1
+            for name, remap in remaps:
+                rows, index = step.edit_rows(name, state.plans, site.rows.device)
+                if rows is None:
+                    continue
+                if isinstance(rows, slice):
+                    site.rows[rows] = remap[index]
+                    site.dirty = max(site.dirty, rows.stop)
+                else:
+                    site.rows.index_copy_(0, rows, remap[index])
+                    site.dirty = max(site.dirty, int(rows.max()) + 1)
 
     def end(self) -> None:
         """Unregister the run and zero what it wrote (safe to call at any time)."""
         for site in self._visited:
             _WORK.pop(site.token.data_ptr(), None)
-        for site, _, _ in self._edited:
+        for site, _ in self._edited:
             site.table.zero_()
             site.rows.zero_()
             site.dirty = 0
         self._visited, self._edited = [], []
-
-
-def _distinct(bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct rows of an edit table and, per row, which one it is.
-
-    A positional edit has one row per prompt position (zeros where nothing is added), so
-    the distinct vectors are few however long the prompts are.
-    """
-    vectors, which = torch.unique(bias, dim=0, return_inverse=True)
-    return vectors, which
 
 
 def _capturer(state: RunState, names: tuple[str, ...]) -> Callable[[torch.Tensor], None]:

@@ -125,10 +125,9 @@ class TLWorkerExtension:
         self._tl_state = state
         resident = self._tl_resident
         if resident is not None and state.needed():
-            why = resident.refusal(state)
+            why = resident.start(state)
             if why is None:
                 # Served inside the compiled graph: only the step layout is set in Python.
-                resident.begin(state)
                 self._tl_resident_run = True
                 self._tl_handles = [
                     model.register_forward_pre_hook(self._tl_step, with_kwargs=True)
