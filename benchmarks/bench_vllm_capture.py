@@ -24,8 +24,9 @@ default compiled mode without tl (prefix caching off, as the driver runs it, so 
 round computes its prefill), on the checkpoint vLLM loaded for tl, and times the prefill
 and decoding baselines; every case is also reported against those, next to its ratio to
 the eager engine (the comparison issue #19 asks for). ``--compiled`` boots tl's engine with
-``enforce_eager=False``: vLLM compiles it, runs with nothing to capture or edit use the
-compiled graph, runs with hooks its eager forward (its "plain vLLM prefill" baseline is
+``enforce_eager=False``: vLLM compiles it with the residual-stream sites in its graph; runs
+with nothing requested, residual captures, ``add`` edits and logits use the compiled graph,
+runs with other hooks its eager forward (its "plain vLLM prefill" baseline is
 then the compiled engine too).
 
 Ratios divide the baseline's time by each case's, in the same mode and run: of the
@@ -383,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--compiled",
         action="store_true",
-        help="boot tl's engine with enforce_eager=False (compiled; runs with hooks run eagerly)",
+        help="boot tl's engine with enforce_eager=False (compiled; residual-stream runs stay "
+        "in the compiled graph, runs with other hooks run eagerly)",
     )
     args = parser.parse_args(argv)
     if args.child_json:
@@ -400,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(environment_line())
     if args.compiled:
         print(
-            "tl's engine: enforce_eager=False (vLLM compiles; runs with hooks run its eager forward)"
+            "tl's engine: enforce_eager=False (vLLM compiles; residual-stream runs stay in the "
+            "compiled graph, runs with other hooks run its eager forward)"
         )
     print(
         f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
