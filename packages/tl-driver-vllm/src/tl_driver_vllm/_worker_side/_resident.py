@@ -193,7 +193,8 @@ class ResidentSites:
                 if len(edited) > 1:
                     return f"prompt {plan.index} edits two hooks of one site {site.names}"
                 if edited and any(n in plan.capture for n in site.names[: edited[0]]):
-                    return f"prompt {plan.index} captures a hook of {site.names} ahead of its edit"
+                    ahead = f"captures a hook of {site.names} ahead of its edit"
+                    return f"prompt {plan.index} {ahead}"
         return None
 
     def _site_tables(
@@ -211,7 +212,8 @@ class ResidentSites:
                 remaps.append((name, which + first))
                 first += vectors.shape[0]
             if first > RESIDENT_CAPACITY:
-                return f"{first - 1} distinct vectors are added at {site.names} (at most {RESIDENT_CAPACITY - 1})"
+                most = RESIDENT_CAPACITY - 1
+                return f"{first - 1} distinct vectors are added at {site.names} (at most {most})"
             out[site] = (torch.cat([v for _, v, _ in edits]), remaps)
         return out
 
