@@ -3,8 +3,10 @@
 
 One compiled engine per family, chosen for how its blocks hand the residual stream on:
 fused ``(delta, residual)`` pairs (Llama), plain hidden states with learned positions
-(GPT-2), sandwich norms and a scaled embedding (Gemma 2), parallel blocks (GPT-J), and the
-residual two arguments after the hidden states (gpt-oss, a mixture of experts). Each run
+(GPT-2), sandwich norms and a scaled embedding (Gemma 2), parallel blocks (GPT-J), an
+embedding norm and an MLP activation the driver replaces before vLLM traces the model
+(BLOOM), and the residual two arguments after the hidden states (gpt-oss, a mixture of
+experts). Each run
 must stay in the compiled graph (a Python hook on decoder layer 0 runs only in the eager
 forward), match an eager engine of the same checkpoint within 1e-5 relative and the hf
 driver within the parity suite's band, over a ragged batch with chunked prefill; steered
@@ -27,7 +29,7 @@ from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FAMILIES = ("llama", "gpt2", "gemma2", "gptj", "gpt_oss")
+FAMILIES = ("llama", "gpt2", "gemma2", "gptj", "bloom", "gpt_oss")
 #: Built from its default transformers config (as in ``test_parity.py``).
 DEFAULT_CONFIG = frozenset({"gpt_oss"})
 LENGTHS = [9, 70, 3, 17]

@@ -129,13 +129,14 @@ def check_compiled_platform(kwargs: dict[str, Any]) -> None:
 
 def with_resident_sites(kwargs: dict[str, Any], layout: Layout, d_model: int) -> dict[str, Any]:
     """``kwargs`` with the family's residual-stream layout in vLLM's ``additional_config``,
-    for a compiled engine of one of vLLM's own model classes (otherwise ``kwargs``).
+    for a compiled engine (otherwise ``kwargs``).
 
-    The worker reads it right after vLLM loads the model and traces the residual-stream
-    sites into the compiled graph (``_worker_side._resident``); vLLM hashes it into its
-    compile cache key, so no graph traced without those sites is reused.
+    The worker reads it right after vLLM loads the model, before the warm-up traces it: it
+    installs the checkpoint's MLP activation (``Layout.activation``) and, on vLLM's own
+    model classes, the residual-stream sites (``_worker_side._resident``). vLLM hashes it
+    into its compile cache key, so no graph traced without them is reused.
     """
-    if kwargs.get("enforce_eager", True) or layout.batched:
+    if kwargs.get("enforce_eager", True):
         return kwargs
     extra = dict(kwargs.get("additional_config") or {})
     extra[RESIDENT_KEY] = {
@@ -146,6 +147,10 @@ def with_resident_sites(kwargs: dict[str, Any], layout: Layout, d_model: int) ->
         "residual_offset": layout.residual_offset,
         "residual_pair": layout.residual_pair,
         "d_model": d_model,
+        "mlp": layout.mlp,
+        "activation": None if layout.activation is None else list(layout.activation),
+        # The Transformers backend's tensors carry a batch axis: no sites there.
+        "sites": not layout.batched,
     }
     return {**kwargs, "additional_config": extra}
 

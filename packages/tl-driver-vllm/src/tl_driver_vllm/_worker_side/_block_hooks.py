@@ -23,13 +23,12 @@ the Transformers backend's batch axis and its ``Attention`` calls, and activatio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from tl_driver_vllm._families import Layout
 from tl_driver_vllm._worker_side._run_state import RunState
 
 __all__ = ["CallThrough", "ResidualInput", "SharedNormInput", "Unbatched", "install_activations"]
@@ -173,29 +172,33 @@ class CallThrough:
             vars(self.module)["forward"] = self.saved
 
 
-def install_activations(layers: Any, layout: Layout, n_layers: int) -> int:
+def install_activations(
+    layers: Any, mlp: str, activation: Sequence[str] | None, n_layers: int
+) -> int:
     """Give each MLP the checkpoint's activation where vLLM's model uses another one.
 
     Args:
         layers: The model's ``ModuleList`` of decoder layers on this worker.
-        layout: The family layout (its ``activation`` entry).
+        mlp: The MLP's path in a layer (``Layout.mlp``).
+        activation: ``(path in the MLP, activation name)`` (``Layout.activation``), or
+            ``None`` when the checkpoint's activation is vLLM's.
         n_layers: Number of decoder layers.
 
     Returns:
         How many MLPs got the activation (0 when the layout needs none).
     """
-    if layout.activation is None:
+    if activation is None:
         return 0
     from vllm.model_executor.layers.activation import get_act_fn
 
-    path, name = layout.activation
+    path, name = activation
     parent, _, attr = path.rpartition(".")
     changed = 0
     for i in range(n_layers):
         layer = layers[i]
         if type(layer).__name__ == "PPMissingLayer":
             continue
-        owner = layer.get_submodule(".".join(p for p in (layout.mlp, parent) if p))
+        owner = layer.get_submodule(".".join(p for p in (mlp, parent) if p))
         if not hasattr(owner, attr):
             raise AttributeError(f"layer {i} has no activation module at {path!r} of its MLP")
         setattr(owner, attr, get_act_fn(name))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tl_driver_vllm._wire import RESIDENT_KEY
+from tl_driver_vllm._worker_side._block_hooks import install_activations
 from tl_driver_vllm._worker_side._run_state import NORMED, RunState
 
 __all__ = ["RESIDENT_CAPACITY", "ResidentSites", "install_on_load"]
@@ -260,11 +261,13 @@ def _capturer(state: RunState, names: tuple[str, ...]) -> Callable[[torch.Tensor
 
 
 def install_on_load() -> None:
-    """Make vLLM's CPU model runner install resident sites right after loading a model.
+    """Make vLLM's CPU model runner prepare a compiled tl engine's model right after
+    loading it, before the warm-up traces it: the checkpoint's MLP activation where vLLM's
+    differs (``model._tl_activations``: how many MLPs got it) and the resident sites
+    (``model._tl_resident``).
 
     Idempotent; inert for engines whose ``additional_config`` lacks ``RESIDENT_KEY`` (every
-    engine not booted compiled by the vllm driver). The sites end up on the model as
-    ``model._tl_resident``.
+    engine not booted compiled by the vllm driver).
     """
     from vllm.v1.worker import cpu_model_runner
 
@@ -279,8 +282,16 @@ def install_on_load() -> None:
         layout = extra.get(RESIDENT_KEY) if isinstance(extra, dict) else None
         if layout is None or self.vllm_config.model_config.enforce_eager:
             return
-        if self.vllm_config.parallel_config.pipeline_parallel_size > 1:
-            return  # stages hold some layers only: every run falls back to the eager forward
+        inner = self.model.get_submodule(layout["inner"])
+        layers = getattr(inner, layout["layers"])
+        # The checkpoint's MLP activation must be in place before the graph is traced.
+        self.model._tl_activations = install_activations(
+            layers, layout["mlp"], layout["activation"], len(layers)
+        )
+        if not layout["sites"] or self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            # No residual sites (a Transformers-backend family, or pipeline stages holding
+            # some layers only): every hooked run takes the eager forward.
+            return
         max_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
         self.model._tl_resident = ResidentSites(self.model, layout, max_tokens)
 

@@ -246,7 +246,9 @@ class TLWorkerExtension:
     def _tl_fix_activations(self, architecture: str, tp_rank: int) -> None:
         layout = self._tl_layout
         layers = getattr(sub(self._tl_model(), layout.inner), layout.layers)
-        changed = install_activations(layers, layout, self._tl_n_layers)
+        changed = getattr(self._tl_model(), "_tl_activations", None)
+        if changed is None:  # not installed when vLLM loaded the model (an eager engine)
+            changed = install_activations(layers, layout.mlp, layout.activation, self._tl_n_layers)
         if changed and tp_rank == 0 and layout.activation is not None:
             path, name = layout.activation
             _log.warning(
