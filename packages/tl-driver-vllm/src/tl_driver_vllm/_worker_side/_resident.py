@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -296,4 +296,6 @@ def install_on_load() -> None:
         self.model._tl_resident = ResidentSites(self.model, layout, max_tokens)
 
     load_model._tl_resident = True  # type: ignore[attr-defined]
-    runner_cls.load_model = load_model  # type: ignore[method-assign]
+    # Any: with vLLM installed the assignment is a method-assign error, without it (CI's
+    # type check) an ignore comment would be unused.
+    cast(Any, runner_cls).load_model = load_model
