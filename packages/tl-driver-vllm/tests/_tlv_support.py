@@ -39,6 +39,24 @@ def reference_served(driver: Any) -> list[str]:
     )  # fmt: skip
 
 
+def layer_calls(driver: Any) -> tuple[list[int], Any]:
+    """Calls of decoder layer 0 in Python on the (in-process) worker, and the hook's handle.
+
+    A hook added after boot runs in the eager forward only, never inside a compiled graph:
+    an empty list after a run means the run stayed in the graph.
+    """
+    layout = driver._layout
+
+    def install(worker: Any) -> Any:
+        inner = worker.model_runner.model.get_submodule(layout.inner)
+        calls: list[int] = []
+        layer = getattr(inner, layout.layers)[0]
+        return calls, layer.register_forward_pre_hook(lambda module, args: calls.append(1))
+
+    [(calls, handle)] = driver._llm.collective_rpc(install)
+    return calls, handle
+
+
 def prompt_part(t: torch.Tensor, b: int, n: int) -> torch.Tensor:
     """Prompt ``b``'s real positions of a padded capture (both axes of attention maps)."""
     if t.dim() == 4 and t.shape[-1] == t.shape[-2] and t.shape[1] != t.shape[2]:

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS, check, prompt_part, rounding_ratio  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, check, layer_calls, prompt_part, rounding_ratio  # noqa: E402
 
 from tl_core import ConfigError, RemoteBridge, TransformerBridge  # noqa: E402
 
@@ -48,20 +48,6 @@ def engines(checkpoint: Any) -> Iterator[dict[str, Any]]:
         compiled.close()
 
 
-def _layer_calls(driver: Any) -> Any:
-    """A counter of decoder layer 0's Python calls in the (in-process) worker: a hook added
-    after boot runs in the eager forward only, never inside the compiled graph."""
-
-    def install(worker: Any) -> Any:
-        layer = worker.model_runner.model.model.layers[0]
-        calls: list[int] = []
-        handle = layer.register_forward_pre_hook(lambda module, args: calls.append(1))
-        return calls, handle
-
-    [(calls, handle)] = driver._llm.collective_rpc(install)
-    return calls, handle
-
-
 def test_the_engine_is_compiled_and_reports_it(engines: dict[str, Any]) -> None:
     assert all(w["compiled"] and w["resident"] for w in engines["compiled"].workers)
     assert not any(w["compiled"] or w["resident"] for w in engines["eager"].workers)
@@ -80,7 +66,7 @@ def test_the_namespace_marks_the_hooks_that_run_eagerly(engines: dict[str, Any])
 
 def test_a_run_without_hooks_uses_the_compiled_graph(engines: dict[str, Any]) -> None:
     driver, prompts = engines["compiled"], engines["prompts"]
-    calls, handle = _layer_calls(driver)
+    calls, handle = layer_calls(driver)
     try:
         plain = driver.forward(prompts, max_new_tokens=6, return_logits=False)
         assert calls == [], "the compiled engine ran its eager forward for a run without hooks"
@@ -153,7 +139,7 @@ def test_residual_runs_stay_in_the_compiled_graph_and_match_the_eager_engine(
     engines: dict[str, Any],
 ) -> None:
     driver, prompts = engines["compiled"], engines["prompts"]
-    calls, handle = _layer_calls(driver)
+    calls, handle = layer_calls(driver)
     try:
         ours = _resident_runs(driver, prompts)
         assert calls == [], "a residual-stream run ran the eager forward"

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS, check, prompt_part, rounding_ratio  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, check, layer_calls, prompt_part, rounding_ratio  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 
@@ -63,22 +63,6 @@ def family(
         bridge.close()
 
 
-def _layer_calls(driver: Any) -> tuple[list[int], Any]:
-    """Calls of decoder layer 0 in Python (the eager forward only), on the in-process worker."""
-    layout = driver._layout
-
-    def install(worker: Any) -> Any:
-        inner = worker.model_runner.model.get_submodule(layout.inner)
-        calls: list[int] = []
-        handle = getattr(inner, layout.layers)[0].register_forward_pre_hook(
-            lambda module, args: calls.append(1)
-        )
-        return calls, handle
-
-    [(calls, handle)] = driver._llm.collective_rpc(install)
-    return calls, handle
-
-
 def _specs(d: int) -> list[dict[str, Any] | None]:
     gen = torch.Generator().manual_seed(9)
     vec, other = (torch.randn(d, generator=gen).tolist() for _ in range(2))
@@ -107,7 +91,7 @@ def test_residual_runs_inside_the_compiled_graph_match_the_hf_driver(
     ]
     assert set(capture).isdisjoint(driver.namespace.eager_only)
     specs = _specs(driver.info.d_model)
-    calls, handle = _layer_calls(driver)
+    calls, handle = layer_calls(driver)
     try:
         runs = [
             driver.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0),

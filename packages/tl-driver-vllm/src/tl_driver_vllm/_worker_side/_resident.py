@@ -32,6 +32,7 @@ from torch import nn
 from tl_driver_vllm._wire import RESIDENT_KEY
 from tl_driver_vllm._worker_side._block_hooks import install_activations
 from tl_driver_vllm._worker_side._run_state import NORMED, RunState
+from tl_driver_vllm._worker_side._sites import residual_site
 
 __all__ = ["RESIDENT_CAPACITY", "ResidentSites", "install_on_load"]
 
@@ -121,20 +122,13 @@ class ResidentSites:
         n_layers = len(layers)
         self.sites: list[_Site] = []
         for k in range(n_layers + 1):
-            names = [f"blocks.{k - 1}.hook_out"] if k else []
-            names.append("ln_final.hook_in" if k == n_layers else f"blocks.{k}.hook_in")
-            site = self._site(tuple(names), d_model, max_tokens, param)
-            if k == n_layers:
-                index, residual_at = 0, 1 if layout["residual_pair"] else None
-                target = final_norm
-            else:
-                index = int(layout["layer_input"])
-                residual_at = index + int(layout["residual_offset"])
-                residual_at = residual_at if layout["residual_pair"] else None
-                target = layers[k]
-            target.register_forward_pre_hook(
-                _ResidualHook(site, index, residual_at), with_kwargs=True
+            names, index, residual_at = residual_site(
+                k, n_layers, int(layout["layer_input"]), int(layout["residual_offset"])
             )
+            site = self._site(tuple(names), d_model, max_tokens, param)
+            target = final_norm if k == n_layers else layers[k]
+            hook = _ResidualHook(site, index, residual_at if layout["residual_pair"] else None)
+            target.register_forward_pre_hook(hook, with_kwargs=True)
             self.sites.append(site)
         self.output = self._site(("ln_final.hook_out", NORMED), d_model, 0, param)
         final_norm.register_forward_hook(_OutputHook(self.output))

@@ -40,7 +40,14 @@ from tl_driver_vllm._worker_side._site_hooks import (
     normalized,
 )
 
-__all__ = ["attention_inputs", "install_sites", "normalized", "sub", "pattern_needs"]
+__all__ = [
+    "attention_inputs",
+    "install_sites",
+    "normalized",
+    "pattern_needs",
+    "residual_site",
+    "sub",
+]
 
 
 def sub(module: nn.Module | None, path: str | None) -> nn.Module | None:
@@ -75,6 +82,21 @@ def attention_inputs(layout: Layout, layer: int) -> tuple[str, str]:
     """The hooks holding the queries and keys that layer ``layer``'s attention receives."""
     p = f"blocks.{layer}.attn."
     return (p + "hook_rot_q", p + "hook_rot_k") if layout.rotary else (p + "hook_q", p + "hook_k")
+
+
+def residual_site(
+    k: int, n_layers: int, layer_input: int, residual_offset: int
+) -> tuple[list[str], int, int]:
+    """The residual stream entering block ``k`` (``k == n_layers``: the final norm).
+
+    Returns:
+        Its hooks in forward order, the position of the hidden states among the module's
+        arguments, and the position of the ``residual`` (fused add-norm families).
+    """
+    names = [f"blocks.{k - 1}.hook_out"] if k else []
+    if k == n_layers:
+        return [*names, "ln_final.hook_in"], 0, 1
+    return [*names, f"blocks.{k}.hook_in"], layer_input, layer_input + residual_offset
 
 
 def pattern_needs(layout: Layout, n_layers: int) -> dict[str, tuple[str, ...]]:
@@ -174,12 +196,13 @@ def install_sites(
     at.norm(sub(inner, layout.embed_norm), "embed_ln", mode="norm", pair=False, kind=layout.norm)
     final_norm = sub(inner, layout.final_norm)
     for k in range(n_layers + 1):
-        names = [f"blocks.{k - 1}.hook_out"] if k else []
+        names, index, residual_at = residual_site(
+            k, n_layers, layout.layer_input, layout.residual_offset
+        )
         if k == 0 and layout.embed_scaled:
             # Gemma scales the embedding after its module: the embedding as it enters the
             # residual stream is block 0's input (no position embedding comes between).
-            names.append("embed.hook_out")
-        names.append("ln_final.hook_in" if k == n_layers else f"blocks.{k}.hook_in")
+            names.insert(0, "embed.hook_out")
         derived = (
             at.want("ln_final.hook_scale", "ln_final.hook_normalized") if k == n_layers else ()
         )
@@ -188,8 +211,6 @@ def install_sites(
         if target is None or not (kept or derived):
             continue
         final = (layout.norm, norm_eps(target, layout.norm)) if k == n_layers else None
-        index = 0 if k == n_layers else layout.layer_input
-        residual_at = None if k == n_layers else layout.layer_input + layout.residual_offset
         hook = ResidualSite(state, kept, index, layout.residual_pair, final, residual_at)
         at.add(target, hook, "pre_kwargs")
     for i in range(n_layers):
