@@ -40,7 +40,7 @@ from tl_driver_vllm._driver_side._options import (
     check_compiled_platform,
     engine_kwargs,
     sampling_params,
-    with_resident_sites,
+    with_compiled_setup,
 )
 from tl_driver_vllm._driver_side._spawn import check_main_guard
 from tl_driver_vllm._families import Layout, model_info
@@ -207,7 +207,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             vllm_kwargs=dict(vllm_kwargs),
         )
         check_compiled_platform(kwargs)
-        kwargs = with_resident_sites(kwargs, layout, info.d_model)
+        kwargs = with_compiled_setup(kwargs, layout, info.d_model)
         kwargs, notes = _machine_defaults(info, config, kwargs, frame=sys._getframe())
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
         from vllm import LLM

@@ -17,7 +17,7 @@ __all__ = [
     "check_compiled_platform",
     "engine_kwargs",
     "sampling_params",
-    "with_resident_sites",
+    "with_compiled_setup",
 ]
 
 WORKER_EXTENSION = "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
@@ -127,7 +127,7 @@ def check_compiled_platform(kwargs: dict[str, Any]) -> None:
         )
 
 
-def with_resident_sites(kwargs: dict[str, Any], layout: Layout, d_model: int) -> dict[str, Any]:
+def with_compiled_setup(kwargs: dict[str, Any], layout: Layout, d_model: int) -> dict[str, Any]:
     """``kwargs`` with the family's residual-stream layout in vLLM's ``additional_config``,
     for a compiled engine (otherwise ``kwargs``).
 
