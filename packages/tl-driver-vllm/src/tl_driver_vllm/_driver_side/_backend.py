@@ -7,9 +7,14 @@ the whole process. With the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=
 later ``from_pretrained`` of that architecture in the same process then fails (its
 ``__init__`` asks for a vLLM config), and models built before fail at their first call: the
 hf driver and the vllm driver could not run one model side by side. ``classes_kept``
-restores the class once the engine is built. vLLM's own instance keeps working: the driver
-always runs the engine eagerly, where the decorated ``__call__`` only calls ``forward``,
-which ``nn.Module.__call__`` does too.
+restores the class once the engine is built. vLLM's own instance keeps working: without
+the decorated ``__call__`` it runs its eager ``forward`` through ``nn.Module.__call__``,
+also in a compiled engine (whose runs with hooks take the eager forward there anyway).
+
+A compiled engine's instance also registered a process-wide dynamo bytecode hook that
+calls methods of the decorating base class; with the class restored, the hook would fail
+every later ``torch.compile`` in the process (another engine's included), so
+``classes_kept`` removes it too.
 """
 
 from __future__ import annotations
@@ -53,3 +58,16 @@ def classes_kept(config: Any) -> Iterator[None]:
         for key, value in saved.items():
             if vars(cls).get(key) is not value:
                 setattr(cls, key, value)
+        _drop_bytecode_hooks(cls)
+
+
+def _drop_bytecode_hooks(cls: type) -> None:
+    """Remove dynamo bytecode hooks bound to instances of ``cls`` (see the module doc)."""
+    from torch._dynamo import convert_frame
+
+    hooks = getattr(convert_frame, "_bytecode_hooks", None)
+    if not isinstance(hooks, dict):
+        return
+    for key, hook in list(hooks.items()):
+        if isinstance(getattr(hook, "__self__", None), cls):
+            del hooks[key]
