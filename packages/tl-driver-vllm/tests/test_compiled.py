@@ -1,4 +1,4 @@
-"""Compiled mode (``enforce_eager=False``, vLLM's CPU build): runs with nothing to capture
+"""Compiled mode (the default on vLLM's CPU build): runs with nothing to capture
 or edit, and runs that capture the residual stream and logits or add to the residual
 stream, use vLLM's compiled graph; runs with other hooks its eager forward. Both are within
 float32 rounding of an eager engine and within the usual band of the hf driver; nothing is
@@ -15,7 +15,14 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS, check, layer_calls, prompt_part, rounding_ratio  # noqa: E402
+from _tlv_support import (  # noqa: E402
+    ENGINE_OPTIONS,
+    ENGINE_SIZES,
+    check,
+    layer_calls,
+    prompt_part,
+    rounding_ratio,
+)
 
 from tl_core import ConfigError, RemoteBridge, TransformerBridge  # noqa: E402
 
@@ -27,9 +34,7 @@ LENGTHS = [9, 40, 3, 17]
 @pytest.fixture(scope="module")
 def engines(checkpoint: Any) -> Iterator[dict[str, Any]]:
     folder = checkpoint("llama")
-    compiled = RemoteBridge.boot_vllm(
-        folder, dtype="float32", enforce_eager=False, **ENGINE_OPTIONS
-    )
+    compiled = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_SIZES)
     try:
         eager = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
         try:
@@ -48,9 +53,11 @@ def engines(checkpoint: Any) -> Iterator[dict[str, Any]]:
         compiled.close()
 
 
-def test_the_engine_is_compiled_and_reports_it(engines: dict[str, Any]) -> None:
+def test_the_engine_is_compiled_by_default_and_reports_it(engines: dict[str, Any]) -> None:
+    assert engines["compiled"].compiled and not engines["eager"].compiled
     assert all(w["compiled"] and w["resident"] for w in engines["compiled"].workers)
     assert not any(w["compiled"] or w["resident"] for w in engines["eager"].workers)
+    assert engines["eager"].namespace.eager_only == {}
 
 
 def test_the_namespace_marks_the_hooks_that_run_eagerly(engines: dict[str, Any]) -> None:
@@ -117,15 +124,23 @@ def test_captures_edits_and_logits_match_the_eager_engine_and_the_hf_driver(
 
 
 def _resident_runs(driver: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    """Residual captures, logits and per-prompt and positional ``add`` edits, prefill and
-    steered generation, with prompts of several lengths and chunked prefill."""
+    """Residual captures, logits and per-prompt and positional edits (every spec op),
+    prefill and steered generation, with prompts of several lengths and chunked prefill."""
     d = driver.info.d_model
     gen = torch.Generator().manual_seed(11)
     vectors = [torch.randn(d, generator=gen).tolist() for _ in range(3)]
     capture = ["blocks.0.hook_in", "blocks.0.hook_out", "blocks.1.hook_out", "ln_final.hook_in"]
-    per_prompt = [
-        {"blocks.0.hook_out": {"op": "add", "value": vectors[b % 3]}} for b in range(len(prompts))
+    ops: list[Any] = [
+        {"op": "add", "value": vectors[0]},
+        {"op": "scale", "factor": 0.5},
+        {"op": "set", "value": vectors[1], "pos": [0, -1]},
+        [
+            {"op": "scale", "factor": -1.0},
+            {"op": "add", "value": 0.3},
+            {"op": "suppress", "pos": 0},
+        ],
     ]
+    per_prompt = [{"blocks.0.hook_out": ops[b % len(ops)]} for b in range(len(prompts))]
     positional = {"blocks.1.hook_in": {"op": "add", "value": vectors[2], "pos": [0, 1, -1]}}
     steer = {"blocks.1.hook_out": {"op": "add", "value": vectors[0]}}
     return {
@@ -143,9 +158,13 @@ def test_residual_runs_stay_in_the_compiled_graph_and_match_the_eager_engine(
     try:
         ours = _resident_runs(driver, prompts)
         assert calls == [], "a residual-stream run ran the eager forward"
-        scaled = {"blocks.0.hook_out": {"op": "scale", "factor": 0.5}}
+        # blocks.0.hook_out and blocks.1.hook_in are one tensor: edited both, eagerly.
+        scaled = {
+            "blocks.0.hook_out": {"op": "add", "value": 0.25},
+            "blocks.1.hook_in": {"op": "scale", "factor": 0.5},
+        }
         fallback = driver.forward(prompts, capture=["blocks.0.hook_out"], intervene=scaled)
-        assert calls, "a run that scales the residual stream did not fall back to eager"
+        assert calls, "a run editing two hooks of one site did not take the eager forward"
     finally:
         handle.remove()
     eager = engines["eager"]
@@ -187,18 +206,30 @@ def test_nothing_is_traced_again_after_boot(engines: dict[str, Any]) -> None:
     assert counters["stats"]["unique_graphs"] == before
 
 
-def test_compiled_mode_is_refused_off_the_cpu_build(
-    checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+def test_off_the_cpu_build_the_default_is_eager_and_compiled_mode_is_refused(
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import vllm
     from vllm.platforms import current_platform
 
-    def no_engine(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("an engine was started")
+    asked: list[dict[str, Any]] = []
+
+    class Stop(Exception):
+        pass
+
+    def no_engine(**kwargs: Any) -> Any:
+        asked.append(kwargs)
+        raise Stop
 
     monkeypatch.setattr(vllm, "LLM", no_engine)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     with pytest.raises(ConfigError, match="CUDA graphs"):
         RemoteBridge.boot_vllm(checkpoint("llama"), enforce_eager=False)
-    with pytest.raises(ConfigError, match="enforce_eager must be True or False"):
+    with pytest.raises(ConfigError, match="enforce_eager must be True, False or None"):
         RemoteBridge.boot_vllm(checkpoint("llama"), enforce_eager="no")
+    assert asked == []
+    with caplog.at_level("INFO", logger="vllm.tl_driver_vllm"), pytest.raises(Stop):
+        RemoteBridge.boot_vllm(checkpoint("llama"))
+    [kwargs] = asked
+    assert kwargs["enforce_eager"] is True and "additional_config" not in kwargs
+    assert "tl runs vLLM eagerly" in caplog.text

@@ -3,7 +3,8 @@
 Each case attaches one dictionary (ReLU, JumpReLU and TopK autoencoders, a skip
 transcoder) to both drivers and compares logits and the dictionary's sites over a ragged
 batch whose longest prompt is prefilled in chunks (32-token steps), with per-prompt feature
-edits, one prompt unedited (TP=2: ``test_dictionaries_tp.py``).
+edits, one prompt unedited (TP=2: ``test_dictionaries_tp.py``). The engine is the driver's
+default, compiled: a run with a dictionary attached takes its eager forward.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS  # noqa: E402
+from _tlv_support import ENGINE_OPTIONS, ENGINE_SIZES  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 from tl_core.sae import SparseDictionary, random_dictionary  # noqa: E402
@@ -34,7 +35,8 @@ def _dictionary(d_in: int, d_sae: int, seed: int, **settings: Any) -> SparseDict
 @pytest.fixture(scope="module")
 def pair(checkpoint: Any) -> Iterator[tuple[RemoteBridge, TransformerBridge]]:
     folder = checkpoint("llama")
-    vllm = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_OPTIONS)
+    vllm = RemoteBridge.boot_vllm(folder, dtype="float32", **ENGINE_SIZES)
+    assert vllm.driver.compiled
     hf = TransformerBridge.boot_transformers(str(folder), dtype=torch.float32)
     yield vllm, hf
     vllm.close()

@@ -212,7 +212,7 @@ def test_position_interventions_can_be_switched_off(checkpoint: Any) -> None:
     ("options", "fragment"),
     [
         ({"enable_prefix_caching": True}, "prefix"),
-        ({"enforce_eager": 0}, "enforce_eager must be True or False"),
+        ({"enforce_eager": 0}, "enforce_eager must be True, False or None"),
         ({"worker_extension_cls": "x.Y"}, "worker extension"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"enable_batching": False, "max_num_seqs": 4}, "max_num_seqs"),

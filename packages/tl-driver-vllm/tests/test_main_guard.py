@@ -79,7 +79,7 @@ import psutil
 from tl_core import ConfigError, RemoteBridge
 
 FOLDER = {folder!r}
-OPTIONS = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 * 2**20)
+OPTIONS = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=32 * 2**20, enforce_eager=True)
 """
 
 

@@ -1,6 +1,6 @@
 """vLLM's default mode (engine core in its own process): every served hook through shared
 memory, equal to the hf driver's; the same run as bytes where shared memory is not usable;
-on an eager engine and a compiled one (``enforce_eager=False``: residual-stream runs and
+on an eager engine and a compiled one (the default: residual-stream runs and
 logits inside the compiled graph, runs with other hooks its eager forward).
 
 Its own module: vLLM caches its environment while an engine lives, so the mode switch
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS, check, diff, prompt_part, rounding_ratio  # noqa: E402
+from _tlv_support import ENGINE_SIZES, check, diff, prompt_part, rounding_ratio  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 from tl_driver_vllm._wire import SharedFiles  # noqa: E402
@@ -50,7 +50,7 @@ def test_default_mode_serves_every_hook_through_shared_memory_or_bytes(
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     folder = checkpoint("llama")
     bridge = RemoteBridge.boot_vllm(
-        folder, dtype="float32", use_attn_result=True, enforce_eager=eager, **ENGINE_OPTIONS
+        folder, dtype="float32", use_attn_result=True, enforce_eager=eager, **ENGINE_SIZES
     )
     shared = bridge.driver._shared
     try:

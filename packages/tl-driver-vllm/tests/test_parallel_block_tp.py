@@ -6,6 +6,9 @@ shared norm. Every served hook of a ragged batch (one prompt prefilled in chunks
 the hf driver's, gathered in head and neuron order, and every site both drivers edit,
 ``ln2.hook_in`` (the block input as the MLP alone reads it) included, must steer the
 activations and logits alike, with each rank cutting its columns out of the edit tables.
+The engine is compiled (the driver's default): runs with hooks beyond the residual stream
+take its eager forward on both ranks, residual-stream runs stay in its graph; every result
+must also equal an eager TP=2 engine's within ``COMPILED_RTOL``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import ENGINE_OPTIONS, check, prompt_part, rounding_ratio  # noqa: E402
+from _tlv_support import (  # noqa: E402
+    ENGINE_OPTIONS,
+    ENGINE_SIZES,
+    check,
+    eager_ratio,
+    prompt_part,
+    rounding_ratio,
+)
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 
@@ -52,12 +62,14 @@ def test_gptj_tensor_parallel_2_every_site(
     # Two workers on a one-NUMA-node machine: vLLM's automatic thread binding refuses.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     folder = checkpoint("gptj")
-    bridge = RemoteBridge.boot_vllm(
-        folder, dtype="float32", tensor_parallel_size=2, use_attn_result=True, **ENGINE_OPTIONS
-    )
+    options = {"dtype": "float32", "tensor_parallel_size": 2, "use_attn_result": True}
+    bridge = RemoteBridge.boot_vllm(folder, **options, **ENGINE_SIZES)
+    eager_bridge: RemoteBridge | None = None
     try:
-        driver = bridge.driver
+        eager_bridge = RemoteBridge.boot_vllm(folder, **options, **ENGINE_OPTIONS)
+        driver, eager = bridge.driver, eager_bridge.driver
         assert sorted(w["tp_rank"] for w in driver.workers) == [0, 1]
+        assert all(w["compiled"] and w["resident"] for w in driver.workers)
         hf, exact = (
             TransformerBridge.boot_transformers(
                 str(folder), dtype=dtype, use_attn_result=True
@@ -76,25 +88,42 @@ def test_gptj_tensor_parallel_2_every_site(
         } <= set(capture)
         intervene = _every_site(driver, hf, len(prompts))
         assert any(spec and "blocks.0.ln2.hook_in" in spec for spec in intervene)
+        # Residual-stream captures and adds only: served inside the compiled graph.
+        stream = [f"blocks.{i}.hook_in" for i in range(driver.info.n_layers)]
+        adds = [
+            {"blocks.1.hook_in": {"op": "add", "value": 0.5, "pos": [0, -1]}},
+            None, None, None, None,
+            {"blocks.0.hook_out": {"op": "add", "value": [0.1] * driver.info.d_model}},
+        ]  # fmt: skip
         report: dict[str, float] = {}
-        for label, specs in (("plain", None), ("specs", intervene)):
-            ours = driver.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
-            theirs = hf.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
-            truth = exact.forward(prompts, capture=capture, intervene=specs, max_new_tokens=0)
+        for label, names, specs in (
+            ("plain", capture, None), ("specs", capture, intervene), ("stream", stream, adds),
+        ):  # fmt: skip
+            ours, same, theirs, truth = (
+                d.forward(prompts, capture=names, intervene=specs, max_new_tokens=0)
+                for d in (driver, eager, hf, exact)
+            )
             for b, n in enumerate(ours.lengths):
-                for k in capture:
-                    report[f"{label}:p{b}:{k}"] = rounding_ratio(
-                        *(prompt_part(r.captured[k], b, n) for r in (ours, theirs, truth)), k
+                for k in [*names, "logits"]:
+                    got, eager_value, want, exact_value = (
+                        prompt_part(r.logits if k == "logits" else r.captured[k], b, n)
+                        for r in (ours, same, theirs, truth)
                     )
-                report[f"{label}:p{b}:logits"] = rounding_ratio(
-                    ours.logits[b, :n], theirs.logits[b, :n], truth.logits[b, :n]
-                )
+                    report[f"{label}:p{b}:{k}"] = rounding_ratio(got, want, exact_value, k)
+                    report[f"{label}:p{b}:{k} vs eager"] = eager_ratio(got, eager_value)
         check(
-            report, 1.0, f"GPT-J TP=2 ({len(capture)} hooks)" + ", error / allowed against float64"
+            report,
+            1.0,
+            f"GPT-J TP=2 ({len(capture)} hooks), error / allowed against float64, and "
+            "compiled against eager",
         )
         steered = driver.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
         want = hf.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
+        again = eager.forward(prompts, intervene=intervene, max_new_tokens=4, stop_at_eos=False)
         assert steered.new_tokens is not None and want.new_tokens is not None
         assert steered.new_tokens.tolist() == want.new_tokens.tolist()
+        assert torch.equal(steered.new_tokens, again.new_tokens)
     finally:
+        if eager_bridge is not None:
+            eager_bridge.close()
         bridge.close()

@@ -23,7 +23,11 @@ from tl_driver_vllm._driver_side._derive import serving_layout  # noqa: E402
 from tl_driver_vllm._driver_side._edit_tables import edit_table  # noqa: E402
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows  # noqa: E402
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace  # noqa: E402
-from tl_driver_vllm._driver_side._options import engine_kwargs, sampling_params  # noqa: E402
+from tl_driver_vllm._driver_side._options import (  # noqa: E402
+    engine_kwargs,
+    engine_mode,
+    sampling_params,
+)
 from tl_driver_vllm._families import FAMILY_LAYOUTS, layout_for, model_info  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
 from tl_driver_vllm._worker_side._shards import Shard, layer_shards  # noqa: E402
@@ -157,7 +161,7 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
         pipeline_parallel_size=1,
         vllm_kwargs={"seed": 3},
     )
-    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is True
+    assert kwargs["enable_prefix_caching"] is False and kwargs["enforce_eager"] is None
     assert kwargs["worker_extension_cls"] == "tl_driver_vllm._worker_side._worker.TLWorkerExtension"
     assert kwargs["dtype"] == "bfloat16" and kwargs["max_num_seqs"] == 1 and kwargs["seed"] == 3
     assert "gpu_memory_utilization" not in kwargs
@@ -180,6 +184,35 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
         pipeline_parallel_size=1, vllm_kwargs={"enforce_eager": False},
     )  # fmt: skip
     assert compiled["enforce_eager"] is False and compiled["enable_prefix_caching"] is False
+
+
+class _Platform:
+    def __init__(self, cpu: bool) -> None:
+        self.cpu = cpu
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+@pytest.mark.parametrize(
+    "asked,cpu,want",
+    [(None, True, False), (None, False, True), (True, True, True), (True, False, True),
+     (False, True, False)],
+)  # fmt: skip
+def test_the_engine_is_compiled_by_default_where_compiled_mode_is_served(
+    asked: bool | None, cpu: bool, want: bool
+) -> None:
+    kwargs, note = engine_mode({"model": "m", "enforce_eager": asked}, _Platform(cpu))
+    assert kwargs == {"model": "m", "enforce_eager": want}
+    # Only the default that falls back to eager says so.
+    assert (note is not None) == (asked is None and not cpu)
+    if note is not None:
+        assert "_Platform" in note and "enforce_eager=True" in note
+
+
+def test_compiled_mode_off_the_cpu_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"runs only on vLLM.s CPU build.*Remove the option"):
+        engine_mode({"enforce_eager": False}, _Platform(cpu=False))
 
 
 def test_sampling_options_map_to_sampling_params() -> None:

@@ -32,12 +32,6 @@ def register(sub: Any) -> None:
     hooks.add_argument(
         "--all", action="store_true", help="also list the hooks the driver cannot fire"
     )
-    hooks.add_argument(
-        "--compiled",
-        action="store_true",
-        help="boot the engine compiled (vllm: enforce_eager=False) and mark the hooks "
-        "that make a run leave the compiled graph",
-    )
     hooks.set_defaults(run=run_hooks)
     resolve = sub.add_parser("resolve", help="show what a hook name (or alias) resolves to")
     resolve.add_argument("names", nargs="+")
@@ -47,29 +41,23 @@ def register(sub: Any) -> None:
 
 
 def _boot(args: argparse.Namespace) -> Any:
-    from tl_core import ConfigError
     from tl_core.bridges._boot import boot
     from tl_core.cli._model_arg import check_model, default_driver
 
-    options: dict[str, Any] = {}
-    if getattr(args, "compiled", False):
-        if args.driver != "vllm":
-            chosen = args.driver or "chosen from --model"
-            raise ConfigError(
-                f"--compiled boots vLLM compiled, but the driver is {chosen!r}: add "
-                "--driver vllm (the other drivers have no compiled mode)"
-            )
-        options["enforce_eager"] = False
     if args.model is None:
         # Without --model the native GPT-2-style preset boots; other drivers say what they need.
         driver = args.driver or "native"
-        return boot("gpt2" if driver == "native" else None, driver=driver, **options)
+        return boot("gpt2" if driver == "native" else None, driver=driver)
     model = check_model(args.model)  # before any driver is imported
-    return boot(model, driver=args.driver or default_driver(model), **options)
+    return boot(model, driver=args.driver or default_driver(model))
 
 
 def run_hooks(args: argparse.Namespace) -> int:
-    """Print every hook of the booted model with its layout and what specs can do there."""
+    """Print every hook of the booted model with its layout and what specs can do there.
+
+    On a compiled engine (the vllm driver's default on vLLM's CPU build) the hooks whose runs
+    leave the compiled graph are marked ``eager``, with the reason.
+    """
     bridge = _boot(args)
     try:
         namespace = bridge.namespace

@@ -37,8 +37,8 @@ from tl_driver_vllm._driver_side._memory import available_memory, cpu_kv_cache
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace
 from tl_driver_vllm._driver_side._options import (
-    check_compiled_platform,
     engine_kwargs,
+    engine_mode,
     sampling_params,
     with_compiled_setup,
 )
@@ -112,6 +112,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             attn_result=use_attn_result,
             tp_size=self._tp,
             withheld=self._withheld,
+            compiled=self.compiled,
             resident=self._resident,
         )
         self._ranks_checked = self._tp == 1
@@ -137,10 +138,13 @@ class VLLMDriver(RequestForward, NamespaceFacts):
     ) -> VLLMDriver:
         """Start a vLLM engine for ``model`` with tl's worker extension.
 
-        Prefix caching is always off (cached positions would have no activations). The
-        engine runs eagerly unless ``enforce_eager=False`` (vLLM's CPU build only): then
-        vLLM compiles the model, runs with nothing to capture or edit use the compiled
-        model, and runs with hooks its eager forward (see the README's "Compilation").
+        Prefix caching is always off (cached positions would have no activations). On
+        vLLM's CPU build the engine is compiled (vLLM's default): runs with nothing to
+        capture or edit, residual-stream captures and edits, and logits use the
+        compiled graph, every other run the model's eager forward, chosen per run (see the
+        README's "Compilation"); ``enforce_eager=True`` runs everything eagerly. On other
+        platforms the engine runs eagerly (one log line says so) and
+        ``enforce_eager=False`` is refused.
 
         On vLLM's CPU build with no memory option (``kv_cache_memory_bytes``,
         ``gpu_memory_utilization``, ``VLLM_CPU_KVCACHE_SPACE``), the KV cache is sized for
@@ -206,9 +210,11 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             pipeline_parallel_size=pipeline_parallel_size,
             vllm_kwargs=dict(vllm_kwargs),
         )
-        check_compiled_platform(kwargs)
+        kwargs, eager_note = engine_mode(kwargs)
         kwargs = with_compiled_setup(kwargs, layout, info.d_model)
         kwargs, notes = _machine_defaults(info, config, kwargs, frame=sys._getframe())
+        if eager_note is not None:
+            notes.append((logging.INFO, eager_note))
         hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer or path, trust_remote_code=trust)
         from vllm import LLM
 
@@ -301,6 +307,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
                 attn_result=self._attn_result,
                 tp_size=self._tp,
                 withheld=self._withheld,
+                compiled=self.compiled,
                 resident=self._resident,
             )
             if not self._derived:
@@ -318,6 +325,12 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             )  # fmt: skip
 
     # -- facts ------------------------------------------------------------------------
+
+    @property
+    def compiled(self) -> bool:
+        """Whether vLLM runs the model compiled (``enforce_eager=False``): then
+        ``namespace.eager_only`` lists the hooks whose runs take the eager forward."""
+        return all(w["compiled"] for w in self.workers)
 
     @property
     def info(self) -> ModelInfo:

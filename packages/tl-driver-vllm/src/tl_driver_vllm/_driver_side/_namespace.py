@@ -55,6 +55,10 @@ _EAGER_ONLY = (
     "a compiled engine traces only the residual stream and the final norm's output into its "
     "graph; a run that reads or edits this hook runs the engine's eager forward"
 )
+_EAGER_ONLY_ALL = (
+    "this compiled engine has no tl site in its graph ({why}); a run that reads or edits "
+    "any hook runs the engine's eager forward"
+)
 _NO_LN1 = "{arch} has no norm before attention (attention reads the residual stream directly)"
 _NO_LN2 = "{arch} has no norm before the MLP (the MLP reads the residual stream directly)"
 _SHARED_LN = (
@@ -160,6 +164,7 @@ def hook_namespace(
     attn_result: bool = False,
     tp_size: int = 1,
     withheld: Mapping[str, str] | None = None,
+    compiled: bool = False,
     resident: bool = False,
 ) -> HookNamespace:
     """The namespace of a model served by vLLM.
@@ -172,8 +177,10 @@ def hook_namespace(
             under tensor parallelism).
         withheld: Hooks the layout places but certification did not prove (names, or
             templates such as ``"blocks.{i}.ln2.hook_in"``), with the reason: not served.
-        resident: The engine is compiled with the residual-stream sites in its graph
-            (``_worker_side._resident``): every other engine-side hook is eager-only.
+        compiled: The engine is compiled: every engine-side hook outside its graph is
+            eager-only.
+        resident: The compiled engine has the residual-stream sites in its graph
+            (``_worker_side._resident``); without them every engine-side hook is eager-only.
 
     Returns:
         The served, editable and non-fireable hooks, every one with its reason.
@@ -239,10 +246,19 @@ def hook_namespace(
             reasons[name] = why
     editable = served - set(read_only) - INPUT_SITES
     editable -= {n for n in served if n.endswith("mlp.hook_expert_indices")}
-    eager_only = {n: _EAGER_ONLY for n in served - INPUT_SITES if not _in_graph(n)}
+    eager_only: dict[str, str] = {}
+    if compiled and resident:
+        eager_only = {n: _EAGER_ONLY for n in served - INPUT_SITES if not _in_graph(n)}
+    elif compiled:
+        why = (
+            "vLLM runs it on its Transformers backend"
+            if layout.batched
+            else "its layers are split into pipeline stages"
+        )
+        eager_only = dict.fromkeys(served - INPUT_SITES, _EAGER_ONLY_ALL.format(why=why))
     return HookNamespace.build(
         info, served, editable=editable, read_only=read_only, reasons=reasons, driver="vllm",
-        eager_only=eager_only if resident else None,
+        eager_only=eager_only,
     )  # fmt: skip
 
 

@@ -14,8 +14,8 @@ from tl_driver_vllm._wire import RESIDENT_KEY
 
 __all__ = [
     "WORKER_EXTENSION",
-    "check_compiled_platform",
     "engine_kwargs",
+    "engine_mode",
     "sampling_params",
     "with_compiled_setup",
 ]
@@ -70,9 +70,12 @@ def engine_kwargs(
     ):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ConfigError(f"{key} must be an int >= 1, got {size!r}")
-    eager = vllm_kwargs.get("enforce_eager", True)
-    if not isinstance(eager, bool):
-        raise ConfigError(f"enforce_eager must be True or False, got {eager!r}")
+    eager = vllm_kwargs.get("enforce_eager")
+    if eager is not None and not isinstance(eager, bool):
+        raise ConfigError(
+            f"enforce_eager must be True, False or None (compiled where the driver serves "
+            f"it), got {eager!r}"
+        )
     if not enable_batching:
         if vllm_kwargs.get("max_num_seqs", 1) != 1:
             raise ConfigError(
@@ -87,7 +90,7 @@ def engine_kwargs(
         "pipeline_parallel_size": pipeline_parallel_size,
         **vllm_kwargs,
         "enable_prefix_caching": False,
-        # Eager unless asked: see the README's "Compilation" for what compiled mode runs.
+        # None until engine_mode() resolves it for the platform.
         "enforce_eager": eager,
         "worker_extension_cls": WORKER_EXTENSION,
     }
@@ -104,27 +107,41 @@ def engine_kwargs(
     return out
 
 
-def check_compiled_platform(kwargs: dict[str, Any]) -> None:
-    """Refuse compiled mode (``enforce_eager=False``) off vLLM's CPU build.
+def engine_mode(kwargs: dict[str, Any], platform: Any = None) -> tuple[dict[str, Any], str | None]:
+    """``kwargs`` with ``enforce_eager`` decided, and a note to log when the default was eager.
 
-    A run with hooks executes the model's eager forward inside the compiled engine; on
-    GPUs vLLM's runner would replay captured CUDA graphs for some steps, which run no
-    Python at all, so captures and edits would silently miss those steps.
+    Unset (``None``), the engine is compiled where the driver serves compiled mode (vLLM's
+    CPU build) and eager elsewhere. Compiled mode on a GPU is refused: a run with hooks
+    executes the model's eager forward inside the compiled engine, but vLLM's GPU runner
+    would replay captured CUDA graphs for some steps, which run no Python at all, so
+    captures and edits would silently miss those steps.
+
+    Args:
+        kwargs: ``engine_kwargs``'s result.
+        platform: vLLM's ``current_platform`` (read from vLLM when ``None``).
 
     Raises:
         ConfigError: ``enforce_eager=False`` on a platform other than the CPU.
     """
-    if kwargs.get("enforce_eager", True):
-        return
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    eager = kwargs.get("enforce_eager")
+    if eager is True:
+        return kwargs, None
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    name = type(platform).__name__
+    if platform.is_cpu():
+        return {**kwargs, "enforce_eager": False}, None
+    if eager is False:
         raise ConfigError(
-            "boot_vllm(enforce_eager=False) runs only on vLLM's CPU build for now: on "
-            f"{type(current_platform).__name__} vLLM replays CUDA graphs that run no tl "
-            "hook, so captures and edits would miss steps. Remove the option (the driver "
-            "then runs vLLM eagerly)."
+            f"boot_vllm(enforce_eager=False) runs only on vLLM's CPU build for now: on {name} "
+            "vLLM replays CUDA graphs that run no tl hook, so captures and edits would miss "
+            "steps. Remove the option (the driver then runs vLLM eagerly there)."
         )
+    note = (
+        f"tl runs vLLM eagerly on {name} (enforce_eager=True): compiled mode with CUDA "
+        "graphs is served on vLLM's CPU build only for now; see the README's 'Compilation'"
+    )
+    return {**kwargs, "enforce_eager": True}, note
 
 
 def with_compiled_setup(kwargs: dict[str, Any], layout: Layout, d_model: int) -> dict[str, Any]:
@@ -136,7 +153,7 @@ def with_compiled_setup(kwargs: dict[str, Any], layout: Layout, d_model: int) ->
     model classes, the residual-stream sites (``_worker_side._resident``). vLLM hashes it
     into its compile cache key, so no graph traced without them is reused.
     """
-    if kwargs.get("enforce_eager", True):
+    if kwargs["enforce_eager"]:
         return kwargs
     extra = dict(kwargs.get("additional_config") or {})
     extra[RESIDENT_KEY] = {

@@ -7,9 +7,11 @@ forward (``_compiled.EagerSwitch``). For the residual stream (``blocks.{i}.hook_
 sites are instead installed *before* the trace, right after vLLM loads the model, as
 graph-safe work that one compiled graph serves for every run:
 
-* an ``add`` edit is a gather from a persistent per-site table: ``x + table[rows[:T]]``,
-  where row 0 of the table is zeros and ``rows`` (one entry per token of the step) is
-  written before each step; a run without edits adds exact zeros;
+* an edit (every spec op is affine: ``scale`` f/0, ``add`` 1/v, ``set`` 0/v, ``suppress``
+  0/0) is a gather from persistent per-site tables: ``x * scale[r] + bias[r]`` with
+  ``r = rows[:T]`` (``bias[r]`` itself where the scale is 0, as on the eager path), where
+  row 0 is the identity (scale 1, bias 0) and ``rows`` (one entry per token of the step) is
+  written before each step; a run without edits computes exactly ``x``;
 * a capture is one opaque custom op per site (``tl_vllm::visit``) that hands the value to
   whatever the current run registered for that site (``RunState.capture``) and does
   nothing otherwise; it mutates only a one-element token, so inductor neither drops it nor
@@ -36,7 +38,7 @@ from tl_driver_vllm._worker_side._sites import residual_site
 
 __all__ = ["RESIDENT_CAPACITY", "ResidentSites", "install_on_load"]
 
-#: Rows of each site's edit table (row 0 is the zero row): a run needing more runs eagerly.
+#: Rows of each site's edit tables (row 0 is the identity): a run needing more runs eagerly.
 RESIDENT_CAPACITY = 64
 
 #: Hooks computed after the run from the final norm's output (``NORMED``).
@@ -59,10 +61,11 @@ def _(x: torch.Tensor, token: torch.Tensor) -> None:
 
 @dataclass(eq=False)
 class _Site:
-    """One residual-stream site: its hook names (forward order), table and step rows."""
+    """One residual-stream site: its hook names (forward order), edit tables and step rows."""
 
     names: tuple[str, ...]
-    table: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
     rows: torch.Tensor
     token: torch.Tensor
     #: Rows of ``rows`` written for the current step (zeroed before the next).
@@ -70,7 +73,7 @@ class _Site:
 
 
 class _ResidualHook:
-    """Pre-hook at a layer (or the final norm) that adds the site's table row and visits."""
+    """Pre-hook at a layer (or the final norm) that applies the site's table rows and visits."""
 
     def __init__(self, site: _Site, index: int, residual_at: int | None) -> None:
         self.site, self.index, self.residual_at = site, index, residual_at
@@ -82,7 +85,9 @@ class _ResidualHook:
         hidden = args[self.index]
         residual = args[at] if at is not None and len(args) > at else None
         x = hidden if residual is None else hidden + residual
-        x = x + self.site.table[self.site.rows[: x.shape[0]]]
+        rows = self.site.rows[: x.shape[0]]
+        scale, bias = self.site.scale[rows], self.site.bias[rows]
+        x = torch.where(scale == 0, bias, x * scale + bias)
         torch.ops.tl_vllm.visit(x, self.site.token)
         new = list(args)
         new[self.index] = x
@@ -139,20 +144,20 @@ class ResidentSites:
 
     @staticmethod
     def _site(names: tuple[str, ...], d_model: int, max_tokens: int, param: torch.Tensor) -> _Site:
-        table = torch.zeros(RESIDENT_CAPACITY, d_model, device=param.device, dtype=param.dtype)
+        scale = torch.ones(RESIDENT_CAPACITY, d_model, device=param.device, dtype=param.dtype)
         rows = torch.zeros(max(max_tokens, 1), dtype=torch.long, device=param.device)
-        return _Site(names, table, rows, torch.zeros(1, device=param.device))
+        token = torch.zeros(1, device=param.device)
+        return _Site(names, scale, torch.zeros_like(scale), rows, token)
 
     def start(self, state: RunState) -> str | None:
         """Serve ``state`` inside the compiled graph: register its captures and write its
         edit tables. Returns why it cannot (then nothing changed), or ``None``.
 
         The compiled graph serves captures of residual-stream sites and the final norm's
-        output (logits), and edits of residual-stream sites that only add (a scale of one
-        everywhere) where no prompt edits two hooks of one site or captures a hook of the
-        site ahead of its edit (the graph adds once, before the capture), with fewer than
-        ``RESIDENT_CAPACITY`` distinct vectors per site. Dictionaries and every other site
-        run eagerly.
+        output (logits), and edits of residual-stream sites (any spec op) where no prompt
+        edits two hooks of one site or captures a hook of the site ahead of its edit (the
+        graph edits once, before the capture), with fewer than ``RESIDENT_CAPACITY``
+        distinct edit rows per site. Dictionaries and every other site run eagerly.
         """
         why = self._refusal(state)
         if why is not None:
@@ -166,8 +171,9 @@ class ResidentSites:
             if names:
                 _WORK[site.token.data_ptr()] = _capturer(state, names)
                 self._visited.append(site)
-        for site, (vectors, remaps) in tables.items():
-            site.table[1 : 1 + vectors.shape[0]].copy_(vectors)
+        for site, (scales, biases, remaps) in tables.items():
+            site.scale[1 : 1 + scales.shape[0]].copy_(scales)
+            site.bias[1 : 1 + biases.shape[0]].copy_(biases)
             self._edited.append((site, remaps))
         return None
 
@@ -177,11 +183,9 @@ class ResidentSites:
         outside = sorted(n for n in state.needed() - _AFTER_RUN if n not in self.by_name)
         if outside:
             return f"{outside[0]!r} is not a residual-stream site"
-        for name, table in state.tables.items():
+        for name in state.tables:
             if self.by_name[name] is self.output:
                 return f"{name!r} is edited (the final norm's output is read-only here)"
-            if table.zero is not None or not bool((table.scale == 1).all()):
-                return f"the edit of {name!r} scales (only additions run compiled)"
         for plan in state.plans.values():
             for site in self.sites:
                 edited = [k for k, n in enumerate(site.names) if n in plan.edits]
@@ -194,22 +198,25 @@ class ResidentSites:
 
     def _site_tables(
         self, state: RunState
-    ) -> dict[_Site, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] | str:
-        """Per edited site: its distinct vectors, and per hook, run table row -> site row."""
+    ) -> dict[_Site, tuple[torch.Tensor, torch.Tensor, list[tuple[str, torch.Tensor]]]] | str:
+        """Per edited site: its distinct (scale, bias) rows, and per hook, run table row ->
+        site row."""
         parts: dict[_Site, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
         for name, table in state.tables.items():
-            vectors, which = torch.unique(table.bias, dim=0, return_inverse=True)
-            parts.setdefault(self.by_name[name], []).append((name, vectors, which))
-        out: dict[_Site, tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
+            pairs = torch.cat([table.scale, table.bias], dim=1)
+            distinct, which = torch.unique(pairs, dim=0, return_inverse=True)
+            parts.setdefault(self.by_name[name], []).append((name, distinct, which))
+        out: dict[_Site, tuple[torch.Tensor, torch.Tensor, list[tuple[str, torch.Tensor]]]] = {}
         for site, edits in parts.items():
-            remaps, first = [], 1  # row 0 stays zeros
-            for name, vectors, which in edits:
+            remaps, first = [], 1  # row 0 stays the identity
+            for name, distinct, which in edits:
                 remaps.append((name, which + first))
-                first += vectors.shape[0]
+                first += distinct.shape[0]
             if first > RESIDENT_CAPACITY:
                 most = RESIDENT_CAPACITY - 1
-                return f"{first - 1} distinct vectors are added at {site.names} (at most {most})"
-            out[site] = (torch.cat([v for _, v, _ in edits]), remaps)
+                return f"{first - 1} distinct edit rows at {site.names} (at most {most})"
+            scales, biases = torch.cat([d for _, d, _ in edits]).chunk(2, dim=1)
+            out[site] = (scales, biases, remaps)
         return out
 
     def step(self, state: RunState) -> None:
@@ -237,7 +244,8 @@ class ResidentSites:
         for site in self._visited:
             _WORK.pop(site.token.data_ptr(), None)
         for site, _ in self._edited:
-            site.table.zero_()
+            site.scale.fill_(1)
+            site.bias.zero_()
             site.rows.zero_()
             site.dirty = 0
         self._visited, self._edited = [], []
