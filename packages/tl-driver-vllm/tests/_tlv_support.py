@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +103,32 @@ def rounding_ratio(
     if ours.shape != theirs.shape or ours.shape != exact.shape:
         return float("inf")
     return check_rounding(ours.cpu(), theirs, exact, name=name, factor=VLLM_FACTOR).ratio
+
+
+def compare_modes(
+    engines: Sequence[Any],
+    prompts: list[list[int]],
+    capture: list[str],
+    intervene: Any,
+    label: str = "",
+) -> dict[str, float]:
+    """One run on ``engines`` = (compiled vLLM, eager vLLM, float32 hf driver, float64 hf
+    driver): per prompt and hook (and the logits), the compiled engine's ``rounding_ratio``
+    against the hf drivers and, as ``... vs eager``, its ``eager_ratio`` to the eager engine."""
+    ours, same, theirs, exact = (
+        e.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0) for e in engines
+    )
+    assert ours.lengths == tuple(len(p) for p in prompts) == tuple(theirs.lengths)
+    report: dict[str, float] = {}
+    for b, n in enumerate(ours.lengths):
+        for name in [*capture, "logits"]:
+            got, eager, want, truth = (
+                prompt_part(r.logits if name == "logits" else r.captured[name], b, n)
+                for r in (ours, same, theirs, exact)
+            )
+            report[f"{label}p{b}:{name}"] = rounding_ratio(got, want, truth, name)
+            report[f"{label}p{b}:{name} vs eager"] = eager_ratio(got, eager)
+    return report
 
 
 def check(report: Mapping[str, float], tol: float, what: str) -> None:

@@ -21,14 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from _tlv_support import (  # noqa: E402
-    ENGINE_OPTIONS,
-    ENGINE_SIZES,
-    check,
-    eager_ratio,
-    prompt_part,
-    rounding_ratio,
-)
+from _tlv_support import ENGINE_OPTIONS, ENGINE_SIZES, check, compare_modes  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge  # noqa: E402
 
@@ -99,18 +92,8 @@ def test_gptj_tensor_parallel_2_every_site(
         for label, names, specs in (
             ("plain", capture, None), ("specs", capture, intervene), ("stream", stream, adds),
         ):  # fmt: skip
-            ours, same, theirs, truth = (
-                d.forward(prompts, capture=names, intervene=specs, max_new_tokens=0)
-                for d in (driver, eager, hf, exact)
-            )
-            for b, n in enumerate(ours.lengths):
-                for k in [*names, "logits"]:
-                    got, eager_value, want, exact_value = (
-                        prompt_part(r.logits if k == "logits" else r.captured[k], b, n)
-                        for r in (ours, same, theirs, truth)
-                    )
-                    report[f"{label}:p{b}:{k}"] = rounding_ratio(got, want, exact_value, k)
-                    report[f"{label}:p{b}:{k} vs eager"] = eager_ratio(got, eager_value)
+            drivers = (driver, eager, hf, exact)
+            report.update(compare_modes(drivers, prompts, names, specs, f"{label}:"))
         check(
             report,
             1.0,

@@ -35,9 +35,9 @@ from _tlv_support import (  # noqa: E402
     ENGINE_SIZES,
     RESIDUAL_SITES,
     check,
+    compare_modes,
     eager_ratio,
     layer_calls,
-    prompt_part,
     rounding_ratio,
 )
 
@@ -184,21 +184,8 @@ def _compare(
     hf driver as a multiple of the allowed ``VLLM_FACTOR`` x the float32 hf driver's error,
     and (``... vs eager``) its difference from the eager engine as a multiple of
     ``COMPILED_RTOL``."""
-    ours, same, theirs, exact = (
-        e.forward(prompts, capture=capture, intervene=intervene, max_new_tokens=0)
-        for e in (engines.vllm, engines.eager, engines.hf, engines.exact)
-    )
-    assert ours.lengths == tuple(len(p) for p in prompts) == tuple(theirs.lengths)
-    report: dict[str, float] = {}
-    for b, n in enumerate(ours.lengths):
-        for name in [*capture, "logits"]:
-            got, eager, want, truth = (
-                prompt_part(r.logits if name == "logits" else r.captured[name], b, n)
-                for r in (ours, same, theirs, exact)
-            )
-            report[f"p{b}:{name}"] = rounding_ratio(got, want, truth, name)
-            report[f"p{b}:{name} vs eager"] = eager_ratio(got, eager)
-    return report
+    drivers = (engines.vllm, engines.eager, engines.hf, engines.exact)
+    return compare_modes(drivers, prompts, capture, intervene)
 
 
 def test_one_description_on_both_drivers(family: Engines) -> None:

@@ -127,7 +127,9 @@ def engine_mode(kwargs: dict[str, Any], platform: Any = None) -> tuple[dict[str,
     if eager is True:
         return kwargs, None
     if platform is None:
-        from vllm.platforms import current_platform as platform
+        from vllm.platforms import current_platform
+
+        platform = current_platform
     name = type(platform).__name__
     if platform.is_cpu():
         return {**kwargs, "enforce_eager": False}, None
