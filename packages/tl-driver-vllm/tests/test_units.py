@@ -24,8 +24,10 @@ from tl_driver_vllm._driver_side._edit_tables import edit_table  # noqa: E402
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows  # noqa: E402
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace  # noqa: E402
 from tl_driver_vllm._driver_side._options import (  # noqa: E402
+    RUNNER_SWITCH,
     engine_kwargs,
     engine_mode,
+    require_v1_runner,
     sampling_params,
 )
 from tl_driver_vllm._families import FAMILY_LAYOUTS, layout_for, model_info  # noqa: E402
@@ -187,11 +189,14 @@ def test_engine_kwargs_force_what_hooks_need() -> None:
 
 
 class _Platform:
-    def __init__(self, cpu: bool) -> None:
-        self.cpu = cpu
+    def __init__(self, cpu: bool, cuda: bool = False) -> None:
+        self.cpu, self.cuda = cpu, cuda
 
     def is_cpu(self) -> bool:
         return self.cpu
+
+    def is_cuda_alike(self) -> bool:
+        return self.cuda
 
 
 @pytest.mark.parametrize(
@@ -202,17 +207,55 @@ class _Platform:
 def test_the_engine_is_compiled_by_default_where_compiled_mode_is_served(
     asked: bool | None, cpu: bool, want: bool
 ) -> None:
-    kwargs, note = engine_mode({"model": "m", "enforce_eager": asked}, _Platform(cpu))
-    assert kwargs == {"model": "m", "enforce_eager": want}
-    # Only the default that falls back to eager says so.
-    assert (note is not None) == (asked is None and not cpu)
-    if note is not None:
-        assert "_Platform" in note and "enforce_eager=True" in note
+    for cuda in (False, not cpu):
+        kwargs, note = engine_mode({"model": "m", "enforce_eager": asked}, _Platform(cpu, cuda))
+        assert kwargs == {"model": "m", "enforce_eager": want}
+        # Only the default that falls back to eager says so.
+        assert (note is not None) == (asked is None and not cpu)
+        if note is not None:
+            assert "_Platform" in note and "enforce_eager=True" in note
+            assert "not been checked on a GPU" in note
 
 
-def test_compiled_mode_off_the_cpu_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"runs only on vLLM.s CPU build.*Remove the option"):
+def test_compiled_mode_on_a_gpu_asks_for_piecewise_cuda_graphs_only() -> None:
+    gpu = _Platform(cpu=False, cuda=True)
+    kwargs, note = engine_mode({"model": "m", "enforce_eager": False}, gpu)
+    assert note is None
+    assert kwargs == {
+        "model": "m", "enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}
+    }  # fmt: skip
+    # The user's other compilation options stay; a mode without full graphs is kept.
+    for mode in ("NONE", "piecewise"):
+        asked = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": mode, "x": 1}}
+        assert engine_mode(asked, gpu)[0]["compilation_config"] == {"cudagraph_mode": mode, "x": 1}
+    asked = {"enforce_eager": False, "compilation_config": {"mode": 3}}
+    assert engine_mode(asked, gpu)[0]["compilation_config"] == {
+        "mode": 3, "cudagraph_mode": "PIECEWISE"
+    }  # fmt: skip
+    graph_modes = pytest.importorskip("vllm.config").CUDAGraphMode
+    for full in ("FULL", "full_and_piecewise", "FULL_DECODE_ONLY", graph_modes.FULL):
+        asked = {"enforce_eager": False, "compilation_config": {"cudagraph_mode": full}}
+        with pytest.raises(ConfigError, match=r"full CUDA graph replays a whole step.*PIECEWISE"):
+            engine_mode(asked, gpu)
+    with pytest.raises(ConfigError, match=r"compilation_config=...\) must be a dict.*got int"):
+        engine_mode({"enforce_eager": False, "compilation_config": 3}, gpu)
+
+
+def test_compiled_mode_where_the_driver_has_none_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"CPU build and on CUDA or ROCm.*not on _Platform"):
         engine_mode({"enforce_eager": False}, _Platform(cpu=False))
+
+
+def test_the_driver_asks_vllm_for_its_v1_model_runner() -> None:
+    env: dict[str, str] = {}
+    require_v1_runner(env)
+    assert env == {RUNNER_SWITCH: "0"}
+    for value in ("0", ""):
+        env = {RUNNER_SWITCH: value}
+        require_v1_runner(env)
+        assert env == {RUNNER_SWITCH: value}
+    with pytest.raises(ConfigError, match=r"VLLM_USE_V2_MODEL_RUNNER='1'.*V1 runner.*Unset"):
+        require_v1_runner({RUNNER_SWITCH: "1"})
 
 
 def test_sampling_options_map_to_sampling_params() -> None:

@@ -39,6 +39,7 @@ from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace
 from tl_driver_vllm._driver_side._options import (
     engine_kwargs,
     engine_mode,
+    require_v1_runner,
     sampling_params,
     with_compiled_setup,
 )
@@ -211,6 +212,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             vllm_kwargs=dict(vllm_kwargs),
         )
         kwargs, eager_note = engine_mode(kwargs)
+        _use_v1_runner()
         kwargs = with_compiled_setup(kwargs, layout, info.d_model)
         kwargs, notes = _machine_defaults(info, config, kwargs, frame=sys._getframe())
         if eager_note is not None:
@@ -563,3 +565,15 @@ def _input_sites(
         "pos_embed.hook_in": [torch.arange(n, dtype=torch.long) for n in lengths],
     }
     return {name: pad_rows(per_site[name], lengths) for name in names}
+
+
+def _use_v1_runner() -> None:
+    """Have vLLM boot its V1 model runner (``require_v1_runner``), even where an engine
+    booted earlier in this process froze vLLM's reading of the environment."""
+    require_v1_runner()
+    import vllm.envs as vllm_envs
+
+    if vllm_envs.VLLM_USE_V2_MODEL_RUNNER is not False:
+        # vLLM caches its environment once an engine has started (``enable_envs_cache``);
+        # the next engine re-enables the cache after reading the switch.
+        vllm_envs.disable_envs_cache()

@@ -5,6 +5,7 @@ Everything here is checked before an engine starts, so a bad option costs no boo
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from tl_core import ConfigError
@@ -13,9 +14,12 @@ from tl_driver_vllm._families import Layout
 from tl_driver_vllm._wire import RESIDENT_KEY
 
 __all__ = [
+    "RUNNER_SWITCH",
     "WORKER_EXTENSION",
     "engine_kwargs",
     "engine_mode",
+    "piecewise_cudagraphs",
+    "require_v1_runner",
     "sampling_params",
     "with_compiled_setup",
 ]
@@ -110,18 +114,21 @@ def engine_kwargs(
 def engine_mode(kwargs: dict[str, Any], platform: Any = None) -> tuple[dict[str, Any], str | None]:
     """``kwargs`` with ``enforce_eager`` decided, and a note to log when the default was eager.
 
-    Unset (``None``), the engine is compiled where the driver serves compiled mode (vLLM's
-    CPU build) and eager elsewhere. Compiled mode on a GPU is refused: a run with hooks
-    executes the model's eager forward inside the compiled engine, but vLLM's GPU runner
-    would replay captured CUDA graphs for some steps, which run no Python at all, so
-    captures and edits would silently miss those steps.
+    Unset (``None``), the engine is compiled on vLLM's CPU build and eager elsewhere.
+    ``enforce_eager=False`` on CUDA or ROCm boots vLLM compiled with piecewise CUDA graphs
+    only (``piecewise_cudagraphs``): full CUDA graphs replay a whole step without running
+    the op that hands residual-stream values to tl's captures, and a run on the eager
+    forward must not be replaced by a replayed graph. That mode is not yet the GPU default
+    because no GPU run has checked it (``scripts/gpu_check_vllm.py``'s ``compiled`` stage
+    does).
 
     Args:
         kwargs: ``engine_kwargs``'s result.
         platform: vLLM's ``current_platform`` (read from vLLM when ``None``).
 
     Raises:
-        ConfigError: ``enforce_eager=False`` on a platform other than the CPU.
+        ConfigError: ``enforce_eager=False`` on a platform without a compiled mode for the
+            driver, or with a ``compilation_config`` that asks for full CUDA graphs.
     """
     eager = kwargs.get("enforce_eager")
     if eager is True:
@@ -134,16 +141,82 @@ def engine_mode(kwargs: dict[str, Any], platform: Any = None) -> tuple[dict[str,
     if platform.is_cpu():
         return {**kwargs, "enforce_eager": False}, None
     if eager is False:
-        raise ConfigError(
-            f"boot_vllm(enforce_eager=False) runs only on vLLM's CPU build for now: on {name} "
-            "vLLM replays CUDA graphs that run no tl hook, so captures and edits would miss "
-            "steps. Remove the option (the driver then runs vLLM eagerly there)."
-        )
+        if not platform.is_cuda_alike():
+            raise ConfigError(
+                f"boot_vllm(enforce_eager=False) is served on vLLM's CPU build and on CUDA or "
+                f"ROCm (piecewise CUDA graphs), not on {name}. Remove the option (the driver "
+                "then runs vLLM eagerly there)."
+            )
+        config = piecewise_cudagraphs(kwargs.get("compilation_config"))
+        return {**kwargs, "enforce_eager": False, "compilation_config": config}, None
     note = (
-        f"tl runs vLLM eagerly on {name} (enforce_eager=True): compiled mode with CUDA "
-        "graphs is served on vLLM's CPU build only for now; see the README's 'Compilation'"
+        f"tl runs vLLM eagerly on {name} (enforce_eager=True): its compiled mode with "
+        "piecewise CUDA graphs (enforce_eager=False) has not been checked on a GPU yet "
+        "(scripts/gpu_check_vllm.py checks it); see the README's 'Compilation'"
     )
     return {**kwargs, "enforce_eager": True}, note
+
+
+#: CUDA-graph modes that capture whole steps (vLLM's ``CUDAGraphMode`` names).
+_FULL_GRAPHS = frozenset({"FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"})
+
+
+def piecewise_cudagraphs(config: Any) -> dict[str, Any]:
+    """A ``compilation_config`` for a compiled tl engine on a GPU: the user's, with
+    ``cudagraph_mode="PIECEWISE"`` unless it names a mode.
+
+    Piecewise graphs are split at vLLM's splitting ops, and the worker adds tl's capture
+    op (``tl_vllm::visit``) to them before the trace, so the op runs at every step;
+    ``"NONE"`` (compiled, no CUDA graphs) is kept as asked.
+
+    Raises:
+        ConfigError: ``config`` is not a dict (or ``None``), or asks for full CUDA graphs.
+    """
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"boot_vllm(compilation_config=...) must be a dict when tl's engine is compiled on a "
+            f"GPU (the driver sets its cudagraph_mode), got {type(config).__name__}"
+        )
+    mode = config.get("cudagraph_mode")
+    if mode is None:
+        return {**config, "cudagraph_mode": "PIECEWISE"}
+    label = str(getattr(mode, "name", mode)).upper()
+    if label in _FULL_GRAPHS:
+        raise ConfigError(
+            f"compilation_config cudagraph_mode={label} is not supported by the vllm driver: a "
+            "full CUDA graph replays a whole step without running tl's capture op, so "
+            "captures would miss steps. Use 'PIECEWISE' (the driver's choice) or 'NONE'."
+        )
+    return config
+
+
+#: vLLM's switch between its V1 and V2 model runners (an environment variable).
+RUNNER_SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def require_v1_runner(environ: dict[str, str] | None = None) -> None:
+    """Make vLLM pick its V1 model runner for the engines booted from now on.
+
+    The worker reads each step's request layout from the V1 runner (``input_batch``,
+    ``query_start_loc``, ``requests``); vLLM 0.32 picks its V2 runner by default where
+    Triton is installed (CUDA builds), which has none of them. Unset, the switch is set to
+    ``"0"`` in this process's environment (vLLM's engine and worker processes inherit it).
+
+    Raises:
+        ConfigError: The environment asks for the V2 runner.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(RUNNER_SWITCH)
+    if value is None:
+        env[RUNNER_SWITCH] = "0"
+    elif value.strip() not in ("0", ""):
+        raise ConfigError(
+            f"{RUNNER_SWITCH}={value!r} asks vLLM for its V2 model runner, but the vllm "
+            "driver reads each step's batch layout from the V1 runner, which the V2 runner "
+            f"does not have. Unset {RUNNER_SWITCH} (the driver sets it to 0)."
+        )
 
 
 def with_compiled_setup(kwargs: dict[str, Any], layout: Layout, d_model: int) -> dict[str, Any]:
