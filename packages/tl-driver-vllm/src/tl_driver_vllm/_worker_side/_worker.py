@@ -38,8 +38,7 @@ __all__ = ["TLWorkerExtension"]
 
 _log = logging.getLogger("tl_driver_vllm")
 
-# Residual-stream sites must be on the model before vLLM's compiled warm-up traces it. A
-# vLLM build without the CPU model runner has no compiled mode for the driver.
+# Residual-stream sites must be on the model before vLLM's compiled warm-up traces it.
 with contextlib.suppress(ImportError):
     install_on_load()
 
@@ -306,7 +305,8 @@ class TLWorkerExtension:
     # -- inside the forward pass ------------------------------------------------------
 
     def _tl_model(self) -> torch.nn.Module:
-        return self.model_runner.model  # type: ignore[attr-defined,no-any-return]
+        # get_model() unwraps vLLM's CUDA-graph wrappers where the GPU runner adds them.
+        return self.model_runner.get_model()  # type: ignore[attr-defined,no-any-return]
 
     def _tl_head(self) -> Any:
         model = self._tl_model()
