@@ -134,10 +134,15 @@ def _resident_runs(driver: Any, prompts: list[list[int]]) -> dict[str, Any]:
     per_prompt = [{"blocks.0.hook_out": ops[b % len(ops)]} for b in range(len(prompts))]
     positional = {"blocks.1.hook_in": {"op": "add", "value": vectors[2], "pos": [0, 1, -1]}}
     steer = {"blocks.1.hook_out": {"op": "add", "value": vectors[0]}}
+    final = [{"ln_final.hook_out": ops[(b + 1) % len(ops)]} for b in range(len(prompts))]
     return {
         "steered": driver.forward(prompts, max_new_tokens=7, return_logits=False, intervene=steer),
         "prefill": driver.forward(prompts, capture=capture, intervene=per_prompt),
         "positional": driver.forward(prompts, capture=capture[2:], intervene=positional),
+        "final norm": driver.forward(prompts, capture=["ln_final.hook_out"], intervene=final),
+        "final norm steered": driver.forward(
+            prompts, max_new_tokens=5, return_logits=False, intervene=final[:1] * len(prompts)
+        ),
     }
 
 
@@ -160,13 +165,14 @@ def test_residual_runs_stay_in_the_compiled_graph_and_match_the_eager_engine(
         handle.remove()
     eager = engines["eager"]
     theirs = _resident_runs(eager, prompts)
-    for run in ("prefill", "positional"):
+    for run in ("prefill", "positional", "final norm"):
         for b, n in enumerate(LENGTHS):
             for name, value in [*theirs[run].captured.items(), ("logits", theirs[run].logits)]:
                 got = ours[run].logits if name == "logits" else ours[run].captured[name]
                 a, e = prompt_part(got, b, n), prompt_part(value, b, n)
                 assert eager_ratio(a, e) <= 1.0, (run, b, name)
-    assert torch.equal(ours["steered"].new_tokens, theirs["steered"].new_tokens)
+    for run in ("steered", "final norm steered"):
+        assert torch.equal(ours[run].new_tokens, theirs[run].new_tokens), run
     plain = engines["eager"].forward(prompts, max_new_tokens=7, return_logits=False)
     assert not torch.equal(plain.new_tokens, theirs["steered"].new_tokens), "steering did nothing"
     reference = eager.forward(prompts, capture=["blocks.0.hook_out"], intervene=scaled)

@@ -419,7 +419,10 @@ def _residual_specs(d: int) -> list[dict[str, Any] | None]:
     vec, other = (torch.randn(d, generator=gen).tolist() for _ in range(2))
     return [
         {"blocks.0.hook_out": [{"op": "scale", "factor": 0.5}, {"op": "add", "value": vec}]},
-        {"blocks.1.hook_in": {"op": "add", "value": other, "pos": [0, 40, -1]}},  # a later chunk
+        {
+            "blocks.1.hook_in": {"op": "add", "value": other, "pos": [0, 40, -1]},  # a later chunk
+            "ln_final.hook_out": {"op": "scale", "factor": 1.5},
+        },
         None,
         {
             "blocks.0.hook_in": {"op": "suppress", "pos": [1, 2]},

