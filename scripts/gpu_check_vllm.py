@@ -9,9 +9,9 @@ generation), then tensor parallelism 2 and pipeline parallelism 2 when the machi
 GPUs, and tensor parallelism 2 over vLLM's Ray executor (``distributed_executor_backend=
 "ray"``, a Ray instance on the loopback address) when Ray is installed too; then the
 compiled mode (issue #19): stage ``compiled`` boots Llama with ``enforce_eager=False`` (vLLM
-compiled, piecewise CUDA graphs split at tl's capture op) and runs the same parity, and
-every one of those runs again on the compiled engine, an eager engine and both hf drivers
-(``tests/_tlv_support.compare_modes``: compiled within 1e-5 relative of eager), checks that
+compiled, piecewise CUDA graphs split at tl's capture op) and runs the same parity, its
+three capture runs each on the compiled engine, an eager engine and both hf drivers at once
+(``tests/_tlv_support.compare_modes``: also compiled within 1e-5 relative of eager), checks that
 residual captures, edits and steered generation ran inside the graph (no Python hook on
 decoder layer 0 fired) and that the engine runs piecewise CUDA graphs with the capture op
 among vLLM's splitting ops; stage ``bench`` runs ``benchmarks/bench_vllm_capture.py
@@ -114,7 +114,10 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
         served = sorted(driver.supported_hook_points)
         specs = _per_prompt_specs(driver.info.d_model, driver.supported_hook_points)
         site_specs, _ = _site_specs(driver.namespace, seed=11)
-        for label, intervene in (("plain", None), ("specs", specs), ("site specs", site_specs)):
+        parity_runs = (("plain", None), ("specs", specs), ("site specs", site_specs))
+        # The compiled stage runs these against the hf drivers and an eager engine at once
+        # (compare_modes, below).
+        for label, intervene in parity_runs if name != "compiled" else ():
             result = driver.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
             want = hf.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
             truth = exact.forward(prompts, capture=served, intervene=intervene, max_new_tokens=0)
@@ -178,13 +181,8 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
             eager = RemoteBridge.boot_vllm(folder, **{**eager_options, "enforce_eager": True})
             try:
                 engines = (driver, eager.driver, hf, exact)
-                for label, intervene in (
-                    ("plain", None),
-                    ("specs", specs),
-                    ("site specs", site_specs),
-                ):
-                    modes = compare_modes(engines, prompts, served, intervene, f"modes {label}:")
-                    report.update(modes)
+                for label, intervene in parity_runs:
+                    report.update(compare_modes(engines, prompts, served, intervene, f"{label}:"))
             finally:
                 eager.close()
     finally:
