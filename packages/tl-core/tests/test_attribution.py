@@ -462,3 +462,191 @@ def test_summary_and_repr_are_readable() -> None:
         repr(result)
         == f"AttributionResult(sites=8, edges={len(result.writers)} writers x {len(result.readers)} readers)"
     )
+
+
+# -- non-finite metrics, empty sites (issue 47) ----------------------------------------
+
+
+def _poisoned(bad: float, *, per_pair: bool = True, at: int = 0) -> Callable[..., torch.Tensor]:
+    """``METRIC`` with ``bad`` (NaN, inf) at pair ``at`` (or summed to a scalar)."""
+
+    def poisoned_metric(logits: torch.Tensor) -> torch.Tensor:
+        value = METRIC(logits)
+        poison = torch.zeros_like(value)
+        poison[at] = bad
+        value = value + poison
+        return value if per_pair else value.sum()
+
+    return poisoned_metric
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("granularity", ["node", "edge"])
+@pytest.mark.parametrize("per_pair", [True, False], ids=["per-pair", "scalar"])
+def test_a_metric_that_is_not_finite_is_refused_naming_it(
+    bad: float, granularity: str, per_pair: bool
+) -> None:
+    bridge = TransformerBridge.boot_native()
+    clean, corrupt = _pairs()
+    with pytest.raises(UserError, match=rf"metric 'poisoned_metric' returned .*{bad}.*not finite"):
+        attribution_patch(
+            bridge,
+            clean,
+            corrupt,
+            _poisoned(bad, per_pair=per_pair, at=1),
+            granularity=granularity,  # type: ignore[arg-type]
+        )
+    assert all(not p.has_hooks for p in bridge.hook_dict.values())
+
+
+def test_a_metric_that_is_not_finite_on_the_clean_run_only_is_refused() -> None:
+    bridge = TransformerBridge.boot_native()
+    clean, corrupt = _pairs()
+    calls: list[int] = []
+
+    def late_nan(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        value = METRIC(logits)
+        return value * float("nan") if len(calls) > 1 else value
+
+    with pytest.raises(UserError, match=r"'late_nan' returned \[nan.* on the clean run"):
+        attribution_patch(bridge, clean, corrupt, late_nan)
+
+
+def test_a_metric_with_an_infinite_slope_is_refused_naming_the_site() -> None:
+    bridge = TransformerBridge.boot_native()
+    clean, corrupt = _pairs()
+
+    def root(logits: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(METRIC(logits) * 0)  # 0 everywhere; d sqrt(u)/du at 0 is inf
+
+    with pytest.raises(UserError, match=r"gradient of metric 'root' at 'blocks\.\d\..*not finite"):
+        attribution_patch(bridge, clean, corrupt, root)
+
+
+def test_a_non_finite_clean_cache_is_refused_naming_the_site() -> None:
+    bridge = TransformerBridge.boot_native()
+    clean, corrupt = _pairs()
+    cache = dict(_cache(bridge, clean).items())
+    cache["blocks.1.mlp.hook_out"] = cache["blocks.1.mlp.hook_out"].clone()
+    cache["blocks.1.mlp.hook_out"][0, 3, 5] = float("nan")
+    with pytest.raises(UserError, match=r"clean_cache\['blocks\.1\.mlp\.hook_out'\] is not finite"):
+        attribution_patch(bridge, clean, corrupt, METRIC, clean_cache=cache)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_rankings_refuse_scores_that_are_not_finite(bad: float) -> None:
+    scores = torch.tensor([0.5, bad, -2.0])
+    result = AttributionResult(
+        nodes={"blocks.0.hook_in": scores}, node_axes={"blocks.0.hook_in": "p"}
+    )
+    with pytest.raises(
+        UserError, match=r"top_nodes: 1 node score\(s\) are not finite.*L0 hook_in @1"
+    ):
+        result.top_nodes(2)
+    result.writers, result.readers = ["embed", "L0H0"], ["L0H0.q", "logits"]
+    result.edges = torch.tensor([[0.1, bad], [0.0, 0.3]])
+    result.edge_mask = torch.ones(2, 2, dtype=torch.bool)
+    with pytest.raises(UserError, match="top_edges: some edge scores are not finite"):
+        result.top_edges(2)
+
+
+def test_an_empty_site_list_is_refused_as_such() -> None:
+    bridge = TransformerBridge.boot_native()
+    clean, corrupt = _pairs()
+    with pytest.raises(UserError, match="sites is empty, so there is no node to score"):
+        attribution_patch(bridge, clean, corrupt, METRIC, sites=[])
+
+
+@pytest.mark.parametrize(
+    ("metric", "match"),
+    [
+        (lambda logits: (METRIC(logits) * 100).long(), "returned a torch.int64 tensor"),
+        (lambda logits: [1.0, 2.0, 3.0], "returned list"),
+    ],
+)
+def test_a_metric_of_the_wrong_kind_is_refused_naming_it(metric: Any, match: str) -> None:
+    bridge = TransformerBridge.boot_native()
+    clean, corrupt = _pairs()
+    with pytest.raises(UserError, match=rf"metric '<lambda>' {match}"):
+        attribution_patch(bridge, clean, corrupt, metric)
+
+
+# -- ragged pairs without positions (issue 47) ----------------------------------------
+
+
+def _ragged(seed: int = 5) -> tuple[list[list[int]], list[list[int]]]:
+    """Pairs of 6 and 3 tokens, differing at one position each."""
+    gen = torch.Generator().manual_seed(seed)
+    clean = [torch.randint(0, 259, (n,), generator=gen).tolist() for n in (6, 3)]
+    corrupt = [row.copy() for row in clean]
+    corrupt[0][2] = (corrupt[0][2] + 17) % 259
+    corrupt[1][1] = (corrupt[1][1] + 29) % 259
+    return clean, corrupt
+
+
+def _last_token_diff(bridge: TransformerBridge, row: list[int]) -> float:
+    """The logit difference at the last token of one prompt run alone (no padding)."""
+    with torch.no_grad():
+        logits = bridge([row])[0, -1]
+    return float(logits[CORRECT] - logits[INCORRECT])
+
+
+def test_logit_diff_metric_reads_each_ragged_prompt_at_its_own_last_token() -> None:
+    bridge = _normed()
+    clean, corrupt = _ragged()
+    result = attribution_patch(bridge, clean, corrupt, METRIC, granularity="both")
+    assert result.metric_clean is not None and result.metric_corrupt is not None
+    want_clean = [_last_token_diff(bridge, row) for row in clean]
+    want_corrupt = [_last_token_diff(bridge, row) for row in corrupt]
+    torch.testing.assert_close(result.metric_clean.tolist(), want_clean, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(result.metric_corrupt.tolist(), want_corrupt, rtol=1e-9, atol=1e-10)
+    # Every pair scores as it does alone, where its last token is the row's last column.
+    for i in range(2):
+        alone = attribution_patch(bridge, [clean[i]], [corrupt[i]], METRIC, granularity="both")
+        for site, scores in alone.nodes.items():
+            n = scores.shape[0]
+            torch.testing.assert_close(
+                result.nodes_per_pair[site][i, :n], scores, rtol=1e-8, atol=1e-10
+            )
+        assert alone.edges is not None and result.edges_per_pair is not None
+        torch.testing.assert_close(result.edges_per_pair[i], alone.edges, rtol=1e-8, atol=1e-10)
+
+
+def test_negative_positions_count_from_each_prompts_own_end() -> None:
+    bridge = _normed()
+    clean, corrupt = _ragged()
+    result = attribution_patch(bridge, clean, corrupt, logit_diff_metric(CORRECT, INCORRECT, -2))
+    assert result.metric_corrupt is not None
+    with torch.no_grad():
+        want = [float(bridge([r])[0, -2, CORRECT] - bridge([r])[0, -2, INCORRECT]) for r in corrupt]
+    torch.testing.assert_close(result.metric_corrupt.tolist(), want, rtol=1e-9, atol=1e-10)
+    with pytest.raises(UserError, match="position 4 is out of range for prompt 1, which has 3"):
+        attribution_patch(bridge, clean, corrupt, logit_diff_metric(CORRECT, INCORRECT, 4))
+
+
+def test_a_metric_that_reads_padding_is_refused_naming_the_pairs() -> None:
+    bridge = _normed()
+    clean, corrupt = _ragged()
+
+    def last_column(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, CORRECT] - logits[:, -1, INCORRECT]
+
+    with pytest.raises(UserError, match=r"'last_column' reads padded positions.*pair\(s\) \[1\]"):
+        attribution_patch(bridge, clean, corrupt, last_column, granularity="both")
+
+
+def test_a_custom_metric_with_a_lengths_keyword_gets_each_pairs_length() -> None:
+    bridge = _normed()
+    clean, corrupt = _ragged()
+    seen: list[tuple[int, ...]] = []
+
+    def own_last(logits: torch.Tensor, *, lengths: tuple[int, ...]) -> torch.Tensor:
+        seen.append(lengths)
+        return logit_diff(logits, CORRECT, INCORRECT, lengths=lengths)
+
+    result = attribution_patch(bridge, clean, corrupt, own_last)
+    assert seen == [(6, 3), (6, 3)]
+    assert result.metric_corrupt is not None
+    want = [_last_token_diff(bridge, row) for row in corrupt]
+    torch.testing.assert_close(result.metric_corrupt.tolist(), want, rtol=1e-9, atol=1e-10)

@@ -314,3 +314,56 @@ def test_result_accessors_check_their_arguments() -> None:
     ):
         with pytest.raises(UserError):
             call()
+
+
+# -- losses that are not finite (issue 47) ---------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_loss_that_is_not_finite_is_refused_naming_it(bad: float) -> None:
+    model = _native()
+
+    def poisoned_loss(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :2].sum() * 0 + bad
+
+    with pytest.raises(UserError, match=rf"loss 'poisoned_loss' is {bad}, not a finite number"):
+        backward_lens(model, PROMPTS, loss=poisoned_loss)
+    assert all(p.grad is None for p in model.model.parameters())
+
+
+def test_the_default_loss_of_a_model_with_nan_weights_is_refused() -> None:
+    model = _native()
+    with torch.no_grad():
+        model.model.blocks[2].mlp.W_out[0, 0] = float("nan")
+    with pytest.raises(
+        UserError, match=r"the default next-token loss is nan.*logits are not finite"
+    ):
+        backward_lens(model, PROMPTS)
+
+
+def test_a_loss_with_an_infinite_slope_is_refused_naming_the_site() -> None:
+    model = _native()
+
+    def root(logits: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(logits[:, :2].sum() * 0)  # 0, with slope inf at 0
+
+    with pytest.raises(
+        UserError, match=r"gradient of loss 'root' at 'blocks\.\d\.mlp\.hook_\w+' is not finite"
+    ):
+        backward_lens(model, PROMPTS, loss=root)
+
+
+def test_a_loss_with_a_lengths_keyword_gets_each_prompts_length() -> None:
+    model = _native(dtype=torch.float64)
+    lengths = tuple(len(model.to_str_tokens(p)) for p in PROMPTS)
+    seen: list[tuple[int, ...]] = []
+
+    def last_logit(logits: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+        seen.append(lengths)
+        last = torch.tensor(lengths) - 1
+        return logits[torch.arange(len(lengths)), last, 5].sum()
+
+    result = backward_lens(model, PROMPTS, loss=last_logit)
+    assert seen == [lengths]
+    _true_grads(model, last_logit(model(PROMPTS), lengths))
+    _check_reconstruction(model, result, RTOL[torch.float64])

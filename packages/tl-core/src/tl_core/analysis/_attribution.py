@@ -25,12 +25,13 @@ import torch
 from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.analysis._attribution_result import AttributionResult
 from tl_core.analysis._edges import edge_graph, edge_scores
+from tl_core.analysis._metrics import call_metric, describe_metric, non_finite
 from tl_core.driver_api._batching import TokenBatch
 
 __all__ = ["AttributionResult", "attribution_patch", "default_node_sites"]
 
 Granularity = Literal["node", "edge", "both"]
-Metric = Callable[[torch.Tensor], torch.Tensor]
+Metric = Callable[..., torch.Tensor]
 
 #: Layout axes a node score keeps: the pair, the position (``q`` for patterns), the head.
 _KEPT_AXES = ("b", "p", "q", "h")
@@ -73,7 +74,10 @@ def attribution_patch(
         clean: Clean prompts: text, texts or token ids.
         corrupt: The corrupted prompts, pair by pair the same length in tokens.
         metric: ``logits -> [batch]`` (one value per pair; scores are averaged over pairs)
-            or ``logits -> scalar`` (scores are summed); see ``logit_diff_metric``.
+            or ``logits -> scalar`` (scores are summed); see ``logit_diff_metric``. Ragged
+            pairs run right-padded: a metric with a ``lengths`` keyword gets each pair's
+            real length (``logit_diff_metric``'s reads each prompt's own last token), and a
+            metric whose gradient reaches a padded position is refused.
         granularity: ``"node"``, ``"edge"`` or ``"both"``.
         sites: Node sites (any accepted names); default ``default_node_sites(model)``.
         clean_cache: Clean activations to reuse (an ``ActivationCache`` or a mapping);
@@ -86,7 +90,9 @@ def attribution_patch(
     Raises:
         UnsupportedFeatureError: The driver has no gradients, or cannot split attention
             inputs (edges), or the model normalises each sublayer's output (edges).
-        UserError: Mismatched pairs, unknown sites, a metric of the wrong shape.
+        UserError: Mismatched pairs, unknown or no sites, a metric of the wrong shape,
+            one that is not finite (NaN, inf) or whose gradient is not, or one that reads
+            padded positions; all before any score is returned.
     """
     driver = getattr(model, "driver", None)
     if driver is None or not driver.supports("gradients"):
@@ -128,6 +134,7 @@ def attribution_patch(
     result.nodes = {s: result.nodes[s] for s in node_sites}
     result.metric_corrupt = m_corrupt.detach()
     result.metric_clean = _metric_of(model, clean_batch, metric)
+    _check_scores(result, metric)
     return result
 
 
@@ -159,6 +166,12 @@ def _node_sites(model: Any, sites: Sequence[str] | None) -> list[str]:
         return default_node_sites(model)
     if isinstance(sites, str):
         sites = [sites]
+    if not list(sites):
+        raise UserError(
+            "attribution_patch: sites is empty, so there is no node to score; name the "
+            "sites to score (e.g. sites=['blocks.0.hook_out']), or leave sites out for "
+            "default_node_sites(model)."
+        )
     names = list(dict.fromkeys(model.namespace.lookup(s) for s in sites))
     for name in names:
         axes = model.namespace.layout(name).split()
@@ -210,6 +223,13 @@ def _clean_values(
                 f"clean_cache lacks {len(missing)} site(s) this call needs, e.g. {missing[:4]}; "
                 "cache them (names_filter=...) or leave clean_cache out."
             )
+        for site in sites:
+            found = non_finite(cache[site])
+            if found is not None:
+                raise UserError(
+                    f"clean_cache[{site!r}] is not finite (it holds {found}), so every score "
+                    "there would be NaN; cache the clean run again, or leave clean_cache out."
+                )
         return {s: cache[s] for s in sites}
     values: dict[str, torch.Tensor] = {}
 
@@ -246,27 +266,45 @@ def _gradient_pass(
         model.hooks([(s, probe(s)) for s in sites]),
     ):
         logits = model.forward(batch.rows(), "logits", prepend_bos=False)
-        value = _checked_metric(metric, logits)
+        value = _checked_metric(metric, logits, batch, "corrupt")
         missing = [s for s in sites if s not in zeros]
         if missing:
             raise UserError(f"these sites did not fire in the forward pass: {missing[:4]}")
+        if not value.requires_grad:
+            raise UserError(
+                f"the value of metric {describe_metric(metric)} does not depend on the "
+                "logits' gradient graph (was it detached, or computed under torch.no_grad()?)."
+            )
         value.sum().backward()  # type: ignore[no-untyped-call]
     grads = {s: z.grad if z.grad is not None else torch.zeros_like(z) for s, z in zeros.items()}
+    _check_gradients(model, grads, batch, metric)
     return values, grads, value.detach()
 
 
-def _checked_metric(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
-    value = metric(logits)
+def _checked_metric(
+    metric: Metric, logits: torch.Tensor, batch: TokenBatch, run: str
+) -> torch.Tensor:
+    """The metric of one run, refused unless it is a finite scalar or one value per pair."""
+    value = call_metric(metric, logits, batch.lengths)
+    name = describe_metric(metric)
     if not isinstance(value, torch.Tensor):
-        raise UserError(f"metric returned {type(value).__name__}; it must return a tensor.")
+        raise UserError(f"metric {name} returned {type(value).__name__}; it must return a tensor.")
     if value.ndim > 1 or (value.ndim == 1 and value.shape[0] != logits.shape[0]):
         raise UserError(
-            f"metric returned shape {tuple(value.shape)}; return one value per pair "
+            f"metric {name} returned shape {tuple(value.shape)}; return one value per pair "
             f"([{logits.shape[0]}]) or a scalar."
         )
-    if not value.requires_grad:
+    if not value.is_floating_point():
         raise UserError(
-            "the metric's value does not depend on the logits' gradient graph (was it detached?)."
+            f"metric {name} returned a {value.dtype} tensor; it must return floats with a "
+            "gradient (a difference of logits, a log-probability, ...)."
+        )
+    found = non_finite(value)
+    if found is not None:
+        raise UserError(
+            f"metric {name} returned {found} on the {run} run, which is not finite, so every "
+            "score would be NaN; nothing was scored. Check the logits it reads (NaN "
+            "weights?) and the arithmetic it does on them (log of 0, division by 0)."
         )
     return value
 
@@ -274,7 +312,59 @@ def _checked_metric(metric: Metric, logits: torch.Tensor) -> torch.Tensor:
 def _metric_of(model: Any, batch: TokenBatch, metric: Metric) -> torch.Tensor:
     with torch.no_grad():
         logits = model.forward(batch.rows(), "logits", prepend_bos=False)
-        return metric(logits).detach()
+        return _checked_metric(metric, logits, batch, "clean").detach()
+
+
+def _check_gradients(
+    model: Any, grads: Mapping[str, torch.Tensor], batch: TokenBatch, metric: Metric
+) -> None:
+    """Refuse gradients that are not finite, or that reach padding (the metric read it)."""
+    real = batch.attention_mask().bool()
+    for site, grad in grads.items():
+        found = non_finite(grad)
+        if found is not None:
+            raise UserError(
+                f"the gradient of metric {describe_metric(metric)} at {site!r} is not finite "
+                f"(it holds {found}), so the scores would be NaN or inf; nothing was scored. "
+                "Avoid operations with infinite slopes in the metric (sqrt or log at 0)."
+            )
+        if not batch.is_ragged:
+            continue
+        axes = model.namespace.layout(site).split()
+        # Only the site's own position axis: a real query's gradient may reach the
+        # (masked) padded keys of a pattern without the metric reading them.
+        axis = next((i for i, a in enumerate(axes) if a in ("p", "q")), None)
+        if axis is None or axes[0] != "b":
+            continue
+        padded = (~real).to(grad.device)
+        shape = [
+            padded.shape[0] if i == 0 else padded.shape[1] if i == axis else 1
+            for i in range(grad.ndim)
+        ]
+        leaked = (grad * padded.reshape(shape)).ne(0).flatten(1).any(1).nonzero().flatten()
+        if leaked.numel():
+            raise UserError(
+                f"metric {describe_metric(metric)} reads padded positions: its gradient "
+                f"reaches the padding of pair(s) {leaked.tolist()} at {site!r} (pair lengths "
+                f"{list(batch.lengths)}, padded to {real.shape[1]}). Read each prompt at its "
+                "own positions: use logit_diff_metric, or give the metric a lengths keyword "
+                "(attribution_patch passes each pair's real length), or pass equal-length pairs."
+            )
+
+
+def _check_scores(result: AttributionResult, metric: Metric) -> None:
+    """Last guard before anything is ranked: every score finite."""
+    scored = [*result.nodes_per_pair.items()]
+    if result.edges_per_pair is not None:
+        scored.append(("edges", result.edges_per_pair))
+    for site, scores in scored:
+        found = non_finite(scores)
+        if found is not None:
+            raise UserError(
+                f"attribution scores at {site!r} are not finite ({found}) although metric "
+                f"{describe_metric(metric)} and its gradient are: the activations there are "
+                "(check the model's weights and inputs)."
+            )
 
 
 # -- scores ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -96,7 +97,11 @@ class AttributionResult:
         return out
 
     def top_nodes(self, k: int = 10, *, sites: list[str] | None = None) -> list[NodeScore]:
-        """The ``k`` nodes with the largest ``|score|``, optionally only at ``sites``."""
+        """The ``k`` nodes with the largest ``|score|``, optionally only at ``sites``.
+
+        Raises:
+            UserError: No node scores, unknown ``sites``, or a score that is NaN or inf.
+        """
         if not self.nodes:
             raise UserError(
                 "this result has no node scores: run with granularity='node' or 'both'."
@@ -108,13 +113,30 @@ class AttributionResult:
                     f"top_nodes: no scores for {unknown}; scored sites: {sorted(self.nodes)}."
                 )
         pool = [n for n in self.node_scores() if sites is None or n.site in sites]
+        unranked = [n.label for n in pool if not math.isfinite(n.score)]
+        if unranked:
+            raise UserError(
+                f"top_nodes: {len(unranked)} node score(s) are not finite (e.g. "
+                f"{unranked[:3]}), so no ranking is meaningful; recompute the scores with a "
+                "finite metric (attribution_patch refuses NaN and inf metrics)."
+            )
         return sorted(pool, key=lambda n: -abs(n.score))[:k]
 
     def top_edges(self, k: int = 10) -> list[EdgeScore]:
-        """The ``k`` edges with the largest ``|score|`` among those the graph allows."""
+        """The ``k`` edges with the largest ``|score|`` among those the graph allows.
+
+        Raises:
+            UserError: No edge scores, or a score that is NaN or inf.
+        """
         if self.edges is None or self.edge_mask is None:
             raise UserError(
                 "this result has no edge scores: run with granularity='edge' or 'both'."
+            )
+        if not bool(torch.isfinite(self.edges[self.edge_mask]).all()):
+            raise UserError(
+                "top_edges: some edge scores are not finite, so no ranking is meaningful; "
+                "recompute the scores with a finite metric (attribution_patch refuses NaN "
+                "and inf metrics)."
             )
         masked = torch.where(self.edge_mask, self.edges.abs(), torch.full_like(self.edges, -1.0))
         count = min(k, int(self.edge_mask.sum()))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from tl_core._errors import UnsupportedFeatureError, UserError
+from tl_core.analysis._metrics import call_metric, describe_metric, non_finite
 from tl_core.analysis._weight_sites import (
     WeightSite,
     candidates_of,
@@ -223,7 +224,8 @@ def backward_lens(
         input: Text, texts or token ids; ragged batches are right-padded.
         loss: ``fn(logits) -> scalar`` on the ``[batch, pos, d_vocab]`` logits; default the
             mean next-token cross-entropy over real positions (``model.loss``). Its
-            gradient must not reach padded positions (index real positions only).
+            gradient must not reach padded positions (index real positions only); a loss
+            with a ``lengths`` keyword gets each prompt's real length.
         layers: A block index, several, or ``None`` for every block; negatives count from
             the end.
         prepend_bos: Put BOS before text input.
@@ -238,7 +240,8 @@ def backward_lens(
             input and output of one of its weights (a norm or scale inside the MLP).
         UserError: Before any pass: bad ``layers``, ``input`` or ``loss``, forward hooks
             on ``mlp.hook_pre``/``mlp.hook_out``, inference mode. After it: a loss that is
-            not a scalar with a gradient, or whose gradient reaches padding.
+            not a finite scalar with a gradient, a gradient that is not finite, or one
+            that reaches padding.
     """
     chosen = _check_model(model, layers)
     if loss is not None and not callable(loss):
@@ -268,7 +271,11 @@ def backward_lens(
     ids: Any = batch.rows() if batch.is_ragged else batch.ids
     with torch.enable_grad(), model.hooks(fwd, bwd):
         logits = model.forward(ids, "logits")
-        value = next_token_loss(logits, batch.ids, batch.lengths) if loss is None else loss(logits)
+        value = (
+            next_token_loss(logits, batch.ids, batch.lengths)
+            if loss is None
+            else call_metric(loss, logits, batch.lengths)
+        )
         silent = [n for layer in chosen for n in _names(layer) if n not in seen]
         if silent:
             raise UnsupportedFeatureError(
@@ -283,8 +290,16 @@ def backward_lens(
                 f"backward_lens: no gradient flows to {frozen[0]!r}: the parameters before it "
                 "do not require grad (frozen with requires_grad_(False)?); unfreeze them"
             )
-        value = _check_loss_value(value)
+        value = _check_loss_value(value, loss)
         grads = torch.autograd.grad(value, targets, allow_unused=True)
+    for name, grad in zip(names, grads, strict=True):
+        found = None if grad is None else non_finite(grad)
+        if found is not None:
+            raise UserError(
+                f"backward_lens: the gradient of {_loss_name(loss)} at {name!r} is not finite "
+                f"(it holds {found}), so every factor there would be too; avoid operations "
+                f"with infinite slopes in the loss (sqrt or log at 0)"
+            )
 
     mask = _real_mask(batch.lengths, batch.ids.shape[1], targets[0].device)
     factors: dict[str, dict[int, torch.Tensor]] = {"x": {}, "delta": {}, "a": {}, "g": {}}
@@ -421,7 +436,11 @@ def _no_op(grad: torch.Tensor, *, hook: Any) -> None:
     return None
 
 
-def _check_loss_value(value: object) -> torch.Tensor:
+def _loss_name(loss: Callable[..., torch.Tensor] | None) -> str:
+    return "the default next-token loss" if loss is None else f"loss {describe_metric(loss)}"
+
+
+def _check_loss_value(value: object, loss: Callable[..., torch.Tensor] | None) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         found = (
             f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -430,6 +449,17 @@ def _check_loss_value(value: object) -> torch.Tensor:
         )
         raise UserError(
             f"backward_lens: loss(logits) must return a float scalar tensor, got {found}; reduce it with .sum() or .mean()"
+        )
+    bad = non_finite(value)
+    if bad is not None:
+        cause = (
+            "The model's logits are not finite (NaN or inf weights or inputs?)"
+            if loss is None
+            else "Check the logits it reads and its arithmetic (log of 0, division by 0)"
+        )
+        raise UserError(
+            f"backward_lens: {_loss_name(loss)} is {bad}, not a finite number, so every "
+            f"gradient factor would be NaN; nothing was decomposed. {cause}"
         )
     if not value.requires_grad:
         raise UserError(
