@@ -24,6 +24,7 @@ from tl_core.driver_api._architecture import Architecture
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
+from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._protocol import ForwardResult, validate_driver
 from tl_core.driver_api._request import (
     ForwardRequest,
@@ -344,7 +345,21 @@ class Bridge:
         fire when you call ``.backward()`` on the result, so pass ``reset_hooks_end=False``
         for them or run the backward inside ``hooks()``. On remote drivers hooks read the
         captured values after the engine ran and must not change them.
+
+        Order on one hook (local drivers): hooks already attached (``add_hook``,
+        ``hooks()``, permanent ones) in the order they were attached, then these, then the
+        ``intervene`` specs (in list order), then ``intervene`` callables (in list order);
+        each sees what the one before returned. See ``docs/interventions.md``.
+
+        Raises:
+            UserError: With ``start_at_layer``/``stop_at_layer`` in ``forward_kwargs``, a
+                hook named (not a predicate) at a site that partial forward never runs.
         """
+        self._check_partial_hooks(
+            {"fwd_hooks": fwd_hooks, "bwd_hooks": bwd_hooks},
+            forward_kwargs.get("start_at_layer"),
+            forward_kwargs.get("stop_at_layer"),
+        )
         with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end=reset_hooks_end):
             return self.forward(input, return_type, **forward_kwargs)
 
@@ -392,7 +407,8 @@ class Bridge:
             return_type: ``"logits"``, ``"loss"``, ``"both"`` (a ``(logits, loss)`` pair)
                 or ``None``.
             intervene: Specs (and, on local drivers, callables) per hook; see
-                ``tl_core.InterventionSpec``.
+                ``tl_core.InterventionSpec``. On one hook, Python hooks attached to the
+                bridge run first, then the specs, then the callables.
             prepend_bos: Put the BOS token before text input.
             loss_per_token: Return per-position losses.
             start_at_layer: Start at this block; pass its input as ``residual`` (``input``
@@ -407,7 +423,9 @@ class Bridge:
             ``stop_at_layer`` is set, or ``None``.
 
         Raises:
-            UserError: Bad arguments, names or specs, before the engine runs.
+            UserError: Bad arguments, names or specs, before the engine runs; among them
+                specs or callables on hooks a partial forward never runs (before
+                ``start_at_layer`` or from ``stop_at_layer`` on).
             UnsupportedFeatureError: What the driver cannot do (a remote engine starting
                 from a residual, a loss without sequence logits).
         """
@@ -480,12 +498,14 @@ class Bridge:
                 a predicate over canonical names.
             device: Where cached tensors go (default: where they were computed).
             remove_batch_dim: Drop the batch axis (batch of one only).
-            intervene: Specs applied during the run; the cache holds edited values.
+            intervene: Specs applied during the run; the cache holds edited values (each
+                hook's value after every Python hook, spec and callable on it).
             return_type: As in ``forward``.
             prepend_bos: Put BOS before text input.
             stop_at_layer: Stop before this block: the first output is the residual stream
-                entering it, and only hooks before it are cached. A remote engine still
-                runs the whole model, but returns no logits.
+                entering it, and only hooks before it are cached (``None`` or a predicate
+                as ``names_filter`` keeps those; a name past the stop is an error). A
+                remote engine still runs the whole model, but returns no logits.
             incl_bwd: Also cache gradients (drivers with gradients): computes the loss,
                 calls ``backward()`` and stores each selected hook's gradient in
                 ``cache.grads``.
@@ -494,14 +514,16 @@ class Bridge:
             ``(output, cache)``.
 
         Raises:
-            UserError: Bad arguments, names or specs, before the engine runs.
+            UserError: Bad arguments, names or specs, before the engine runs; with
+                ``stop_at_layer``, a hook named in ``names_filter`` (or every hook a
+                predicate selects) past the stop.
             UnsupportedFeatureError: ``incl_bwd`` on a driver without gradients.
         """
         _check_return_type(return_type)
         names = self.select_hooks(names_filter)
         _, stop = partial_layers(None, stop_at_layer, None, n_layers=self.driver.info.n_layers)
         if stop is not None:
-            names = [n for n in names if reached(n, stop)]
+            names = self._reached_names(names_filter, names, stop)
         batch = self._token_batch(input, prepend_bos=prepend_bos)
         self._check_context(batch)
         grads: dict[str, torch.Tensor] = {}
@@ -611,6 +633,50 @@ class Bridge:
         assert result.logits is not None
         loss = next_token_loss(result.logits, batch.ids, batch.lengths, per_token=per_token)
         return loss if return_type == "loss" else (result.logits, loss)
+
+    def _reached_names(self, names_filter: NamesFilter, names: list[str], stop: int) -> list[str]:
+        """The selected hooks a forward stopped before block ``stop`` runs.
+
+        ``None`` and predicates select "whatever runs"; hooks named one by one must all run.
+
+        Raises:
+            UserError: A named hook past the stop, or a predicate whose hooks all are.
+        """
+        dictionaries = self.namespace.dictionaries
+        kept = [n for n in names if reached(n, stop, dictionaries)]
+        broad = names_filter is None or callable(names_filter)
+        if (broad and names and not kept) or (not broad and len(kept) < len(names)):
+            missed = [n for n in names if n not in kept]
+            raise partial_refusal({"names_filter": missed}, None, stop, dictionaries)
+        return kept
+
+    def _check_partial_hooks(
+        self, specs: dict[str, Sequence[HookSpec]], start_at_layer: object, stop_at_layer: object
+    ) -> None:
+        """Refuse hooks named for a partial forward that never runs them."""
+        n_layers = self.driver.info.n_layers
+        start = (
+            None
+            if start_at_layer is None
+            else block_index(start_at_layer, "start_at_layer", n_layers)
+        )
+        stop = (
+            None if stop_at_layer is None else block_index(stop_at_layer, "stop_at_layer", n_layers)
+        )
+        if start is None and stop is None:
+            return
+        dictionaries = self.namespace.dictionaries
+        missed = {
+            role: outside_partial(
+                [self.namespace.lookup(name) for name, _ in items if isinstance(name, str)],
+                start,
+                stop,
+                dictionaries,
+            )
+            for role, items in specs.items()
+        }
+        if any(missed.values()):
+            raise partial_refusal(missed, start, stop, dictionaries)
 
     def _require(self, feature: str, what: str) -> None:
         if not self.driver.supports(feature):

@@ -81,7 +81,7 @@ class RemoteBridge(Bridge):
         # Points are in forward order, so the replay fires hooks in that order too.
         hooked = [n for n, p in self.hook_dict.items() if p.has_hooks]
         if stop is not None:
-            hooked = [n for n in hooked if reached(n, stop)]
+            hooked = [n for n in hooked if reached(n, stop, self.namespace.dictionaries)]
         capture = request.capture
         names = tuple(dict.fromkeys([*capture, *hooked, *([stop_hook] if stop_hook else [])]))
         engine_request = replace(

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
+from collections.abc import Mapping
+
+from tl_core.driver_api._layers import runs_between
+from tl_core.hooks._dictionary_sites import DictionarySite
 
 __all__ = ["reached"]
 
 
-def reached(name: str, stop: int) -> bool:
-    """Whether a forward stopped before block ``stop`` reaches canonical hook ``name``."""
-    split = split_canonical(name)
-    layer = None if split is None else split[1]
-    if layer is not None:
-        return layer < stop
-    return name in BEFORE_BLOCKS
+def reached(name: str, stop: int, dictionaries: Mapping[str, DictionarySite] | None = None) -> bool:
+    """Whether a forward stopped before block ``stop`` reaches canonical hook ``name``
+    (the sites of ``dictionaries`` where their dictionary runs)."""
+    return runs_between(name, None, stop, dictionaries)

@@ -23,7 +23,9 @@ class TransformerBridge(Bridge, nn.Module):
     Build one with ``TransformerBridge.boot_native(config)``,
     ``TransformerBridge.boot_transformers(model_name, ...)`` or ``tl_core.boot(...)``.
     Every hook name argument accepts canonical names and aliases. Forward hooks run live
-    and may edit values; backward hooks see gradients.
+    and may edit values; backward hooks see gradients. On one hook, Python hooks attached
+    to the bridge (in attach order) run before ``intervene`` specs, and the specs before
+    ``intervene`` callables; captures see the value after all of them.
     """
 
     kind = "local"

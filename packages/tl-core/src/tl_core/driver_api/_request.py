@@ -17,7 +17,7 @@ import torch
 
 from tl_core._errors import UserError
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
-from tl_core.driver_api._layers import block_index
+from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._sampling import SamplingOptions
 from tl_core.driver_api._tokenizers import padding_id
 from tl_core.specs._plan import InterventionPlan, build_plan
@@ -213,13 +213,26 @@ def planned_request(
 
     Raises:
         SpecError, HookNameError: From ``build_plan``.
+        UserError: A capture or an edit on a hook that a partial forward
+            (``start_at_layer``/``stop_at_layer``) never runs.
     """
+    namespace = driver.namespace
     plan = build_plan(
         intervene,
         lengths=batch.lengths,
-        namespace=driver.namespace,
+        namespace=namespace,
         allow_callables=driver.supports("intervention_callbacks"),
     )
+    start, stop = fields.get("start_at_layer"), fields.get("stop_at_layer")
+    if start is not None or stop is not None:
+        # A hook the forward never reaches would come back missing, or its edit undone.
+        dictionaries = namespace.dictionaries
+        missed = {
+            "capture": outside_partial(fields.get("capture", ()), start, stop, dictionaries),
+            "intervene": outside_partial(sorted(plan.hooks), start, stop, dictionaries),
+        }
+        if any(missed.values()):
+            raise partial_refusal(missed, start, stop, dictionaries)
     return ForwardRequest(batch=batch, plan=plan, intervene=intervene, **fields)
 
 
