@@ -221,6 +221,7 @@ def booted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, str]]:
 def test_default_driver_follows_one_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert default_driver(str(tmp_path / "folder")) == "hf"
     assert default_driver("folder") == "hf"  # an existing folder, even without a "/"
@@ -243,6 +244,7 @@ def test_a_folder_without_driver_boots_hf(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     names = ["hook_embed"] if command == "resolve" else []
+    (tmp_path / "config.json").write_text("{}")
     assert main([command, *names, "--model", str(tmp_path)]) == 1
     assert booted == [(str(tmp_path), "hf")]
     assert main([command, *names, "--model", "gpt2"]) == 1
@@ -302,4 +304,56 @@ def test_bad_models_fail_before_any_driver_boots(
         assert main([*argv, "--model", model.format(tmp=tmp), *extra]) == 1
         err = capsys.readouterr().err
         assert re.search(match.format(tmp=re.escape(str(tmp))), err), err
+    assert booted == []
+
+
+# -- folders that hold no model ------------------------------------------------------------
+
+
+def _dictionary_folder(folder: Path) -> Path:
+    """What sae-lens's ``SAE.save_model`` writes (the weights' bytes do not matter here)."""
+    folder.mkdir()
+    (folder / "sae_weights.safetensors").write_bytes(b"\0" * 16)
+    cfg = {"architecture": "standard", "d_in": 8, "d_sae": 4, "metadata": {"model_name": "gpt2"}}
+    (folder / "cfg.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["certify", "{m}"], ["hooks", "--model", "{m}"], ["resolve", "hook_embed", "--model", "{m}"]],
+    ids=["certify", "hooks", "resolve"],
+)
+@pytest.mark.parametrize("driver", [None, "hf", "vllm"])
+def test_a_dictionary_folder_is_refused_as_no_model_before_any_driver_boots(
+    argv: list[str],
+    driver: str | None,
+    tmp_path: Path,
+    booted: list[tuple[object, str]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folder = _dictionary_folder(tmp_path / "sae")
+    extra = ["--driver", driver] if driver else []
+    assert main([a.format(m=folder) for a in argv] + extra) == 1
+    err = capsys.readouterr().err
+    assert err.count("tl: error:") == 1 and "Traceback" not in err and err.startswith("tl: error:")
+    assert f"--model={str(folder)!r} is a sparse dictionary folder" in err
+    assert "not a model (its cfg.json names the model 'gpt2')" in err
+    assert f"--sae {folder}" in err and "bridge.add_sae(" in err
+    assert booted == []
+
+
+@pytest.mark.parametrize("argv", [["certify"], ["hooks", "--model"]])
+def test_an_empty_folder_is_refused_before_any_driver_boots(
+    argv: list[str],
+    tmp_path: Path,
+    booted: list[tuple[object, str]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*argv, str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"tl: error: --model={str(tmp_path)!r} is an empty folder; a model loads from a "
+        f"checkpoint folder (config.json, weights, tokenizer files) or a .gguf file\n"
+    )
     assert booted == []

@@ -8,8 +8,10 @@ One rule, shared by every command that boots a model, for when ``--driver`` is n
 * anything else is refused: a bare hub id (``distilgpt2``) needs ``--driver hf``.
 
 A name written as a path must exist, and a file must be a ``.gguf`` file
-(``tl_core.driver_api.checked_path``): both are checked here, before any driver is
-imported, whatever the driver.
+(``tl_core.driver_api.checked_path``); an existing folder must hold a model, not nothing
+or a sparse dictionary (``tl_core.driver_api.checked_model_folder``): all are checked here,
+before any driver is imported, whatever the driver. What a driver's format needs inside
+a model folder (``config.json``, weights) the driver checks.
 """
 
 from __future__ import annotations
@@ -17,20 +19,25 @@ from __future__ import annotations
 import os
 
 from tl_core._errors import UserError
-from tl_core.driver_api import checked_path
+from tl_core.driver_api import checked_model_folder, checked_path
 
 __all__ = ["check_model", "default_driver"]
 
 
 def check_model(model: str) -> str:
     """``model`` with ``~`` expanded, after refusing a path that cannot load
-    (``tl_core.driver_api.checked_path``, the rule the drivers use).
+    (``tl_core.driver_api.checked_path``, the rule the drivers use) and a folder that holds
+    no model (``tl_core.driver_api.checked_model_folder``).
 
     Raises:
-        UserError: A path that does not exist (naming the nearest folder that does), or an
-            existing file that is no ``.gguf`` file (naming the folder that holds it).
+        UserError: A path that does not exist (naming the nearest folder that does), an
+            existing file that is no ``.gguf`` file (naming the folder that holds it), an
+            empty folder, or a sparse dictionary's folder.
     """
-    return checked_path(model, "--model")
+    name = checked_path(model, "--model")
+    if os.path.isdir(name):
+        checked_model_folder(name, "--model", needs_config=False)
+    return name
 
 
 def _native_presets() -> list[str]:

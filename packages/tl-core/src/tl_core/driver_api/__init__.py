@@ -71,6 +71,7 @@ if TYPE_CHECKING:
         normalization_type as normalization_type,
     )
     from tl_core.driver_api._paths import (
+        checked_model_folder as checked_model_folder,
         checked_path as checked_path,
         looks_like_path as looks_like_path,
     )
