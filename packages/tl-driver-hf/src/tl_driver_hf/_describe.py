@@ -62,10 +62,12 @@ def shrunk_model(
     """
     config = copy.deepcopy(config)
     sizes = SHRUNK_SIZES if sizes is None else sizes
+    rope_is_head_dim = _rope_is_head_dim(config)
     for key, value in sizes.items():
         if hasattr(config, key):
             with contextlib.suppress(AttributeError, TypeError, ValueError):
                 setattr(config, key, value)
+    _shrink_latent_attention(config, sizes, rope_is_head_dim=rope_is_head_dim)
     if getattr(config, "multi_query", False) and hasattr(config, "num_key_value_heads"):
         # GPT-BigCode: multi-query means one key/value head; a second count would disagree
         # with it, and vLLM reads the count where transformers reads multi_query.
@@ -92,6 +94,54 @@ def shrunk_model(
             else:
                 param.add_(noise * 0.1)
     return model
+
+
+def _rope_is_head_dim(config: Any) -> bool:
+    """Whether a latent-attention config's ``head_dim`` is its rotary part (DeepSeek-V2/V3
+    set it so; GLM-4-MoE-Lite maps the name onto ``qk_rope_head_dim``)."""
+    rope = getattr(config, "qk_rope_head_dim", None)
+    return isinstance(rope, int) and getattr(config, "head_dim", None) == rope
+
+
+def _shrink_latent_attention(config: Any, sizes: dict[str, int], *, rope_is_head_dim: bool) -> None:
+    """Shrink multi-head latent attention's own head sizes consistently with ``sizes``.
+
+    Its heads are ``qk_nope_head_dim + qk_rope_head_dim`` wide (``qk_head_dim``), values
+    ``v_head_dim``, and every head has its own key and value (``kv_b_proj`` writes all of
+    them): left at their defaults next to a shrunk ``head_dim``, the rotary tables and the
+    key/value head count disagree with the projections and transformers cannot run it.
+    """
+    if (
+        "head_dim" not in sizes
+        or not isinstance(getattr(config, "qk_rope_head_dim", None), int)
+        or not isinstance(getattr(config, "kv_lora_rank", None), int)
+    ):
+        return  # not latent attention, or head sizes are not being shrunk
+    head = int(sizes["head_dim"])
+    rope = max(2, head // 2 - (head // 2) % 2)  # rotary halves need an even width
+    lora = 2 * head
+    fields: dict[str, Any] = {
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": head - rope,
+        "v_head_dim": head,
+        "kv_lora_rank": lora,
+    }
+    if isinstance(getattr(config, "q_lora_rank", None), int):
+        fields["q_lora_rank"] = lora
+    if isinstance(getattr(config, "index_head_dim", None), int):
+        fields["index_head_dim"] = head
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(getattr(config, "index_n_heads", None), int) and isinstance(heads, int):
+        fields["index_n_heads"] = heads
+    for key, value in fields.items():
+        if key not in sizes:  # a size the caller set stays
+            setattr(config, key, value)
+    if isinstance(heads, int) and hasattr(config, "num_key_value_heads"):
+        config.num_key_value_heads = heads  # not a size: the layout needs one per head
+    if hasattr(config, "qk_head_dim"):  # derived in the config's __init__, so stale here
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if rope_is_head_dim:
+        config.head_dim = config.qk_rope_head_dim
 
 
 @dataclass(frozen=True)

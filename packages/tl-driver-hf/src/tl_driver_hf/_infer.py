@@ -351,11 +351,20 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     ids = probe_ids(int(cast(torch.Tensor, embed.weight).shape[0]))
     device = next((p.device for p in model.parameters() if not p.is_meta), torch.device("cpu"))
     with recording(model) as calls, torch.no_grad():
-        model(
-            input_ids=ids.to(device),
-            attention_mask=torch.ones_like(ids).to(device),
-            use_cache=False,
-        )
+        try:
+            model(
+                input_ids=ids.to(device),
+                attention_mask=torch.ones_like(ids).to(device),
+                use_cache=False,
+            )
+        except Exception as exc:  # transformers alone runs here (tl only records calls)
+            raise ConfigError(
+                f"transformers cannot run this {type(model).__name__} from token ids "
+                f"({type(exc).__name__}: {exc}), so there is no model to describe; its config "
+                f"sizes likely disagree with each other (head sizes, head counts, rotary "
+                f"dimensions). Fix config.json (or hf_config_overrides) until "
+                f"AutoModelForCausalLM runs it"
+            ) from exc
     declared = getattr(config.get_text_config(), "num_hidden_layers", None)
     n_declared = declared if isinstance(declared, int) and not isinstance(declared, bool) else None
     layers_path = _layer_list(model, calls, d_model, ids.shape[1], n_declared)
