@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tl_core import TransformerBridge, UserError
+from tl_core import ConfigError, TransformerBridge, UserError
 from tl_core.driver_api import CACHE_ENV, GGUF_RECORD, RoundingCheck, check_rounding
 from tl_core.models import SMOLLM2
 from tl_driver_hf import HFDriver
@@ -321,3 +321,14 @@ def test_every_hook_served_on_smollm2_certifies(
     served = set(bridge.driver.hook_points)
     assert served and all(report.statuses[name].status == "real" for name in served)
     assert all(w.status == "real" for w in report.weights.values()) and "W_Q" in report.weights
+
+
+def test_a_layer_the_dequantised_weights_lack_is_refused(
+    first_boot: tuple[TransformerBridge, list[str], float], gguf_path: Path
+) -> None:
+    """The GGUF path boots its dequantised folder through the same load: a config asking
+    for a 31st block over SmolLM2's 30 is refused, not served with a random one."""
+    with pytest.raises(ConfigError, match=r"model\.layers\.30: all 9 of its weights.*to 30"):
+        TransformerBridge.boot_transformers(
+            str(gguf_path), hf_config_overrides={"num_hidden_layers": 31}
+        )

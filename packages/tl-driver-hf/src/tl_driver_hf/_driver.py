@@ -32,6 +32,7 @@ from tl_driver_hf._inline_attention import inline_attention
 from tl_driver_hf._loading import (
     adapter_or_none,
     apply_n_ctx,
+    built_class,
     gguf_folder,
     load_config,
     load_model,
@@ -233,7 +234,7 @@ class HFDriver(LocalDriver):
         opts = BootOptions.parse(model_name, options)
         if opts.hf_model is not None:
             model = opts.hf_model
-            adapter = adapter_or_none(getattr(model, "config", None), opts)
+            adapter = adapter_or_none(getattr(model, "config", None), opts, type(model).__name__)
             source = opts.tokenizer
             if source is None:
                 source = getattr(model, "name_or_path", None) or None
@@ -244,7 +245,7 @@ class HFDriver(LocalDriver):
             return cls._assemble(model, adapter, tokenizer, opts, name)
         opts = gguf_folder(opts)
         config = load_config(opts)
-        adapter = adapter_or_none(config, opts)
+        adapter = adapter_or_none(config, opts, built_class(config, opts))
         if opts.n_ctx is not None and adapter is not None:
             apply_n_ctx(config, adapter, opts.n_ctx)
         model = load_model(opts, config, adapter)

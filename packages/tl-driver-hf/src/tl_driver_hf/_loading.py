@@ -17,14 +17,17 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from tl_core import ConfigError, UserError
-from tl_core.driver_api import HFTokenizer, Tokenizer, dequantized_gguf
+from tl_core.driver_api import HFTokenizer, Tokenizer, checked_model_folder, dequantized_gguf
+from tl_driver_hf._built import built_class_name, describing_adapter
+from tl_driver_hf._load_report import check_loading_info, held_load_report, release
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._tokenizer import MissingTokenizer
-from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
+from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters
 
 __all__ = [
     "adapter_for_config",
     "adapter_or_none",
+    "built_class",
     "gguf_folder",
     "load_config",
     "load_model",
@@ -54,15 +57,28 @@ def gguf_folder(opts: BootOptions) -> BootOptions:
 
 
 def load_config(opts: BootOptions) -> PretrainedConfig:
-    """The model's config with ``hf_config_overrides`` and ``n_ctx`` applied."""
+    """The model's config with ``hf_config_overrides`` and ``n_ctx`` applied.
+
+    Raises:
+        UserError: A folder that holds no checkpoint (empty, a sparse dictionary's, no
+            ``config.json``), or a config transformers cannot read (``ConfigError``).
+    """
     assert opts.model_name is not None
+    is_folder = os.path.isdir(opts.model_name)
+    if is_folder:
+        checked_model_folder(opts.model_name, "model_name")
+    where = "folder" if is_folder else "hub id"
     try:
         config = AutoConfig.from_pretrained(
             opts.model_name, revision=opts.revision, trust_remote_code=opts.trust_remote_code
         )
     except OSError as exc:
-        where = "folder" if os.path.isdir(opts.model_name) else "hub id"
         raise UserError(f"cannot read the config of {where} {opts.model_name!r}: {exc}") from exc
+    except ValueError as exc:  # config.json without a model_type, or with invalid fields
+        raise ConfigError(
+            f"cannot read the config of {where} {opts.model_name!r}: {str(exc).rstrip('.')}; "
+            f"fix its config.json"
+        ) from exc
     _check_overrides(config, opts.hf_config_overrides, opts.model_name)
     for key, value in opts.hf_config_overrides.items():
         setattr(config, key, value)
@@ -104,15 +120,20 @@ def _check_overrides(config: Any, overrides: Mapping[str, Any], model_name: str)
             )
 
 
-def adapter_for_config(config: Any) -> ArchitectureAdapter:
+def adapter_for_config(config: Any, built: str | None = None) -> ArchitectureAdapter:
     """The adapter of ``config``'s family.
+
+    Args:
+        config: The model's config.
+        built: The name of the class transformers builds (``built_class_name``); the
+            adapter must describe it. ``None``: the config's names decide.
 
     Raises:
         ConfigError: The architecture is not supported (lists the supported families).
     """
     model_type = getattr(config, "model_type", None)
     architectures = tuple(getattr(config, "architectures", None) or ())
-    adapter = find_adapter(model_type, architectures)
+    adapter = describing_adapter(model_type, architectures, built)
     if adapter is None:
         families = ", ".join(sorted({a.family for a in all_adapters()}))
         raise ConfigError(
@@ -232,12 +253,38 @@ def load_model(
         kwargs["offload_folder"] = opts.offload_folder
     if opts.max_memory is not None:
         kwargs["max_memory"] = dict(opts.max_memory)
-    model = cls.from_pretrained(opts.model_name, **kwargs)
+    name = str(opts.model_name)
+    with held_load_report() as report:
+        try:
+            # Sizes that disagree are reported (and refused below, naming the weights), not
+            # raised by transformers with a pointer to its table.
+            model, info = cls.from_pretrained(
+                opts.model_name, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
+        except OSError as exc:
+            raise UserError(_no_weights(name, exc)) from exc
+    check_loading_info(model, info, name=name, overrides=opts.hf_config_overrides)
+    release(report)
     if move_to is not None:
         model.to(move_to)
     _experts_for(model, opts.dtype)
     model.eval()
     return model  # type: ignore[no-any-return]
+
+
+def _no_weights(name: str, exc: OSError) -> str:
+    """Why transformers found no weights to load, with what the folder holds instead."""
+    if not os.path.isdir(name):
+        return f"cannot load the weights of hub id {name!r}: {exc}"
+    found = sorted(os.listdir(name))
+    shown = ", ".join(found[:12]) + (f", ... ({len(found)} files)" if len(found) > 12 else "")
+    return (
+        f"folder {name!r} has a config.json but no weights transformers can load "
+        f"(model.safetensors, model.safetensors.index.json with its shards, pytorch_model.bin "
+        f"or pytorch_model.bin.index.json); it holds: {shown}. Copy the checkpoint's weights "
+        f"into it, or (in Python) boot with load_weights=False to inspect the config alone "
+        f"(transformers: {exc})"
+    )
 
 
 def wrap_tokenizer(tokenizer: Any) -> Tokenizer:
@@ -299,22 +346,45 @@ def load_tokenizer(
     return HFTokenizer(loaded)
 
 
-def adapter_or_none(config: Any, opts: BootOptions) -> ArchitectureAdapter | None:
+def built_class(config: Any, opts: BootOptions) -> str | None:
+    """The name of the class ``load_model`` builds for ``config`` (see ``built_class_name``).
+
+    Raises:
+        ConfigError: ``architectures`` and ``model_type`` name different causal LMs.
+        UserError: An unknown ``model_class``.
+    """
+    return built_class_name(
+        config,
+        _model_class(opts),
+        trust_remote_code=opts.trust_remote_code,
+        name=str(opts.model_name),
+    )
+
+
+def adapter_or_none(
+    config: Any, opts: BootOptions, built: str | None = None
+) -> ArchitectureAdapter | None:
     """The described family of ``config``, or ``None`` when its architecture is to be inferred.
+
+    Args:
+        config: The model's config.
+        opts: The boot options.
+        built: The name of the class transformers builds (or built) for it; the description
+            follows that class, never a name the config merely carries.
 
     Raises:
         ConfigError: A described family with a layout it does not serve, or an architecture
             to infer with options inference cannot honour (no weights, ``certify=False``,
             ``n_devices``).
     """
+    model_type = getattr(config, "model_type", None)
+    architectures = tuple(getattr(config, "architectures", None) or ())
     try:
-        return adapter_for_config(config)
+        return adapter_for_config(config, built)
     except ConfigError:
-        if find_adapter(
-            getattr(config, "model_type", None), tuple(getattr(config, "architectures", None) or ())
-        ):
+        if describing_adapter(model_type, architectures, built):
             raise  # a described family whose checkpoint it cannot serve: keep that reason
-    what = (getattr(config, "architectures", None) or [getattr(config, "model_type", None)])[0]
+    what = built or (architectures or (model_type,))[0]
     if not opts.load_weights:
         raise ConfigError(
             f"architecture {what!r} has no hand-written description, and inferring one runs the "
