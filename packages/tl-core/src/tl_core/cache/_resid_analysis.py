@@ -8,6 +8,9 @@ Conventions:
 
 * A residual stack is ``[component, batch, pos, d_model]``; the batch dimension is absent when
   the cache has none, and the pos dimension is absent after an ``int`` ``pos_slice``.
+* On a cache of prompts of different lengths (``lengths``; right padding) ``pos_slice``
+  counts within each prompt, negatives from its own end, so ``-1`` is every prompt's last
+  token, never padding (``None`` still keeps every column).
 * ``layer`` counts residual points: ``0 .. n_layers - 1`` is the input of that block,
   ``n_layers`` (also ``None`` or ``-1``) is the final residual, and other negative values
   count back from it (``-2`` = the input of the last block).
@@ -65,6 +68,11 @@ class ResidualAnalysisMixin(ABC):
 
     @property
     @abstractmethod
+    def lengths(self) -> tuple[int, ...] | None:
+        """Real length of each prompt, when known (right padding)."""
+
+    @property
+    @abstractmethod
     def has_batch_dim(self) -> bool:
         """Whether cached tensors have a leading batch dimension."""
 
@@ -81,15 +89,17 @@ class ResidualAnalysisMixin(ABC):
     def _pos_dim(self) -> int:
         return 1 if self.has_batch_dim else 0
 
+    def _positions(self, tensor: torch.Tensor, pos_slice: PosSlice) -> torch.Tensor:
+        """``pos_slice`` of a cached tensor, read within each prompt of a ragged batch."""
+        lengths = self.lengths if self.has_batch_dim else None
+        return slice_positions(tensor, pos_slice, self._pos_dim(), lengths)
+
     def _stack_plan(self, plan: Plan, pos_slice: PosSlice, purpose: str) -> torch.Tensor:
         if not plan:
             raise UserError(
                 f"{purpose} selects no components; include the embeddings or pick a later layer."
             )
-        tensors = [
-            slice_positions(self._tensor(name, purpose), pos_slice, self._pos_dim())
-            for _, name in plan
-        ]
+        tensors = [self._positions(self._tensor(name, purpose), pos_slice) for _, name in plan]
         return torch.stack(tensors)
 
     def _norm_type(self, final: bool, purpose: str) -> NormType:
@@ -188,7 +198,8 @@ class ResidualAnalysisMixin(ABC):
                 with ``apply_ln`` the ``ln2`` scale is used.
             apply_ln: Normalise every entry with the cached scale of the norm that reads the
                 residual at ``layer`` (see ``apply_ln_to_stack``), as TransformerLens does.
-            pos_slice: Positions to keep (an ``int`` drops the position dimension).
+            pos_slice: Positions to keep (an ``int`` drops the position dimension), within
+                each prompt on a ragged cache.
             return_labels: Also return the labels.
 
         Returns:
@@ -265,7 +276,8 @@ class ResidualAnalysisMixin(ABC):
             incl_embeds: Include the embedding components.
             apply_ln: Normalise the components with the cached scale at ``layer``
                 (see ``apply_ln_to_stack``).
-            pos_slice: Positions to keep (an ``int`` drops the position dimension).
+            pos_slice: Positions to keep (an ``int`` drops the position dimension), within
+                each prompt on a ragged cache.
             return_labels: Also return the labels.
 
         Returns:
@@ -324,7 +336,8 @@ class ResidualAnalysisMixin(ABC):
 
         Args:
             layer: Stop before this block; ``None``/``-1``/``n_layers`` for all blocks.
-            pos_slice: Positions to keep (an ``int`` drops the position dimension).
+            pos_slice: Positions to keep (an ``int`` drops the position dimension), within
+                each prompt on a ragged cache.
             apply_ln: Normalise with the cached scale at ``layer`` (see ``apply_ln_to_stack``).
             return_labels: Also return labels ``"L{layer}H{head}"``.
 
@@ -350,7 +363,7 @@ class ResidualAnalysisMixin(ABC):
                     "(enable attn_result on the bridge, or list the names in capture=...)."
                 )
             result = self._tensor(name, "stack_head_results")
-            result = slice_positions(result, pos_slice, self._pos_dim())
+            result = self._positions(result, pos_slice)
             pieces.append(result.movedim(-2, 0))
             labels.extend(f"L{block}H{head}" for head in range(result.shape[-2]))
         stack = torch.cat(pieces)
@@ -410,7 +423,7 @@ class ResidualAnalysisMixin(ABC):
             scale = recompute_scale(residual_stack.sum(dim=0), norm, eps)
             return normalize_components(residual_stack, scale, norm)
         name = self._scale_name(index, mlp_input)
-        scale = slice_positions(self._tensor(name, purpose), pos_slice, self._pos_dim())
+        scale = self._positions(self._tensor(name, purpose), pos_slice)
         stack_batched = self.has_batch_dim if has_batch_dim is None else has_batch_dim
         if self.has_batch_dim and not stack_batched:
             if scale.shape[0] != 1:
@@ -522,7 +535,8 @@ class ResidualAnalysisMixin(ABC):
         Args:
             layer: As in ``accumulated_resid``.
             incl_mid: Include mid residuals.
-            pos_slice: Positions to keep (an ``int`` drops the position dimension).
+            pos_slice: Positions to keep (an ``int`` drops the position dimension), within
+                each prompt on a ragged cache.
             return_labels: Also return the labels.
 
         Returns:

@@ -58,7 +58,12 @@ def normalize_layer(layer: int | None, n_layers: int, *, method: str) -> int:
     return resolved
 
 
-def slice_positions(tensor: torch.Tensor, pos_slice: PosSlice, dim: int) -> torch.Tensor:
+def slice_positions(
+    tensor: torch.Tensor,
+    pos_slice: PosSlice,
+    dim: int,
+    lengths: Sequence[int] | None = None,
+) -> torch.Tensor:
     """Select positions along ``dim``.
 
     Args:
@@ -66,32 +71,88 @@ def slice_positions(tensor: torch.Tensor, pos_slice: PosSlice, dim: int) -> torc
         pos_slice: ``None`` keeps all; a ``slice`` or a list of indices keeps the dimension;
             an ``int`` selects one position and drops the dimension.
         dim: The position dimension (non-negative).
+        lengths: Each prompt's real length when the rows are right-padded prompts of
+            different lengths (batch at dimension 0, positions at 1). Positions then count
+            within each prompt (negatives from its own end), so no prompt is read at its
+            padding; ``None`` and a slice over every column keep the padded tensor.
 
     Returns:
-        The selected positions (a view for ``int`` and ``slice``).
+        The selected positions (a view for ``int`` and ``slice`` without ragged ``lengths``).
 
     Raises:
-        UserError: An index is out of range or ``pos_slice`` has the wrong type.
+        UserError: An index is out of range (for any prompt, with ``lengths``), a slice
+            that selects a different number of positions from different prompts, or
+            ``pos_slice`` has the wrong type.
     """
     if pos_slice is None:
         return tensor
     size = tensor.shape[dim]
+    if lengths is not None and dim == 1 and any(n != size for n in lengths):
+        return _per_prompt(tensor, pos_slice, list(lengths))
     if isinstance(pos_slice, slice):
         return tensor[(slice(None),) * dim + (pos_slice,)]
     if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):
         check_position(pos_slice, size)
         return tensor.select(dim, pos_slice)
+    indices = _index_list(pos_slice)
+    for index in indices:
+        check_position(index, size)
+    wrapped = torch.tensor([i % size for i in indices], dtype=torch.long, device=tensor.device)
+    return tensor.index_select(dim, wrapped)
+
+
+def _index_list(pos_slice: object) -> list[int]:
     if isinstance(pos_slice, Sequence) and not isinstance(pos_slice, str):
         indices = list(pos_slice)
         for index in indices:
             if isinstance(index, bool) or not isinstance(index, int):
                 raise UserError(f"pos_slice must hold ints, got {index!r} in {pos_slice!r}.")
-            check_position(index, size)
-        wrapped = torch.tensor([i % size for i in indices], dtype=torch.long, device=tensor.device)
-        return tensor.index_select(dim, wrapped)
+        return indices
     raise UserError(
         f"pos_slice must be None, an int, a slice or a list of ints, got {pos_slice!r}."
     )
+
+
+def _per_prompt(tensor: torch.Tensor, pos_slice: PosSlice, lengths: list[int]) -> torch.Tensor:
+    """``pos_slice`` read within each prompt of a right-padded ragged batch."""
+    width = tensor.shape[1]
+    single = isinstance(pos_slice, int) and not isinstance(pos_slice, bool)
+    if isinstance(pos_slice, slice):
+        if pos_slice.indices(width) == (0, width, 1):
+            return tensor  # every column, as ``None``
+        chosen = [list(range(n))[pos_slice] for n in lengths]
+        counts = {len(c) for c in chosen}
+        if len(counts) > 1:
+            raise UserError(
+                f"pos_slice={pos_slice!r} selects {[len(c) for c in chosen]} positions from "
+                f"prompts of lengths {lengths}, which do not stack; counted within each "
+                "prompt, a slice must select as many positions from every prompt. Pass a "
+                "list of positions, or take one prompt with cache.prompt(i)."
+            )
+        rows = chosen
+    else:
+        wanted = (
+            [pos_slice]
+            if isinstance(pos_slice, int) and not isinstance(pos_slice, bool)
+            else _index_list(pos_slice)
+        )
+        rows = []
+        for prompt, length in enumerate(lengths):
+            row = []
+            for index in wanted:
+                if not -length <= index < length:
+                    raise UserError(
+                        f"pos_slice index {index} is out of range for prompt {prompt}, which "
+                        f"has {length} real tokens (valid: {-length}..{length - 1}; in a "
+                        "batch of prompts of different lengths positions count within each "
+                        "prompt, negatives from its own end)."
+                    )
+                row.append(index % length)
+            rows.append(row)
+    columns = torch.tensor(rows, dtype=torch.long, device=tensor.device)
+    batch = torch.arange(tensor.shape[0], device=tensor.device)[:, None]
+    picked = tensor[batch, columns]
+    return picked[:, 0] if single else picked
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
