@@ -8,6 +8,7 @@ without transformers, which tl-core does not depend on.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -135,12 +135,26 @@ def test_converts_once_then_reuses_the_folder(
     )
 
 
+def test_file_sha256_reads_a_file_rewritten_in_place_with_the_same_size(tmp_path: Path) -> None:
+    """Issue #44: a digest remembered by path, size and mtime went stale on such a rewrite."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x01" * 4096)
+    before = path.stat()
+    assert file_sha256(path) == hashlib.sha256(b"\x01" * 4096).hexdigest()
+    with path.open("r+b") as handle:  # the same inode and size; no sleep before or after
+        handle.write(b"\x02" * 4096)
+    # A rewrite within the file system's timestamp granularity (or a copy that keeps the
+    # mtime) leaves the mtime as it was: make that certain rather than likely.
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_ino) == (before.st_size, before.st_ino)
+    assert file_sha256(path) == hashlib.sha256(b"\x02" * 4096).hexdigest()
+
+
 def test_the_key_follows_the_content_and_the_dtype(tmp_path: Path) -> None:
     first = _convert(_gguf(tmp_path / "m.gguf"), tmp_path / "cache")
     in_bf16 = _convert(tmp_path / "m.gguf", tmp_path / "cache", torch.bfloat16)
     assert in_bf16 != first and in_bf16.name.endswith("-bfloat16")
     assert load_file(in_bf16 / "model.safetensors")["weight"].dtype == torch.bfloat16
-    time.sleep(0.01)
     changed = _convert(_gguf(tmp_path / "m.gguf", b"\x09\x09\x09\x09"), tmp_path / "cache")
     assert changed not in (first, in_bf16), "new content under the same name is a new key"
     assert StandInModel.loads == 3

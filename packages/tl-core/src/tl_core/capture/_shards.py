@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tl_core._errors import UserError
+from tl_core.driver_api._gguf import file_sha256
 
 __all__ = [
     "RECORD_FIELDS",
@@ -184,15 +185,6 @@ def write_shard(
         sha256=sha.hexdigest(),
         **summary,
     )
-
-
-def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file, read in 4 MiB chunks."""
-    sha = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            sha.update(chunk)
-    return sha.hexdigest()
 
 
 def _edited(where: str, field: str, recorded: Any, actual: Any) -> UserError:

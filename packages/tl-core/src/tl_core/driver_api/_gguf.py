@@ -136,20 +136,21 @@ def require_gguf_packages(install_hint: str) -> None:
         )
 
 
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
 def file_sha256(path: Path) -> str:
-    """The SHA-256 of a file's contents (remembered per path, size and mtime in this process)."""
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _DIGESTS:
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 23), b""):
-                digest.update(chunk)
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
+    """The SHA-256 of a file's contents, read in 8 MiB chunks on every call.
+
+    Nothing is remembered between calls: no key built from the file's metadata can vouch
+    for its content. A rewrite in place with the same size keeps the path, inode and size,
+    and lands on the same mtime and ctime when it falls within the file system's
+    timestamp granularity (or when a copy restores the mtime), so a remembered digest
+    would describe the old content. Hashing costs a fraction of a boot (about 0.1 s for
+    SmolLM2's 98 MB GGUF file, see docs/capture.md).
+    """
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 23), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
