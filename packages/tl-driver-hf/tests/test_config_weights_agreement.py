@@ -20,7 +20,13 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BartConfig,
+    BartForConditionalGeneration,
+    LlamaForCausalLM,
+)
 
 from tl_core import ConfigError, TransformerBridge
 from tl_driver_hf import HFDriver
@@ -102,6 +108,27 @@ def test_a_missing_learned_buffer_is_a_missing_weight(tmp_path: Path) -> None:
     save_file({k: v for k, v in weights.items() if k not in dropped}, str(folder / WEIGHTS))
     with pytest.raises(ConfigError, match=r"mlp\.gate\.e_score_correction_bias"):
         HFDriver.boot(str(folder))
+
+
+def test_a_sequence_to_sequence_checkpoint_read_as_a_causal_lm_lacks_its_decoder_embedding(
+    tmp_path: Path,
+) -> None:
+    """BartForConditionalGeneration stores its embedding once, as ``model.shared``, which
+    BartForCausalLM has no place for: read as a causal LM, the decoder's embedding and the
+    unembedding would be random (the dropped encoder itself is not refused here)."""
+    config = BartConfig(
+        vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    BartForConditionalGeneration(config).save_pretrained(tmp_path / "bart")
+    absent = set(_needed_shapes(tmp_path / "bart", {})) - set(_file_shapes(tmp_path / "bart"))
+    assert absent == {"model.decoder.embed_tokens.weight"}
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(tmp_path / "bart"))
+    message = str(refused.value)
+    assert "model.decoder.embed_tokens.weight" in message and "lm_head.weight" in message
+    assert "this BartForCausalLM has no place for" in message and "model.shared.weight" in message
+    assert "['BartForConditionalGeneration']" in message
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -226,9 +226,21 @@ def check_loading_info(
             f"Set the config's sizes (hidden_size, vocab_size, intermediate_size, head counts) "
             f"to the weights', or pair the weights with the config they were written with."
         )
+    unexpected = set(info.get("unexpected_keys") or ())
+    other = ""
+    if unexpected:
+        # A checkpoint of another class (a sequence-to-sequence model read as a causal LM).
+        named = list(getattr(config, "architectures", None) or ())
+        other = (
+            f" The file also holds {len(unexpected)} weights this {type(model).__name__} has "
+            f"no place for ({grouped(unexpected)}): it was likely written for another class"
+            + (f" (its config names {named})" if named else "")
+            + "."
+        )
     raise ConfigError(
         f"the checkpoint {name!r} lacks {len(missing)} weights the model its config describes "
         f"needs: {grouped(missing, model_keys)}. transformers would initialise them at random, "
         f"so the model would not be the checkpoint's; the config and the weights disagree."
+        f"{other}"
         f"{_layer_hint(missing, model_keys, config) or ' Pair the config with the weights it was written for (or add the missing weights).'}"
     )
