@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,13 +22,16 @@ from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
 from tl_core.driver_api._request import LOCAL_OPTIONS, ForwardRequest, RequestForward
 from tl_core.driver_api._sampling import next_tokens
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
-from tl_core.hooks._dictionary_sites import DictionarySite
+from tl_core.hooks._dictionary_sites import DictionarySite, check_start
 from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._order import forward_order
 from tl_core.specs._affine import AffineEdit, compile_plan
 from tl_core.specs._plan import InterventionPlan
+
+if TYPE_CHECKING:
+    from tl_core.sae._stage import DictionaryRun
 
 __all__ = ["LocalDriver"]
 
@@ -139,9 +142,13 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
 
         Raises:
             UnsupportedFeatureError: The driver has no per-head inputs.
+            UserError: Turning them on while a dictionary reads or writes a site they make
+                capture-only (its output would no longer reach attention).
         """
         if not isinstance(enabled, bool):
             raise UserError(f"set_use_split_qkv_input takes a bool, got {enabled!r}")
+        if enabled and not self.split_qkv_input:
+            self._check_split_dictionaries()
         self._apply_split_qkv_input(enabled)
         before = self._split_read_only()
         self._split_qkv_input = enabled
@@ -152,6 +159,23 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
                 self.hook_points[name].edit_refusal = None
         for name, reason in self._split_read_only().items():
             self.hook_points[name].edit_refusal = reason
+
+    def _check_split_dictionaries(self) -> None:
+        made_read_only = set(self._split_read_only(enabled=True))
+        for site in self.dictionary_sites.values():
+            for hook in dict.fromkeys((site.hook, site.output_hook)):
+                if hook in made_read_only:
+                    why = (
+                        "so the dictionary's output would not reach attention"
+                        if hook == site.output_hook
+                        else "and tl attaches dictionaries only where a site takes edits"
+                    )
+                    raise UserError(
+                        f"per-head q/k/v inputs cannot be turned on while a dictionary is attached "
+                        f"at {site.hook!r}: they make {hook!r} capture-only (attention then reads "
+                        f"attn.hook_q_input/hook_k_input/hook_v_input), {why}; remove the "
+                        "dictionary first (.remove() on what add_sae returned)"
+                    )
 
     def _apply_split_qkv_input(self, enabled: bool) -> None:
         """Switch the model's attention to per-head inputs (drivers that can override)."""
@@ -205,11 +229,24 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         """Canonical site -> the dictionary attached there."""
         return {hook: site for hook, (site, _) in self._dictionaries.items()}
 
-    def add_dictionary_sites(self, site: DictionarySite, points: Mapping[str, HookPoint]) -> None:
+    @property
+    def _dictionary_runs(self) -> dict[str, DictionaryRun]:
+        """Canonical site -> the run of the dictionary attached there (its per-forward state)."""
+        runs: dict[str, DictionaryRun] = self.__dict__.setdefault("_dictionary_run_map", {})
+        return runs
+
+    def add_dictionary_sites(
+        self,
+        site: DictionarySite,
+        points: Mapping[str, HookPoint],
+        *,
+        run: DictionaryRun | None = None,
+    ) -> None:
         """Serve a dictionary's sites (``site.names``), fired by ``points``.
 
         The caller (``tl_core.sae``) makes the dictionary run at ``site.hook``; this only
-        makes its sites names the driver resolves, captures and edits.
+        makes its sites names the driver resolves, captures and edits, and, given ``run``,
+        resets its per-forward state when each forward begins and ends.
 
         Raises:
             HookNameError: The namespace refuses the site (see ``HookNamespace.with_dictionary``).
@@ -221,15 +258,19 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
             )
         namespace = self.namespace.with_dictionary(site)
         self._dictionaries[site.hook] = (site, dict(points))
+        if run is not None:
+            self._dictionary_runs[site.hook] = run
         self._namespace = namespace
 
     def remove_dictionary_sites(self, hook: str) -> None:
         """Stop serving the sites of the dictionary at canonical ``hook`` (if any)."""
+        self._dictionary_runs.pop(hook, None)
         if self._dictionaries.pop(hook, None) is not None:
             self.__dict__.pop("_namespace", None)
 
-    def _split_read_only(self) -> dict[str, str]:
-        if not self.split_qkv_input:
+    def _split_read_only(self, *, enabled: bool | None = None) -> dict[str, str]:
+        """The sites per-head inputs make capture-only (while on, or if ``enabled``)."""
+        if not (self.split_qkv_input if enabled is None else enabled):
             return {}
         reason = _SPLIT_READ_ONLY
         names = [
@@ -291,6 +332,7 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
             return self._generate(batch, request)
         store: dict[str, torch.Tensor] = {}
         start, stop = request.start_at_layer, request.stop_at_layer
+        check_start(self.dictionary_sites.values(), start)
         with self.attached(request.plan, batch, capture=request.capture, store=store):
             out = self.run_model(
                 None if start is not None else batch.ids,
@@ -357,8 +399,16 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         capture: Sequence[str] = (),
         store: dict[str, torch.Tensor] | None = None,
     ) -> Iterator[None]:
-        """Attach the plan's edits, then capture hooks; remove them all on exit."""
+        """Attach the plan's edits, then capture hooks; remove them all on exit.
+
+        This is one forward's scope: spliced dictionaries start it with no state and keep
+        none after it (a transcoder's input read by a forward that stopped before its
+        output site must not reach the next forward).
+        """
         handles: list[HookHandle] = []
+        runs = list(self._dictionary_runs.values())
+        for run in runs:
+            run.reset()
         try:
             for hook in forward_order(plan.hooks):
                 point = self.hook_points[hook]
@@ -372,6 +422,8 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
                     handles.append(self.hook_points[hook].add_hook(_Capture(store, hook)))
             yield
         finally:
+            for run in runs:
+                run.reset()
             for handle in handles:
                 handle.remove()
 

@@ -7,11 +7,14 @@ data); the dictionary's math lives in ``tl_core.sae``.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tl_core._errors import HookNameError
+from tl_core._errors import HookNameError, UserError
+from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
 
-__all__ = ["DICTIONARY_SITES", "DictionarySite", "split_dictionary_name"]
+__all__ = ["DICTIONARY_SITES", "DictionarySite", "check_start", "split_dictionary_name"]
 
 #: The sites under an attached dictionary, in the order the forward pass reaches them:
 #: its input (heads flattened for ``attn.hook_z``), the encoder's pre-activations, the
@@ -104,3 +107,39 @@ def split_dictionary_name(name: str) -> tuple[str, str] | None:
             f"dictionary are {', '.join(DICTIONARY_SITES)}"
         )
     return base, site
+
+
+def _block_of(hook: str) -> float:
+    """The block a canonical hook fires in: -1 before the blocks, ``inf`` after them."""
+    split = split_canonical(hook)
+    if split is None or split[1] is None:
+        return -1 if hook in BEFORE_BLOCKS or split is None else math.inf
+    return split[1]
+
+
+def check_start(sites: Iterable[DictionarySite], start: int | None) -> None:
+    """Refuse a forward from block ``start`` that runs a transcoder's output site but not
+    the site it reads: its input would be missing (or another forward's).
+
+    A forward that stops between the two is fine: what it returns does not depend on the
+    site the transcoder writes.
+
+    Raises:
+        UserError: Naming the transcoder's two sites and the blocks to start at instead.
+    """
+    if start is None:
+        return
+    for site in sites:
+        read, write = _block_of(site.hook), _block_of(site.output_hook)
+        if read < start <= write:
+            earlier = (
+                "leave start_at_layer out (run from the tokens)"
+                if read < 0
+                else f"start at block {int(read)} or earlier"
+            )
+            raise UserError(
+                f"start_at_layer={start} begins the forward at block {start}, after "
+                f"{site.hook!r}, which the transcoder writing {site.output_hook!r} reads; "
+                "the residual stream given cannot supply its input, so "
+                f"{earlier}, or remove the transcoder for this forward"
+            )

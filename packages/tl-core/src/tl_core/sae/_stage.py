@@ -152,6 +152,12 @@ class DictionaryRun:
         self._copies = copies
         self._pending: Decoded | None = None
 
+    def reset(self) -> None:
+        """Forget a transcoder's reconstruction waiting for its output site: it belongs to
+        the forward that read it (drivers call this when a forward begins and ends, so a
+        forward that stopped between the two sites leaves nothing for the next one)."""
+        self._pending = None
+
     def read(self, x: torch.Tensor) -> torch.Tensor:
         """Run the dictionary on its site's value (heads flattened where it reads them so):
         an autoencoder's output, in ``x``'s dtype and shape, replaces it; a transcoder keeps
