@@ -8,9 +8,10 @@ load from its on-disk format (``cfg.json`` plus ``sae_weights.safetensors``).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Literal, TypeAlias
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, TypeAlias
 
 import torch
 
@@ -44,6 +45,9 @@ Normalization = Literal["none", "constant_norm_rescale", "layer_norm"]
 NORMALIZATIONS: tuple[Normalization, ...] = ("none", "constant_norm_rescale", "layer_norm")
 """Every ``Normalization``."""
 
+#: The fields that hold tensors (``threshold`` and ``W_skip`` may be ``None``).
+TENSORS: tuple[str, ...] = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")
+
 
 @dataclass(frozen=True)
 class SparseDictionary:
@@ -74,6 +78,13 @@ class SparseDictionary:
             its heads flattened (sae-lens's ``reshape_activations="hook_z"``).
         transcoder: Whether it writes another site than it reads (a transcoder, skip or
             not); implied by ``d_in != d_out``, ``W_skip`` or ``output_hook_name``.
+        hook_head_index: The one head of a per-head site the dictionary was trained on
+            (sae-lens's ``metadata.hook_head_index``), or ``None``. Such a dictionary
+            encodes and decodes, but tl does not splice it into a model.
+
+    Raises:
+        ConfigError: On construction, for anything ``problems`` lists, and for a keyword
+            that is not a field (naming the nearest one).
     """
 
     W_enc: torch.Tensor
@@ -91,6 +102,22 @@ class SparseDictionary:
     output_hook_name: str | None = None
     flatten_heads: bool = False
     transcoder: bool = False
+    hook_head_index: int | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SparseDictionary:
+        # The generated __init__ would raise a bare TypeError for a misspelled keyword.
+        names = [f.name for f in fields(cls)]
+        unknown = [key for key in kwargs if key not in names]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(
+                f"SparseDictionary got unknown keywords {', '.join(hints)}; it takes "
+                f"{', '.join(names)}"
+            )
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -98,8 +125,23 @@ class SparseDictionary:
             raise ConfigError(f"this sparse dictionary is inconsistent: {'; '.join(problems)}")
 
     def problems(self) -> list[str]:
-        """What is inconsistent in the tensors and settings (empty when nothing is)."""
-        out: list[str] = []
+        """What is inconsistent in the tensors and settings (empty when nothing is): a
+        tensor that is not a ``torch.Tensor``, not floating point, of another dtype or
+        device than ``W_enc``, of the wrong shape, or holding NaN or infinite values; a
+        setting that is unknown or does not fit the architecture."""
+        tensors = self._tensors()
+        wrong = [
+            f"{name} is a {type(t).__module__}.{type(t).__qualname__}, not a torch.Tensor"
+            for name, t in tensors.items()
+            if not isinstance(t, torch.Tensor)
+        ]
+        if wrong:
+            return [
+                *wrong,
+                "a dictionary holds torch tensors: convert each with torch.as_tensor(...) "
+                "(W_enc, b_enc, W_dec and b_dec are needed; threshold and W_skip may be None)",
+            ]
+        out = self._dtype_problems(tensors)
         if self.architecture not in ARCHITECTURES:
             out.append(f"architecture {self.architecture!r} is not one of {ARCHITECTURES}")
         if self.normalize_activations not in NORMALIZATIONS:
@@ -107,7 +149,11 @@ class SparseDictionary:
                 f"normalize_activations {self.normalize_activations!r} is not one of {NORMALIZATIONS}"
             )
         if self.W_enc.dim() != 2 or self.W_dec.dim() != 2:
-            return [*out, "W_enc and W_dec must be matrices"]
+            return [
+                *out,
+                f"W_enc and W_dec must be matrices, got shapes {tuple(self.W_enc.shape)} "
+                f"and {tuple(self.W_dec.shape)}",
+            ]
         d_in, d_sae = self.W_enc.shape
         if tuple(self.W_dec.shape[:1]) != (d_sae,):
             out.append(f"W_dec has {self.W_dec.shape[0]} rows, W_enc {d_sae} columns (d_sae)")
@@ -121,6 +167,8 @@ class SparseDictionary:
             out.append(f"a jumprelu dictionary needs a threshold of shape ({d_sae},)")
         if self.architecture == "topk" and (not isinstance(self.k, int) or not 0 < self.k <= d_sae):
             out.append(f"a topk dictionary needs 0 < k <= d_sae ({d_sae}), got k={self.k!r}")
+        if self.normalize_activations == "layer_norm" and d_in < 2:
+            out.append("layer_norm normalisation needs d_in >= 2 (one value has no spread)")
         if self.W_skip is not None and tuple(self.W_skip.shape) != (self.d_out, d_in):
             out.append(
                 f"W_skip has shape {tuple(self.W_skip.shape)}, expected (d_out, d_in) = ({self.d_out}, {d_in})"
@@ -135,6 +183,66 @@ class SparseDictionary:
             )
         if self.is_transcoder and self.flatten_heads:
             out.append("a transcoder cannot read heads flattened")
+        out += self._fit_problems()
+        if not out:
+            bad = [p for name, t in tensors.items() if (p := _non_finite(name, t))]
+            if bad:
+                out.append(
+                    f"{'; '.join(bad)}: a dictionary with NaN or infinite weights gives NaN "
+                    "outputs; retrain it or repair those weights"
+                )
+        return out
+
+    def _tensors(self) -> dict[str, Any]:
+        """The tensor fields that are set, by name."""
+        values = {name: getattr(self, name) for name in TENSORS}
+        return {name: value for name, value in values.items() if value is not None}
+
+    def _dtype_problems(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        out = [
+            f"{name} has dtype {t.dtype}, not a floating-point one (the site's input would be "
+            f"cast to it): convert it with {name}.float()"
+            for name, t in tensors.items()
+            if not t.is_floating_point()
+        ]
+        if out:
+            return out
+        dtypes = {t.dtype for t in tensors.values()}
+        if len(dtypes) > 1:
+            listed = ", ".join(
+                f"{n} {str(t.dtype).removeprefix('torch.')}" for n, t in tensors.items()
+            )
+            out.append(
+                f"its tensors have different dtypes ({listed}): convert them to one, e.g. "
+                f"each with .to({self.W_enc.dtype})"
+            )
+        devices = {t.device for t in tensors.values()}
+        if len(devices) > 1:
+            listed = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
+            out.append(f"its tensors are on different devices ({listed}): move them to one")
+        return out
+
+    def _fit_problems(self) -> list[str]:
+        """Settings given for an architecture that does not use them."""
+        out: list[str] = []
+        if self.threshold is not None and self.architecture != "jumprelu":
+            out.append(
+                f"a threshold is given but the architecture is {self.architecture!r}: only a "
+                "jumprelu dictionary has thresholds; set architecture='jumprelu' or drop it"
+            )
+        if self.k is not None and self.architecture != "topk":
+            out.append(
+                f"k={self.k!r} is given but the architecture is {self.architecture!r}: only a "
+                "topk dictionary keeps k features; set architecture='topk' or drop k"
+            )
+        if self.rescale_acts_by_decoder_norm and self.architecture != "topk":
+            out.append(
+                "rescale_acts_by_decoder_norm applies to topk dictionaries only, but the "
+                f"architecture is {self.architecture!r}"
+            )
+        head = self.hook_head_index
+        if head is not None and (isinstance(head, bool) or not isinstance(head, int) or head < 0):
+            out.append(f"hook_head_index must be None or a head index >= 0, got {head!r}")
         return out
 
     def __repr__(self) -> str:
@@ -151,6 +259,7 @@ class SparseDictionary:
             "rescale_acts_by_decoder_norm": self.rescale_acts_by_decoder_norm or None,
             "skip": True if self.W_skip is not None else None,
             "flatten_heads": self.flatten_heads or None, "transcoder": self.transcoder or None,
+            "hook_head_index": self.hook_head_index,
         }  # fmt: skip
         parts += [f"{key}={value!r}" for key, value in flags.items() if value is not None]
         parts.append(f"dtype={str(self.dtype).removeprefix('torch.')}")
@@ -174,11 +283,15 @@ class SparseDictionary:
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
 
-        return replace(
-            self, W_enc=move(self.W_enc), b_enc=move(self.b_enc), W_dec=move(self.W_dec), b_dec=move(self.b_dec),
-            threshold=None if self.threshold is None else move(self.threshold),
-            W_skip=None if self.W_skip is None else move(self.W_skip),
-        )  # fmt: skip
+        try:
+            return replace(
+                self, W_enc=move(self.W_enc), b_enc=move(self.b_enc), W_dec=move(self.W_dec),
+                b_dec=move(self.b_dec), threshold=None if self.threshold is None else move(self.threshold),
+                W_skip=None if self.W_skip is None else move(self.W_skip),
+            )  # fmt: skip
+        except ConfigError as exc:
+            # Casting to a narrower dtype can overflow to infinity.
+            raise ConfigError(f"converting the dictionary to {dtype or device}: {exc}") from None
 
     @property
     def d_in(self) -> int:
@@ -298,3 +411,15 @@ class SparseDictionary:
         out = self.denormalize(self.decode_linear(acts, decoder), undo)
         skip = self.skip(x)
         return out if skip is None else out + skip
+
+
+def _non_finite(name: str, t: torch.Tensor) -> str | None:
+    """Where ``t`` holds NaN or infinite values, if it does."""
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return None
+    nans, total = int(torch.isnan(t).sum()), int(bad.sum())
+    kinds = [f"NaN at {nans}" if nans else "", f"inf at {total - nans}" if total > nans else ""]
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    where = first[0] if len(first) == 1 else first
+    return f"{name} holds {' and '.join(k for k in kinds if k)} of {t.numel()} entries (the first at index {where})"

@@ -10,8 +10,9 @@ decoder's image of the edit. Everything is checked before the model runs.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,12 +100,24 @@ def plan_attachment(
             ``top_k``.
         HookNameError: A site the model does not serve (or not editably).
     """
+    if not isinstance(dictionary, SparseDictionary):
+        raise ConfigError(
+            f"add_sae takes a SparseDictionary, got {type(dictionary).__name__}; load one with "
+            "tl_core.sae.load_dictionary(folder) or from_sae_lens(sae)"
+        )
     name = hook_name or dictionary.hook_name
     if name is None:
         raise ConfigError(
             "the dictionary names no site (its cfg has no hook_name): pass hook_name="
         )
     hook = namespace.lookup(name, edit=True)
+    if dictionary.hook_head_index is not None:
+        raise UnsupportedFeatureError(
+            f"the dictionary was trained on head {dictionary.hook_head_index} of {hook!r} alone "
+            f"(sae-lens's hook_head_index={dictionary.hook_head_index}); tl splices a dictionary "
+            "over a whole site, not one head of it: run its encode/reconstruct on that head of "
+            "a captured value instead"
+        )
     out_name = output_hook_name or dictionary.output_hook_name
     if dictionary.is_transcoder and out_name is None:
         raise ConfigError(
@@ -168,6 +181,21 @@ def _check_width(
         )
 
 
+#: The keywords ``splice`` (and ``bridge.add_sae``) take besides the dictionary.
+_OPTIONS = ("hook_name", "output_hook_name", "use_error_term", "top_k")
+
+
+def _unknown_options(unknown: Mapping[str, Any]) -> ConfigError:
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.6)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ConfigError(
+        f"add_sae got unknown keywords {', '.join(hints)}; it takes the dictionary and "
+        f"{', '.join(_OPTIONS)}"
+    )
+
+
 def splice(
     bridge: Any,
     dictionary: SparseDictionary,
@@ -176,6 +204,7 @@ def splice(
     output_hook_name: str | None = None,
     use_error_term: bool = False,
     top_k: int | None = None,
+    **unknown: Any,
 ) -> Splice:
     """Splice ``dictionary`` into ``bridge``'s forward pass until ``Splice.remove()``.
 
@@ -192,11 +221,15 @@ def splice(
         use_error_term: Add the error term back (see the module docstring).
         top_k: Features per token that ``hook_sae_top_indices``/``_values`` keep (default:
             a TopK dictionary's ``k``, else 32).
+        **unknown: Refused (a misspelled keyword), naming the nearest one.
 
     Raises:
-        ConfigError, HookNameError: See ``plan_attachment``; checked before any forward pass.
+        ConfigError, HookNameError: See ``plan_attachment``; an unknown keyword; all
+            checked before any forward pass.
         UnsupportedFeatureError: The driver cannot run dictionaries.
     """
+    if unknown:
+        raise _unknown_options(unknown)
     attachment = plan_attachment(
         bridge.namespace, dictionary, hook_name=hook_name, output_hook_name=output_hook_name,
         use_error_term=use_error_term, top_k=top_k,
@@ -231,7 +264,7 @@ def _attach_local(driver: LocalDriver, attachment: Attachment) -> Callable[[], N
     # Hooks may keep references to what they see (captures do), so nothing runs in place.
     run = DictionaryRun(attachment, visit, wants_top_k, copies=False)
     read, write = driver.hook_points[site.hook], driver.hook_points[site.output_hook]
-    driver.add_dictionary_sites(site, points)
+    driver.add_dictionary_sites(site, points, run=run)
     read.replacement = run.read
     if site.output_hook != site.hook:
         write.replacement = run.write
