@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
-from tl_core import ConfigError, TransformerBridge, UserError
+from tl_core import ConfigError, TransformerBridge, UnsupportedFeatureError, UserError
 from tl_core.sae import SparseDictionary, load_dictionary, random_dictionary, splice
 
 
@@ -121,7 +121,9 @@ def test_bad_folders_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
         load_dictionary(tmp_path)
     d = _dictionary()
     tensors = {"W_enc": d.W_enc, "b_enc": d.b_enc, "W_dec": d.W_dec, "b_dec": d.b_dec}
-    with pytest.raises(ConfigError, match="architecture 'gated' is not one tl runs"):
+    with pytest.raises(
+        UnsupportedFeatureError, match="architecture 'gated' is not supported by tl"
+    ):
         load_dictionary(_save(tmp_path / "gated", {"architecture": "gated"}, tensors))
     with pytest.raises(ConfigError, match="lacks b_dec"):
         load_dictionary(
