@@ -44,7 +44,7 @@ def test_the_bound_holds_for_every_input(
     config = CaptureConfig(
         model="gpt2", driver="native", hooks=("blocks.0.hook_resid_post",), input="-",
         context_size=context_size, pack=pack, prepend_bos=prepend_bos,
-        separator=separator, max_tokens=max_tokens,  # type: ignore[arg-type]
+        separator=separator if pack else "bos", max_tokens=max_tokens,  # type: ignore[arg-type]
     )  # fmt: skip
     documents = [Document(i, t, (i + 1) / len(texts)) for i, t in enumerate(texts)]
     cut = sum(1 for _ in contexts(documents, ByteTokenizer(), config))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tl_core._errors import UserError
+from tl_core.capture._model_files import resolved_path
 
 __all__ = ["CaptureConfig", "InputFormat", "Separator", "fingerprint"]
 
@@ -90,10 +91,28 @@ class CaptureConfig:
                 f"['blocks.0.hook_resid_post']"
             )
         object.__setattr__(self, "hooks", tuple(self.hooks))
+        _checked_names(self)
         if isinstance(self.model, os.PathLike):  # a folder given as a path; a str may be a hub id
             object.__setattr__(self, "model", str(Path(self.model).expanduser().resolve()))
         object.__setattr__(self, "input", str(Path(self.input).expanduser().resolve()))
         object.__setattr__(self, "boot_options", dict(self.boot_options))
+        if self.driver != "native":  # a native model is a preset name, never a path
+            # A relative path names another model from another working folder: the store
+            # records (and every part of a job boots) the absolute one.
+            object.__setattr__(self, "model", resolved_path(self.model))
+            tokenizer = self.boot_options.get("tokenizer")
+            if isinstance(tokenizer, str):
+                options = {**self.boot_options, "tokenizer": resolved_path(tokenizer)}
+                object.__setattr__(self, "boot_options", options)
+        for name in ("pack", "prepend_bos", "drop_bos", "drop_padding"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.pack and self.separator != "bos":
+            raise UserError(
+                f"separator={self.separator!r} (--separator) joins documents inside a packed "
+                f"context, but pack=False (--no-pack) starts each document in its own context, "
+                f"so it would be ignored; drop it, or pack the documents"
+            )
         object.__setattr__(
             self,
             "dictionaries",
@@ -140,6 +159,32 @@ class CaptureConfig:
 _DICTIONARY_KEYS = ("path", "hook_name", "output_hook_name", "top_k", "use_error_term")
 
 
+def _checked_names(config: CaptureConfig) -> None:
+    """Refuse a model, driver, hook, input or text field that is not a name."""
+    if not isinstance(config.model, (str, os.PathLike)) or not os.fspath(config.model):
+        raise UserError(
+            f"model must be a folder, .gguf file, hub id or native preset, got {config.model!r}"
+        )
+    if not isinstance(config.driver, str) or not config.driver:
+        raise UserError(f"driver must be a driver name from `tl drivers`, got {config.driver!r}")
+    odd = [h for h in config.hooks if not isinstance(h, str) or not h]
+    if odd:
+        raise UserError(
+            f"hooks must be hook names (strings), got {odd[0]!r} in {list(config.hooks)!r}"
+        )
+    if not isinstance(config.input, (str, os.PathLike)) or not os.fspath(config.input):
+        raise UserError(f"input must be a file or folder path, got {config.input!r}")
+    if not isinstance(config.text_field, str) or not config.text_field:
+        raise UserError(
+            f"text_field must be the name of the records' text field, got {config.text_field!r}"
+        )
+    if not isinstance(config.boot_options, Mapping):
+        raise UserError(
+            f"boot_options must be a mapping of option name to value, got "
+            f"{type(config.boot_options).__name__}: {config.boot_options!r}"
+        )
+
+
 def _dictionary_entry(entry: object, index: int) -> dict[str, Any]:
     """One ``dictionaries`` entry, checked, its path absolute and ``use_error_term`` set."""
     if not isinstance(entry, Mapping) or "path" not in entry:
@@ -154,6 +199,20 @@ def _dictionary_entry(entry: object, index: int) -> dict[str, Any]:
     out = dict(entry)
     out["path"] = str(Path(str(entry["path"])).expanduser().resolve())
     out.setdefault("use_error_term", True)
+    top_k = out.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise UserError(
+            f"dictionaries[{index}]['top_k'] (--sae-top-k) must be an int >= 1: the features "
+            f"per token that hook_sae_top_indices keeps, got {top_k!r}"
+        )
+    if not isinstance(out["use_error_term"], bool):
+        raise UserError(
+            f"dictionaries[{index}]['use_error_term'] must be True or False, got "
+            f"{out['use_error_term']!r}"
+        )
+    for key in ("hook_name", "output_hook_name"):
+        if key in out and out[key] is not None and (not isinstance(out[key], str) or not out[key]):
+            raise UserError(f"dictionaries[{index}][{key!r}] must be a hook name, got {out[key]!r}")
     return out
 
 

@@ -52,7 +52,7 @@ class Tokens:
     @classmethod
     def of(cls, tokenizer: Tokenizer, config: CaptureConfig) -> Tokens:
         bos = tokenizer.bos_token_id
-        if (config.prepend_bos or config.separator == "bos") and bos is None:
+        if (config.prepend_bos or (config.pack and config.separator == "bos")) and bos is None:
             raise UserError(
                 "the tokenizer has no BOS token; pass prepend_bos=False (--no-prepend-bos) "
                 "and a separator other than 'bos'"

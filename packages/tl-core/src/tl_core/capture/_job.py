@@ -18,6 +18,13 @@ from tl_core._errors import UserError
 from tl_core._version import __version__
 from tl_core.capture._config import CaptureConfig
 from tl_core.capture._manifest import MANIFEST, HookRecord, Manifest, identity_differences
+from tl_core.capture._model_files import (
+    MODEL_KEY,
+    comparable,
+    describe_model,
+    model_mismatch,
+    unrecorded,
+)
 from tl_core.capture._shards import check_shard, shard_name
 from tl_core.driver_api._discovery import available_drivers
 from tl_core.hooks._vocabulary import BEFORE_BLOCKS, split_canonical
@@ -28,6 +35,7 @@ __all__ = [
     "identity",
     "open_store",
     "plan_hooks",
+    "refuse_other_model",
     "shard_contexts",
     "stop_layer",
 ]
@@ -173,14 +181,25 @@ def _dictionary_digest(folder: str) -> str:
 
 
 def identity(
-    config: CaptureConfig, plan: HookPlan, bridge: Any, input_digest: str, contexts_per_shard: int
+    config: CaptureConfig,
+    plan: HookPlan,
+    bridge: Any,
+    input_digest: str,
+    contexts_per_shard: int,
+    model: dict[str, Any],
 ) -> dict[str, Any]:
-    """What decides a store's content; two runs may share a store only when it is equal."""
+    """What decides a store's content; two runs may share a store only when it is equal.
+
+    ``model`` is the record of the model's files (``model_files``): the sizes in
+    ``bridge.cfg`` stay the same when a checkpoint's weights are replaced by others of the
+    same shapes, its digests do not.
+    """
     info = {k: v for k, v in asdict(bridge.cfg).items() if k != "device"}
     wanted = {
         "config": {**config.to_json(), "shard_contexts": contexts_per_shard},
         "input_digest": input_digest,
         "model": info,
+        MODEL_KEY: model,
         "hooks": {name: [h.requested, list(h.shape), h.dtype] for name, h in plan.hooks.items()},
         "versions": _versions(config.driver),
     }
@@ -193,21 +212,29 @@ def identity(
 
 
 def check_resumable(
-    folder: Path, config: CaptureConfig, input_digest: str, part: tuple[int, int]
+    folder: Path,
+    config: CaptureConfig,
+    input_digest: str,
+    part: tuple[int, int],
+    model: dict[str, Any],
 ) -> None:
     """Refuse, before the model boots, a store that holds shards of another job or part.
 
-    Compares what needs no model: the config and the input's digest (and the shard size
-    when the config sets it). ``open_store`` compares the whole identity after the boot.
+    Compares what needs no model: the model's files (``model``, see ``model_files``), the
+    config and the input's digest (and the shard size when the config sets it).
+    ``open_store`` compares the whole identity after the boot.
 
     Raises:
-        UserError: The differences, as ``open_store`` names them.
+        UserError: Another model (naming both records), or the differences, as
+            ``open_store`` names them.
     """
     if not (folder / MANIFEST).is_file():
         return
     recorded = Manifest.load(folder)
     if not recorded.shards:
         return  # a store without a shard is started over (see open_store)
+    if comparable(model):  # a hub id not cached yet is compared once the boot fetched it
+        refuse_other_model(folder, recorded.identity, model)
     mine: dict[str, Any] = json.loads(
         json.dumps({"config": config.to_json(), "input_digest": input_digest})
     )
@@ -219,6 +246,32 @@ def check_resumable(
         mine["config"].pop("shard_contexts", None)
         theirs["config"].pop("shard_contexts", None)
     _refuse_other_job(folder, identity_differences(theirs, mine), recorded.part, part)
+
+
+def refuse_other_model(folder: Path, recorded: dict[str, Any], model: dict[str, Any]) -> None:
+    """Refuse to add rows of ``model`` to the store in ``folder`` whose identity is
+    ``recorded`` when that store holds rows of other model files, or records none.
+
+    Raises:
+        UserError: Naming both models' sources and digests, and what to do.
+    """
+    if unrecorded(recorded):
+        raise UserError(
+            f"{folder} was written by an earlier tl-core, which recorded the model's path and "
+            f"sizes but no digest of its weights and tokenizer, so this run cannot check that it "
+            f"reads the model the store's shards came from (a checkpoint replaced by another of "
+            f"the same sizes would go unnoticed). Capture into a new output folder (or delete "
+            f"{folder} and rerun)"
+        )
+    theirs = recorded[MODEL_KEY]
+    what = model_mismatch(theirs, model)
+    if what is not None:
+        raise UserError(
+            f"{folder} holds rows of another model than this run reads, so this run cannot "
+            f"continue it: the store was captured from {describe_model(theirs)}, this run reads "
+            f"{describe_model(model)}; {what}. Rerun with the checkpoint the store was "
+            f"captured from, or capture into a new output folder"
+        )
 
 
 def _refuse_other_job(
@@ -265,6 +318,7 @@ def open_store(
         recorded = Manifest.load(folder)
         differences = identity_differences(recorded.identity, wanted)
         if recorded.shards:
+            refuse_other_model(folder, recorded.identity, wanted[MODEL_KEY])
             _refuse_other_job(folder, differences, recorded.part, part)
             manifest = recorded
         elif differences or recorded.part != part:

@@ -8,6 +8,7 @@ place, so an interrupted merge leaves no half store behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -16,8 +17,11 @@ from pathlib import Path
 
 from tl_core._errors import UserError
 from tl_core.capture._manifest import Manifest, identity_differences
+from tl_core.capture._model_files import MODEL_KEY, describe_model, model_mismatch, unrecorded
 
 __all__ = ["merge_stores"]
+
+_LOG = logging.getLogger("tl_core.capture")
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
@@ -25,6 +29,43 @@ def _link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+
+
+def _check_models(folders: Sequence[Path], manifests: Sequence[Manifest]) -> None:
+    """Refuse parts captured from different model files (or a mix of parts that record
+    them and parts that do not); warn when no part records them.
+
+    Raises:
+        UserError: Naming both parts, both models' sources and digests, and what to do.
+    """
+    old = [f for f, m in zip(folders, manifests, strict=True) if unrecorded(m.identity)]
+    if old and len(old) == len(folders):
+        _LOG.warning(
+            "tl capture merge: the parts were written by an earlier tl-core, which recorded the "
+            "model's path and sizes but no digest of its weights and tokenizer, so this merge "
+            "cannot check that every part holds rows of the same model"
+        )
+        return
+    if old:
+        new = next(f for f in folders if f not in old)
+        raise UserError(
+            f"{old[0]} was written by an earlier tl-core, which recorded no digest of the model's "
+            f"weights and tokenizer, {new} by one that does, so the merge cannot check that they "
+            f"hold rows of one model; recapture {old[0]} with this tl-core (same command, a new "
+            f"output folder), then merge again"
+        )
+    reference = manifests[0].identity[MODEL_KEY]
+    for folder, manifest in zip(folders[1:], manifests[1:], strict=True):
+        model = manifest.identity[MODEL_KEY]
+        what = model_mismatch(reference, model)
+        if what is not None:
+            raise UserError(
+                f"{folder} and {folders[0]} hold rows of different models: {folders[0]} was "
+                f"captured from {describe_model(reference)}, {folder} from "
+                f"{describe_model(model)}; {what}. The checkpoint changed between the parts: "
+                f"recapture every part whose model is not the one you want (the same command "
+                f"with its --shard, into a new folder), then merge again"
+            )
 
 
 def merge_stores(
@@ -45,7 +86,8 @@ def merge_stores(
 
     Raises:
         UserError: A missing or unfinished part, parts of different jobs (naming the
-            differences), a part given twice, shards missing from every part, a damaged
+            differences; parts of different model files name both models' sources and
+            digests), a part given twice, shards missing from every part, a damaged
             shard, or an existing output.
     """
     folders = [Path(p) for p in parts]
@@ -57,6 +99,7 @@ def merge_stores(
     manifests = [Manifest.load(f) for f in folders]
     first = manifests[0]
     count = first.part[1]
+    _check_models(folders, manifests)
     for folder, manifest in zip(folders, manifests, strict=True):
         differences = identity_differences(first.identity, manifest.identity)
         if differences:

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +44,13 @@ from tl_core.capture._job import (
 )
 from tl_core.capture._lock import LOCK, StoreLock
 from tl_core.capture._manifest import FORMAT, MANIFEST, Manifest
+from tl_core.capture._model_files import (
+    comparable,
+    describe_model,
+    model_files,
+    model_mismatch,
+    refreshed,
+)
 from tl_core.capture._progress import Progress
 from tl_core.capture._shards import shard_name, write_shard
 from tl_core.capture._source import DocumentSource, open_source
@@ -351,17 +359,20 @@ def capture(
 
 @dataclass(frozen=True)
 class Preflight:
-    """What ``preflight`` read: the input, its digest, and the dictionaries to attach."""
+    """What ``preflight`` read: the input, its digest, the dictionaries to attach, and the
+    record of the model's files (``model_files``)."""
 
     source: DocumentSource
     digest: str
     dictionaries: list[SparseDictionary]
+    model: dict[str, Any]
 
 
 def preflight(config: CaptureConfig, folders: Sequence[tuple[Path, tuple[int, int]]]) -> Preflight:
     """Every check of a job that needs no model, for the stores ``folders`` (each with its
     part): the input (read once in full), the specs' structure, the dictionaries, the
-    context size where the model's config is readable, and each store's configuration."""
+    context size where the model's config is readable, the model's files (hashed once,
+    see ``model_files``), and each store's configuration and model."""
     for folder, _ in folders:
         _check_output(folder)
     source = open_source(config.input, config.input_format, config.text_field)
@@ -372,9 +383,10 @@ def preflight(config: CaptureConfig, folders: Sequence[tuple[Path, tuple[int, in
     limit = context_limit_before_boot(config)
     if limit is not None:
         check_context_size(config, limit, booted=False)
+    model = model_files(config)
     for folder, part in folders:
-        check_resumable(folder, config, digest, part)
-    return Preflight(source, digest, dictionaries)
+        check_resumable(folder, config, digest, part, model)
+    return Preflight(source, digest, dictionaries, model)
 
 
 def capture_attempt(
@@ -386,16 +398,29 @@ def capture_attempt(
     progress: bool,
     bridge: Any,
     job: str | None,
+    expected_model: dict[str, Any] | None = None,
 ) -> CaptureSummary:
     """``capture``, as one attempt of ``job`` when it is given: the store's lock left by an
-    earlier attempt of the same job is taken over from any host (see ``StoreLock``)."""
+    earlier attempt of the same job is taken over from any host (see ``StoreLock``).
+
+    ``expected_model`` is the record of the model's files where the job was submitted
+    (``capture_on_ray``): a machine that reads other files at the model's path is refused
+    before it boots."""
     started = time.perf_counter()
     part = parse_part(part) if isinstance(part, str) else parse_part(f"{part[0]}/{part[1]}")
     folder = Path(output)
     # Everything that needs no model is checked before it boots, and nothing is written
     # before the first shard: a failed run leaves no store to refuse the corrected rerun.
     checked = preflight(config, [(folder, part)])
-    source, digest, dictionaries = checked.source, checked.digest, checked.dictionaries
+    if expected_model is not None and comparable(checked.model):
+        what = model_mismatch(expected_model, checked.model)
+        if what is not None:
+            raise UserError(
+                f"{socket.gethostname()} reads {describe_model(checked.model)}, but the job was "
+                f"submitted with {describe_model(expected_model)}; {what}. Every node that runs "
+                f"a part must see the same checkpoint at the same path (a shared file system, "
+                f"or identical copies); nothing was written"
+            )
     if bridge is not None and getattr(bridge.driver, "name", config.driver) != config.driver:
         raise UserError(
             f"the bridge runs driver {bridge.driver.name!r}, the config names {config.driver!r}"
@@ -409,7 +434,7 @@ def capture_attempt(
             for note in lock.notes:
                 _LOG.warning("tl capture: %s", note)
             counts, manifest, notes = _boot_and_run(
-                config, folder, source, digest, part, repair, progress, bridge, dictionaries
+                config, folder, checked, part, repair, progress, bridge
             )
         finally:
             lock.release()
@@ -431,13 +456,11 @@ def capture_attempt(
 def _boot_and_run(
     config: CaptureConfig,
     folder: Path,
-    source: DocumentSource,
-    digest: str,
+    checked: Preflight,
     part: tuple[int, int],
     repair: bool,
     progress: bool,
     bridge: Any,
-    dictionaries: Sequence[SparseDictionary],
 ) -> tuple[tuple[int, int, int, int], Manifest, list[str]]:
     """Boot (unless given a bridge), check what the model decides, then write the store.
 
@@ -451,7 +474,7 @@ def _boot_and_run(
         bridge = boot(config.model, driver=config.driver, **config.boot_options)
     spliced: list[Any] = []
     try:
-        spliced.extend(attach_dictionaries(bridge, config, dictionaries))
+        spliced.extend(attach_dictionaries(bridge, config, checked.dictionaries))
         limit = booted_limit(bridge, config)
         if limit is not None:
             check_context_size(config, limit, booted=True)
@@ -459,7 +482,8 @@ def _boot_and_run(
         check_intervene_on(bridge, config, _SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
-        wanted = identity(config, plan, bridge, digest, shard_contexts(config, plan))
+        model = refreshed(config, checked.model)  # a hub id is what the boot resolved
+        wanted = identity(config, plan, bridge, checked.digest, shard_contexts(config, plan), model)
         with _no_space(folder, "writing the store"):
             manifest, notes = open_store(folder, wanted, plan, part, repair=repair)
             before = len(manifest.shards)
@@ -467,7 +491,7 @@ def _boot_and_run(
             written = (
                 (0, 0, 0)
                 if manifest.complete
-                else _run(bridge, config, plan, manifest, folder, source, display)
+                else _run(bridge, config, plan, manifest, folder, checked.source, display)
             )
             display.close()
         return (*written, before), manifest, notes

@@ -280,4 +280,11 @@ def open_source(path: str | Path, fmt: InputFormat | None, field: str) -> Docume
         raise UserError(
             f"input {path} is a file; a datasets input is the folder save_to_disk wrote"
         )
+    if fmt == "text" and field != "text":
+        raise UserError(
+            f"text_field={field!r} (--text-field) names a field of JSONL records or dataset "
+            f"rows, but input {path} is read as text (one document per line), which has no "
+            f"fields, so it would be ignored; drop it, or pass input_format='jsonl' "
+            f"(--format jsonl) if the file holds JSON records"
+        )
     return DocumentSource(path, fmt, field)
