@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tl_core import UserError
-from tl_core.capture import CaptureConfig, _run, capture, merge_stores
+from tl_core.capture import CaptureConfig, _model_files, _run, capture, merge_stores
 from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.capture._model_files import MODEL_KEY, comparable, model_files
 
@@ -94,6 +94,25 @@ def test_a_gguf_file_and_a_tokenizer_option_are_recorded_by_content(
         == own["tokenizer"]
         != model_files(_job(folder, source))["tokenizer"]
     )
+
+
+def test_a_large_file_is_hashed_in_pieces_and_every_piece_counts(
+    tmp_path: Path, source: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_model_files, "_PIECE", 16)  # pieces of 16 bytes instead of 64 MiB
+    gguf = tmp_path / "m.gguf"
+    content = bytearray(b"GGUF" + bytes(range(40)))  # 44 bytes: pieces of 16, 16 and 12
+    gguf.write_bytes(content)
+    pieces = [hashlib.sha256(content[i : i + 16]).hexdigest() for i in range(0, 44, 16)]
+    expected = hashlib.sha256("\n".join(pieces).encode()).hexdigest()[:16]
+    assert model_files(_job(gguf, source))["file"] == expected
+    seen = {expected}
+    for at in (0, 20, 43):  # a byte in each piece
+        changed = bytearray(content)
+        changed[at] ^= 0xFF
+        gguf.write_bytes(changed)
+        seen.add(model_files(_job(gguf, source))["file"])
+    assert len(seen) == 4
 
 
 def test_relative_paths_are_recorded_as_absolute_ones(
