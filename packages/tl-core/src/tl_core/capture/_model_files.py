@@ -8,8 +8,7 @@ recorded only those could mix rows of two models. The record below covers conten
   tokenizer files and of its other files (config, generation config, code), each group
   separately so a refusal can say which changed. Only the folder's own files count (not
   sub-folders, which no driver loads from); documentation, images and hidden files do not;
-* a **GGUF file**: the SHA-256 of the file (it holds weights, tokenizer and config). The
-  ``hf`` driver keys its dequantised copy by the same hash;
+* a **GGUF file**: a digest of the whole file (it holds weights, tokenizer and config);
 * a **hub id**: what is known without a network: the revision asked for and the commit
   of the local snapshot it resolves to in the hub cache (a commit names its content).
   Checked again after the boot, which may download one;
@@ -17,7 +16,8 @@ recorded only those could mix rows of two models. The record below covers conten
   (``seed``), which the identity records anyway.
 
 A ``tokenizer`` boot option that names another folder or hub id is recorded the same way.
-Each file is read once per job, several at a time.
+Each file is read once per job, in pieces hashed on every core (``_hash_all``): a file's
+digest is its SHA-256 up to 64 MiB, else the SHA-256 of its pieces' SHA-256s.
 """
 
 from __future__ import annotations
