@@ -314,3 +314,84 @@ def _alive_nodes(cluster: Cluster) -> list[dict[str, Any]]:
         return [n for n in ray.nodes() if n["Alive"]]
     finally:
         ray.shutdown()
+
+
+# -- joining a cluster: a loopback address works, and nothing waits without a bound -------
+
+
+def _without_switch() -> dict[str, str]:
+    """This process's environment without Ray's loopback switch (as a user's shell has it)."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+
+
+def test_a_loopback_cluster_is_joined_without_the_switch_set(
+    cluster: Cluster, documents: Path, reference: Path, tmp_path: Path
+) -> None:
+    """Ray redirects a loopback address to the machine's network address unless its switch
+    is set; tl sets it for a loopback address (before this, the job waited forever)."""
+    out = tmp_path / "store"
+    done = subprocess.run(
+        tl_command(*cli_args(native_job(documents), out), "--ray", cluster.address, "--parts", "2"),
+        env=_without_switch(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    same_files(out, reference)
+
+
+def test_a_loopback_address_ray_would_redirect_is_refused_at_once(
+    cluster: Cluster, documents: Path, reference: Path, tmp_path: Path
+) -> None:
+    """With the switch set the other way before tl runs, Ray would look for the cluster on
+    the machine's network address: the job stops at once, saying so."""
+    from ray._private.services import node_ip_address_from_perspective
+
+    out = tmp_path / "store"
+    done = subprocess.run(
+        tl_command(*cli_args(native_job(documents), out), "--ray", cluster.address, "--parts", "2"),
+        env={**_without_switch(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    network = node_ip_address_from_perspective()
+    if network.startswith("127."):  # a machine with no network address: nothing to redirect to
+        assert done.returncode == 0, done.stderr[-3000:]
+        same_files(out, reference)
+        return
+    assert done.returncode == 1, done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"tl: error: Ray would join the loopback address {cluster.address}")
+    assert f"through this machine's network address {network}:" in error
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in error and not out.exists()
+
+
+def test_a_head_that_never_answers_is_given_up_after_the_connect_timeout(
+    documents: Path, tmp_path: Path, ray_pids: Callable[[], set[int]]
+) -> None:
+    """A port that accepts connections but speaks no Ray (ray.init alone retries it for
+    many minutes)."""
+    import socket
+
+    before = ray_pids()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        done = subprocess.run(
+            tl_command(
+                *cli_args(native_job(documents), tmp_path / "store"),
+                *("--ray", address, "--parts", "2", "--connect-timeout", "3"),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,  # Ray's own retries would run far past this
+        )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert (
+        f"tl: error: the Ray cluster at {address} did not accept this job within 3 s" in done.stderr
+    )
+    assert "Traceback" not in done.stderr and not (tmp_path / "store").exists()
+    assert ray_pids() == before

@@ -92,6 +92,10 @@ def export_sae_lens(
     Raises:
         UserError: ``datasets`` missing, an existing output, contexts of different sizes.
     """
+    if isinstance(hooks, str):
+        raise UserError(
+            f"hooks must be a list of hook names, got the string {hooks!r}; e.g. hooks=[{hooks!r}]"
+        )
     try:
         import datasets
     except ImportError:

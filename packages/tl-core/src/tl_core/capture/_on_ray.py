@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from tl_core._errors import UserError
 from tl_core.capture._cluster import (
+    CONNECT_TIMEOUT,
     PartResources,
     check_reachable,
     connect,
@@ -99,8 +100,11 @@ def _attempts(root: Path) -> dict[int, list[str]]:
     return {part: [where for _, where in sorted(runs)] for part, runs in seen.items()}
 
 
-def _run_part(config: CaptureConfig, folder: str, part: int, parts: int, job: str) -> None:
-    """One part, on a Ray worker: its folder must be the shared one the driver checked."""
+def _run_part(
+    config: CaptureConfig, folder: str, part: int, parts: int, job: str, model: dict[str, Any]
+) -> None:
+    """One part, on a Ray worker: its folder must be the shared one the driver checked, and
+    its model files the ones ``model`` records (hashed where the job was submitted)."""
     if not Path(folder).parent.is_dir():
         raise UserError(
             f"part {part}/{parts} runs on {socket.gethostname()}, which cannot see "
@@ -115,6 +119,7 @@ def _run_part(config: CaptureConfig, folder: str, part: int, parts: int, job: st
         progress=False,
         bridge=None,
         job=f"{job} part {part}/{parts}",
+        expected_model=model,
     )
     # Every shard's checksum, read back here: the parts verify in parallel, on their own
     # nodes, what the merge would otherwise read again in one process.
@@ -182,6 +187,7 @@ def capture_on_ray(
     part_cpus: float | None = None,
     part_gpus: float | None = None,
     max_retries: int = 3,
+    connect_timeout: float | None = None,
     keep_parts: bool = False,
     progress: bool = True,
     progress_interval: float = 5.0,
@@ -209,6 +215,9 @@ def capture_on_ray(
         part_gpus: GPUs a part holds (default: what its engine needs, see
             ``part_resources``).
         max_retries: How often Ray starts a part again after its worker died.
+        connect_timeout: Seconds joining the cluster at ``address`` may take (default
+            60); then the job stops with the reason (``ray.init`` itself retries for many
+            minutes). Only with an ``address``: a cluster started here is not joined.
         keep_parts: Keep the part folders after the merge (their shards are hard links
             into the merged store where the file system allows, so they cost no space).
         progress: Print each retry and finished part, and a status line, on ``stream``.
@@ -220,14 +229,33 @@ def capture_on_ray(
 
     Raises:
         UserError: Bad options, an existing output, an input too small for ``parts``, no
-            cluster at ``address``, no node that can run a part, a node that cannot see the
-            job's folder, or a part that failed (its error, with the part and node named).
+            cluster at ``address`` (or none that accepts the job within
+            ``connect_timeout``), no node that can run a part, a node that cannot see the
+            job's folder, a node that reads other model files at the model's path, or a
+            part that failed (its error, with the part and node named).
     """
     started = time.perf_counter()
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise UserError(f"parts must be a whole number >= 1, got {parts!r}")
-    if max_retries < 0:
-        raise UserError(f"max_retries must be >= 0, got {max_retries}")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise UserError(
+            f"max_retries (--max-retries) must be a whole number >= 0, got {max_retries!r}"
+        )
+    if connect_timeout is not None and address is None:
+        raise UserError(
+            f"connect_timeout={connect_timeout!r} (--connect-timeout) bounds joining a running "
+            f"cluster at an address, but no address is given: the job starts its own cluster "
+            f"here, so it would be ignored; pass address=, or drop connect_timeout"
+        )
+    timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+    for name, value in (("connect_timeout", timeout), ("progress_interval", progress_interval)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UserError(f"{name} must be a number of seconds > 0, got {value!r}")
+    for name, given in (("part_cpus", part_cpus), ("part_gpus", part_gpus)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, (int, float))):
+            raise UserError(f"{name} must be a number (or None for the default), got {given!r}")
+    if address is not None and not isinstance(address, str):
+        raise UserError(f"address must be 'host:port', 'auto' or None, got {address!r}")
     output = Path(output).absolute()
     if output.exists():
         raise UserError(
@@ -238,8 +266,8 @@ def capture_on_ray(
     checked = preflight(config, [(f, (i, parts)) for i, f in enumerate(folders)])
     _check_parts(config, checked.source, parts)
     need = part_resources(config, cpus=part_cpus, gpus=part_gpus)
-    ray = import_ray(local=address is None)
-    disconnect = connect(ray, address)
+    ray = import_ray(local=address is None, address=address)
+    disconnect = connect(ray, address, timeout)
     root = folders[0].parent
     created = not root.exists()
     try:
@@ -254,7 +282,9 @@ def capture_on_ray(
         display = _ClusterProgress(
             folders, stream if stream is not None else sys.stderr, progress_interval
         )
-        tokens = _run_parts(ray, config, folders, need, max_retries, display, progress)
+        tokens = _run_parts(
+            ray, config, folders, need, max_retries, display, progress, checked.model
+        )
         merged = merge_stores(folders, output, verify=False)  # each part verified its own
     finally:
         disconnect()
@@ -293,6 +323,7 @@ def _run_parts(
     max_retries: int,
     display: _ClusterProgress,
     progress: bool,
+    model: dict[str, Any],
 ) -> int:
     """Submit the parts, show progress until all end; returns the tokens they ran."""
     task = ray.remote(_run_part).options(
@@ -301,7 +332,7 @@ def _run_parts(
     job = f"ray job {uuid.uuid4().hex[:12]}"
     shutil.rmtree(folders[0].parent / ATTEMPTS, ignore_errors=True)  # an earlier run's
     pending = {
-        task.remote(config, str(folder), i, len(folders), job): i
+        task.remote(config, str(folder), i, len(folders), job, model): i
         for i, folder in enumerate(folders)
     }
     done = 0

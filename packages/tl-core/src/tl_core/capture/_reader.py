@@ -23,11 +23,53 @@ from tl_core.capture._shards import ROW_FIELDS
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._resolution import canonical_name
 
-__all__ = ["CaptureStore", "RowDataset"]
+__all__ = ["CaptureStore", "RowDataset", "checked_device"]
 
 #: Rows read from a shard file at once when streaming (then cut into batches).
 _CHUNK_BYTES = 64 * 2**20
 _BUFFER_BYTES = 512 * 2**20
+
+
+def _devices() -> list[str]:
+    """The devices this machine has, as names."""
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return names
+
+
+def checked_device(device: torch.device | str | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` this machine has, checked before any row is read.
+
+    Raises:
+        UserError: Not a device name, the meta device (which holds no data), or a device
+            this machine does not have (listing those it has).
+    """
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise UserError(
+            f"device={device!r} is not a torch device ({error}); this machine has "
+            f"{', '.join(_devices())}"
+        ) from None
+    if target.type == "meta":
+        raise UserError(
+            f"device={device!r} holds no data, so every batch would be empty of values; this "
+            f"machine has {', '.join(_devices())}"
+        )
+    try:
+        torch.empty(0, device=target)
+    except (RuntimeError, AssertionError, ValueError) as error:
+        raise UserError(
+            f"device={device!r} is not available here ({str(error).strip() or type(error).__name__}); "
+            f"this machine has {', '.join(_devices())}: pass one of them, or None to keep "
+            f"batches where they are read (the CPU)"
+        ) from None
+    return target
 
 
 class CaptureStore:
@@ -127,6 +169,9 @@ class CaptureStore:
         """Rows ``start:stop`` of a hook or row field, across shards (a copy)."""
         from safetensors import safe_open
 
+        for bound, value in (("start", start), ("stop", stop)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise UserError(f"read: {bound} must be a row number (int), got {value!r}")
         name = self.field(name)
         stop = len(self) if stop is None else min(stop, len(self))
         if not 0 <= start <= stop:
@@ -174,12 +219,14 @@ class CaptureStore:
         *,
         fields: Sequence[str] = (),
         shuffle: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         buffer_rows: int | None = None,
         drop_last: bool = False,
         device: torch.device | str | None = None,
     ) -> Iterator[Any]:
         """Stream the store in batches of rows.
+
+        Every argument is checked when this is called, before a row is read.
 
         Args:
             name: A hook (canonical or as requested) or row field.
@@ -187,17 +234,61 @@ class CaptureStore:
             fields: Other hooks or row fields to return alongside (then each batch is a
                 dict by name), e.g. ``("tokens",)``.
             shuffle: Visit shards in a random order and mix rows through a buffer.
-            seed: The shuffle's seed (same seed, same order).
-            buffer_rows: Rows mixed together when shuffling (default: about 512 MiB).
+            seed: The shuffle's seed (default 0; same seed, same order); only with
+                ``shuffle``.
+            buffer_rows: Rows mixed together when shuffling (default: about 512 MiB); only
+                with ``shuffle``.
             drop_last: Drop a final batch shorter than ``batch_size``.
-            device: Where batches go.
+            device: Where batches go (a device this machine has).
 
-        Yields:
-            ``[batch, *row_shape]`` tensors, or dicts of them when ``fields`` are given.
+        Returns:
+            An iterator of ``[batch, *row_shape]`` tensors, or dicts of them when
+            ``fields`` are given.
+
+        Raises:
+            UserError: A bad value (naming the argument), ``seed`` or ``buffer_rows``
+                without ``shuffle``, a name the store does not hold, or a device this
+                machine does not have (listing those it has).
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        for flag, value in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(value, bool):
+                raise UserError(f"{flag} must be True or False, got {value!r}")
+        if not shuffle and (seed is not None or buffer_rows is not None):
+            given = "seed" if seed is not None else "buffer_rows"
+            raise UserError(
+                f"{given}={seed if seed is not None else buffer_rows!r} only affects a "
+                f"shuffled read, but shuffle=False reads rows in order, so it would be "
+                f"ignored; pass shuffle=True, or drop {given}"
+            )
+        seed = 0 if seed is None else seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+            raise UserError(
+                f"seed must be an int (torch's generator takes -2**63 to 2**64 - 1), got {seed!r}"
+            )
+        if buffer_rows is not None and (
+            isinstance(buffer_rows, bool) or not isinstance(buffer_rows, int) or buffer_rows < 1
+        ):
+            raise UserError(
+                f"buffer_rows must be an int >= 1 (rows mixed together when shuffling), or None "
+                f"for about 512 MiB, got {buffer_rows!r}"
+            )
+        target = checked_device(device)
         labels = self._labels(name, fields)
+        return self._batches(labels, batch_size, shuffle, seed, buffer_rows, drop_last, target)
+
+    def _batches(
+        self,
+        labels: dict[str, str],
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        buffer_rows: int | None,
+        drop_last: bool,
+        device: torch.device | None,
+    ) -> Iterator[Any]:
+        """``iter_batches``' rows, its arguments checked."""
         names = list(labels)
         generator = torch.Generator().manual_seed(seed)
         order = list(range(len(self._order)))
@@ -224,6 +315,12 @@ class CaptureStore:
 
     def _labels(self, name: str, fields: Sequence[str]) -> dict[str, str]:
         """Stored name -> the name the caller used, for the hook and its fields."""
+        if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+            shown = [fields] if isinstance(fields, str) else "a list of names"
+            raise UserError(
+                f"fields must be a list of hook or row field names, got {fields!r}; e.g. "
+                f"fields={shown!r}"
+            )
         labels: dict[str, str] = {}
         for given in (name, *fields):
             labels.setdefault(self.field(given), given)

@@ -49,7 +49,9 @@ def register(sub: Any) -> None:
         help="input format (default: from the path)",
     )
     run.add_argument(
-        "--text-field", default="text", help="the text field of JSONL records or dataset rows"
+        "--text-field",
+        default=None,
+        help="the text field of JSONL records or dataset rows (default: text)",
     )
     run.add_argument(
         "--context-size", type=int, default=128, help="tokens per context (default: 128)"
@@ -59,8 +61,8 @@ def register(sub: Any) -> None:
     run.add_argument(
         "--separator",
         choices=("bos", "eos", "none"),
-        default="bos",
-        help="token between packed documents",
+        default=None,
+        help="token between packed documents (default: bos)",
     )
     run.add_argument("--drop-bos", action="store_true", help="leave BOS positions out of the store")
     run.add_argument(
@@ -129,9 +131,16 @@ def register(sub: Any) -> None:
     cluster.add_argument(
         "--max-retries",
         type=int,
-        default=3,
+        default=None,
         metavar="R",
         help="with --ray: how often a part whose worker died is started again (default 3)",
+    )
+    cluster.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --ray ADDRESS: seconds to wait for the cluster to accept this job (default 60)",
     )
     cluster.add_argument(
         "--keep-parts",
@@ -222,10 +231,47 @@ def _dictionary(entry: str, top_k: int | None) -> dict[str, Any]:
     return out
 
 
+#: Options that only a job on a Ray cluster reads (flag -> argparse attribute).
+_RAY_ONLY = {
+    "--parts": "parts",
+    "--part-cpus": "part_cpus",
+    "--part-gpus": "part_gpus",
+    "--max-retries": "max_retries",
+    "--connect-timeout": "connect_timeout",
+    "--keep-parts": "keep_parts",
+}
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Refuse options that the other options given would leave unread."""
+    if args.sae_top_k is not None and not args.sae:
+        raise UserError(
+            f"--sae-top-k {args.sae_top_k} sets how many features hook_sae_top_indices keeps "
+            f"for the dictionaries of --sae, but no --sae is given, so it would be ignored; "
+            f"add --sae FOLDER[@HOOK], or drop --sae-top-k"
+        )
+    if args.ray is None:
+        given = [
+            flag for flag, name in _RAY_ONLY.items() if getattr(args, name) not in (None, False)
+        ]
+        if given:
+            raise UserError(
+                f"{given[0]} is an option of a job split over a Ray cluster, which this run is "
+                f"not, so it would be ignored: add --ray [ADDRESS], or drop {given[0]}"
+            )
+    if args.separator is not None and args.no_pack:
+        raise UserError(
+            f"--separator {args.separator} joins documents inside a packed context, but "
+            f"--no-pack starts each document in its own context, so it would be ignored; "
+            f"drop one of them"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     from tl_core.capture import CaptureConfig, capture
     from tl_core.cli._model_arg import check_model, default_driver
 
+    _check_combinations(args)
     model = check_model(args.model)  # before any driver is imported, as tl hooks does
     config = CaptureConfig(
         model=model,
@@ -234,11 +280,11 @@ def _run(args: argparse.Namespace) -> int:
         driver=args.driver or default_driver(model),
         boot_options=dict(_option(o) for o in args.option),
         input_format=args.format,
-        text_field=args.text_field,
+        text_field=args.text_field if args.text_field is not None else "text",
         context_size=args.context_size,
         pack=not args.no_pack,
         prepend_bos=not args.no_prepend_bos,
-        separator=args.separator,
+        separator=args.separator if args.separator is not None else "bos",
         drop_bos=args.drop_bos,
         drop_padding=not args.keep_padding,
         batch_size=args.batch_size,
@@ -248,7 +294,7 @@ def _run(args: argparse.Namespace) -> int:
         intervene=_specs(args.intervene),
         dictionaries=tuple(_dictionary(entry, args.sae_top_k) for entry in args.sae),
     )
-    if args.ray is not None or args.parts is not None:
+    if args.ray is not None:
         return _run_on_ray(args, config)
     try:
         summary = capture(
@@ -270,8 +316,6 @@ def _run(args: argparse.Namespace) -> int:
 def _run_on_ray(args: argparse.Namespace, config: Any) -> int:
     from tl_core.capture import capture_on_ray
 
-    if args.ray is None:
-        raise UserError("--parts splits a job over a Ray cluster: add --ray [ADDRESS]")
     if args.parts is None:
         raise UserError("--ray needs --parts N: how many parts (engines) the job runs in")
     if args.shard != "0/1" or args.repair:
@@ -288,7 +332,8 @@ def _run_on_ray(args: argparse.Namespace, config: Any) -> int:
             address=args.ray or None,
             part_cpus=args.part_cpus,
             part_gpus=args.part_gpus,
-            max_retries=args.max_retries,
+            max_retries=args.max_retries if args.max_retries is not None else 3,
+            connect_timeout=args.connect_timeout,
             keep_parts=args.keep_parts,
             progress=not args.quiet,
         )
