@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tl_core import UserError
-from tl_core.capture import CaptureConfig, _model_files, _run, capture, merge_stores
+from tl_core.capture import CaptureConfig, _model_files, _preflight, _run, capture, merge_stores
 from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.capture._model_files import MODEL_KEY, comparable, model_files
 
@@ -158,6 +158,33 @@ def test_a_hub_id_is_recorded_by_the_commit_of_its_local_snapshot(
     assert missing["commit"] is None and not comparable(missing)
 
 
+def test_after_the_boot_a_hub_id_is_resolved_again_and_an_uncached_one_is_named(
+    tmp_path: Path,
+    source: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    config = _job("org/tiny", source)
+    before = model_files(config)
+    assert before["commit"] is None  # not cached yet: the boot downloads it
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "snapshots" / ("3" * 40)).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("3" * 40)
+    assert _model_files.refreshed(config, before)["commit"] == "3" * 40
+    with caplog.at_level(logging.WARNING, logger="tl_core.capture"):
+        other = _job("org/never-cached", source)
+        _model_files.refreshed(other, model_files(other))
+    assert "'org/never-cached' has no snapshot in the hub cache" in caplog.text
+    folder = _checkpoint(tmp_path / "ckpt")
+    record = model_files(_job(folder, source))
+    (folder / "model.safetensors").write_bytes(b"\x03" * 64)
+    assert _model_files.refreshed(_job(folder, source), record) == record, (
+        "files are hashed once, before the boot"
+    )
+
+
 # -- stores of other model files, of earlier tl-cores, and nodes that read other files --
 
 
@@ -174,7 +201,7 @@ def recorded_as(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Any]], N
     model's files (as if the checkpoint on disk were that one)."""
 
     def use(record: dict[str, Any]) -> None:
-        monkeypatch.setattr(_run, "model_files", lambda config: dict(record))
+        monkeypatch.setattr(_preflight, "model_files", lambda config: dict(record))
 
     return use
 

@@ -34,7 +34,8 @@ from tl_core.capture._config import CaptureConfig
 from tl_core.capture._contexts import most_contexts
 from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.capture._merge import merge_stores
-from tl_core.capture._run import capture_attempt, preflight
+from tl_core.capture._preflight import preflight
+from tl_core.capture._run import capture_attempt
 from tl_core.capture._source import Document
 
 __all__ = ["ClusterSummary", "capture_on_ray", "part_folders"]

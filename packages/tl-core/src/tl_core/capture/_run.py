@@ -26,45 +26,38 @@ from tl_core._errors import UserError
 from tl_core.capture._checks import (
     booted_limit,
     check_context_size,
-    check_intervene,
     check_intervene_on,
-    context_limit_before_boot,
 )
 from tl_core.capture._config import CaptureConfig
 from tl_core.capture._contexts import Context, Tokens, contexts
 from tl_core.capture._job import (
     HookPlan,
     attach_dictionaries,
-    check_resumable,
     identity,
     open_store,
     plan_hooks,
     shard_contexts,
     stop_layer,
 )
-from tl_core.capture._lock import LOCK, StoreLock
+from tl_core.capture._lock import StoreLock
 from tl_core.capture._manifest import FORMAT, MANIFEST, Manifest
 from tl_core.capture._model_files import (
     comparable,
     describe_model,
-    model_files,
     model_mismatch,
     refreshed,
 )
+from tl_core.capture._preflight import SPECS, Preflight, preflight
 from tl_core.capture._progress import Progress
 from tl_core.capture._shards import shard_name, write_shard
-from tl_core.capture._source import DocumentSource, open_source
-from tl_core.sae._dictionary import SparseDictionary
-from tl_core.sae._load import load_dictionary
+from tl_core.capture._source import DocumentSource
 
 __all__ = [
     "CaptureSummary",
-    "Preflight",
     "capture",
     "capture_attempt",
     "disk_full",
     "parse_part",
-    "preflight",
 ]
 
 _LOG = logging.getLogger("tl_core.capture")
@@ -282,40 +275,6 @@ def disk_full(
     )
 
 
-#: What a folder without a manifest may hold and still be a new store: the lock, partial
-#: files and at most one shard (a first run stopped while writing its first shard).
-_LEFTOVER_SHARDS = 1
-
-
-def _check_output(folder: Path) -> None:
-    if folder.exists() and not folder.is_dir():
-        raise UserError(
-            f"output {folder} is a file; a capture store is a folder: choose a folder path"
-        )
-    if folder.is_dir() and not (folder / MANIFEST).exists():
-        names = [p.name for p in folder.iterdir()]
-        shards = [n for n in names if n.startswith("shard-") and n.endswith(".safetensors")]
-        other = [
-            n
-            for n in names
-            if n != LOCK and n not in shards and not (n.startswith(".") and n.endswith(".partial"))
-        ]
-        if other:
-            shown = ", ".join(sorted(other)[:3]) + (", ..." if len(other) > 3 else "")
-            raise UserError(
-                f"{folder} is not empty and holds no capture store (it holds {shown}); choose a "
-                f"new or empty folder"
-            )
-        if len(shards) > _LEFTOVER_SHARDS:
-            raise UserError(
-                f"{folder} holds {len(shards)} shard files but no {MANIFEST}, so its shards cannot be "
-                f"checked or continued (was the manifest deleted?); restore {folder / MANIFEST}, or "
-                f"choose a new or empty folder"
-            )
-    if (folder / MANIFEST).exists():
-        Manifest.load(folder)  # a damaged manifest is reported before the model boots
-
-
 def capture(
     config: CaptureConfig,
     output: str | Path,
@@ -355,38 +314,6 @@ def capture(
     return capture_attempt(
         config, output, part=part, repair=repair, progress=progress, bridge=bridge, job=None
     )
-
-
-@dataclass(frozen=True)
-class Preflight:
-    """What ``preflight`` read: the input, its digest, the dictionaries to attach, and the
-    record of the model's files (``model_files``)."""
-
-    source: DocumentSource
-    digest: str
-    dictionaries: list[SparseDictionary]
-    model: dict[str, Any]
-
-
-def preflight(config: CaptureConfig, folders: Sequence[tuple[Path, tuple[int, int]]]) -> Preflight:
-    """Every check of a job that needs no model, for the stores ``folders`` (each with its
-    part): the input (read once in full), the specs' structure, the dictionaries, the
-    context size where the model's config is readable, the model's files (hashed once,
-    see ``model_files``), and each store's configuration and model."""
-    for folder, _ in folders:
-        _check_output(folder)
-    source = open_source(config.input, config.input_format, config.text_field)
-    digest = source.digest()  # reads the whole input: empty, binary, not UTF-8, no text field
-    check_intervene(config.intervene, _SPECS)
-    # A missing or inconsistent dictionary is refused before the boot; attached after it.
-    dictionaries = [load_dictionary(entry["path"]) for entry in config.dictionaries]
-    limit = context_limit_before_boot(config)
-    if limit is not None:
-        check_context_size(config, limit, booted=False)
-    model = model_files(config)
-    for folder, part in folders:
-        check_resumable(folder, config, digest, part, model)
-    return Preflight(source, digest, dictionaries, model)
 
 
 def capture_attempt(
@@ -479,7 +406,7 @@ def _boot_and_run(
         if limit is not None:
             check_context_size(config, limit, booted=True)
         Tokens.of(bridge.tokenizer, config)
-        check_intervene_on(bridge, config, _SPECS)
+        check_intervene_on(bridge, config, SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
         model = refreshed(config, checked.model)  # a hub id is what the boot resolved
@@ -516,10 +443,6 @@ def _no_space(folder: Path, doing: str) -> Iterator[None]:
         except UserError:
             recorded = 0  # no manifest yet
         raise disk_full(error, folder, doing, recorded) from error
-
-
-#: Where the specs come from, in messages.
-_SPECS = "intervene (--intervene, the specs applied while capturing)"
 
 
 def _run(
