@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tl_core import SpecError, UserError
-from tl_core.capture import CaptureConfig, CaptureStore, _run, _shards, _source, capture
+from tl_core.capture import CaptureConfig, CaptureStore, _preflight, _run, _shards, _source, capture
 from tl_core.capture._lock import process_start
 from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.cli import main
@@ -276,7 +276,7 @@ def test_a_context_longer_than_the_booted_model_takes_is_refused_before_anything
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A driver whose config cannot be read before the boot: the booted model's n_ctx decides.
-    monkeypatch.setattr(_run, "context_limit_before_boot", lambda config: None)
+    monkeypatch.setattr(_preflight, "context_limit_before_boot", lambda config: None)
     out = tmp_path / "store"
     assert main(cli(source, out, "--option", "n_ctx=16")) == 1
     error = capsys.readouterr().err
