@@ -328,3 +328,15 @@ def test_any_folder_loads_as_written_or_is_refused_naming_its_file(
     got = loaded.reconstruct(x)
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, d.reconstruct(x))
+
+
+def test_a_transcoders_weights_under_an_autoencoder_config_are_refused(tmp_path: Path) -> None:
+    t = random_dictionary(8, 32, d_out=6, apply_b_dec_to_input=False)
+    folder = _save(tmp_path / "sae", {"d_in": 8, "d_sae": 32, "metadata": VERSION, "architecture": "standard"},
+                   _tensors(t))  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"{folder / 'cfg.json'}: a 'standard' dictionary writes the width it reads, "
+                        "but W_enc is (8, 32) and W_dec (32, 6)"),
+    ):  # fmt: skip
+        load_dictionary(folder)

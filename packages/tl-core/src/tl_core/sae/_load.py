@@ -176,11 +176,20 @@ def _tensors_of(
     return {k: weights[k] for k in wanted}
 
 
-def _check_sizes(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse ``d_in``/``d_sae``/``d_out`` in the config that the weights contradict."""
+def _check_sizes(
+    cfg: dict[str, Any], tensors: dict[str, torch.Tensor], settings: dict[str, Any], where: str
+) -> None:
+    """Refuse ``d_in``/``d_sae``/``d_out`` in the config that the weights contradict, and
+    an autoencoder whose decoder writes another width than it reads."""
     W_enc, W_dec = tensors["W_enc"], tensors["W_dec"]
     if W_enc.dim() != 2 or W_dec.dim() != 2:
         return  # SparseDictionary names the shapes
+    if not settings["transcoder"] and W_dec.shape[1] != W_enc.shape[0]:
+        raise ConfigError(
+            f"{where}: a {settings['_given']!r} dictionary writes the width it reads, but W_enc "
+            f"is {tuple(W_enc.shape)} and W_dec {tuple(W_dec.shape)} (sae-lens refuses it too); "
+            "a transcoder's config names a transcoder architecture"
+        )
     actual = {"d_in": W_enc.shape[0], "d_sae": W_enc.shape[1], "d_out": W_dec.shape[1]}
     wrong = [
         f"{key}={cfg[key]!r} but the weights have {actual[key]}"
@@ -258,7 +267,7 @@ def load_dictionary(folder: str | Path) -> SparseDictionary:
     assert isinstance(raw, dict)
     weights_file = str(path / _WEIGHTS)
     tensors = _tensors_of(_read_weights(path / _WEIGHTS), settings, weights_file)
-    _check_sizes(raw, tensors, str(path / _CFG))
+    _check_sizes(raw, tensors, settings, str(path / _CFG))
     return _build(tensors, settings, weights_file)
 
 
