@@ -291,9 +291,12 @@ def test_ce_recovered_on_smollm2_equals_sae_lens_by_hand(smollm2: TransformerBri
 
     clean, spliced, zero = ce(None), ce(lambda h: sae(h)), ce(torch.zeros_like)
     want = (zero - spliced) / (zero - clean)
+    # Every position scored, as the by-hand losses score them (the special-token default is
+    # checked against sae-lens's own evaluation in test_evaluation_as_sae_lens_evals_score_it).
     got = evaluate_dictionary(
-        smollm2, from_sae_lens(sae), tokens, hook_name="blocks.3.hook_out", batch_size=4
-    )
+        smollm2, from_sae_lens(sae), tokens, hook_name="blocks.3.hook_out", batch_size=4,
+        exclude_special_tokens=False,
+    )  # fmt: skip
     assert (got.ce_clean, got.ce_splice, got.ce_zero) == pytest.approx(
         (clean, spliced, zero), rel=1e-4
     )

@@ -308,7 +308,10 @@ def test_evaluation_equals_the_quantities_computed_by_hand(llama: TransformerBri
             spliced = llama(tokens)
         with llama.hooks([(hook, lambda v, *, hook: torch.zeros_like(v))]):
             zero = llama(tokens)
-    got = evaluate_dictionary(llama, d, tokens, hook_name=hook, batch_size=2)
+    # Every position scored: the special-token default has its own test (test_sae_evaluation).
+    got = evaluate_dictionary(
+        llama, d, tokens, hook_name=hook, batch_size=2, exclude_special_tokens=False
+    )
     assert got.tokens == tokens.numel()
     assert got.ce_clean == pytest.approx(ce(clean), rel=1e-5)
     assert got.ce_splice == pytest.approx(ce(spliced), rel=1e-5)
@@ -316,7 +319,7 @@ def test_evaluation_equals_the_quantities_computed_by_hand(llama: TransformerBri
     assert got.ce_recovered == pytest.approx(
         (ce(zero) - ce(spliced)) / (ce(zero) - ce(clean)), rel=1e-4
     )
-    p, q = (torch.log_softmax(t[:, :-1].double(), -1) for t in (clean, spliced))
+    p, q = (torch.log_softmax(t.double(), -1) for t in (clean, spliced))  # every position
     assert got.kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
     flat = x.flatten(0, 1).double()
     resid = (flat - d.reconstruct(x).flatten(0, 1).double()).pow(2).sum()
