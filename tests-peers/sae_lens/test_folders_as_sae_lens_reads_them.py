@@ -20,7 +20,7 @@ from sae_lens import SAE  # noqa: E402
 from sae_lens.saes import transcoder as tc  # noqa: E402
 
 from tl_core import TLError, UnsupportedFeatureError  # noqa: E402
-from tl_core.sae import load_dictionary  # noqa: E402
+from tl_core.sae import from_sae_lens, load_dictionary  # noqa: E402
 
 D_IN = 16
 
@@ -122,3 +122,5 @@ def test_an_architecture_sae_lens_runs_and_tl_does_not_is_named(tmp_path: Path) 
         UnsupportedFeatureError, match=r"architecture 'gated' is not supported by tl"
     ):
         load_dictionary(tmp_path)
+    with pytest.raises(UnsupportedFeatureError, match=r"GatedSAE: architecture 'gated'"):
+        from_sae_lens(SAE.load_from_disk(tmp_path))
