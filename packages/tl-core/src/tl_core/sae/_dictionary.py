@@ -415,6 +415,10 @@ class SparseDictionary:
 
 def _non_finite(name: str, t: torch.Tensor) -> str | None:
     """Where ``t`` holds NaN or infinite values, if it does."""
+    # A NaN or infinity anywhere makes the sum non-finite, so a finite sum clears the tensor
+    # in one fast reduction (a non-finite one may be an overflow: then look element-wise).
+    if bool(torch.isfinite(t.sum())):
+        return None
     bad = ~torch.isfinite(t)
     if not bool(bad.any()):
         return None
