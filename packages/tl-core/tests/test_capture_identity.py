@@ -154,6 +154,8 @@ def test_a_hub_id_is_recorded_by_the_commit_of_its_local_snapshot(
     assert model_files(config)["commit"] == second
     pinned = model_files(_job("org/tiny", source, boot_options={"revision": first}))
     assert (pinned["revision"], pinned["commit"]) == (first, first)
+    by_checkpoint = model_files(_job("org/tiny", source, boot_options={"checkpoint_index": 3}))
+    assert by_checkpoint["commit"] is None, "main's snapshot is not the checkpoint's"
     missing = model_files(_job("org/other", source))
     assert missing["commit"] is None and not comparable(missing)
 

@@ -67,6 +67,8 @@ _TOKENIZER_NAMES = frozenset(
 _UNUSED_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".pdf", ".lock")
 _UNUSED_PREFIXES = ("license", "notice", "readme")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+#: Boot options that pick a hub revision by another name than ``revision``.
+_PICKS_REVISION = frozenset({"checkpoint_index", "checkpoint_value"})
 #: The parts of a record, in the order a message names them.
 _FIELDS = (
     "kind",
@@ -278,6 +280,10 @@ def model_files(config: Any) -> dict[str, Any]:
         model = str(Path(model, gguf_file).resolve())
     revision = options.get("revision")
     record = _source_record(model, options, revision if isinstance(revision, str) else None)
+    if record["kind"] == "hub" and revision is None and _PICKS_REVISION & set(options):
+        # The driver turns a checkpoint option into a branch name tl-core does not know:
+        # "main"'s snapshot would be the wrong one, so the record names none.
+        record["commit"] = None
     tokenizer = options.get("tokenizer")
     if isinstance(tokenizer, str):
         other = _source_record(tokenizer, options, options.get("tokenizer_revision"))
