@@ -258,9 +258,15 @@ def test_bad_config_overrides_fail_before_weights_load(
 
 
 def test_valid_config_overrides_take_effect(checkpoint: Callable[[str], Path]) -> None:
-    overrides = {"num_hidden_layers": 1, "resid_pdrop": 0.0}
+    overrides = {"layer_norm_epsilon": 1e-3, "resid_pdrop": 0.0}
     driver = HFDriver.boot(str(checkpoint("gpt2")), hf_config_overrides=overrides)
-    assert driver.info.n_layers == 1
+    assert driver.hf_model.transformer.h[0].ln_1.eps == 1e-3
+
+
+def test_an_override_dropping_layers_is_refused(checkpoint: Callable[[str], Path]) -> None:
+    """Fewer layers than the weights hold would drop the others: tl boots checkpoints whole."""
+    with pytest.raises(ConfigError, match=r"transformer\.h\.1 \(11 weights\).*n_layer=1"):
+        HFDriver.boot(str(checkpoint("gpt2")), hf_config_overrides={"num_hidden_layers": 1})
 
 
 def test_checkpoints_resolve_to_hub_revisions_and_reject_the_rest(

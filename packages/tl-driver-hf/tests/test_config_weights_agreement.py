@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
     BartConfig,
     BartForConditionalGeneration,
     LlamaForCausalLM,
@@ -110,25 +111,116 @@ def test_a_missing_learned_buffer_is_a_missing_weight(tmp_path: Path) -> None:
         HFDriver.boot(str(folder))
 
 
-def test_a_sequence_to_sequence_checkpoint_read_as_a_causal_lm_lacks_its_decoder_embedding(
-    tmp_path: Path,
-) -> None:
-    """BartForConditionalGeneration stores its embedding once, as ``model.shared``, which
-    BartForCausalLM has no place for: read as a causal LM, the decoder's embedding and the
-    unembedding would be random (the dropped encoder itself is not refused here)."""
+def _tiny_bart(folder: Path) -> Path:
     config = BartConfig(
         vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
     )  # fmt: skip
-    BartForConditionalGeneration(config).save_pretrained(tmp_path / "bart")
-    absent = set(_needed_shapes(tmp_path / "bart", {})) - set(_file_shapes(tmp_path / "bart"))
-    assert absent == {"model.decoder.embed_tokens.weight"}
+    BartForConditionalGeneration(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_sequence_to_sequence_checkpoint_read_as_a_causal_lm_is_refused_naming_its_encoder(
+    tmp_path: Path,
+) -> None:
+    """Read as BartForCausalLM, a BartForConditionalGeneration checkpoint loses its encoder
+    (and ``model.shared``, its embedding), and its decoder embedding and unembedding would
+    be random."""
+    folder = _tiny_bart(tmp_path / "bart")
+    needed, in_file = set(_needed_shapes(folder, {})), set(_file_shapes(folder))
+    assert needed - in_file == {"model.decoder.embed_tokens.weight"}
+    placeless = in_file - needed
+    encoder = {k for k in placeless if k.startswith("model.encoder.")}
+    assert encoder and placeless - encoder == {"model.shared.weight", "final_logits_bias"}
     with pytest.raises(ConfigError) as refused:
-        HFDriver.boot(str(tmp_path / "bart"))
+        HFDriver.boot(str(folder))
     message = str(refused.value)
+    assert (
+        "architectures name BartForConditionalGeneration, a sequence-to-sequence model" in message
+    )
+    assert (
+        f"BartForCausalLM transformers builds for it has no place for {len(placeless)}" in message
+    )
+    assert "its encoder among them" in message
+    assert f"model.encoder ({len(encoder)} weights)" in message
+    assert "model.shared.weight" in message and "final_logits_bias" in message
     assert "model.decoder.embed_tokens.weight" in message and "lm_head.weight" in message
-    assert "this BartForCausalLM has no place for" in message and "model.shared.weight" in message
-    assert "['BartForConditionalGeneration']" in message
+    assert "sequence-to-sequence models are not served yet" in message
+
+
+def test_a_checkpoint_that_loads_but_would_drop_its_encoder_is_refused(tmp_path: Path) -> None:
+    """ProphetNet's causal LM finds every weight it needs in the sequence-to-sequence file:
+    only the dropped encoder tells that the model is not the checkpoint's."""
+    config = AutoConfig.for_model(
+        "prophetnet", vocab_size=300, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=2,
+        num_decoder_attention_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    AutoModelForSeq2SeqLM.from_config(config).save_pretrained(tmp_path / "prophetnet")
+    folder = tmp_path / "prophetnet"
+    needed, in_file = set(_needed_shapes(folder, {})), set(_file_shapes(folder))
+    assert not needed - in_file
+    placeless = in_file - needed
+    assert placeless and all(k.startswith("prophetnet.encoder.") for k in placeless)
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(folder))
+    message = str(refused.value)
+    assert f"no place for {len(placeless)} of its weights, its encoder among them" in message
+    assert f"prophetnet.encoder ({len(placeless)} weights)" in message
+    assert "ProphetNetForConditionalGeneration, a sequence-to-sequence model" in message
+
+
+def test_weights_of_layers_past_the_config_are_refused_naming_the_layer_count(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    folder = _copy_with_config(checkpoint("llama"), tmp_path / "one", num_hidden_layers=1)
+    layer_1 = sorted(set(_file_shapes(folder)) - set(_needed_shapes(folder, {})))
+    assert layer_1 and all(k.startswith("model.layers.1.") for k in layer_1)
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(folder))
+    message = str(refused.value)
+    assert f"model.layers.1 ({len(layer_1)} weights)" in message
+    assert "The config has num_hidden_layers=1, but the weights hold 2 layers" in message
+    with pytest.raises(ConfigError, match=r"hf_config_overrides set num_hidden_layers=1"):
+        HFDriver.boot(str(checkpoint("llama")), hf_config_overrides={"num_hidden_layers": 1})
+
+
+def test_a_weight_of_another_head_is_refused_naming_it(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    folder = tmp_path / "with-head"
+    shutil.copytree(checkpoint("llama"), folder)
+    weights = load_file(str(folder / WEIGHTS))
+    save_file({**weights, "score.weight": torch.ones(3, 128)}, str(folder / WEIGHTS))
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(folder))
+    message = str(refused.value)
+    assert (
+        "LlamaForCausalLM transformers builds for it has no place for one of its weights: score.weight"
+        in message
+    )
+    assert "pass it as hf_model=" in message
+
+
+def test_weights_a_class_declares_it_never_loads_are_no_refusal(
+    checkpoint: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """GPT-2 checkpoints written by old transformers hold each layer's causal-mask buffer
+    (``h.{i}.attn.bias``); GPT2LMHeadModel declares them never loaded."""
+    from transformers import GPT2LMHeadModel
+
+    assert "attn.bias" in GPT2LMHeadModel._keys_to_ignore_on_load_unexpected
+    folder = tmp_path / "old-gpt2"
+    shutil.copytree(checkpoint("gpt2"), folder)
+    weights = load_file(str(folder / WEIGHTS))
+    n_ctx = AutoConfig.from_pretrained(folder).n_positions
+    masks = {
+        f"transformer.h.{i}.attn.bias": torch.ones(1, 1, n_ctx, n_ctx).tril() for i in range(2)
+    }
+    save_file({**weights, **masks}, str(folder / WEIGHTS))
+    driver = HFDriver.boot(str(folder), certify=False)
+    held = driver.hf_model.state_dict()
+    assert all(torch.equal(held[k], v) for k, v in weights.items() if k in held)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -217,8 +309,8 @@ def test_config_and_weights_either_agree_or_the_boot_names_what_disagrees(
     needed = _needed_shapes(folder, overrides)
     missing = sorted(set(needed) - set(in_file))
     other_shape = sorted(k for k in needed if k in in_file and needed[k] != in_file[k])
-    if not missing and not other_shape:
-        # Nothing disagrees (fewer layers leave weights unused: not this check's business).
+    unused = sorted(set(in_file) - set(needed))
+    if not missing and not other_shape and not unused:
         driver = HFDriver.boot(str(folder), hf_config_overrides=overrides, certify=False)
         stored = load_file(str(folder / WEIGHTS))
         held = driver.hf_model.state_dict()
@@ -231,6 +323,11 @@ def test_config_and_weights_either_agree_or_the_boot_names_what_disagrees(
         layers = sorted({int(k.split(".")[2]) for k in missing})
         span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
         assert f"lacks {len(missing)} weights" in message and f"model.layers.{span}:" in message
+    if unused and not other_shape:
+        # Fewer layers than the weights hold: the others would be dropped.
+        layers = sorted({int(k.split(".")[2]) for k in unused})
+        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])
+        assert f"model.layers.{span} ({len(unused)} weights)" in message, message
     for key in other_shape:
         assert key.rsplit(".", 2)[-2] in message, (key, message)
         assert f"{list(in_file[key])} in the weights, {list(needed[key])} in the model" in message

@@ -206,7 +206,8 @@ class HFDriver(LocalDriver):
                 ``dtype`` (default float32), ``tokenizer`` (object, hub id or folder),
                 ``load_weights`` (``False``: build on the meta device, for inspection),
                 ``trust_remote_code`` (default False), ``model_class`` (class or its name
-                in transformers), ``hf_model`` (wrap a loaded model as is), ``n_ctx``,
+                in transformers), ``hf_model`` (wrap a loaded model as is; tl has no load
+                report for it, so its weights are not checked), ``n_ctx``,
                 ``revision``, ``checkpoint_index``/``checkpoint_value`` (Pythia and
                 stanford-crfm training checkpoints), ``use_attn_result``,
                 ``gguf_file`` (the GGUF file's name inside the ``model_name`` folder),
@@ -229,7 +230,10 @@ class HFDriver(LocalDriver):
             UserError: Unknown or conflicting options, a model without checkpoints, a
                 path that does not exist or a file that is no folder (for ``model_name``
                 and ``tokenizer``), an unsupported architecture or a CUDA/MPS device this
-                torch cannot use (``ConfigError``), all before any weight loads.
+                torch cannot use (``ConfigError``), all before any weight loads; after
+                loading, a checkpoint whose weights do not fit the model transformers
+                builds (missing, in other shapes, or with no place in it: ``ConfigError``
+                naming them).
         """
         opts = BootOptions.parse(model_name, options)
         if opts.hf_model is not None:

@@ -11,8 +11,15 @@ tied weights (``lm_head.weight`` tied to the embedding), non-persistent buffers 
 ``inv_freq``, ``position_ids``: never part of a checkpoint) and a class's declared
 ``_keys_to_ignore_on_load_missing`` are not reported. A persistent buffer transformers
 reports is a missing weight like a parameter: many are learned (DeepSeek-V3's
-``e_score_correction_bias``), and initialising them gives another model. Weights the
-checkpoint holds that the model has no place for (``unexpected_keys``) are left alone here.
+``e_score_correction_bias``), and initialising them gives another model.
+
+Weights the checkpoint holds that the model has no place for (``unexpected_keys``) are
+refused too: transformers drops them, so the model that runs is a part of the checkpoint's
+(the decoder of a sequence-to-sequence model read as a causal LM, two of three layers).
+What a class declares it never loads (``_keys_to_ignore_on_load_unexpected``: GPT-2's
+causal-mask buffers, a multi-token-prediction layer, a speech generator beside the text
+model) and stale buffers (rotary ``inv_freq``, ``position_ids``) are removed from the
+report by transformers before tl reads it, so they are not refused.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Any
 from torch import nn
 
 from tl_core import ConfigError
+from tl_driver_hf._kinds import class_kind, with_article
 
 __all__ = ["check_loading_info", "held_load_report", "release"]
 
@@ -178,6 +186,145 @@ def _size_fields(config: Any, sizes: set[int], overrides: Mapping[str, Any]) -> 
     return f" Config fields with the model's size: {', '.join(named[:_SHOWN])}."
 
 
+#: A module inside a numbered list: ``model.layers.2``.
+_NUMBERED_MODULE = re.compile(r"^(?P<list>.+)\.(?P<index>\d+)$")
+
+
+def _placeless(keys: Iterable[str], model_keys: Iterable[str]) -> dict[str, list[str]]:
+    """``keys`` under the shortest prefix the model holds nothing under (``model.encoder``,
+    ``model.layers.2``, or the key itself for a lone weight)."""
+    held: set[str] = set()
+    for key in model_keys:
+        parts = key.split(".")
+        held.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    found: dict[str, list[str]] = defaultdict(list)
+    for key in keys:
+        parts = key.split(".")
+        prefix = next(
+            (".".join(parts[:n]) for n in range(1, len(parts)) if ".".join(parts[:n]) not in held),
+            key,
+        )
+        found[prefix].append(key)
+    return found
+
+
+def _modules(placeless: Mapping[str, list[str]]) -> str:
+    """The placeless modules compactly: ``model.encoder (34 weights), model.layers.2-3 (18
+    weights), final_logits_bias``."""
+    numbered: dict[str, dict[int, int]] = defaultdict(dict)
+    plain: list[tuple[str, int]] = []
+    for prefix, keys in placeless.items():
+        match = _NUMBERED_MODULE.match(prefix)
+        if match is not None:
+            numbered[match["list"]][int(match["index"])] = len(keys)
+        else:
+            plain.append((prefix, len(keys)))
+    for list_name, counts in numbered.items():
+        plain.append((f"{list_name}.{_indices(counts)}", sum(counts.values())))
+
+    def shown(prefix: str, n: int) -> str:
+        if n == 1 and prefix in placeless:
+            return placeless[prefix][0]
+        return f"{prefix} ({n} weights)"
+
+    ordered = sorted(plain, key=lambda item: (-item[1], item[0]))
+    return ", ".join(shown(p, n) for p, n in ordered[:_SHOWN]) + (
+        f", ... ({len(ordered)} modules in all)" if len(ordered) > _SHOWN else ""
+    )
+
+
+def _layer_field(config: Any) -> tuple[Any, str, int | None]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    field = (getattr(text, "attribute_map", None) or {}).get(
+        "num_hidden_layers", "num_hidden_layers"
+    )
+    n_layers = getattr(text, "num_hidden_layers", None)
+    return text, field, n_layers if isinstance(n_layers, int) else None
+
+
+def _extra_layer_hint(
+    placeless: Mapping[str, list[str]],
+    model_keys: list[str],
+    config: Any,
+    overrides: Mapping[str, Any],
+) -> str:
+    """How to fix weights of whole layers past the config's count: the layer count."""
+    _, field, n_layers = _layer_field(config)
+    lists = {m["list"] for m in map(_NUMBERED.match, model_keys) if m is not None}
+    matches = [_NUMBERED_MODULE.match(p) for p in placeless]
+    if n_layers is None or len(lists) != 1 or any(m is None for m in matches):
+        return ""
+    extra = sorted(int(m["index"]) for m in matches if m is not None)
+    if {m["list"] for m in matches if m is not None} != lists or extra != list(
+        range(n_layers, n_layers + len(extra))
+    ):
+        return ""
+    held = n_layers + len(extra)
+    if field in overrides or "num_hidden_layers" in overrides:
+        return (
+            f" hf_config_overrides set {field}={n_layers}, but the weights hold {held} layers: "
+            f"tl boots a checkpoint whole, so leave the layer count as the checkpoint has it "
+            f"(to read an early layer, capture blocks.{{i}}.hook_out of the whole model)."
+        )
+    return (
+        f" The config has {field}={n_layers}, but the weights hold {held} layers: set {field} "
+        f"to {held} in config.json, or pair the weights with the config they were written for."
+    )
+
+
+def _unplaced_message(
+    model: nn.Module,
+    unexpected: set[str],
+    missing: set[str],
+    model_keys: list[str],
+    *,
+    name: str,
+    overrides: Mapping[str, Any],
+) -> str:
+    """Why a checkpoint whose file holds weights the built model has no place for is refused."""
+    config: Any = model.config
+    built = type(model).__name__
+    placeless = _placeless(unexpected, model_keys)
+    # Named parts of the checkpoint's model the built one lacks as a whole: its encoder.
+    parts = sorted({p.rsplit(".", 1)[-1] for p in placeless if p.endswith("encoder")})
+    whose = f", its {' and '.join(parts)} among them" if parts else ""
+    count = f"{len(unexpected)} of its weights" if len(unexpected) > 1 else "one of its weights"
+    also = (
+        f", and {len(missing)} weights the file lacks would be initialised at random "
+        f"({grouped(missing, model_keys)})"
+        if missing
+        else ""
+    )
+    dropped = (
+        f"the {built} transformers builds for it has no place for {count}{whose}: "
+        f"{_modules(placeless)}. Booting it would drop them{also}, so the model would not be "
+        f"the checkpoint's."
+    )
+    named = [str(a) for a in getattr(config, "architectures", None) or ()]
+    other = next((a for a in named if a != built), None)
+    if other is not None:
+        kind = class_kind(other)
+        return (
+            f"the checkpoint {name!r} is not the model transformers builds for it: its "
+            f"config's architectures name {other}"
+            + (f", {with_article(kind)}" if kind else "")
+            + f", and {dropped} "
+            + (
+                f"The hf driver serves decoder-only causal LMs; {kind}s are not served yet."
+                if kind is not None
+                else f"Boot a checkpoint of {built} itself, or pair the config with the "
+                f"weights it was written for."
+            )
+        )
+    hint = _extra_layer_hint(placeless, model_keys, config, overrides)
+    return f"the checkpoint {name!r} holds weights its model does not use: {dropped}" + (
+        hint
+        or " Pair the config with the weights it was written for. If these weights are a "
+        "part the model never runs (another task's head), load the model yourself and "
+        "pass it as hf_model= (tl does not check the weights of a model it is given)."
+    )
+
+
 def check_loading_info(
     model: nn.Module,
     info: Mapping[str, Any],
@@ -185,21 +332,26 @@ def check_loading_info(
     name: str,
     overrides: Mapping[str, Any],
 ) -> None:
-    """Refuse a model whose checkpoint lacks weights or holds them in other shapes.
+    """Refuse a model whose checkpoint lacks weights, holds them in other shapes, or holds
+    weights the model has no place for.
 
     Args:
         model: The model ``from_pretrained`` built.
-        info: Its ``output_loading_info`` (``missing_keys``, ``mismatched_keys``, ...).
+        info: Its ``output_loading_info`` (``missing_keys``, ``mismatched_keys``,
+            ``unexpected_keys``, after transformers removed what the class declares it
+            never loads).
         name: The checkpoint, for the message.
         overrides: The boot's ``hf_config_overrides`` (named when the weights do not fit).
 
     Raises:
-        ConfigError: Weights the model needs are not in the checkpoint, or have another
-            shape there (each named, grouped by layer, with how to fix it).
+        ConfigError: Weights the model needs are not in the checkpoint, have another shape
+            there, or have no place in the model (each named, grouped by layer or module,
+            with what the checkpoint is and how to proceed).
     """
     missing = set(info.get("missing_keys") or ())
     mismatched = sorted(info.get("mismatched_keys") or ())
-    if not missing and not mismatched:
+    unexpected = set(info.get("unexpected_keys") or ())
+    if not missing and not mismatched and not unexpected:
         return
     config: Any = model.config
     model_keys = list(model.state_dict().keys())
@@ -214,10 +366,17 @@ def check_loading_info(
             f"{grouped(keys)}: {list(w)} in the weights, {list(m)} in the model"
             for (w, m), keys in sorted(shapes.items(), key=lambda kv: sorted(kv[1])[0])
         )
-        also = (
-            f" ({len(missing)} weights are missing too: {grouped(missing, model_keys)})"
-            if missing
-            else ""
+        also = "".join(
+            f" ({len(keys)} weights {why} too: {text})"
+            for keys, why, text in (
+                (missing, "are missing", grouped(missing, model_keys)),
+                (
+                    unexpected,
+                    "have no place in the model",
+                    _modules(_placeless(unexpected, model_keys)),
+                ),
+            )
+            if keys
         )
         raise ConfigError(
             f"the weights of {name!r} do not fit the model its config describes: {described}{also}. "
@@ -226,21 +385,15 @@ def check_loading_info(
             f"Set the config's sizes (hidden_size, vocab_size, intermediate_size, head counts) "
             f"to the weights', or pair the weights with the config they were written with."
         )
-    unexpected = set(info.get("unexpected_keys") or ())
-    other = ""
     if unexpected:
-        # A checkpoint of another class (a sequence-to-sequence model read as a causal LM).
-        named = list(getattr(config, "architectures", None) or ())
-        other = (
-            f" The file also holds {len(unexpected)} weights this {type(model).__name__} has "
-            f"no place for ({grouped(unexpected)}): it was likely written for another class"
-            + (f" (its config names {named})" if named else "")
-            + "."
+        raise ConfigError(
+            _unplaced_message(
+                model, unexpected, missing, model_keys, name=name, overrides=overrides
+            )
         )
     raise ConfigError(
         f"the checkpoint {name!r} lacks {len(missing)} weights the model its config describes "
         f"needs: {grouped(missing, model_keys)}. transformers would initialise them at random, "
         f"so the model would not be the checkpoint's; the config and the weights disagree."
-        f"{other}"
         f"{_layer_hint(missing, model_keys, config) or ' Pair the config with the weights it was written for (or add the missing weights).'}"
     )
