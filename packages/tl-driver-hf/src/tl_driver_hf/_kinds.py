@@ -8,8 +8,18 @@ refusal names the kind by the task mapping transformers files the class under.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
-__all__ = ["class_kind", "is_causal_lm_class", "with_article"]
+from tl_core import ConfigError
+
+__all__ = [
+    "class_kind",
+    "is_causal_lm_class",
+    "refuse_other_kind",
+    "refuse_without_causal_lm",
+    "what_it_is",
+    "with_article",
+]
 
 #: transformers' task mappings, most specific first (BART's ``ForConditionalGeneration``
 #: is filed under both sequence-to-sequence and masked LM), with what their classes are.
@@ -74,3 +84,93 @@ def with_article(kind: str) -> str:
     """``kind`` with its article: ``"an image classifier"``."""
     article = next((a for _, a, k in _KINDS if k == kind), "a")
     return f"{article} {kind}"
+
+
+@cache
+def _kind_by_type() -> dict[str, str]:
+    from transformers.models.auto import modeling_auto
+
+    found: dict[str, str] = {}
+    for mapping, _, kind in _KINDS:
+        for model_type in getattr(modeling_auto, mapping, {}):
+            found.setdefault(model_type, kind)
+    return found
+
+
+def _checkpoint_kind(config: Any) -> tuple[str | None, str]:
+    """What the config says its checkpoint is, and the name that says it."""
+    architectures = [str(a) for a in getattr(config, "architectures", None) or ()]
+    for name in architectures:
+        kind = class_kind(name)
+        if kind is not None:
+            return kind, name
+    model_type = str(getattr(config, "model_type", None))
+    return _kind_by_type().get(model_type), f"model_type {model_type!r}"
+
+
+def refuse_without_causal_lm(config: Any, *, name: str) -> None:
+    """Refuse, before any weight loads, a config transformers maps to no causal-LM class.
+
+    Raises:
+        ConfigError: ``AutoModelForCausalLM`` cannot build the config's model type (a T5,
+            a ViT, a Wav2Vec2): what the checkpoint is, and that the kind is not served.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = str(getattr(config, "model_type", None))
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    kind, named = _checkpoint_kind(config)
+    what = f"{with_article(kind)} ({named})" if kind else f"a {named} checkpoint"
+    served = f"{kind}s are not served yet" if kind else "it serves no model that is not a causal LM"
+    raise ConfigError(
+        f"the checkpoint {name!r} is {what}: transformers has no causal-LM class for model "
+        f"type {model_type!r} (AutoModelForCausalLM cannot build it), and the hf driver "
+        f"serves decoder-only causal LMs; {served}."
+    )
+
+
+def refuse_other_kind(model: Any, config: Any, *, name: str) -> None:
+    """Refuse a causal LM transformers built from the config of a checkpoint of another kind.
+
+    ``AutoModelForCausalLM`` builds ``BertLMHeadModel`` from a ``BertForMaskedLM``
+    checkpoint: every weight finds its place, but the model is the masked LM's encoder read
+    as a decoder. ``Qwen3_5ForCausalLM`` reads the language model of a
+    ``Qwen3_5ForConditionalGeneration`` checkpoint, and transformers declares its vision
+    tower never loaded. A config whose ``architectures`` name a base model (``LlamaModel``)
+    is no other kind: its causal LM is that model with its tied unembedding.
+
+    Args:
+        model: The model transformers built.
+        config: The checkpoint's config (the model's may be its text part only).
+        name: The checkpoint, for the message.
+
+    Raises:
+        ConfigError: The config's ``architectures`` name a class of another kind than the
+            causal LM that was built (both named, with that the kind is not served).
+    """
+    built = type(model).__name__
+    architectures = [str(a) for a in getattr(config, "architectures", None) or ()]
+    if not architectures or built in architectures:
+        return
+    other = architectures[0]
+    kind = class_kind(other)
+    if kind is None or kind == "base model without a head":
+        return
+    raise ConfigError(
+        f"the checkpoint {name!r} is {with_article(kind)}: its config's architectures name "
+        f"{other}, and transformers builds {built} from it, a causal LM the checkpoint was "
+        f"not written for (another model over its weights, or a part of them). The hf "
+        f"driver serves decoder-only causal LMs; {kind}s are not served yet."
+    )
+
+
+def what_it_is(config: Any) -> str:
+    """`` (its config's architectures name X, a masked language model)`` for a config of
+    another kind than a causal LM, else ``""``."""
+    kind, named = _checkpoint_kind(config)
+    if kind is None or kind == "base model without a head":
+        return ""
+    source = "model type" if named.startswith("model_type") else "architectures name"
+    shown = named.removeprefix("model_type ") if source == "model type" else named
+    return f" (its config's {source} {shown}: {with_article(kind)})"

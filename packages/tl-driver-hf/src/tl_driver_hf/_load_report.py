@@ -280,9 +280,9 @@ def _unplaced_message(
     *,
     name: str,
     overrides: Mapping[str, Any],
+    config: Any,
 ) -> str:
     """Why a checkpoint whose file holds weights the built model has no place for is refused."""
-    config: Any = model.config
     built = type(model).__name__
     placeless = _placeless(unexpected, model_keys)
     # Named parts of the checkpoint's model the built one lacks as a whole: its encoder.
@@ -331,6 +331,7 @@ def check_loading_info(
     *,
     name: str,
     overrides: Mapping[str, Any],
+    config: Any = None,
 ) -> None:
     """Refuse a model whose checkpoint lacks weights, holds them in other shapes, or holds
     weights the model has no place for.
@@ -342,6 +343,8 @@ def check_loading_info(
             never loads).
         name: The checkpoint, for the message.
         overrides: The boot's ``hf_config_overrides`` (named when the weights do not fit).
+        config: The checkpoint's config (``None``: the model's; a model built from a
+            multimodal config may hold its text part only).
 
     Raises:
         ConfigError: Weights the model needs are not in the checkpoint, have another shape
@@ -353,7 +356,7 @@ def check_loading_info(
     unexpected = set(info.get("unexpected_keys") or ())
     if not missing and not mismatched and not unexpected:
         return
-    config: Any = model.config
+    config = model.config if config is None else config
     model_keys = list(model.state_dict().keys())
     if mismatched:
         shapes: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = defaultdict(list)
@@ -388,7 +391,13 @@ def check_loading_info(
     if unexpected:
         raise ConfigError(
             _unplaced_message(
-                model, unexpected, missing, model_keys, name=name, overrides=overrides
+                model,
+                unexpected,
+                missing,
+                model_keys,
+                name=name,
+                overrides=overrides,
+                config=config,
             )
         )
     raise ConfigError(

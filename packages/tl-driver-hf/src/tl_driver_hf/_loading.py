@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from tl_core import ConfigError, UserError
 from tl_core.driver_api import HFTokenizer, Tokenizer, checked_model_folder, dequantized_gguf
 from tl_driver_hf._built import built_class_name, describing_adapter
+from tl_driver_hf._kinds import refuse_other_kind, refuse_without_causal_lm, what_it_is
 from tl_driver_hf._load_report import check_loading_info, held_load_report, release
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._tokenizer import MissingTokenizer
@@ -263,13 +264,42 @@ def load_model(
             )
         except OSError as exc:
             raise UserError(_no_weights(name, exc)) from exc
-    check_loading_info(model, info, name=name, overrides=opts.hf_config_overrides)
+        except ImportError as exc:
+            raise UserError(f"cannot load {name!r}: {exc}") from exc
+        except (
+            AssertionError,
+            AttributeError,
+            KeyError,
+            RuntimeError,
+            TypeError,
+            ValueError,
+        ) as exc:
+            # transformers' own refusal of this config for this class (a Reformer LM head
+            # over an encoder's config): its message, as a tl error.
+            raise ConfigError(
+                f"transformers cannot build {built_name(config, cls)} from the config of "
+                f"{name!r}{what_it_is(config)}: {type(exc).__name__}: {exc}"
+            ) from exc
+    check_loading_info(model, info, name=name, overrides=opts.hf_config_overrides, config=config)
+    if opts.model_class is None:
+        refuse_other_kind(model, config, name=name)
     release(report)
     if move_to is not None:
         model.to(move_to)
     _experts_for(model, opts.dtype)
     model.eval()
     return model  # type: ignore[no-any-return]
+
+
+def built_name(config: Any, cls: Any) -> str:
+    """The name of the class ``cls`` (an auto class: the class it picks) builds for ``config``."""
+    if cls is AutoModelForCausalLM:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        found = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(getattr(config, "model_type", "")))
+        if found:
+            return found if isinstance(found, str) else str(found[0])
+    return str(getattr(cls, "__name__", cls))
 
 
 def _no_weights(name: str, exc: OSError) -> str:
@@ -350,9 +380,15 @@ def built_class(config: Any, opts: BootOptions) -> str | None:
     """The name of the class ``load_model`` builds for ``config`` (see ``built_class_name``).
 
     Raises:
-        ConfigError: ``architectures`` and ``model_type`` name different causal LMs.
+        ConfigError: ``architectures`` and ``model_type`` name different causal LMs, or
+            transformers has no causal LM for the config's model type (a T5, a ViT).
         UserError: An unknown ``model_class``.
     """
+    remote = opts.trust_remote_code and "AutoModelForCausalLM" in (
+        getattr(config, "auto_map", None) or {}
+    )
+    if opts.model_class is None and not remote:
+        refuse_without_causal_lm(config, name=str(opts.model_name))
     return built_class_name(
         config,
         _model_class(opts),

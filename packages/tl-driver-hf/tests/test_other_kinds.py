@@ -1,0 +1,128 @@
+"""Checkpoints that are no causal LM are refused with what they are, never booted as a part.
+
+The hf driver serves decoder-only causal LMs. A sequence-to-sequence model, an encoder, a
+vision-language model, an image classifier or a speech recogniser is refused with a
+``ConfigError`` naming its kind. The references are plain transformers: what
+``AutoModelForCausalLM`` does with the same folder, and which weights the file holds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    T5Config,
+    T5ForConditionalGeneration,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+from tl_core import ConfigError
+from tl_driver_hf import HFDriver
+
+_BERT_SIZES: dict[str, Any] = {
+    "vocab_size": 200, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "intermediate_size": 64, "max_position_embeddings": 32,
+}  # fmt: skip
+
+
+def _file_keys(folder: Path) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
+def test_a_model_type_without_a_causal_lm_is_refused_before_loading(tmp_path: Path) -> None:
+    folder = tmp_path / "t5"
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=200, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
+    ).save_pretrained(folder)
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        AutoModelForCausalLM.from_pretrained(folder)  # what transformers alone does
+    for options in ({}, {"load_weights": False}):
+        with pytest.raises(ConfigError) as refused:
+            HFDriver.boot(str(folder), **options)
+        message = str(refused.value)
+        assert "is a sequence-to-sequence model (T5ForConditionalGeneration)" in message
+        assert "no causal-LM class for model type 't5'" in message
+        assert "sequence-to-sequence models are not served yet" in message
+
+
+def test_an_image_classifier_is_refused_naming_its_kind(tmp_path: Path) -> None:
+    folder = tmp_path / "vit"
+    ViTForImageClassification(
+        ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=32, patch_size=8)
+    ).save_pretrained(folder)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"is an image classifier \(ViTForImageClassification\)"):
+        HFDriver.boot(str(folder))
+
+
+def test_a_masked_lm_whose_weights_fit_its_causal_class_is_refused(tmp_path: Path) -> None:
+    """transformers builds BertLMHeadModel from a BertForMaskedLM checkpoint and every weight
+    finds its place: only the config's architectures tell it is an encoder."""
+    folder = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(**_BERT_SIZES)).save_pretrained(folder)
+    plain, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert type(plain).__name__ == "BertLMHeadModel"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(folder))
+    message = str(refused.value)
+    assert "is a masked language model: its config's architectures name BertForMaskedLM" in message
+    assert "transformers builds BertLMHeadModel from it" in message
+    assert "masked language models are not served yet" in message
+
+
+def test_a_config_transformers_refuses_for_the_causal_class_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    config = AutoConfig.for_model(
+        "reformer", vocab_size=200, hidden_size=32, num_attention_heads=2, feed_forward_size=64,
+        attention_head_size=16, attn_layers=["local", "local"], axial_pos_embds_dim=[16, 16],
+        axial_pos_shape=[4, 8], max_position_embeddings=32, is_decoder=False,
+    )  # fmt: skip
+    AutoModelForMaskedLM.from_config(config).save_pretrained(tmp_path / "reformer")
+    with pytest.raises(AssertionError, match="is_decoder=True"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "reformer")
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(tmp_path / "reformer"))
+    message = str(refused.value)
+    assert "transformers cannot build ReformerModelWithLMHead" in message
+    assert "architectures name ReformerForMaskedLM: a masked language model" in message
+    assert "AssertionError: If you want to use `ReformerModelWithLMHead`" in message
+
+
+def test_a_vision_language_checkpoint_is_not_booted_as_its_language_model(tmp_path: Path) -> None:
+    """Qwen3_5ForCausalLM declares the vision tower of a Qwen3_5ForConditionalGeneration
+    checkpoint never loaded, so transformers reports nothing; the tower is still dropped."""
+    text = {
+        "vocab_size": 200, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    }  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": 32}  # fmt: skip
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    folder = tmp_path / "qwen3_5"
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    plain, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert any(k.startswith("model.visual.") for k in _file_keys(folder))
+    assert not any("visual" in k for k in plain.state_dict())
+    with pytest.raises(ConfigError) as refused:
+        HFDriver.boot(str(folder))
+    message = str(refused.value)
+    assert "is a vision-language model" in message and "Qwen3_5ForConditionalGeneration" in message
+    assert "transformers builds Qwen3_5ForCausalLM from it" in message
