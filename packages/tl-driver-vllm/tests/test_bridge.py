@@ -97,7 +97,7 @@ def test_one_run_with_cache_validates_once(booted: tuple[RemoteBridge, Reference
     from tl_core.driver_api import validation_calls
 
     bridge, _ = booted
-    names = ["blocks.0.hook_resid_post", "hook_embed", "blocks.1.attn.hook_z"]
+    names = ["blocks.0.hook_resid_post", "hook_embed", "blocks.0.attn.hook_z"]
     spec = {"blocks.0.mlp.hook_post": {"op": "scale", "factor": 0.5}}
     with validation_calls() as counts:
         bridge.run_with_cache(
