@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of every causal-LM model type transformers maps.
+"""Tiny random configs of every model type the architecture report scans.
 
 ``tiny_config(model_type)`` shrinks transformers' default config of a model type to two
 layers of width 64 by rules over the config's fields, not by a table of model types: every
@@ -8,39 +8,27 @@ under it), per-layer lists (cut to layer 0 and the first layer unlike it, so a h
 keeps both kinds), sub-configs of multimodal wrappers, and sizes the default config leaves
 unset. A few types need one more field, in ``OVERRIDES``.
 
-``build(model_type, cache)`` builds the model in float32 (seeded), runs it from a fixed
-batch of token ids (``use_cache=False``), saves it with ``save_pretrained`` into
-``cache/<model_type>`` and checks that ``AutoModelForCausalLM.from_pretrained`` loads it
-back with the same logits; or records why transformers cannot. The folder's ``tiny.json``
-holds the outcome and the ids; it is reused while this file is unchanged.
-
-Used by ``scripts/architecture_report.py``.
+Used by ``scripts/_tiny_builds.py`` (which builds, runs and caches the checkpoints) and
+``scripts/architecture_report.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
-import shutil
 import signal
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeGuard
 
 __all__ = [
     "BATCH_SHAPE",
-    "BUILDER_FINGERPRINT",
     "OVERRIDES",
     "VOCAB",
-    "Built",
     "TimeLimitError",
-    "build",
     "decoder_layers",
     "describe",
     "input_ids",
+    "perturb_constants",
     "quiet",
     "run_transformers",
     "time_limit",
@@ -59,9 +47,6 @@ EXPERT_FFN = 32
 VOCAB = 512
 #: The token batch every type runs on: two prompts of seven ids.
 BATCH_SHAPE = (2, 7)
-#: Hash of this file: a cached folder written by another version of the rules is rebuilt.
-BUILDER_FINGERPRINT = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-MARKER = "tiny.json"
 
 # -- the rules ----------------------------------------------------------------------------
 #
@@ -83,6 +68,18 @@ def _at_most(value: int) -> Callable[[Any], Any]:
     return lambda old: (
         min(old, value) if isinstance(old, int) and not isinstance(old, bool) else _KEEP
     )
+
+
+def _kernel_at_most(value: int) -> Callable[[Any], Any]:
+    """At most ``value``, keeping an odd kernel odd (a "same"-padded convolution of an even
+    kernel changes the sequence length)."""
+
+    def rule(old: Any) -> Any:
+        if not isinstance(old, int) or isinstance(old, bool):
+            return _KEEP
+        return min(old, value if old % 2 == value % 2 else value - 1)
+
+    return rule
 
 
 def _names(*names: str, rule: Callable[[Any], Any]) -> dict[str, Callable[[Any], Any]]:
@@ -117,6 +114,7 @@ _PRIMARY: dict[str, Callable[[Any], Any]] = {
         "encoder_layers",
         "num_decoder_layers",
         "num_encoder_layers",
+        "depth",
         rule=_to(LAYERS),
     ),
     **_names(
@@ -199,7 +197,7 @@ _SECONDARY: dict[str, Callable[[Any], Any]] = {
         "d_conv",
         "conv1d_width",
         "short_conv_kernel_size",
-        rule=_at_most(4),
+        rule=_kernel_at_most(4),
     ),
     **_names("n_groups", "mamba_n_groups", "mamba_ngroups", rule=_to(1)),
     **_names("mamba_d_head", "mamba_head_dim", "mamba_headdim", rule=_to(HEAD_DIM)),
@@ -217,6 +215,32 @@ _SECONDARY: dict[str, Callable[[Any], Any]] = {
     "num_kv_shared_layers": _at_most(0),
     # Layer patterns by period: period 2, so both kinds of layer are built.
     **_names("attn_layer_period", "expert_layer_period", "layer_group_size", rule=_at_most(2)),
+    # Vision and audio towers: stage widths and depths of hierarchical encoders (ResNet,
+    # ConvNeXt, Swin), latent arrays (Perceiver), codebooks, projector and filter widths.
+    **_names(
+        "hidden_sizes",
+        "embed_dims",
+        "hidden_dims",
+        "neck_hidden_sizes",
+        "d_latents",
+        "projection_dim",
+        "image_token_embed_dim",
+        "out_hidden_size",
+        "projector_hidden_size",
+        "vision_output_dim",
+        "projector_input_dim",
+        "projector_output_dim",
+        "latent_channels",
+        rule=_at_most(WIDTH),
+    ),
+    "alignment_intermediate_size": _at_most(FFN),
+    # A VQ image tokenizer's convolutions (GroupNorm of 32 groups: a multiple of 32).
+    "base_channels": _at_most(32),
+    "moe_hidden_size": _at_most(FFN),
+    **_names("depths", "num_self_attends_per_block", rule=_at_most(LAYERS)),
+    "num_latents": _at_most(32),
+    "num_filters": _at_most(8),
+    "num_embeddings": _at_most(VOCAB),
     # A window shorter than the 7-token batch, so that sliding-window masks matter.
     **_names("sliding_window", "sliding_window_size", "attention_window_size", rule=_at_most(4)),
 }
@@ -272,6 +296,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Zamba ties the weights of its shared attention block across hybrid layers and
     # refuses a model with only one: two hybrid layers (each holds a Mamba mixer too).
     "zamba": {"layers_block_type": ["hybrid", "hybrid"]},
+    # The default is EfficientNet-B7 (2x wider, 3.1x deeper than B0), whose head width
+    # the width rule would cut below its last block's: B0's sizes.
+    "efficientnet": {"width_coefficient": 1.0, "depth_coefficient": 1.0, "hidden_dim": 1280},
     # The default config leaves the layer pattern unset; the checkpoints mix both.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # The full-attention layer kept by the layer rule needs its token indexer's sizes,
@@ -291,6 +318,8 @@ _CAUSAL = {"is_decoder": True, "causal": True}
 
 #: Sizes a default config leaves unset (``None``) although the model needs them.
 _FILL: dict[str, int] = {
+    # A CTC head over the default config of a speech encoder (Wav2Vec2-BERT, -Conformer).
+    "vocab_size": VOCAB,
     "num_experts_per_tok": EXPERTS_PER_TOKEN,
     "n_routed_experts": EXPERTS,
     "num_key_value_heads": KV_HEADS,
@@ -585,8 +614,15 @@ def _sub_maker(sub: Any) -> Callable[..., Any]:
     return lambda **fields: cls(**{**base, **fields})
 
 
-def _shrink(make: Callable[..., Any], default: Any, widths: Mapping[int, int] | None = None) -> Any:
-    """The tiny version of ``default`` (a ``PretrainedConfig``), built by ``make(**fields)``.
+def _shrink(
+    make: Callable[..., Any],
+    default: Any,
+    widths: Mapping[int, int] | None = None,
+    *,
+    causal: bool = True,
+) -> Any:
+    """The tiny version of ``default`` (a ``PretrainedConfig``), built by ``make(**fields)``;
+    with ``causal``, BERT-like configs are made decoders (``_CAUSAL``).
 
     Three stages, each building the config anew from the fields set so far: the primary
     sizes (and sub-configs, vocabulary), then the other sizes, then the sizes a config
@@ -601,9 +637,10 @@ def _shrink(make: Callable[..., Any], default: Any, widths: Mapping[int, int] | 
         sub = getattr(default, key, None)
         if sub is None or not hasattr(sub, "to_dict"):
             continue
-        fields[key] = _shrink(_sub_maker(sub), sub, widths)
+        fields[key] = _shrink(_sub_maker(sub), sub, widths, causal=causal)
     fields.update(_overrides(d, _PRIMARY))
-    fields.update({k: v for k, v in _CAUSAL.items() if d.get(k) is False})
+    if causal:
+        fields.update({k: v for k, v in _CAUSAL.items() if d.get(k) is False})
     fields.update(_vocab_overrides(d))
     fields.update(_layer_rules(d))
     for stage, rules in ((1, _SECONDARY), (2, _LATE)):
@@ -618,8 +655,44 @@ def _shrink(make: Callable[..., Any], default: Any, widths: Mapping[int, int] | 
                 _width_aliases({k: v for k, v in still.items() if k not in fields}, widths)
             )
         fields.update(_field_rules(d, {**current, **fields}, stage))
+    fields.update(_mrope_section(type(default), make, fields))
     fields.update(OVERRIDES.get(d.get("model_type", ""), {}))
     return make(**fields)
+
+
+def _mrope_section(
+    cls: type, make: Callable[..., Any], fields: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Multimodal rotary sections (Qwen2-VL, GLM-4V) that tile the tiny head's rotary half.
+
+    A config class that lets ``rope_parameters`` carry ``mrope_section`` (its
+    ``ignore_keys_at_rope_validation``) splits each head's rotary frequencies into
+    temporal, height and width sections; the model's default ([16, 24, 24]) fits a 128-wide
+    head only. The sections keep their proportions (1 : 1.5 : 1.5 where the config names none).
+    """
+    if "mrope_section" not in (getattr(cls, "ignore_keys_at_rope_validation", None) or ()):
+        return {}
+    with _unvalidated(cls):
+        current = make(**fields).to_dict()
+    rope = current.get("rope_parameters")
+    head_dim = current.get("head_dim")
+    if not _is_int(head_dim):
+        width, heads = _width(current), _head_count(current)
+        head_dim = width // heads if width and heads else None
+    if not isinstance(rope, dict) or not head_dim:
+        return {}
+    factor = rope.get("partial_rotary_factor", current.get("partial_rotary_factor")) or 1.0
+    half = int(head_dim * factor) // 2
+    old = rope.get("mrope_section") or [16, 24, 24]
+    if sum(old) == half:
+        return {}
+    section = [max(1, round(v * half / sum(old))) for v in old[:-1]]
+    found = {"rope_parameters": {**rope, "mrope_section": [*section, half - sum(section)]}}
+    try:  # a class that validates its rope parameters may refuse the key
+        make(**{**fields, **found})
+    except Exception:
+        return {}
+    return found
 
 
 @contextlib.contextmanager
@@ -636,8 +709,13 @@ def _unvalidated(cls: type) -> Iterator[None]:
             cls.validate = own  # type: ignore[attr-defined]
 
 
-def tiny_config(model_type: str) -> Any:
+def tiny_config(model_type: str, *, causal: bool = True) -> Any:
     """transformers' default config of ``model_type``, shrunk to 2 layers of width 64.
+
+    Args:
+        model_type: The transformers model type.
+        causal: Make BERT-like configs decoders (``is_decoder``), as their causal-LM
+            classes need; ``False`` keeps an encoder's default attention.
 
     Raises:
         Exception: Whatever transformers raises for a config it cannot build.
@@ -648,7 +726,7 @@ def tiny_config(model_type: str) -> Any:
         return AutoConfig.for_model(model_type, **fields)
 
     with quiet():
-        config = _shrink(make, make())
+        config = _shrink(make, make(), causal=causal)
     config.use_cache = False
     return config
 
@@ -764,7 +842,7 @@ def decoder_layers(model: Any, ids: Any) -> Any:
     return running[0][1] if running else None
 
 
-def _perturb_constants(model: Any, seed: int) -> None:
+def perturb_constants(model: Any, seed: int) -> None:
     """Add noise to parameters initialised constant (norm weights, biases): with all ones
     and zeros, "before or after the norm's weight" and "with or without bias" look alike."""
     import torch
@@ -793,123 +871,9 @@ def run_transformers(model: Any, ids: Any) -> Any:
             return model(input_ids=ids, output_hidden_states=True)
 
 
-@dataclass(frozen=True)
-class Built:
-    """What building one model type gave.
-
-    Attributes:
-        model_type: The transformers model type.
-        class_name: The ``*ForCausalLM`` class transformers maps it to.
-        folder: The saved checkpoint, or ``None`` when transformers could not run it.
-        error: Why not (the exception's type and message on one line), else ``None``.
-        ids: The token batch it ran on.
-        reused: Whether the folder came from the cache.
-    """
-
-    model_type: str
-    class_name: str
-    folder: Path | None
-    error: str | None
-    ids: tuple[tuple[int, ...], ...]
-    reused: bool = False
-
-
 def describe(error: BaseException, limit: int = 300) -> str:
     """``Type: message`` on one line, at most ``limit`` characters."""
     text = " ".join(str(error).split())
     if len(text) > limit:
         text = text[: limit - 3].rstrip() + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _class_name(model_type: str) -> str:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
-    return name if isinstance(name, str) else str(name[0])
-
-
-def _try_build(model_type: str, folder: Path) -> tuple[str | None, list[list[int]]]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    ids: list[list[int]] = []
-    try:
-        with quiet():
-            config = tiny_config(model_type)
-            ids = input_ids(config)
-            torch.manual_seed(0)
-            model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
-            model.eval()
-            _perturb_constants(model, seed=1)
-            out = run_transformers(model, torch.tensor(ids))
-        logits = getattr(out, "logits", None)
-        if not isinstance(logits, torch.Tensor):
-            return "the forward returned no logits", ids
-        if not bool(torch.isfinite(logits).all()):
-            return "the logits are not finite", ids
-        if folder.exists():
-            shutil.rmtree(folder)
-        with quiet():
-            model.save_pretrained(folder)
-    except Exception as error:  # any failure of transformers itself is the verdict
-        return describe(error), ids
-    try:
-        with quiet():
-            reloaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            again = run_transformers(reloaded.eval(), torch.tensor(ids)).logits
-    except Exception as error:
-        return f"the saved checkpoint does not load back: {describe(error)}", ids
-    diff = float((again - logits).abs().max())
-    if not diff <= 1e-5 * max(1.0, float(logits.abs().max())):
-        return f"the saved checkpoint loads back with other logits (max abs diff {diff:.3g})", ids
-    return None, ids
-
-
-def build(
-    model_type: str, cache: Path, *, time_limit_s: float = 120.0, rebuild: bool = False
-) -> Built:
-    """Build, run and save the tiny ``model_type`` under ``cache`` (or reuse it).
-
-    Never raises for the model: a failure is recorded in ``Built.error`` and in the
-    folder's ``tiny.json``, so a rerun reuses the verdict too.
-    """
-    folder = cache / model_type
-    marker = folder / MARKER
-    class_name = _class_name(model_type)
-    if marker.exists() and not rebuild:
-        try:
-            saved = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            saved = {}
-        if saved.get("builder") == BUILDER_FINGERPRINT:
-            return Built(
-                model_type,
-                class_name,
-                folder if saved["error"] is None else None,
-                saved["error"],
-                tuple(tuple(row) for row in saved["ids"]),
-                reused=True,
-            )
-    try:
-        with time_limit(time_limit_s):
-            error, ids = _try_build(model_type, folder)
-    except TimeLimitError as timeout:
-        error, ids = describe(timeout), []
-    if error is not None and folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    marker.write_text(
-        json.dumps(
-            {"builder": BUILDER_FINGERPRINT, "model_type": model_type, "error": error, "ids": ids},
-            indent=1,
-        ),
-        encoding="utf-8",
-    )
-    return Built(
-        model_type,
-        class_name,
-        folder if error is None else None,
-        error,
-        tuple(tuple(r) for r in ids),
-    )

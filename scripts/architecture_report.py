@@ -1,39 +1,50 @@
-"""Write docs/architectures.md: which causal-LM model types the hf driver serves, and how.
+"""Write docs/architectures.md: which model types of six transformers task mappings the hf
+driver serves, and how.
 
-For every model type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` the script
-builds a tiny random checkpoint (``scripts/_tiny_checkpoints.py``: 2 layers, width 64),
-runs it in transformers from token ids, boots the saved folder with ``HFDriver.boot`` and
-gives one verdict:
+For every model type in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``,
+``MODEL_FOR_MASKED_LM_MAPPING_NAMES``, ``MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES``,
+``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``, ``MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES``
+and ``MODEL_FOR_CTC_MAPPING_NAMES`` (the *kinds*, ``_tiny_builds.KINDS``) the script builds a
+tiny random checkpoint of the class the mapping names (``scripts/_tiny_builds.py``: 2 layers,
+width 64), runs it in transformers on the kind's inputs, boots the saved folder with
+``HFDriver.boot`` and gives one verdict:
 
 * **full hooks**: tl serves it with certified attention and MLP sites;
 * **sublayers**: tl serves attention and MLP outputs but not their insides;
 * **residual**: tl serves it at the residual-stream level only;
+* **text only**: a vision-language or speech model tl booted and that passes the checks on
+  token ids, whose image or audio input tl does not serve (not counted as served);
 * **refused**: tl refuses it at boot (a ``UserError``; the note is its first sentence);
 * **not runnable in transformers**: transformers itself cannot build, run or reload it
-  from token ids (the note is transformers' error);
-* **WRONG**: tl booted it but an independent check failed, or tl raised an error that is
-  no refusal. This must never happen: the script lists them and exits 1.
+  from the kind's inputs (the note is transformers' error);
+* **WRONG**: tl booted it but an independent check failed, it booted with weights dropped,
+  it refused a checkpoint transformers' causal-LM class would drop weights from without
+  naming them, or tl raised an error that is no refusal. This must never happen: the
+  script lists them and exits 1.
 
-The independent checks use transformers alone, never tl's own claims: every
-``blocks.{i}.hook_in`` equals what a plain forward passes to the i-th decoder layer (found
-as the ``nn.ModuleList`` of the config's layer count whose layers run; recorded by a
-forward pre-hook; that is ``hidden_states[i]`` except where transformers' hidden states
-follow another convention, which the note then says), tl's logits equal transformers', and
-adding a vector at ``blocks.1.hook_in`` (an ``add`` spec) gives the logits of a plain
-forward whose second decoder layer gets the same vector added to its input by a forward
-pre-hook; all within 1e-4 relative (max abs diff <= 1e-4 * max(1, max abs of the
-reference)). The level (full, sublayers, residual) is the driver's ``certification``.
+The independent checks (``_report_checks.py``) use transformers alone, never tl's own
+claims: every ``blocks.{i}.hook_in`` equals what a plain forward passes to the i-th
+decoder layer (recorded by a forward pre-hook), tl's logits equal transformers', and adding
+a vector at ``blocks.1.hook_in`` (an ``add`` spec) gives the logits of a plain forward
+whose second decoder layer gets the same vector added to its input by a forward pre-hook;
+all within 1e-4 relative. The weights: every tensor of the checkpoint, as the class that
+wrote it loads it in plain transformers, equals a tensor of the model tl booted, and every
+tensor of that model equals one of the checkpoint's. A causal, masked or
+sequence-to-sequence checkpoint tl refuses is loaded with ``AutoModelForCausalLM`` too;
+the modules of the weights that class would drop must be named by the refusal. The level
+(full, sublayers, residual) is the driver's ``certification``.
 
-The tiny checkpoints are cached, one folder per model type, under
+The tiny checkpoints are cached, one folder per model type and kind, under
 ``$TL_CACHE_DIR/tiny-architectures/<transformers version>/`` when ``TL_CACHE_DIR`` is set,
 else ``$XDG_CACHE_HOME/tl/...``, else ``~/.cache/tl/...`` (or ``--cache DIR``); a folder is
-reused while ``_tiny_checkpoints.py`` is unchanged, also for the types transformers cannot
-run, so a rerun only boots tl. ``--check`` writes nothing and fails when the page differs
-from what the script would write (a stale page, or one written with another transformers
-version); with or without it, any WRONG verdict fails the run.
+reused while the builder is unchanged, also for the types transformers cannot run, so a
+rerun only boots tl. ``--check`` writes nothing and fails when the page differs from what
+the script would write: a stale page, or one written with another transformers version
+(rewrite it with the version CI installs, ``constraints.txt``); with or without it, any
+WRONG verdict fails the run.
 
 Usage: ``python scripts/architecture_report.py`` (rewrite), ``... --check``, or
-``... --only llama gpt2`` (those types, printed, nothing written).
+``... --only llama gpt2 [--kind masked-lm]`` (those types, printed, nothing written).
 """
 
 from __future__ import annotations
@@ -46,12 +57,53 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report_checks as checks
+import _tiny_builds as builds
 import _tiny_checkpoints as tiny
+from _report_checks import RTOL, independent_check
+from _report_page import (
+    FULL,
+    LEVELS,
+    NOT_RUNNABLE,
+    REFUSED,
+    RESIDUAL,
+    SUBLAYERS,
+    TEXT_ONLY,
+    VERDICTS,
+    WRONG,
+    Totals,
+    Verdict,
+    page_version,
+    render as _render,
+    summary,
+)
+
+__all__ = [
+    "FULL",
+    "NOT_RUNNABLE",
+    "REFUSED",
+    "RESIDUAL",
+    "RTOL",
+    "SUBLAYERS",
+    "TEXT_ONLY",
+    "VERDICTS",
+    "WRONG",
+    "Totals",
+    "Verdict",
+    "default_cache",
+    "first_sentence",
+    "judge",
+    "main",
+    "model_types",
+    "page_version",
+    "render",
+    "scan",
+    "summary",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "architectures.md"
@@ -60,41 +112,13 @@ GENERATED = (
     f"<!-- Generated by scripts/architecture_report.py: edit the script, then run `{COMMAND}`. "
     f"`{COMMAND} --check` (the docs session) fails when this page is stale. -->"
 )
-#: Relative tolerance of the independent checks.
-RTOL = 1e-4
 #: Seconds one model type may take to build, or to boot and check.
 TIME_LIMIT_S = 120.0
-
-FULL, SUBLAYERS, RESIDUAL, REFUSED, NOT_RUNNABLE, WRONG = (
-    "full hooks",
-    "sublayers",
-    "residual",
-    "refused",
-    "not runnable in transformers",
-    "WRONG",
-)
-VERDICTS = (FULL, SUBLAYERS, RESIDUAL, REFUSED, NOT_RUNNABLE, WRONG)
-#: The driver's certification level -> the verdict of a model served at it.
-LEVELS = {"full": FULL, "sublayers": SUBLAYERS, "residual": RESIDUAL}
 #: The sites whose service makes a model "full hooks" when the driver has no certification.
 _FULL_SITES = ("blocks.{i}.attn.hook_pattern", "blocks.{i}.mlp.hook_out")
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The report's row of one model type.
-
-    Attributes:
-        model_type: The transformers model type.
-        class_name: Its ``*ForCausalLM`` class.
-        verdict: One of ``VERDICTS``.
-        note: The refusal, transformers' error, what failed, or how it is served.
-    """
-
-    model_type: str
-    class_name: str
-    verdict: str
-    note: str
+#: Kinds whose refusals must name the weights transformers' causal-LM class would drop
+#: (issue #43: every causal, masked and sequence-to-sequence type).
+_NAMING_KINDS = ("", "masked-lm", "seq2seq")
 
 
 def default_cache() -> Path:
@@ -109,142 +133,14 @@ def default_cache() -> Path:
     return base / "tiny-architectures" / transformers.__version__
 
 
-def model_types() -> list[str]:
-    """Every model type transformers maps to a causal-LM class, sorted."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+def model_types(kind: builds.Kind = builds.CAUSAL) -> list[str]:
+    """Every model type transformers maps in ``kind``'s mapping, sorted."""
+    return builds.model_types(kind)
 
 
-# -- the independent checks ---------------------------------------------------------------
-
-
-def _difference(got: Any, want: Any, what: str) -> str | None:
-    """``None`` when ``got`` matches ``want`` within ``RTOL``, else what differs."""
-    import torch
-
-    if not isinstance(got, torch.Tensor):
-        return f"{what}: tl returned no tensor"
-    if tuple(got.shape) != tuple(want.shape):
-        return f"{what}: shape {tuple(got.shape)}, transformers {tuple(want.shape)}"
-    got, want = got.detach().float(), want.detach().float()
-    diff = float((got - want).abs().max())
-    bound = RTOL * max(1.0, float(want.abs().max()))
-    if not diff <= bound:  # also catches NaN
-        return f"{what}: max abs diff {diff:.3g} > {bound:.3g}"
-    return None
-
-
-def _hidden_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-@contextlib.contextmanager
-def _layer_inputs(layers: Sequence[Any], seen: list[list[Any]]) -> Iterator[None]:
-    """Record every hidden-states input of each layer (forward pre-hooks)."""
-    handles = []
-    for i, layer in enumerate(layers):
-
-        def record(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
-            seen[i].append(_hidden_input(args, kwargs).detach().clone())
-
-        handles.append(layer.register_forward_pre_hook(record, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextlib.contextmanager
-def _add_to_layer_input(layer: Any, vector: Any) -> Iterator[None]:
-    """A forward pre-hook adding ``vector`` to ``layer``'s hidden-states input."""
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if args:
-            return (args[0] + vector, *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + vector}
-
-    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What the independent checks found.
-
-    Attributes:
-        problems: What differs between tl and transformers (empty: tl is right).
-        remarks: What the page should say about transformers' own outputs.
-    """
-
-    problems: tuple[str, ...]
-    remarks: tuple[str, ...] = ()
-
-
-def independent_check(driver: Any, ids: Any) -> Checked:
-    """Compare tl on ``driver`` with transformers alone on ``driver.hf_model``.
-
-    The reference for ``blocks.{i}.hook_in`` is what a plain forward passes to the i-th
-    decoder layer (a forward pre-hook records it), which is ``hidden_states[i]`` in most
-    models; where transformers' ``hidden_states`` follow another convention (Mamba's hold
-    each layer's output) the page says so.
-    """
-    import torch
-
-    from tl_core import TransformerBridge
-
-    model = driver.hf_model
-    layers = tiny.decoder_layers(model, ids)
-    if layers is None:
-        return Checked(
-            (
-                "no nn.ModuleList of the config's layer count runs: the decoder layers cannot be found",
-            )
-        )
-    n_layers = len(layers)
-    seen: list[list[Any]] = [[] for _ in range(n_layers)]
-    with _layer_inputs(layers, seen):
-        reference = tiny.run_transformers(model, ids)
-    if any(len(calls) != 1 for calls in seen):
-        counts = ", ".join(str(len(calls)) for calls in seen)
-        return Checked((f"the decoder layers run {counts} times in one forward, not once each",))
-    inputs = [calls[0] for calls in seen]
-    remarks = []
-    hidden = getattr(reference, "hidden_states", None)
-    if (
-        hidden is None
-        or len(hidden) < n_layers
-        or any(_difference(hidden[i], inputs[i], "") for i in range(n_layers))
-    ):
-        remarks.append("transformers' hidden_states[i] is not layer i's input")
-    names = [f"blocks.{i}.hook_in" for i in range(n_layers)]
-    missing = [n for n in names if n not in driver.hook_points]
-    if missing:
-        return Checked((f"not served: {', '.join(missing)}",), tuple(remarks))
-    bridge = TransformerBridge(driver)
-    problems: list[str] = []
-    with torch.no_grad():
-        logits, cache = bridge.run_with_cache(ids, names_filter=names)
-    for i, name in enumerate(names):
-        problem = _difference(cache[name], inputs[i], f"{name} vs layer {i}'s input")
-        if problem:
-            problems.append(problem)
-    problem = _difference(logits, reference.logits, "logits")
-    if problem:
-        problems.append(problem)
-    vector = torch.randn(inputs[1].shape[-1], generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        edited = bridge(ids, intervene={"blocks.1.hook_in": {"op": "add", "value": vector}})
-        with _add_to_layer_input(layers[1], vector):
-            want = tiny.run_transformers(model, ids).logits
-    problem = _difference(edited, want, "logits with blocks.1.hook_in += v")
-    if problem:
-        problems.append(problem)
-    return Checked(tuple(problems), tuple(remarks))
+def render(verdicts: Sequence[Verdict], transformers_version: str) -> str:
+    """The Markdown of docs/architectures.md."""
+    return _render(verdicts, transformers_version, GENERATED)
 
 
 # -- the verdict --------------------------------------------------------------------------
@@ -324,7 +220,36 @@ def _scrubbed(text: str, cache: Path) -> str:
     return re.sub(r" at 0x[0-9a-f]+", "", text)
 
 
-def judge(built: tiny.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) -> Verdict:
+def _weights_problem(driver: Any, built: builds.Built) -> str | None:
+    """What the booted model lacks of the checkpoint, or holds that is not the checkpoint's."""
+    assert built.folder is not None
+    dropped, foreign = checks.weights_not_held(driver.hf_model, built.folder, built.kind.auto_class)
+    problems = []
+    if dropped:
+        problems.append(f"booted with {len(dropped)} weights dropped: {', '.join(dropped[:6])}")
+    if foreign:
+        problems.append(
+            f"{len(foreign)} weights are not the checkpoint's: {', '.join(foreign[:6])}"
+        )
+    return "; ".join(problems) or None
+
+
+def _refusal_problem(message: str, built: builds.Built) -> str | None:
+    """A refusal of a checkpoint transformers' causal-LM class would drop weights from must
+    name their modules."""
+    if built.kind.key not in _NAMING_KINDS or built.folder is None:
+        return None
+    dropped = checks.weights_a_causal_lm_drops(built.folder, built.kind.auto_class)
+    unnamed = checks.names_every_module(message, dropped)
+    if not unnamed:
+        return None
+    return (
+        f"refused without naming the {len(dropped)} weights transformers' causal-LM class "
+        f"would drop (of {', '.join(unnamed[:6])}): {first_sentence(message)}"
+    )
+
+
+def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) -> Verdict:
     """Boot one built type with tl and give its verdict (never raises for the model)."""
     import torch
 
@@ -332,11 +257,12 @@ def judge(built: tiny.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) ->
     from tl_driver_hf import HFDriver
 
     def row(verdict: str, note: str) -> Verdict:
-        return Verdict(built.model_type, built.class_name, verdict, _scrubbed(note, cache))
+        return Verdict(
+            built.model_type, built.class_name, verdict, _scrubbed(note, cache), built.kind.key
+        )
 
     if built.folder is None:
         return row(NOT_RUNNABLE, built.error or "")
-    ids = torch.tensor(built.ids)
     driver = None
     step = "boot"
     try:
@@ -344,9 +270,20 @@ def judge(built: tiny.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) ->
             try:
                 driver = HFDriver.boot(str(built.folder), dtype=torch.float32)
             except UserError as refusal:
-                return row(REFUSED, f"{type(refusal).__name__}: {first_sentence(str(refusal))}")
+                message = str(refusal)
+                step = "the weights check of the refusal"
+                problem = _refusal_problem(message, built)
+                if problem:
+                    return row(WRONG, problem)
+                return row(REFUSED, f"{type(refusal).__name__}: {first_sentence(message)}")
+            step = "the weights check"
+            weights = _weights_problem(driver, built)
+            if weights:
+                return row(WRONG, weights)
+            if not built.kind.takes_ids:
+                return row(WRONG, f"tl booted {built.class_name}, whose inputs it cannot give")
             step = "the checks"
-            checked = independent_check(driver, ids)
+            checked = independent_check(driver, torch.tensor(built.ids))
             level, note = _level(driver)
     except Exception as error:  # a crash inside tl is no refusal
         return row(WRONG, f"tl raised in {step}: {tiny.describe(error)}")
@@ -356,6 +293,12 @@ def judge(built: tiny.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) ->
                 driver.close()
     if checked.problems:
         return row(WRONG, "; ".join(checked.problems + checked.remarks))
+    if built.kind.key not in ("", "masked-lm"):
+        # A vision-language or speech model read from token ids: its other input is not served.
+        other = built.remark or "tl gives it no image or audio"
+        return row(
+            TEXT_ONLY, "; ".join((f"{LEVELS[level]} on token ids", note, *checked.remarks, other))
+        )
     return row(LEVELS[level], "; ".join((note, *checked.remarks)))
 
 
@@ -363,149 +306,41 @@ def scan(
     types: Sequence[str],
     cache: Path,
     *,
+    kind: builds.Kind = builds.CAUSAL,
     rebuild: bool = False,
     time_limit_s: float = TIME_LIMIT_S,
     progress: Callable[[str], None] = print,
 ) -> list[Verdict]:
-    """Build (or reuse), boot and judge every type in ``types``, printing one line each."""
+    """Build (or reuse), boot and judge every type in ``types`` of ``kind``, printing one
+    line each."""
     import torch
 
     verdicts = []
+    label = f"{kind.key}/" if kind.key else ""
     for n, model_type in enumerate(types, 1):
         start = time.perf_counter()
         torch.manual_seed(0)
-        built = tiny.build(model_type, cache, time_limit_s=time_limit_s, rebuild=rebuild)
+        built = builds.build(model_type, cache, kind, time_limit_s=time_limit_s, rebuild=rebuild)
         verdict = judge(built, cache, time_limit_s)
         verdicts.append(verdict)
         took = time.perf_counter() - start
         note = f": {verdict.note}" if verdict.note else ""
         progress(
-            f"[{n:3d}/{len(types)}] {model_type:32s} {took:5.1f}s {verdict.verdict}{note}"[:220]
+            f"[{n:3d}/{len(types)}] {label + model_type:40s} {took:5.1f}s {verdict.verdict}{note}"[
+                :220
+            ]
         )
     return verdicts
 
 
-# -- the page -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Totals:
-    """The counts the page and the script's summary report."""
-
-    mapped: int
-    runnable: int
-    served: int
-    full: int
-    sublayers: int
-    residual: int
-    refused: int
-    not_runnable: int
-    wrong: int
-
-    @classmethod
-    def of(cls, verdicts: Sequence[Verdict]) -> Totals:
-        """Count ``verdicts``."""
-        count = {v: sum(1 for r in verdicts if r.verdict == v) for v in VERDICTS}
-        return cls(
-            mapped=len(verdicts),
-            runnable=len(verdicts) - count[NOT_RUNNABLE],
-            served=count[FULL] + count[SUBLAYERS] + count[RESIDUAL],
-            full=count[FULL],
-            sublayers=count[SUBLAYERS],
-            residual=count[RESIDUAL],
-            refused=count[REFUSED],
-            not_runnable=count[NOT_RUNNABLE],
-            wrong=count[WRONG],
-        )
-
-
-def _pct(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
-
-
-def _cell(text: str) -> str:
-    # Brackets too: "[err 1e-3 <= 1e-4]" in a note reads as a reference link to the site.
-    escaped = text.replace("\\", "\\\\").replace("|", "\\|").replace("[", "\\[").replace("]", "\\]")
-    return escaped.replace("<", "&lt;").replace(">", "&gt;")
-
-
-def render(verdicts: Sequence[Verdict], transformers_version: str) -> str:
-    """The Markdown of docs/architectures.md."""
-    t = Totals.of(verdicts)
-    lines = [
-        "# Architecture coverage",
-        "",
-        GENERATED,
-        "",
-        f"Every model type that transformers {transformers_version} maps to a causal-LM class "
-        "(`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), built from its default config shrunk to a tiny "
-        "random checkpoint (2 layers, width 64, sliding windows of 4 tokens; "
-        "`scripts/_tiny_checkpoints.py`), run in transformers on a batch of 2 x 7 token ids, "
-        "then booted with the `hf` driver (`HFDriver.boot(folder)`). A type tl serves is "
-        "checked against transformers alone, not against tl's own certification: each "
-        "`blocks.{i}.hook_in` equals the input of the i-th decoder layer in a plain forward "
-        "(`hidden_states[i]` in most models), the logits are equal, and an `add` spec at "
-        "`blocks.1.hook_in` gives the logits of a plain forward whose second decoder layer "
-        f"gets the same vector added by a forward pre-hook, all within {RTOL:.0e} relative.",
-        "",
-        f"- **{FULL}**: served, with certified attention and MLP sites.",
-        f"- **{SUBLAYERS}**: served with certified attention and MLP outputs, not their insides.",
-        f"- **{RESIDUAL}**: served at the residual-stream level (`blocks.{{i}}.hook_in`, "
-        "`hook_out`, ...) only.",
-        f"- **{REFUSED}**: the driver refuses it at boot; the note is its reason.",
-        f"- **{NOT_RUNNABLE}**: transformers itself cannot build or run it from token ids "
-        "(default config, `use_cache=False`); the note is its error.",
-        "",
-        "| | types | share |",
-        "|---|---:|---:|",
-        f"| mapped by transformers | {t.mapped} | |",
-        f"| runnable in transformers | {t.runnable} | {_pct(t.runnable, t.mapped)} of mapped |",
-        f"| served by tl | {t.served} | {_pct(t.served, t.runnable)} of runnable |",
-        f"| &nbsp;&nbsp;{FULL} | {t.full} | {_pct(t.full, t.runnable)} of runnable |",
-        f"| &nbsp;&nbsp;{SUBLAYERS} | {t.sublayers} | {_pct(t.sublayers, t.runnable)} of runnable |",
-        f"| &nbsp;&nbsp;{RESIDUAL} | {t.residual} | {_pct(t.residual, t.runnable)} of runnable |",
-        f"| {REFUSED} | {t.refused} | {_pct(t.refused, t.runnable)} of runnable |",
-        f"| {NOT_RUNNABLE} | {t.not_runnable} | {_pct(t.not_runnable, t.mapped)} of mapped |",
-    ]
-    if t.wrong:
-        lines.append(f"| {WRONG} (tl booted, a check failed or tl crashed) | {t.wrong} | |")
-    lines += [
-        "",
-        "## Every model type",
-        "",
-        "| model type | class | verdict | note |",
-        "|---|---|---|---|",
-    ]
-    for v in sorted(verdicts, key=lambda r: r.model_type):
-        lines.append(f"| `{v.model_type}` | `{v.class_name}` | {v.verdict} | {_cell(v.note)} |")
-    return "\n".join(lines) + "\n"
-
-
-def page_version(text: str) -> str | None:
-    """The transformers version a page was written with (``None`` for no page)."""
-    match = re.search(r"Every model type that transformers (\S+) maps", text)
-    return match.group(1) if match else None
-
-
-def summary(verdicts: Sequence[Verdict]) -> str:
-    """The totals as the script prints them."""
-    t = Totals.of(verdicts)
-    return (
-        f"{t.mapped} mapped, {t.runnable} runnable in transformers, "
-        f"{t.served} served ({_pct(t.served, t.runnable)} of runnable: {t.full} {FULL}, "
-        f"{t.sublayers} {SUBLAYERS}, {t.residual} {RESIDUAL}), {t.refused} refused, "
-        f"{t.not_runnable} not runnable, "
-        f"{t.wrong} WRONG"
-    )
-
-
-#: Issue #18's targets: the share of runnable types served, and the types with full hooks.
+#: Issue #18's targets for causal LMs: the share of runnable types served, and the types
+#: with full hooks.
 SERVED_TARGET = 0.85
 FULL_TARGET = 60
 
 
 def _check_targets(totals: Totals) -> int:
-    """1 (and why) when tl serves less than the targets, else 0."""
+    """1 (and why) when tl serves less causal LMs than the targets, else 0."""
     short = []
     if totals.served < SERVED_TARGET * totals.runnable:
         short.append(
@@ -514,14 +349,39 @@ def _check_targets(totals: Totals) -> int:
     if totals.full < FULL_TARGET:
         short.append(f"{totals.full} types with full hooks (target {FULL_TARGET})")
     if short:
-        print("coverage below target: " + "; ".join(short), file=sys.stderr)
+        print("causal-LM coverage below target: " + "; ".join(short), file=sys.stderr)
         return 1
+    return 0
+
+
+def _compare(text: str, version: str) -> int:
+    """``--check``: 0 when the page on disk is ``text``, else 1 with how to fix it."""
+    on_disk = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
+    written = page_version(on_disk)
+    where = PAGE.relative_to(ROOT)
+    if written and written != version:
+        # Another release maps other types: a page of another version compares nothing, so
+        # a check that skipped it could never fail.
+        print(
+            f"{where} was written with transformers {written}, and this is {version}: "
+            f"rewrite it with {COMMAND} under the transformers CI installs (constraints.txt), "
+            f"and commit it",
+            file=sys.stderr,
+        )
+        return 1
+    if on_disk != text:
+        print(
+            f"{where} is stale: it differs from what the scan gives now. Run {COMMAND} to rewrite it.",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{where} is up to date")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Write (or with ``--check`` verify) docs/architectures.md; return the exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--check", action="store_true", help="fail if docs/architectures.md is stale; write nothing"
     )
@@ -530,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only", nargs="+", metavar="TYPE", help="judge these model types only; write nothing"
+    )
+    parser.add_argument(
+        "--kind",
+        choices=[k.key or "causal" for k in builds.KINDS],
+        help="with --only: the kind of the types (default causal); without: scan this kind only",
     )
     parser.add_argument(
         "--rebuild", action="store_true", help="rebuild the tiny checkpoints, ignoring the cache"
@@ -543,62 +408,54 @@ def main(argv: list[str] | None = None) -> int:
 
     cache = (args.cache.expanduser() if args.cache else default_cache()).resolve()
     cache.mkdir(parents=True, exist_ok=True)
-    known = model_types()
-    types = known
+    kinds = [builds.kind(args.kind or "causal")] if args.kind or args.only else list(builds.KINDS)
+    plan = [(kind, model_types(kind)) for kind in kinds]
     if args.only:
+        ((kind, known),) = plan
         unknown = [t for t in args.only if t not in known]
         if unknown:
             print(
-                f"not causal-LM model types of transformers {transformers.__version__}: {', '.join(unknown)}",
+                f"not model types of {kind.mapping} in transformers {transformers.__version__}: "
+                f"{', '.join(unknown)}",
                 file=sys.stderr,
             )
             return 2
-        types = sorted(args.only)
-    print(f"{len(types)} model types, tiny checkpoints in {cache}", flush=True)
+        plan = [(kind, sorted(args.only))]
+    total = sum(len(types) for _, types in plan)
+    print(f"{total} model types of {len(plan)} kinds, tiny checkpoints in {cache}", flush=True)
     start = time.perf_counter()
-    verdicts = scan(
-        types,
-        cache,
-        rebuild=args.rebuild,
-        time_limit_s=args.time_limit,
-        progress=lambda s: print(s, flush=True),
-    )
-    print(f"{summary(verdicts)} in {time.perf_counter() - start:.0f} s")
+    verdicts: list[Verdict] = []
+    for kind, types in plan:
+        began = time.perf_counter()
+        found = scan(
+            types,
+            cache,
+            kind=kind,
+            rebuild=args.rebuild,
+            time_limit_s=args.time_limit,
+            progress=lambda s: print(s, flush=True),
+        )
+        print(f"{kind.title}: {summary(found)} in {time.perf_counter() - began:.0f} s", flush=True)
+        verdicts += found
+    print(f"all kinds: {summary(verdicts)} in {time.perf_counter() - start:.0f} s")
     status = 0
     wrong = [v for v in verdicts if v.verdict == WRONG]
     if wrong:
         print(
             f"WRONG: tl booted {len(wrong)} model type(s) whose independent checks failed "
             "(or crashed with an error that is no refusal):",
-            *(f"{v.model_type}: {v.note}" for v in wrong),
+            *(f"{v.kind + '/' if v.kind else ''}{v.model_type}: {v.note}" for v in wrong),
             sep="\n  ",
             file=sys.stderr,
         )
         status = 1
-    if args.only:
+    if args.only or args.kind:
         return status
     text = render(verdicts, transformers.__version__)
     if args.check:
-        status = max(status, _check_targets(Totals.of(verdicts)))
-        on_disk = PAGE.read_text(encoding="utf-8") if PAGE.exists() else ""
-        written = page_version(on_disk)
-        if written and written != transformers.__version__:
-            # Another transformers release maps other types: the page records the version
-            # it was measured on, and this run still holds tl to the same targets.
-            print(
-                f"note: {PAGE.relative_to(ROOT)} was written with transformers {written}, and "
-                f"this is {transformers.__version__}: not compared; rewrite it with {COMMAND}",
-                file=sys.stderr,
-            )
-            return status
-        if on_disk != text:
-            print(
-                f"{PAGE.relative_to(ROOT)} is stale: it differs from what the scan gives now. Run {COMMAND} to rewrite it.",
-                file=sys.stderr,
-            )
-            return 1
-        print(f"{PAGE.relative_to(ROOT)} is up to date")
-        return status
+        causal = [v for v in verdicts if v.kind == builds.CAUSAL.key]
+        status = max(status, _check_targets(Totals.of(causal)))
+        return max(status, _compare(text, transformers.__version__))
     PAGE.write_text(text, encoding="utf-8")
     print(f"wrote {PAGE.relative_to(ROOT)}")
     return status

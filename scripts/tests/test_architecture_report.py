@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("transformers")
 pytest.importorskip("tl_driver_hf")
 
+import _tiny_builds as builds
 import _tiny_checkpoints as tiny
 import architecture_report as report
 
@@ -47,7 +49,7 @@ def test_state_space_heads_tile_the_inner_width() -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_described_families_are_served_with_full_hooks(model_type: str, cache: Path) -> None:
-    built = tiny.build(model_type, cache)
+    built = builds.build(model_type, cache)
     assert built.error is None and built.folder is not None
     assert (built.folder / "config.json").exists()
     verdict = report.judge(built, cache)
@@ -57,13 +59,13 @@ def test_described_families_are_served_with_full_hooks(model_type: str, cache: P
 
 def test_a_served_or_refused_type_is_never_wrong(cache: Path) -> None:
     # Mamba has no attention: tl serves it at most at the residual level, or refuses it.
-    verdict = report.judge(tiny.build("mamba", cache), cache)
+    verdict = report.judge(builds.build("mamba", cache), cache)
     assert verdict.verdict in (report.RESIDUAL, report.SUBLAYERS, report.REFUSED), verdict
 
 
 def test_a_type_transformers_cannot_run(cache: Path) -> None:
     # XmodForCausalLM needs a language chosen before any forward.
-    built = tiny.build("xmod", cache)
+    built = builds.build("xmod", cache)
     assert built.folder is None and "set_default_language" in (built.error or "")
     verdict = report.judge(built, cache)
     assert verdict.verdict == report.NOT_RUNNABLE
@@ -71,8 +73,8 @@ def test_a_type_transformers_cannot_run(cache: Path) -> None:
 
 
 def test_a_cached_build_is_reused(cache: Path) -> None:
-    first = tiny.build("gpt2", cache)
-    again = tiny.build("gpt2", cache)
+    first = builds.build("gpt2", cache)
+    again = builds.build("gpt2", cache)
     assert again.reused and again.ids == first.ids and again.folder == first.folder
 
 
@@ -89,7 +91,7 @@ def test_a_wrong_hook_is_caught(cache: Path, monkeypatch: pytest.MonkeyPatch) ->
         return logits, tensors
 
     monkeypatch.setattr(TransformerBridge, "run_with_cache", shifted)
-    verdict = report.judge(tiny.build("llama", cache), cache)
+    verdict = report.judge(builds.build("llama", cache), cache)
     assert verdict.verdict == report.WRONG
     assert "blocks.1.hook_in vs layer 1's input" in verdict.note
 
@@ -123,7 +125,11 @@ def test_check_fails_on_a_stale_page(
     page.parent.mkdir()
     monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.setattr(report, "PAGE", page)
-    monkeypatch.setattr(report, "scan", lambda types, cache, **kw: _verdicts())
+
+    def scan(types: Any, cache: Path, *, kind: builds.Kind, **kw: Any) -> list[report.Verdict]:
+        return [dataclasses.replace(v, kind=kind.key) for v in _verdicts()]
+
+    monkeypatch.setattr(report, "scan", scan)
     monkeypatch.setattr(report, "SERVED_TARGET", 0.0)
     monkeypatch.setattr(report, "FULL_TARGET", 0)
     argv = ["--cache", str(tmp_path / "cache")]
@@ -133,13 +139,88 @@ def test_check_fails_on_a_stale_page(
     assert report.main([*argv, "--check"]) == 0
     import transformers
 
-    # A page of another transformers release is not compared; the targets still hold.
+    # A page of another transformers release compares nothing: the check fails, saying how
+    # to rewrite it, rather than pass without comparing.
     page.write_text(page.read_text().replace(transformers.__version__, "0.0.1"), encoding="utf-8")
-    assert report.main([*argv, "--check"]) == 0
-    assert "was written with transformers 0.0.1" in capsys.readouterr().err
+    assert report.main([*argv, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "was written with transformers 0.0.1" in err and "rewrite it with" in err
+    assert report.main(argv) == 0
     monkeypatch.setattr(report, "FULL_TARGET", 10_000)
     assert report.main([*argv, "--check"]) == 1
     assert "coverage below target" in capsys.readouterr().err
+
+
+def test_every_kind_has_a_section_and_a_summary_row() -> None:
+    verdicts = [dataclasses.replace(v, kind=kind.key) for kind in builds.KINDS for v in _verdicts()]
+    text = report.render(verdicts, "9.9.9")
+    for kind in builds.KINDS:
+        assert f"\n## {kind.title}\n" in text and f"`{kind.mapping}`" in text
+    n = len(builds.KINDS)
+    assert f"| **all kinds** | | {3 * n} | {2 * n} | {2 * n} | 0 | 0 | {n} | 100.0% |" in text
+
+
+def test_an_encoder_config_keeps_its_attention() -> None:
+    assert tiny.tiny_config("bert").is_decoder is True  # the causal-LM class's
+    assert tiny.tiny_config("bert", causal=False).is_decoder is False
+
+
+def test_a_sequence_to_sequence_checkpoint_is_refused_naming_its_encoder(cache: Path) -> None:
+    built = builds.build("bart", cache, builds.kind("seq2seq"))
+    assert built.class_name == "BartForConditionalGeneration" and built.folder is not None
+    assert set(built.inputs) == {"input_ids", "decoder_input_ids"}
+    verdict = report.judge(built, cache)
+    assert verdict.verdict == report.REFUSED, verdict
+    assert "a sequence-to-sequence model" in verdict.note and "model.encoder (" in verdict.note
+
+
+def test_a_refusal_that_does_not_name_the_weights_a_causal_lm_drops_is_wrong(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the load report's check, ProphetNet's sequence-to-sequence checkpoint is
+    refused for another reason (its decoder layers cannot be inferred), which names none of
+    the encoder weights transformers' causal-LM class drops."""
+    import tl_driver_hf._loading as loading
+
+    monkeypatch.setattr(loading, "check_loading_info", lambda *args, **kwargs: None)
+    verdict = report.judge(builds.build("prophetnet", cache, builds.kind("seq2seq")), cache)
+    assert verdict.verdict == report.WRONG, verdict
+    assert "refused without naming the" in verdict.note and "prophetnet.encoder" in verdict.note
+
+
+def test_a_model_booted_with_weights_that_are_not_the_checkpoints_is_wrong(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    import tl_driver_hf._driver as driver_module
+
+    real = driver_module.load_model
+
+    def reinitialised(*args: Any, **kwargs: Any) -> Any:
+        model = real(*args, **kwargs)
+        with torch.no_grad():
+            model.model.norm.weight.add_(1.0)  # as if it had been initialised, not loaded
+        return model
+
+    monkeypatch.setattr(driver_module, "load_model", reinitialised)
+    verdict = report.judge(builds.build("llama", cache), cache)
+    assert verdict.verdict == report.WRONG, verdict
+    assert "1 weights dropped: model.norm.weight" in verdict.note
+    assert "1 weights are not the checkpoint's: model.norm.weight" in verdict.note
+
+
+def test_pixel_and_audio_kinds_run_on_inputs_of_their_configs_sizes(cache: Path) -> None:
+    vit = builds.build("vit", cache, builds.kind("image-classification"))
+    config = tiny.tiny_config("vit", causal=False)
+    assert vit.inputs == {
+        "pixel_values": [2, config.num_channels, config.image_size, config.image_size]
+    }
+    wav2vec2 = builds.build("wav2vec2", cache, builds.kind("ctc"))
+    assert wav2vec2.inputs == {"input_values": [2, builds.AUDIO_SAMPLES]}
+    for built in (vit, wav2vec2):
+        verdict = report.judge(built, cache)
+        assert verdict.verdict == report.REFUSED and "are not served yet" in verdict.note
 
 
 #: The families issue #18 names, with the level tl serves each at today: none is described
@@ -182,5 +263,5 @@ NAMED_FAMILIES: dict[str, str] = {
 @pytest.mark.parametrize("model_type", sorted(NAMED_FAMILIES))
 def test_every_named_family_is_served_and_matches_transformers(model_type: str) -> None:
     cache = report.default_cache()  # the docs session's scan has built them already
-    verdict = report.judge(tiny.build(model_type, cache), cache)
+    verdict = report.judge(builds.build(model_type, cache), cache)
     assert verdict.verdict == NAMED_FAMILIES[model_type], verdict
