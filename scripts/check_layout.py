@@ -4,7 +4,8 @@ The packages stand on floors, lowest first:
 
 1. tl-core;
 2. the drivers that build on tl-core alone: hf and the template a new driver starts from;
-3. vllm, which certifies what it serves against the hf driver's architecture description;
+3. vllm, which reads tl-core's descriptions and, for vLLM's Transformers backend only (an
+   extra), the hf driver's reading of transformers' modules;
 4. the packages that use drivers: inspect and parity.
 
 A package's source may import its own modules and, from packages on lower floors that its

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from tl_core import ModelInfo
-from tl_core.driver_api import Architecture, block_form, describe_model
+from tl_core.architecture import Architecture, block_form, describe_model
 
 
 def _info(**changes: Any) -> ModelInfo:
@@ -116,7 +116,8 @@ def test_positions_norm_eps_softcaps_multipliers_and_tying() -> None:
 def test_an_opaque_block_has_no_attention_or_mlp() -> None:
     arch = describe_model(SimpleNamespace(), _info(), norm="rms", block="opaque")
     assert arch.attention is None and arch.mlp is None
-    assert set(arch.facts()) == {"block", "embedding", "positions", "unembedding"}
+    assert set(arch.facts()) == {"model", "block", "embedding", "positions", "unembedding"}
+    assert arch.facts()["model"] == "causal lm: blocks (causal attention)"
 
 
 def test_the_report_lines_say_every_fact() -> None:

@@ -1,7 +1,7 @@
 """tl-core's layout: subpackages on floors, each importing only from floors below, no circles.
 
 The floors are the architecture a newcomer reads: the bundled-model locator, hook names, then
-specs, then the figures (plain arrays in, matplotlib figures out), then the cache,
+the engine-independent model descriptions, then specs, then the figures (plain arrays in, matplotlib figures out), then the cache,
 then the driver-author API, then sparse dictionaries spliced into drivers, then the bridges over them, then the built-in native driver, the
 activation store built on any bridge, and the command line. Imports are read from the source (``ast``), including those inside
 functions; imports under ``if TYPE_CHECKING:`` are annotations only and are skipped.
@@ -25,6 +25,7 @@ FLOORS = [
     "_errors",
     "models",
     "hooks",
+    "architecture",
     "specs",
     "plots",
     "cache",

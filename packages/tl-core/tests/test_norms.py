@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from tl_core.architecture import NORM_KINDS
 from tl_core.driver_api import (
-    NORM_KINDS,
     apply_norm_weight,
     centred_input,
     norm_module_eps,

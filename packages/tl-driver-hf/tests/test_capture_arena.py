@@ -38,7 +38,7 @@ def _ids(seed: int, batch: int = 2, length: int = 9) -> torch.Tensor:
 def _arena_names(bridge: TransformerBridge) -> tuple[str, ...]:
     """The values written into the arena: an RMS norm's normalized value too (a LayerNorm's
     comes from the fused kernel's own output)."""
-    rms = bridge.driver.adapter.norm != "layernorm"  # type: ignore[attr-defined]
+    rms = bridge.driver.adapter.description.norm != "layernorm"  # type: ignore[attr-defined]
     return OWN + NORMALIZED if rms else OWN
 
 

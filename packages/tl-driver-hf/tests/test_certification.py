@@ -569,7 +569,10 @@ def test_attention_and_mlp_swapped_are_not_served(
     # MLP's module is attention.
     swapped = dataclasses.replace(
         _described("llama"), attn="mlp", q=None, k=None, v=None, qkv=None, o="down_proj",
-        mlp="self_attn", gate=None, up=None, down=None, rotary=False,
+        mlp="self_attn", gate=None, up=None, down=None,
+        description=dataclasses.replace(
+            _described("llama").description, positions="none", mlp_variant="dense"
+        ),
     )  # fmt: skip
     extra_adapter(swapped)
     bridge = TransformerBridge.boot_transformers(str(checkpoint("llama")))
@@ -594,12 +597,21 @@ def test_attention_and_mlp_swapped_are_not_served(
         bridge(_ids(1), intervene={"blocks.0.attn.hook_out": {"op": "suppress"}})
 
 
+def _without_sandwich_norms() -> ArchitectureAdapter:
+    """Gemma 2's adapter, described as having no norm after its sublayers (wrong)."""
+    gemma2 = _described("gemma2")
+    description = dataclasses.replace(
+        gemma2.description, norm_after_attn=False, norm_after_mlp=False
+    )
+    return dataclasses.replace(gemma2, ln1_post=None, ln2_post=None, description=description)
+
+
 def test_sandwich_norms_left_out_fail_the_block_equations(
     checkpoint: Callable[[str], Path],
     extra_adapter: Callable[[ArchitectureAdapter], ArchitectureAdapter],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    extra_adapter(dataclasses.replace(_described("gemma2"), ln1_post=None, ln2_post=None))
+    extra_adapter(_without_sandwich_norms())
     with caplog.at_level(logging.WARNING, logger="tl_driver_hf"):
         bridge = TransformerBridge.boot_transformers(str(checkpoint("gemma2")))
     reasons = bridge.driver.absent_reasons
@@ -801,7 +813,7 @@ def test_cli_certify_exits_1_when_a_check_fails(
     extra_adapter: Callable[[ArchitectureAdapter], ArchitectureAdapter],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    extra_adapter(dataclasses.replace(_described("gemma2"), ln1_post=None, ln2_post=None))
+    extra_adapter(_without_sandwich_norms())
     assert main(["certify", str(checkpoint("gemma2"))]) == 1
     out = capsys.readouterr().out
     # The boot refused those sites; the report names the equation as their reason.

@@ -315,7 +315,10 @@ def test_an_unfoldable_structure_is_refused_with_it_described(
     driver: Any = bridge.driver
     before = _state(driver.hf_model)
     # A LayerNorm mixture of experts: the norm's bias would have to reach every expert.
-    layer_norm_moe = dataclasses.replace(driver.adapter, norm="layernorm")
+    layer_norm_moe = dataclasses.replace(
+        driver.adapter,
+        description=dataclasses.replace(driver.adapter.description, norm="layernorm"),
+    )
     with pytest.raises(UnsupportedFeatureError) as error:
         enable_compatibility(
             driver.hf_model,

@@ -118,9 +118,13 @@ def swapped_latents() -> Iterator[Callable[[PreTrainedModel], None]]:
 
     def register(model: PreTrainedModel) -> None:
         adapter = build_bridge_from_module(model).driver.adapter
+        description = dataclasses.replace(
+            adapter.description, family="deepseek-swapped", model_types=("deepseek_v3",),
+            architectures=("DeepseekV3ForCausalLM",), inferred=False,
+        )  # fmt: skip
         wrong = dataclasses.replace(
-            adapter, family="deepseek-swapped", model_types=("deepseek_v3",), architectures=("DeepseekV3ForCausalLM",),
-            q_latent=adapter.kv_latent, kv_latent=adapter.q_latent, verified=True,
+            adapter, description=description, q_latent=adapter.kv_latent,
+            kv_latent=adapter.q_latent, verified=True,
         )  # fmt: skip
         register_adapter(wrong)
         added.append(wrong)

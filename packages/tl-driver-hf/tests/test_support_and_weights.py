@@ -156,7 +156,7 @@ def test_weights_reproduce_the_hooks(
             + bridge.b_O[layer]
         )
         torch.testing.assert_close(cache[b + "attn.hook_out"], out, atol=1e-5, rtol=1e-5)
-        if bridge.driver.adapter.moe:
+        if bridge.driver.adapter.description.moe:
             with pytest.raises(UserError, match="mixture of experts"):
                 _ = bridge.W_in
             continue

@@ -18,12 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tl_core import InterventionSpec
+from tl_core.architecture import model_info_from_config
 from tl_core.driver_api import (
     HookNamespace,
     build_plan,
     canonical_hook_names,
     compile_specs,
-    model_info_from_config,
 )
 
 _SITES = {

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from _tlv_support import ENGINE_OPTIONS  # noqa: E402
 
 from tl_core import ConfigError, RemoteBridge  # noqa: E402
+from tl_core.architecture import FamilyDescription  # noqa: E402
 from tl_driver_hf import adapters  # noqa: E402
 from tl_driver_hf.adapters import ArchitectureAdapter  # noqa: E402
 
@@ -39,12 +40,8 @@ def described(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 def _helium(**wrong: Any) -> ArchitectureAdapter:
-    return ArchitectureAdapter(
-        family="helium-wrong",
-        model_types=("helium",),
-        architectures=("HeliumForCausalLM",),
-        **wrong,
-    )
+    description = FamilyDescription("helium-wrong", ("helium",), ("HeliumForCausalLM",))
+    return ArchitectureAdapter(description=description, **wrong)
 
 
 def test_an_inferred_architecture_is_certified_on_the_engine(default_checkpoint: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,7 +31,7 @@ from tl_driver_vllm._driver_side._options import (  # noqa: E402
     require_v1_runner,
     sampling_params,
 )
-from tl_driver_vllm._families import FAMILY_LAYOUTS, layout_for, model_info  # noqa: E402
+from tl_driver_vllm._families import FAMILY_LAYOUTS, family_for, layout_for, model_info, resolve  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
 from tl_driver_vllm._worker_side._shards import Shard, layer_shards  # noqa: E402
 
@@ -267,38 +268,21 @@ def test_sampling_options_map_to_sampling_params() -> None:
 
 
 def _info(arch: str) -> ModelInfo:
-    layout = layout_for(arch)
-    return ModelInfo(
-        n_layers=2,
-        d_model=64,
-        n_heads=2,
-        d_head=32,
-        d_mlp=128,
-        d_vocab=300,
-        n_ctx=64,
-        normalization_type="LN" if layout.norm == "layernorm" else "RMS",
-        positional_embedding_type="standard"
-        if layout.pos_embed
-        else "rotary"
-        if layout.rotary
-        else "none",
-        gated_mlp=layout.gated,
-        sandwich_norm=layout.ln1_post is not None,
-        parallel_attn_mlp=layout.parallel,
-        embed_norm=layout.embed_norm is not None,
-        qk_norm=layout.qk_norm,
-        n_experts=4 if layout.moe else None,
-        experts_per_token=2 if layout.moe else None,
-        architecture=arch,
-    )
+    _, description = family_for(arch)
+    config = SimpleNamespace(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, head_dim=32,
+        intermediate_size=128, vocab_size=300, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return description.model_info(config, architecture=arch)
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILY_LAYOUTS))
 @pytest.mark.parametrize("attn_result", [False, True])
 def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> None:
-    layout = layout_for(arch)
+    layout, description = family_for(arch)
     info = _info(arch)
-    namespace = hook_namespace(info, layout, attn_result=attn_result)
+    namespace = hook_namespace(info, layout, description, attn_result=attn_result)
     every = set(canonical_hook_names(info, include_attn_result=True))
     assert namespace.served | namespace.non_fireable >= every
     assert not namespace.served & namespace.non_fireable
@@ -318,7 +302,7 @@ def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> No
         heads.add("ln1.hook_out")
     if layout.rotary is not None:
         heads |= {"attn.hook_rot_q", "attn.hook_rot_k"}
-    if not layout.moe:
+    if not description.moe:
         heads |= {"mlp.hook_pre", "mlp.hook_post"}
     assert {f"blocks.1.{s}" for s in heads} <= namespace.editable
     for site in ("attn.hook_pattern", "attn.hook_attn_scores"):
@@ -327,12 +311,12 @@ def test_namespace_partitions_the_vocabulary(arch: str, attn_result: bool) -> No
         assert "derived from the norm's input" in namespace.reasons["blocks.0.ln2.hook_scale"]
     else:
         reason = namespace.non_fireable_reasons["blocks.0.ln2.hook_scale"]
-        assert ("served as ln1.*" if layout.parallel else "no norm before the MLP") in reason
+        assert ("served as ln1.*" if description.parallel else "no norm before the MLP") in reason
     assert ("blocks.0.attn.hook_result" in namespace.editable) == attn_result
     if not attn_result:
         with pytest.raises(HookNameError, match="use_attn_result=True"):
             namespace.lookup("blocks.0.attn.hook_result")
-    if layout.moe:
+    if description.moe:
         assert "blocks.0.mlp.hook_router_logits" in namespace.read_only
         with pytest.raises(HookNameError, match="no single layer of MLP neurons"):
             namespace.lookup("blocks.0.mlp.hook_post")
@@ -360,7 +344,7 @@ def test_model_info_from_configs_and_unsupported_families() -> None:
         head_dim=32,
         architectures=["LlamaForCausalLM"],
     )
-    info = model_info(config, max_model_len=100)
+    info = model_info(config, family_for("LlamaForCausalLM")[1], max_model_len=100)
     assert (info.n_layers, info.d_model, info.d_head, info.kv_heads, info.n_ctx) == (
         3,
         64,
@@ -385,7 +369,7 @@ def test_model_info_from_configs_and_unsupported_families() -> None:
         architectures=["StableLmForCausalLM"],
     )
     with pytest.raises(ConfigError, match="qk_layernorm=True"):
-        model_info(stablelm)
+        resolve(stablelm)
 
 
 _ARCHITECTURES = {
@@ -400,22 +384,6 @@ _ARCHITECTURES = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
 }
-_HF_FAMILIES = sorted(_ARCHITECTURES)
-
-
-@pytest.mark.parametrize("family", _HF_FAMILIES)
-def test_model_info_is_the_hf_drivers(family: str) -> None:
-    """Names resolve against the ModelInfo, so both drivers must describe a model alike."""
-    testing = pytest.importorskip("tl_driver_hf.testing")
-    from tl_driver_hf.adapters import find_adapter
-
-    config = testing.tiny_config(family)
-    config.architectures = [_ARCHITECTURES[family]]
-    ours = model_info(config, layout=serving_layout(config).layout)
-    adapter = find_adapter(config.model_type, config.architectures)
-    assert adapter is not None
-    theirs = adapter.model_info(config)
-    assert ours == theirs, f"{family}: vllm {ours} != hf {theirs}"
 
 
 @pytest.mark.parametrize(
@@ -435,7 +403,7 @@ def test_checkpoints_a_layout_cannot_serve_are_refused(
     config = testing.tiny_config(family, overrides=overrides)
     config.architectures = [_ARCHITECTURES[family]]
     with pytest.raises(ConfigError, match=match):
-        model_info(config)
+        serving_layout(config)
 
 
 def test_gpt_neox_parallel_residual_comes_from_the_checkpoint() -> None:
@@ -443,9 +411,10 @@ def test_gpt_neox_parallel_residual_comes_from_the_checkpoint() -> None:
     for parallel in (True, False):
         config = testing.tiny_config("gpt_neox", overrides={"use_parallel_residual": parallel})
         config.architectures = ["GPTNeoXForCausalLM"]
-        info = model_info(config, layout=serving_layout(config).layout)
+        serving = serving_layout(config)
+        info = model_info(config, serving.family)
         assert info.parallel_attn_mlp is parallel
-        names = hook_namespace(info, serving_layout(config).layout)
+        names = hook_namespace(info, serving.layout, serving.family)
         assert "blocks.0.ln2.hook_in" in names.served
 
 
@@ -455,21 +424,21 @@ def test_a_multi_query_config_with_another_key_value_head_count_is_refused() -> 
     testing = pytest.importorskip("tl_driver_hf.testing")
     config = testing.tiny_default_model("gpt_bigcode").config
     config.architectures = ["GPTBigCodeForCausalLM"]
-    assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 1
+    assert model_info(config, serving_layout(config).family).n_key_value_heads == 1
     config.num_key_value_heads = 2
     with pytest.raises(
         ConfigError,
         match=r"multi_query=True .* num_key_value_heads=2, .* set num_key_value_heads to 1",
     ):
-        model_info(config, layout=serving_layout(config).layout)
+        model_info(config, serving_layout(config).family)
     config.multi_query = False  # multi-head: transformers keeps every head for keys and values
     with pytest.raises(
         ConfigError,
         match=r"multi_query=False .* num_key_value_heads=2, .* set num_key_value_heads to 4",
     ):
-        model_info(config, layout=serving_layout(config).layout)
+        model_info(config, serving_layout(config).family)
     config.num_key_value_heads = 4
-    assert model_info(config, layout=serving_layout(config).layout).n_key_value_heads == 4
+    assert model_info(config, serving_layout(config).family).n_key_value_heads == 4
 
 
 def test_a_shared_expert_exists_on_vllm_and_is_refused_saying_why() -> None:
@@ -478,10 +447,10 @@ def test_a_shared_expert_exists_on_vllm_and_is_refused_saying_why() -> None:
     testing = pytest.importorskip("tl_driver_hf.testing")
     config = testing.tiny_default_model("qwen2_moe").config
     config.architectures = ["Qwen2MoeForCausalLM"]
-    layout = serving_layout(config).layout
-    info = model_info(config, layout=layout)
+    serving = serving_layout(config)
+    info = model_info(config, serving.family)
     assert info.d_shared_expert == config.shared_expert_intermediate_size
-    names = hook_namespace(info, layout)
+    names = hook_namespace(info, serving.layout, serving.family)
     for suffix in ("experts.hook_out", "shared_expert.hook_out", "shared_expert.hook_gate"):
         name = f"blocks.0.mlp.{suffix}"
         assert name not in names.served
@@ -511,15 +480,15 @@ def test_shards_follow_vllms_head_and_neuron_split() -> None:
 
 
 def test_falcon_partial_sublayer_outputs_under_tensor_parallelism() -> None:
-    layout = layout_for("FalconForCausalLM")
+    layout, falcon = family_for("FalconForCausalLM")
     info = _info("FalconForCausalLM")
-    one = hook_namespace(info, layout, attn_result=True)
+    one = hook_namespace(info, layout, falcon, attn_result=True)
     assert {
         "blocks.1.attn.hook_out",
         "blocks.1.mlp.hook_out",
         "blocks.1.attn.hook_result",
     } <= one.editable
-    two = hook_namespace(info, layout, attn_result=True, tp_size=2)
+    two = hook_namespace(info, layout, falcon, attn_result=True, tp_size=2)
     for name in ("blocks.1.attn.hook_out", "blocks.1.mlp.hook_out"):
         assert name not in two.served
         assert (
@@ -530,7 +499,7 @@ def test_falcon_partial_sublayer_outputs_under_tensor_parallelism() -> None:
     with pytest.raises(SpecError, match=r"edit attn\.hook_z instead"):
         two.lookup("blocks.0.attn.hook_result", edit=True)
     # Families whose sublayers all-reduce their own outputs serve them under TP too.
-    gptj = hook_namespace(_info("GPTJForCausalLM"), layout_for("GPTJForCausalLM"), tp_size=2)
+    gptj = hook_namespace(_info("GPTJForCausalLM"), *family_for("GPTJForCausalLM"), tp_size=2)
     assert "blocks.1.attn.hook_out" in gptj.editable
 
 
@@ -556,13 +525,8 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
         "heads",
         "dense",
     )
-    assert (neox.fc_in, neox.down, neox.gate_up, neox.norm) == (
-        "dense_h_to_4h",
-        "dense_4h_to_h",
-        None,
-        "layernorm",
-    )
-    assert neox.parallel_field == "use_parallel_residual" and neox.backend == "transformers"
+    assert (neox.fc_in, neox.down, neox.gate_up) == ("dense_h_to_4h", "dense_4h_to_h", None)
+    assert neox.backend == "transformers"
     olmo2 = layout_from_description(find_adapter("olmo2"))
     assert (olmo2.ln1, olmo2.ln2, olmo2.ln1_post, olmo2.ln2_post) == (
         None, None, "post_attention_layernorm", "post_feedforward_layernorm",
@@ -573,7 +537,7 @@ def test_described_families_on_the_transformers_backend_need_no_row() -> None:
         "q_norm",
         "flat",
     )
-    assert (olmo2.residual_pair, olmo2.layer_input, olmo2.norm) == (False, 0, "rms_weight_first")
+    assert (olmo2.residual_pair, olmo2.layer_input) == (False, 0)
     assert not ({"GPTNeoXForCausalLM", "Olmo2ForCausalLM"} & set(FAMILY_LAYOUTS))
 
 
@@ -625,7 +589,7 @@ def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_des
     serving = serving_layout(config)
     assert serving.model_impl == "transformers" and serving.derived
     assert serving.layout.backend == "transformers" and serving.layout.qkv == "qkv_proj"
-    assert "inferred and certified on a shrunk copy" in serving.description["layout"]
+    assert "inferred and certified on a shrunk copy" in serving.facts["layout"]
     llama = transformers.AutoConfig.for_model("llama")
     llama.architectures = ["LlamaForCausalLM"]
     row = serving_layout(llama)
@@ -643,7 +607,7 @@ def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_des
 def test_withheld_hooks_are_not_served_and_say_why() -> None:
     info = _info("LlamaForCausalLM")
     names = hook_namespace(
-        info, FAMILY_LAYOUTS["LlamaForCausalLM"],
+        info, *family_for("LlamaForCausalLM"),
         withheld={"blocks.{i}.ln2.hook_in": "uncertified: failed: x", "blocks.0.attn.hook_z": "uncertified: y"},
     )  # fmt: skip
     assert "blocks.1.ln2.hook_in" not in names.served and "blocks.0.attn.hook_z" not in names.served
@@ -661,7 +625,8 @@ def test_heads_first_qk_norms_are_refused_on_the_backend() -> None:
     gemma3 = find_adapter("gemma3_text")
     assert gemma3 is not None and gemma3.qk_norm_layout == "heads_first"
     with pytest.raises(ConfigError, match="heads before positions"):
-        layout_from_description(replace(gemma3, embed_scaled=False))
+        unscaled = replace(gemma3.description, embed_scaled=False)
+        layout_from_description(replace(gemma3, description=unscaled))
 
 
 def test_the_readout_anchor_sees_a_scale_the_greedy_token_cannot() -> None:

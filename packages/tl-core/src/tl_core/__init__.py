@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         UnsupportedFeatureError as UnsupportedFeatureError,
         UserError as UserError,
     )
+    from tl_core.architecture._description import Architecture as Architecture
     from tl_core.bridges._boot import boot as boot
     from tl_core.bridges._remote import RemoteBridge as RemoteBridge
     from tl_core.bridges._transformer import TransformerBridge as TransformerBridge

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tl_core import ConfigError
+from tl_core.architecture import uses_alibi
 from tl_core.driver_api import (
     Certification,
     CertificationCheck,
@@ -28,7 +29,6 @@ from tl_core.driver_api import (
     equation_checks,
     silent_hook_checks,
     statuses_from_checks,
-    uses_alibi,
 )
 from tl_driver_hf._modules import has_attention_sinks
 from tl_driver_hf._probe import probe_ids
@@ -134,7 +134,7 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
         adapter.sublayers_add_residual or adapter.mlp_inline or adapter.mlp_out_inplace
     ):
         sites.append(("blocks.0.mlp.hook_out", lay.mlp, "out", d_model))
-    if lay.down is not None and lay.down is not lay.mlp and not adapter.moe:
+    if lay.down is not None and lay.down is not lay.mlp and not adapter.description.moe:
         width = int(
             cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0]
         )
@@ -257,7 +257,7 @@ def certify_driver(
             W_O = b_O = None
         if W_O is not None and W_O.is_meta:  # offloaded to disk: the equation needs values
             W_O = b_O = None
-    softcap_field = driver.adapter.attn_softcap
+    softcap_field = driver.adapter.description.attn_softcap
     softcap = getattr(driver.hf_model.config, softcap_field, None) if softcap_field else None
     info = driver.info if stop is None else dataclasses.replace(driver.info, n_layers=stop)
     checks = equation_checks(

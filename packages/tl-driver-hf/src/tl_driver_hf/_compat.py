@@ -110,11 +110,11 @@ def describe_blocks(adapter: ArchitectureAdapter, parallel: bool) -> str:
     posts = [p for p in (adapter.ln1_post, adapter.ln2_post) if p]
     if posts:
         parts.append(f"norms on the sublayer outputs {posts}")
-    if adapter.moe:
+    if adapter.description.moe:
         parts.append(
             f"a mixture-of-experts MLP (router {adapter.router!r}, experts {adapter.expert_in!r})"
         )
-    kind = "LayerNorm" if adapter.norm == "layernorm" else "RMSNorm"
+    kind = "LayerNorm" if adapter.description.norm == "layernorm" else "RMSNorm"
     layout = "parallel" if parallel else "sequential"
     return f"{adapter.family} has {layout} {kind} blocks: " + ", ".join(parts)
 
@@ -148,7 +148,7 @@ def _mlp_readers(
 ) -> list[Projection]:
     modules = (layer.mlp_in, layer.gate, layer.up, layer.gate_up)
     readers = [Projection(m, "weight", adapter.linear) for m in modules if m is not None]
-    if adapter.moe:
+    if adapter.description.moe:
         if layer.router is None or adapter.expert_in is None:
             raise _refuse(
                 adapter,
@@ -172,7 +172,7 @@ def _mlp_readers(
 
 
 def _plan(parts: ModelModules, adapter: ArchitectureAdapter, parallel: bool) -> _Plan:
-    if adapter.moe and adapter.norm == "layernorm":
+    if adapter.description.moe and adapter.description.norm == "layernorm":
         raise _refuse(
             adapter,
             parallel,
@@ -220,9 +220,9 @@ def _plan(parts: ModelModules, adapter: ArchitectureAdapter, parallel: bool) -> 
 
 
 def _softcap(hf_model: nn.Module, adapter: ArchitectureAdapter) -> float | None:
-    if adapter.final_softcap is None:
+    if adapter.description.final_softcap is None:
         return None
-    value = getattr(getattr(hf_model, "config", None), adapter.final_softcap, None)
+    value = getattr(getattr(hf_model, "config", None), adapter.description.final_softcap, None)
     return float(value) if value else None
 
 
@@ -266,7 +266,7 @@ def enable_compatibility(
             "(device_map with disk/CPU offload) or was booted with load_weights=False. Boot it "
             "with device=... instead."
         )
-    layer_norm = adapter.norm == "layernorm"
+    layer_norm = adapter.description.norm == "layernorm"
     center = opts["center_writing_weights"] and layer_norm
     notes = plan.notes if opts["fold_ln"] else []
     if opts["center_writing_weights"] and not layer_norm:
@@ -280,7 +280,7 @@ def enable_compatibility(
         center_unembed = False
         message = (
             f"skipped center_unembed: the final logits are soft-capped "
-            f"({adapter.final_softcap}={cap:g}), and tanh does not ignore a per-position shift"
+            f"({adapter.description.final_softcap}={cap:g}), and tanh does not ignore a per-position shift"
         )
         notes.append(message)
         _LOG.warning("enable_compatibility_mode: %s", message)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from tl_core import HookPoint, ModelInfo, UnsupportedFeatureError, UserError
+from tl_core.architecture import Architecture
 from tl_core.driver_api import (
-    Architecture,
     Certification,
     ForwardRequest,
     ForwardResult,
@@ -21,7 +21,6 @@ from tl_core.driver_api import (
     Tokenizer,
     canonical_hook_names,
 )
-from tl_driver_hf._architecture import served_architecture
 from tl_driver_hf._arena import CaptureArena, head_into_arena
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
 from tl_driver_hf._boot_certification import certify_at_boot
@@ -39,7 +38,7 @@ from tl_driver_hf._loading import (
     load_tokenizer,
 )
 from tl_driver_hf._model import HFHookedModel
-from tl_driver_hf._modules import has_attention_sinks, resolve_modules
+from tl_driver_hf._modules import resolve_modules
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._stopping import Stop, configs_of, prober, stop_after, stopper
 from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, ForwardBookkeeping, _with_input
@@ -84,14 +83,14 @@ class HFDriver(LocalDriver):
             tokenizer: The tokenizer (a tl ``Tokenizer``).
             use_attn_result: Also serve ``attn.hook_result``.
             n_ctx: The longest input to accept (default: the config's).
-            info: The model's ``ModelInfo`` (default: ``adapter``'s reading of the config;
-                inferred architectures pass theirs).
+            info: The model's ``ModelInfo`` (default: the adapter's description's reading of
+                the config; inferred architectures pass theirs).
 
         Raises:
             ConfigError: The model lacks a module the adapter names.
         """
         config = hf_model.config
-        info = info if info is not None else adapter.model_info(config)
+        info = info if info is not None else adapter.description.model_info(config)
         if n_ctx is not None:
             info = dataclasses.replace(info, n_ctx=n_ctx)
         self._hf_model = hf_model
@@ -177,18 +176,17 @@ class HFDriver(LocalDriver):
 
     def _describe(self) -> dict[str, str]:
         if self._inferred is not None:
-            return dict(self._inferred.description)
+            return dict(self._inferred.facts)
         return {"layers": f"{self._adapter.layers} ({self._info.n_layers} blocks)"}
 
     @property
     def architecture(self) -> Architecture:
         """The booted model's engine-independent description (block form, norms, attention
-        and MLP variants, unembedding): ``tl_core.driver_api.Architecture``."""
-        opaque = self._inferred is not None and self._inferred.blocks == "opaque"
-        sinks = has_attention_sinks(self._modules)
-        return served_architecture(
-            self._hf_model, self._adapter, self._info, opaque=opaque, sinks=sinks
-        )
+        and MLP variants, unembedding): ``tl_core.architecture.Architecture``, its family's
+        description (or the inferred one) read against its config."""
+        config: Any = self._hf_model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return self._adapter.description.architecture(config, self._info)
 
     @classmethod
     def boot(cls, model_name: Any = None, **options: Any) -> HFDriver:
@@ -399,7 +397,7 @@ class HFDriver(LocalDriver):
     @property
     def read_only_reasons(self) -> Mapping[str, str]:
         """Served hooks that take no specs: a mixture of experts' router logits."""
-        if not self._adapter.moe:
+        if not self._adapter.description.moe:
             return {}
         return {
             f"blocks.{i}.mlp.hook_router_logits": ROUTER_LOGITS_READ_ONLY.format(i=i)
@@ -613,7 +611,7 @@ class HFDriver(LocalDriver):
         return self._softcap(logits)
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        field = self._adapter.final_softcap
+        field = self._adapter.description.final_softcap
         cap = getattr(self.hf_model.config, field, None) if field else None
         if cap is None:
             return logits

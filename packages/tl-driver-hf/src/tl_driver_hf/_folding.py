@@ -100,7 +100,7 @@ def _norm_scale(
     weight = getattr(norm, "weight", None)
     if isinstance(weight, torch.Tensor):
         w = weight.detach().double()
-        if adapter.norm == "rms_plus_one":
+        if adapter.description.norm == "rms_plus_one":
             w = w + 1.0
     else:
         w = torch.ones(size, dtype=torch.float64)
@@ -111,7 +111,7 @@ def _norm_scale(
 def _make_identity(norm: nn.Module, adapter: ArchitectureAdapter) -> None:
     weight = getattr(norm, "weight", None)
     if isinstance(weight, torch.Tensor):
-        weight.data.fill_(0.0 if adapter.norm == "rms_plus_one" else 1.0)
+        weight.data.fill_(0.0 if adapter.description.norm == "rms_plus_one" else 1.0)
     bias = getattr(norm, "bias", None)
     if isinstance(bias, torch.Tensor):
         bias.data.zero_()

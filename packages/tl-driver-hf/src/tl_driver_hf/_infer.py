@@ -14,9 +14,12 @@ it reads and returns. From that:
   norm; the MLP reading the block input makes the block parallel;
 * each norm's weight rule is the one of tl's kinds that reproduces its output.
 
-What the probe proposes is only a hypothesis: the driver serves a hook after certification
-(``tl_driver_hf._certify``) has proven it on the booted model. Layers of different shapes
-(hybrid models) or blocks whose parts cannot be told apart keep the residual stream only.
+The facts found make an inferred ``FamilyDescription`` (the class hand-written families use),
+and the paths an ``ArchitectureAdapter`` referring to it. What the probe proposes is only a
+hypothesis: the driver serves a hook after certification (``tl_driver_hf._certify``) has
+proven it on the booted model. Layers of different shapes (hybrid models) or blocks whose
+parts cannot be told apart keep the residual stream only; their norms, position scheme and
+final norm are ``"unknown"`` unless a module tl measured establishes them.
 """
 
 from __future__ import annotations
@@ -24,16 +27,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
 from tl_core import ConfigError, ModelInfo
-from tl_core.driver_api import canonical_hook_names, model_info_from_config
+from tl_core.architecture import (
+    UNKNOWN,
+    FamilyDescription,
+    MLPVariant,
+    NormKind,
+    PositionScheme,
+    QKNorm,
+    Unknown,
+    uses_alibi,
+)
+from tl_core.driver_api import canonical_hook_names
 from tl_driver_hf._norms import is_norm_module, norm_kind_of
 from tl_driver_hf._probe import ModuleCall, path_of, probe_ids, recording, same_tensor
-from tl_driver_hf.adapters import ArchitectureAdapter, NormKind
+from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["InferredArchitecture", "infer_architecture"]
 
@@ -61,18 +75,20 @@ _SHARED_GATE = ("shared_expert_gate",)
 
 @dataclass(frozen=True)
 class InferredArchitecture:
-    """What inference found: an adapter to wire, and the facts behind it.
+    """What inference found: an adapter to wire, its inferred description, and the facts
+    behind it.
 
     Attributes:
-        adapter: The adapter the driver wires (``verified`` false; family ``"inferred"``).
-        description: The facts, for the certification report.
+        adapter: The adapter the driver wires (``verified`` false), whose ``description``
+            is the inferred ``FamilyDescription`` (family ``"<model_type> (inferred)"``).
+        facts: What the probe found, for the certification report.
         blocks: ``"sublayers"`` (attention and MLP found in every layer) or ``"opaque"``
             (the residual stream only).
         info: The model's ``ModelInfo``.
     """
 
     adapter: ArchitectureAdapter
-    description: Mapping[str, str]
+    facts: Mapping[str, str]
     blocks: Literal["sublayers", "opaque"]
     info: ModelInfo
 
@@ -280,27 +296,31 @@ def _same_classes(layers: nn.ModuleList, path: str) -> bool:
 
 
 def _info(
-    config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: int, **structure: Any
-) -> ModelInfo:
+    config: Any, model: nn.Module, n_layers: int, d_model: int, d_vocab: int,
+    description: FamilyDescription, architecture: str,
+) -> ModelInfo:  # fmt: skip
+    """The model's ``ModelInfo``: the description's reading of the config, or of the sizes
+    the module tree shows where the config does not name them."""
+    text = config.get_text_config()
     try:
-        info = model_info_from_config(config.get_text_config(), **structure)
+        info = description.model_info(text, architecture=architecture)
     except (ConfigError, AttributeError, TypeError, ValueError):
-        heads = getattr(config, "num_attention_heads", None) or 1
-        info = ModelInfo(
-            n_layers=n_layers,
-            d_model=d_model,
-            n_heads=int(heads),
-            d_head=d_model // int(heads),
-            d_mlp=_width(getattr(config, "intermediate_size", None), 4 * d_model),
-            d_vocab=d_vocab,
-            n_ctx=int(getattr(config, "max_position_embeddings", None) or 2048),
-            normalization_type=structure.get("normalization_type"),
-            positional_embedding_type=structure.get("positional_embedding_type", "none"),
-            gated_mlp=bool(structure.get("gated_mlp")),
-            architecture=str(structure.get("architecture")),
+        heads = int(getattr(config, "num_attention_heads", None) or 1)
+        sizes = SimpleNamespace(
+            num_hidden_layers=n_layers,
+            hidden_size=d_model,
+            num_attention_heads=heads,
+            head_dim=d_model // heads,
+            intermediate_size=_width(getattr(config, "intermediate_size", None), 4 * d_model),
+            vocab_size=d_vocab,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None),
         )
-    # The module tree, not the config, decides the sizes that shape the hooks.
-    return dataclasses.replace(info, n_layers=n_layers, d_model=d_model, d_vocab=d_vocab)
+        info = description.model_info(sizes, architecture=architecture)
+    # The module tree, not the config, decides the sizes that shape the hooks, and whether
+    # a shared expert was found.
+    return dataclasses.replace(
+        info, n_layers=n_layers, d_model=d_model, d_vocab=d_vocab, d_shared_expert=None
+    )
 
 
 def _mixer_norm(layers: nn.ModuleList, calls: Mapping[int, ModuleCall], d_model: int) -> str | None:
@@ -375,6 +395,12 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     blocks = [_block(layer, calls) for layer in layers]
     first = blocks[0]
     uniform = all(_signature(b) == _signature(first) for b in blocks) and first.attn is not None
+    if first.attn is not None and (first.ln1_post is None) != (first.ln2_post is None):
+        first.why = (
+            "a norm after only one sublayer, which the hook vocabulary does not name (it "
+            "names one after each sublayer, or none)"
+        )
+        uniform = False
     model_type = str(getattr(config, "model_type", "unknown"))
     arch = str((getattr(config, "architectures", None) or [type(model).__name__])[0])
     text = config.get_text_config()
@@ -390,11 +416,81 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     )
     kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
     known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
-    norm: NormKind = known[0] if known else "rms"
     # A norm whose weight rule is not the one wired (or none of tl's) keeps its input and
     # output hooks; tl cannot recompute its scale and pre-weight value.
     absent: dict[str, str] = {}
     unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
+    pos_embed = _position_embedding(model, embed, layers, calls)
+    facts: dict[str, str] = {
+        "embedding": embed_path,
+        "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
+        "unembedding": head_path,
+    }
+    norm: NormKind | Unknown | None
+    if not uniform:
+        why = first.why or "layers differ in structure (a hybrid of layer kinds)"
+        mixer_norm = _mixer_norm(layers, calls, d_model)
+        mixer_kind = None
+        if mixer_norm is not None:
+            module = layers[0].get_submodule(mixer_norm)
+            mixer_kind = norm_kind_of(module, calls.get(id(module)))
+        established = [k for k in (final_kind, mixer_kind) if k is not None]
+        norm = established[0] if established else UNKNOWN
+        if mixer_norm is not None and mixer_kind != norm:
+            absent.update(
+                {"blocks.{i}.ln1.hook_scale": unknown, "blocks.{i}.ln1.hook_normalized": unknown}
+            )
+        if final_norm is not None and final_kind != norm:
+            absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
+        if final_norm is None:
+            absent.update({f"ln_final.{s}": _no_final_norm(readout_opaque) for s in _NORM_SUFFIXES})
+        facts["final norm"] = (
+            f"{final_norm} ({final_kind or 'unknown weight rule'})"
+            if final_norm
+            else "unknown: " + ("a head transform before the unembedding" if readout_opaque
+                                else "the unembedding reads the last block, which tl reads from outside")
+        )  # fmt: skip
+        facts["blocks"] = (
+            f"state-space mixer: x + mixer(norm(x)), norm {mixer_norm!r}"
+            if mixer_norm
+            else f"opaque: {why}"
+        )
+        facts["positions"] = "learned (a position table)" if pos_embed else "unknown"
+        description = FamilyDescription(
+            family=f"{model_type} (inferred)", model_types=(model_type,), architectures=(arch,),
+            norm=norm, norm_before_attn=False, norm_before_mlp=False,
+            norm_before_unembed=True if final_norm is not None else UNKNOWN,
+            positions="learned" if pos_embed else UNKNOWN, mlp_variant="dense",
+            blocks="mixer" if mixer_norm else "opaque", inferred=True,
+        )  # fmt: skip
+        info = _info(config, model, len(layers), d_model, _rows(lm_head), description, arch)
+        opaque = f"{model_type} blocks are read as a whole ({why}): tl serves their input and output only"
+        kept = {"hook_in", "hook_out"} | (
+            {"mixer.hook_in", "mixer.hook_out"} | {f"ln1.{s}" for s in _NORM_SUFFIXES}
+            if mixer_norm
+            else set()
+        )
+        for name in canonical_hook_names(
+            info, include_split_qkv_input=True, include_attn_result=True
+        ):
+            if name.startswith("blocks.0.") and name.removeprefix("blocks.0.") not in kept:
+                absent.setdefault(name.replace("blocks.0.", "blocks.{i}.", 1), opaque)
+        adapter = ArchitectureAdapter(
+            description=description, embed=embed_path,
+            layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=mixer_norm, ln2=None,
+            attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
+            mixer="mixer" if mixer_norm else None,
+            verified=False, pos_embed=pos_embed, absent=absent,
+            readout_opaque=readout_opaque,
+        )  # fmt: skip
+        return InferredArchitecture(adapter, facts, "opaque", info)
+    norm_found = any(p is not None for p in (first.ln1, first.ln2, first.ln1_post, first.ln2_post))
+    if known:
+        norm = known[0]
+    elif norm_found or final_norm is not None or readout_opaque:
+        norm = UNKNOWN  # norms whose weight rule tl could not measure
+    else:
+        norm = None  # attention and the MLP read the residual stream, the head the last block
     prefixes = {
         "ln1": first.ln1,
         "ln2": first.ln2,
@@ -410,66 +506,19 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
                 }
             )
     if final_norm is None:
-        why = (
-            "the unembedding reads a head transform (or a norm computed without a module), "
-            "not one final norm"
-            if readout_opaque
-            else "the unembedding reads the last block's output directly"
-        )
-        absent.update({f"ln_final.{s}": why for s in _NORM_SUFFIXES})
+        absent.update({f"ln_final.{s}": _no_final_norm(readout_opaque) for s in _NORM_SUFFIXES})
     elif final_kind != norm:
         absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
-    pos_embed = _position_embedding(model, embed, layers, calls)
-    description: dict[str, str] = {
-        "embedding": embed_path,
-        "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
-        "final norm": (
-            f"{final_norm} ({final_kind or 'unknown weight rule'})"
-            if final_norm
-            else "none: "
-            + (
-                "a head transform before the unembedding"
-                if readout_opaque
-                else "the unembedding reads the last block"
-            )
-        ),
-        "unembedding": head_path,
-    }
-    if not uniform:
-        why = first.why or "layers differ in structure (a hybrid of layer kinds)"
-        mixer_norm = _mixer_norm(layers, calls, d_model)
-        description["blocks"] = (
-            f"state-space mixer: x + mixer(norm(x)), norm {mixer_norm!r}"
-            if mixer_norm
-            else f"opaque: {why}"
+    facts["final norm"] = (
+        f"{final_norm} ({final_kind or 'unknown weight rule'})"
+        if final_norm
+        else "none: "
+        + (
+            "a head transform before the unembedding"
+            if readout_opaque
+            else "the unembedding reads the last block"
         )
-        info = _info(
-            config, model, len(layers), d_model, _rows(lm_head),
-            normalization_type="LN" if norm == "layernorm" else "RMS",
-            positional_embedding_type="standard" if pos_embed else "none", gated_mlp=False,
-            architecture=arch,
-        )  # fmt: skip
-        info = dataclasses.replace(info, mixer=mixer_norm is not None)
-        opaque = f"{model_type} blocks are read as a whole ({why}): tl serves their input and output only"
-        kept = {"hook_in", "hook_out"} | (
-            {"mixer.hook_in", "mixer.hook_out"} | {f"ln1.{s}" for s in _NORM_SUFFIXES}
-            if mixer_norm
-            else set()
-        )
-        for name in canonical_hook_names(
-            info, include_split_qkv_input=True, include_attn_result=True
-        ):
-            if name.startswith("blocks.0.") and name.removeprefix("blocks.0.") not in kept:
-                absent.setdefault(name.replace("blocks.0.", "blocks.{i}.", 1), opaque)
-        adapter = ArchitectureAdapter(
-            family=f"{model_type} (inferred)", model_types=(model_type,), architectures=(arch,), embed=embed_path,
-            layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=mixer_norm, ln2=None,
-            attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
-            mixer="mixer" if mixer_norm else None,
-            norm=norm, rotary=False, verified=False, pos_embed=pos_embed, absent=absent,
-            readout_opaque=readout_opaque,
-        )  # fmt: skip
-        return InferredArchitecture(adapter, description, "opaque", info)
+    )
     layer0 = layers[0]
     attn_module = layer0.get_submodule(cast(str, first.attn))
     mlp_module = layer0.get_submodule(cast(str, first.mlp))
@@ -482,10 +531,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     o = _child(attn_module, _O)
     q_norm, k_norm = _child(attn_module, _Q_NORM), _child(attn_module, _K_NORM)
     latents = {
-        key: (norm, up)
-        if _child(attn_module, (norm,)) and _child(attn_module, (up,))
+        key: (latent, proj)
+        if _child(attn_module, (latent,)) and _child(attn_module, (proj,))
         else (None, None)
-        for key, (norm, up) in (("q", _Q_LATENT), ("kv", _KV_LATENT))
+        for key, (latent, proj) in (("q", _Q_LATENT), ("kv", _KV_LATENT))
     }
     for key, child in (("q_norm", q_norm), ("k_norm", k_norm)):
         if (
@@ -551,12 +600,40 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     embed_scaled = isinstance(
         getattr(model.get_submodule(embed_path), "embed_scale", None), torch.Tensor
     )
-    adapter = ArchitectureAdapter(
+    qk_norm: QKNorm = "none"
+    if q_norm is not None:
+        qk_norm = "across_heads" if layout == "flat" else "per_head"
+    positions: PositionScheme = (
+        "learned" if pos_embed else "rotary" if rotary else "alibi" if uses_alibi(text) else "none"
+    )
+    mlp_variant: MLPVariant = "moe" if moe else "gated" if (gate or gate_up) else "dense"
+    description = FamilyDescription(
         family=f"{model_type} (inferred)",
         model_types=(model_type,),
         architectures=(arch,),
-        embed=embed_path,
+        norm=norm,
+        norm_before_attn=first.ln1 is not None,
+        norm_before_mlp=first.ln2 is not None,
+        norm_after_attn=first.ln1_post is not None,
+        norm_after_mlp=first.ln2_post is not None,
+        norm_before_unembed=True
+        if final_norm is not None
+        else UNKNOWN
+        if readout_opaque
+        else False,
+        parallel=first.parallel,
+        positions=positions,
         embed_scaled=embed_scaled,
+        qk_norm=qk_norm,
+        mlp_variant=mlp_variant,
+        sinks=isinstance(getattr(attn_module, "sinks", None), torch.Tensor),
+        attn_softcap="attn_logit_softcapping" if softcap is not None else None,
+        final_softcap="final_logit_softcapping" if final_softcap is not None else None,
+        inferred=True,
+    )
+    adapter = ArchitectureAdapter(
+        description=description,
+        embed=embed_path,
         layers=layers_path,
         final_norm=final_norm,
         lm_head=head_path,
@@ -584,17 +661,11 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         gate_up=gate_up,
         down=down,
         linear="conv1d" if conv1d else "linear",
-        norm=norm,
-        rotary=rotary,
-        parallel=first.parallel,
-        moe=moe,
         router=router,
         experts="experts" if shared else None,
         shared_expert=shared[0] if shared else None,
         shared_parts=shared[1] if shared else None,
         shared_expert_gate=shared[2] if shared else None,
-        attn_softcap="attn_logit_softcapping" if softcap is not None else None,
-        final_softcap="final_logit_softcapping" if final_softcap is not None else None,
         rotary_in_attention=rotary_in_attention,
         verified=False,
         pos_embed=pos_embed,
@@ -602,32 +673,36 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         readout_opaque=readout_opaque,
     )
     form = "parallel" if first.parallel else "sequential"
-    if first.ln1_post or first.ln2_post:
+    if description.sandwich:
         form += " with sandwich norms"
-    description["blocks"] = (
+    facts["blocks"] = (
         f"{form}: attention {first.attn!r}, MLP {first.mlp!r}"
         + (" (mixture of experts)" if moe else "")
         + f", norms ln1={first.ln1} ln2={first.ln2} post={first.ln1_post}/{first.ln2_post}"
         + f" ({norm if len(kinds) == 1 and None not in kinds else 'weight rules differ or unknown'})"
     )
-    description["attention"] = (
+    facts["attention"] = (
         f"q/k/v {'fused ' + repr(qkv) if qkv else (q, k, v)}, out {o!r}, "
         f"{'rotary' if rotary else 'no rotary'}, qk-norm {q_norm is not None}"
     )
-    description["mlp"] = (
+    facts["mlp"] = (
         f"experts (per-neuron sites absent){f', shared expert {shared[0]!r}' if shared else ''}" if moe
         else f"gate={gate} up={up} gate_up={gate_up} in={mlp_in} down={down}"
     )  # fmt: skip
-    info = _info(
-        config, model, len(layers), d_model, _rows(lm_head),
-        normalization_type="LN" if norm == "layernorm" else "RMS",
-        positional_embedding_type="standard" if pos_embed else "rotary" if rotary else "none",
-        gated_mlp=adapter.gated, parallel_attn_mlp=first.parallel, sandwich_norm=adapter.sandwich,
-        qk_norm=q_norm is not None, moe=moe, architecture=arch,
-    )  # fmt: skip
+    info = _info(config, model, len(layers), d_model, _rows(lm_head), description, arch)
     if shared is not None:
         info = dataclasses.replace(info, d_shared_expert=shared[3])
-    return InferredArchitecture(adapter, description, "sublayers", info)
+    return InferredArchitecture(adapter, facts, "sublayers", info)
+
+
+def _no_final_norm(readout_opaque: bool) -> str:
+    """Why an architecture with no final norm module has no ``ln_final`` sites."""
+    if readout_opaque:
+        return (
+            "the unembedding reads a head transform (or a norm computed without a module), "
+            "not one final norm"
+        )
+    return "the unembedding reads the last block's output directly"
 
 
 def _width(value: Any, default: int) -> int:

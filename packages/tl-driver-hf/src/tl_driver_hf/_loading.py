@@ -143,7 +143,7 @@ def adapter_for_config(config: Any, built: str | None = None) -> ArchitectureAda
             f"families: {families}. See tl_driver_hf.check_model_support and "
             f"docs/adding-a-family.md to add one."
         )
-    problems = adapter.config_problems(config)
+    problems = adapter.description.config_problems(config)
     if problems:
         raise ConfigError(
             f"this {adapter.family!r} checkpoint has a layout the hf driver does not serve: "
@@ -162,7 +162,7 @@ def apply_n_ctx(config: PretrainedConfig, adapter: ArchitectureAdapter, n_ctx: i
         ConfigError: Larger than trained with learned positions (there are no weights for
             the extra positions).
     """
-    trained = adapter.model_info(config).n_ctx
+    trained = adapter.description.model_info(config).n_ctx
     if n_ctx > trained:
         if adapter.pos_embed is not None:
             raise ConfigError(
@@ -196,7 +196,7 @@ def _model_class(opts: BootOptions) -> Any:
 
 
 def _n_devices_map(adapter: ArchitectureAdapter, config: Any, n: int) -> dict[str, int]:
-    n_layers = adapter.model_info(config).n_layers
+    n_layers = adapter.description.model_info(config).n_layers
     placement: dict[str, int] = {adapter.embed: 0}
     if adapter.pos_embed:
         placement[adapter.pos_embed] = 0

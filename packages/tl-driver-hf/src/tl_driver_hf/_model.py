@@ -123,7 +123,7 @@ class HFHookedModel(nn.Module):
         )
 
     def _mlp(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        if self.adapter.moe:
+        if self.adapter.description.moe:
             raise UnsupportedFeatureError(
                 f"{key} does not exist on {self.adapter.family!r}: its MLP is a mixture of "
                 f"experts; read the expert weights from bridge.hf_model directly"
@@ -153,7 +153,7 @@ class HFHookedModel(nn.Module):
         """
         self._refuse("W_E")
         weight: torch.Tensor = self.parts.embed.weight  # type: ignore[assignment]
-        if not self.adapter.embed_scaled:
+        if not self.adapter.description.embed_scaled:
             return weight
         scale = cast(torch.Tensor, self.parts.embed.embed_scale)
         return weight * scale.to(weight.dtype)
@@ -283,18 +283,25 @@ class HFHookedModel(nn.Module):
                 f"not read (not one final norm), so there is no readout of the residual stream "
                 f"to logits; unembed.hook_out holds the model's own logits"
             )
+        kind = self.info.normalization_type
+        if norm is not None and kind not in ("LN", "RMS"):
+            raise UnsupportedFeatureError(
+                f"tl did not establish the weight rule of {self.info.architecture!r}'s final "
+                f"norm, so there is no readout of the residual stream to logits; "
+                f"unembed.hook_out holds the model's own logits"
+            )
         weight = getattr(norm, "weight", None)
-        if weight is not None and self.adapter.norm == "rms_plus_one":
+        if weight is not None and self.adapter.description.norm == "rms_plus_one":
             weight = 1.0 + weight.float()
         softcap = None
-        if self.adapter.final_softcap:
-            softcap = getattr(self.hf_model.config, self.adapter.final_softcap, None)
+        if self.adapter.description.final_softcap:
+            softcap = getattr(self.hf_model.config, self.adapter.description.final_softcap, None)
         return ModelReadout(
             W_U=self.W_U,
             b_U=bias_of(self.parts.lm_head),
             ln_final_weight=weight,
             ln_final_bias=bias_of(norm) if norm is not None else None,
-            normalization_type=self.info.normalization_type if norm is not None else None,
+            normalization_type=kind if norm is not None and kind != "unknown" else None,
             eps=norm_eps(norm) if norm is not None else 1e-5,
             logit_softcap=float(softcap) if softcap is not None else None,
         )

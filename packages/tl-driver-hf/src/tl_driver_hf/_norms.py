@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from tl_core import UserError
-from tl_core.driver_api import NormKind, apply_norm_weight, norm_module_eps, norm_statistics
+from tl_core.architecture import NormKind
+from tl_core.driver_api import apply_norm_weight, norm_module_eps, norm_statistics
 
 if TYPE_CHECKING:
     from tl_driver_hf._probe import ModuleCall

@@ -176,7 +176,7 @@ def list_supported_models(
             )
     if verified_only:
         adapters = tuple(a for a in adapters if a.verified)
-    return sorted({m for a in adapters for m in a.known_models})
+    return sorted({m for a in adapters for m in a.description.known_models})
 
 
 def build_bridge_config_from_hf(hf_config: Any) -> ModelInfo:
@@ -187,7 +187,7 @@ def build_bridge_config_from_hf(hf_config: Any) -> ModelInfo:
     """
     from tl_driver_hf._loading import adapter_for_config
 
-    return adapter_for_config(hf_config).model_info(hf_config)
+    return adapter_for_config(hf_config).description.model_info(hf_config)
 
 
 def build_bridge_from_module(

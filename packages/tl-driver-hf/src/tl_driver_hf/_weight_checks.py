@@ -102,8 +102,10 @@ def weight_rule_checks(
     for i, lay in enumerate(parts.layers):
         for key in ("ln1", "ln2", "ln1_post", "ln2_post"):
             modules[f"blocks.{i}.{key}"] = getattr(lay, key)
-    checks = []
-    kind = driver.adapter.norm
+    checks: list[CertificationCheck] = []
+    kind = driver.adapter.description.norm
+    if kind is None or kind == "unknown":
+        return checks  # no weight rule to check against (nor hook_normalized served)
     for prefix, module in modules.items():
         normed, out = cache.get(f"{prefix}.hook_normalized"), cache.get(f"{prefix}.hook_out")
         weight = getattr(module, "weight", None)
@@ -181,9 +183,9 @@ def exported_weight_checks(
         if target is not None:
             check((f"W_{key}", f"b_{key}"), f"{b}attn.hook_{key.lower()} == attention's input @ W_{key}[0] + b_{key}[0]",
                   project(reader, f"W_{key}", f"b_{key}", True), target)  # fmt: skip
-    if not driver.adapter.moe:
+    if not driver.adapter.description.moe:
         mlp_in = get(b + "mlp.hook_in")
-        gated = driver.adapter.gated
+        gated = driver.adapter.description.gated
         pre, lin = get(b + "mlp.hook_pre"), get(b + "mlp.hook_pre_linear")
         if gated and pre is not None:
             check(

@@ -90,9 +90,13 @@ class Wiring:
     def attention_sites(self) -> dict[nn.Module, AttentionSite]:
         """Each attention module's site for ``hooked_attention``."""
         sites: dict[nn.Module, AttentionSite] = {}
-        qk = ("hook_rot_q", "hook_rot_k") if self.adapter.rotary else ("hook_q", "hook_k")
+        qk = (
+            ("hook_rot_q", "hook_rot_k")
+            if self.adapter.description.rotary
+            else ("hook_q", "hook_k")
+        )
         # Pre-scaled queries (OPT) fire hook_q/hook_k at the projections instead.
-        at_attention = self.adapter.rotary or not self.adapter.query_prescaled
+        at_attention = self.adapter.description.rotary or not self.adapter.query_prescaled
         for i, layer in enumerate(self.modules.layers):
             p = f"blocks.{i}.attn."
             sites[layer.attn] = AttentionSite(
@@ -156,7 +160,9 @@ class Wiring:
         names = [f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_out"]
         if self._active(*names):
             scale, normed, out = (self._point(n) for n in names)
-            hook = _norm_hook(self.adapter.norm, scale, normed, out, view=view, arena=self.arena)
+            hook = _norm_hook(
+                self.adapter.description.norm, scale, normed, out, view=view, arena=self.arena
+            )
             handles.append(module.register_forward_hook(hook))
 
     def _install_layer(
@@ -201,7 +207,9 @@ class Wiring:
             )  # fmt: skip
         self._install_qk(b, layer, handles)
         self._install_qk_norms(b, layer, handles)
-        if self.adapter.rotary and self._active(b + "attn.hook_cos", b + "attn.hook_sin"):
+        if self.adapter.description.rotary and self._active(
+            b + "attn.hook_cos", b + "attn.hook_sin"
+        ):
             hook = _rotary_hook(self._point(b + "attn.hook_cos"), self._point(b + "attn.hook_sin"))
             handles.append(layer.attn.register_forward_pre_hook(hook, with_kwargs=True))
         if self._active(b + "attn.hook_result"):
@@ -281,7 +289,7 @@ class Wiring:
             handles.append(layer.layer.register_forward_hook(self._block_out_hook(i, state)))
 
     def _install_qk(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
-        if not self.adapter.rotary and not self.adapter.query_prescaled:
+        if not self.adapter.description.rotary and not self.adapter.query_prescaled:
             return  # hook_q / hook_k fire inside attention
         q, k = self._point(b + "attn.hook_q"), self._point(b + "attn.hook_k")
         if layer.qkv is not None and self.adapter.qkv_layout == "heads":

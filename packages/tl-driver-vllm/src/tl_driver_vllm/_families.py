@@ -1,9 +1,12 @@
-"""Where each supported architecture keeps its sites inside vLLM's model, and its ModelInfo.
+"""Where each supported architecture keeps its sites inside vLLM's model.
 
 A ``Layout`` names submodules by attribute path, so the same table serves the worker (which
 installs hooks on vLLM's modules) and the driver (which checks the family and builds the
-``ModelInfo`` and hook namespace from the checkpoint's config before any engine exists).
-This module imports neither torch nor vLLM.
+hook namespace before any engine exists). What a family *is* (its norms and where they sit,
+parallel or sequential, positions, MLP variant, the configs it cannot describe) is its
+``tl_core.architecture`` description, found by architecture name (``family_for``); a row
+holds only vLLM's paths and what vLLM's model class does differently, and is checked
+against its description (``disagreements``). This module imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tl_core import ConfigError, ModelInfo
-from tl_core.driver_api import NormKind, model_info_from_config, normalization_type
+from tl_core.architecture import FamilyDescription, family_description
 
 __all__ = [
     "FAMILY_LAYOUTS",
     "NOT_RUN_BY_VLLM",
     "Layout",
-    "NormKind",
     "architecture_of",
+    "disagreements",
+    "family_for",
     "layout_for",
     "model_info",
     "resolve",
@@ -33,9 +37,10 @@ class Layout:
     """How one architecture family is laid out inside vLLM's ``*ForCausalLM`` module.
 
     One instance per family, keyed by architecture name in ``FAMILY_LAYOUTS``. The worker installs
-    hooks from these fields alone (``tl_driver_vllm._worker_side._sites``), and the driver derives the
-    ``ModelInfo`` and the hook namespace from them, so adding a family whose vLLM module has
-    this shape is one table row plus its parity test.
+    hooks from these paths and the family's settled description
+    (``tl_driver_vllm._worker_side._sites``); the driver builds the hook namespace from both,
+    so adding a family whose vLLM module has this shape is one description row in tl-core,
+    one table row here, and its parity test (``docs/adding-a-family.md``).
 
     **Paths.** Every module is named by a dotted attribute path relative to its parent:
     model-level parts relative to ``inner``, block parts relative to one decoder layer,
@@ -79,11 +84,12 @@ class Layout:
     every site hides, and their ``Attention`` layer is called through ``forward`` directly,
     so its inputs are read by wrapping that method for the run.
 
-    **Adding a family.** Start from the row of a family with the same module shape
-    (``dataclasses.replace``), change the paths and flags that differ, add the row to
-    ``FAMILY_LAYOUTS`` and the family to the parity tests. A new structural variant (a parallel
-    block, a norm placement vLLM fuses differently) gets a new field with a default that
-    keeps the existing rows unchanged, and its handling in ``_sites``.
+    **Adding a family.** Write (or find) its description in ``tl_core.architecture``. Start
+    from the row of a family with the same module shape (``dataclasses.replace``), change the
+    paths that differ, add the row to ``FAMILY_LAYOUTS`` and the family to the parity tests.
+    A path exists exactly where the description says the module does. A new way vLLM's
+    module computes (a norm placement vLLM fuses differently) gets a new field with a default
+    that keeps the existing rows unchanged, and its handling in ``_sites``.
 
     Attributes:
         inner: Attribute of the top-level model holding the decoder (``"model"``).
@@ -95,7 +101,7 @@ class Layout:
         attn: Attention block, relative to a layer.
         mlp: MLP (or mixture-of-experts) block, relative to a layer.
         ln2: The pre-MLP norm, relative to a layer: its input is the residual between
-            attention and MLP (or, in a ``parallel`` block, the block input); ``None`` where
+            attention and MLP (or, in a parallel block, the block input); ``None`` where
             the MLP reads the residual directly (OLMo 2) or one norm feeds both sublayers.
         ln1_post: Post-attention norm of sandwich-norm families, or ``None``.
         ln2_post: Post-MLP norm of sandwich-norm families, or ``None``.
@@ -104,14 +110,8 @@ class Layout:
             rather than one residual-stream tensor.
         layer_input: Index of the hidden-states argument of a layer's ``forward``: ``1``
             for ``(positions, hidden_states[, residual])``, ``0`` for ``(hidden_states,)``.
-        norm: How every norm of the family normalizes and applies its weight, in tl-core's
-            one vocabulary (``tl_core.driver_api.NormKind``: ``"rms"``, ``"rms_plus_one"``
-            for Gemma's ``(1 + w)``, ``"layernorm"``, ...).
         lm_head: Unembedding module: ``"lm_head"`` on the top-level model, or ``"embed"``
             when the model projects with its (tied) token embedding directly.
-        embed_scaled: Whether the model multiplies the embedding by ``sqrt(d_model)`` after
-            the embedding module (Gemma): ``embed.hook_out`` is then read where that value
-            enters block 0.
         qkv: Fused query/key/value projection, relative to ``attn``.
         qkv_layout: ``"blocks"`` (``[q | k | v]``) or ``"heads"`` (``[q_h | k_h | v_h]``).
         attention: vLLM's ``Attention`` layer, relative to ``attn``.
@@ -127,19 +127,17 @@ class Layout:
         fc_in: Input projection of a non-gated MLP relative to ``mlp``, or ``None``.
         down: Output projection relative to ``mlp``, or ``None``.
         router: Router of a mixture-of-experts block relative to ``mlp``, or ``None``.
-        config_requires: Config values the layout assumes, with the reason when one differs
-            (checked before the engine starts).
+        vllm_requires: Config values vLLM's model class needs beyond what the description
+            requires, with the reason when one differs (checked before the engine starts).
         embed_norm: A norm applied to the embedding before block 0 (BLOOM's
             ``word_embeddings_layernorm``) relative to ``inner``, served as ``embed_ln.*``.
-        parallel: Whether attention and the MLP read the same block input. With ``ln2`` the
-            MLP's own norm reads it (GPT-NeoX): an ``ln2.hook_in`` edit replaces that norm's
-            input only. Without ``ln2`` one norm (``ln1``) feeds both (GPT-J, Falcon-7B):
-            ``ln2.hook_in`` is the block input as the MLP sees it, and an edit reaches the
-            MLP as ``ln1(edited)`` while attention keeps the unedited norm.
-        parallel_field: Config field that decides ``parallel`` per checkpoint, if any.
+            In a parallel block (the description's ``is_parallel``) with ``ln2`` the MLP's
+            own norm reads the block input (GPT-NeoX): an ``ln2.hook_in`` edit replaces
+            that norm's input only. Without ``ln2`` one norm (``ln1``) feeds both (GPT-J,
+            Falcon-7B): ``ln2.hook_in`` is the block input as the MLP sees it, and an edit
+            reaches the MLP as ``ln1(edited)`` while attention keeps the unedited norm.
         backend: ``"native"`` (vLLM's own model class) or ``"transformers"`` (vLLM's
             Transformers backend, ``TransformersForCausalLM``), see above.
-        same_width: ``(config field, reason)``: a width that must equal ``hidden_size``.
         partial_outputs: Whether vLLM leaves each tensor-parallel rank's attention and MLP
             outputs as partial sums and all-reduces them once, after adding them (Falcon's
             parallel block). Under tensor parallelism ``attn.hook_out`` and ``mlp.hook_out``
@@ -149,17 +147,15 @@ class Layout:
             computes another activation than the checkpoint defines: the worker installs
             the checkpoint's at boot (with a log line), so the engine computes the model
             transformers and the hf driver compute. ``None`` where vLLM's is the checkpoint's.
-        renormalize: Whether the router's top-k weights are renormalised to sum to 1 (the
-            softmax over all experts is taken first either way).
-        renormalize_field: Config field that decides ``renormalize`` per checkpoint
-            (``norm_topk_prob``), if any.
         attn_input: Position of the hidden states among the attention module's positional
             arguments (``-1``: last, after the positions; gpt-oss passes them first).
-        attention_sinks: Whether attention adds a sink logit per head (gpt-oss): patterns
-            then sum to less than 1.
         residual_offset: How many arguments after the hidden states a layer takes its
             ``residual`` (``residual_pair`` families): 1, or 2 where the positions come
             between (gpt-oss).
+        withheld: Hook templates this row places but the vllm driver does not serve, with
+            the reason: the hf driver serves the family by inference, where no equation
+            certifies them, and a name must mean the same tensor on both drivers or on
+            neither (``tests/test_units.py`` checks the list against the hf driver's).
     """
 
     inner: str
@@ -175,9 +171,7 @@ class Layout:
     ln2_post: str | None
     residual_pair: bool
     layer_input: int
-    norm: NormKind
     lm_head: Literal["lm_head", "embed"]
-    embed_scaled: bool = False
     qkv: str = "qkv_proj"
     qkv_layout: Literal["blocks", "heads"] = "blocks"
     attention: str = "attn"
@@ -190,19 +184,14 @@ class Layout:
     fc_in: str | None = None
     down: str | None = "down_proj"
     router: str | None = None
-    config_requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    vllm_requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
     embed_norm: str | None = None
-    parallel: bool = False
-    parallel_field: str | None = None
     backend: Literal["native", "transformers"] = "native"
-    same_width: tuple[str, str] | None = None
     partial_outputs: bool = False
     activation: tuple[str, str] | None = None
-    renormalize: bool = True
-    renormalize_field: str | None = None
     residual_offset: int = 1
     attn_input: int = -1
-    attention_sinks: bool = False
+    withheld: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def batched(self) -> bool:
@@ -214,34 +203,14 @@ class Layout:
         """Whether the MLP's projections sit in the layer itself (``mlp`` is ``""``, OPT)."""
         return self.mlp == ""
 
-    @property
-    def gated(self) -> bool:
-        """Whether the MLP has a gate (``hook_pre_linear`` exists)."""
-        return self.gate_up is not None
-
-    @property
-    def moe(self) -> bool:
-        """Whether the MLP is a mixture of experts (no single layer of neurons)."""
-        return self.router is not None
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether queries and keys are normalised before attention."""
-        return self.q_norm is not None
-
     def config_problems(self, config: Any) -> list[str]:
-        """Why this layout cannot serve ``config`` (empty when it can)."""
-        problems = [
+        """Why vLLM's model class cannot run ``config`` (empty when it can); what the
+        description cannot describe is ``FamilyDescription.config_problems``."""
+        return [
             f"{name}={getattr(config, name, None)!r} (expected {want!r}): {why}"
-            for name, (want, why) in self.config_requires.items()
+            for name, (want, why) in self.vllm_requires.items()
             if getattr(config, name, want) != want
         ]
-        if self.same_width is not None:
-            name, why = self.same_width
-            width, hidden = getattr(config, name, None), getattr(config, "hidden_size", None)
-            if width is not None and width != hidden:
-                problems.append(f"{name}={width!r} (expected hidden_size={hidden!r}): {why}")
-        return problems
 
 
 _LLAMA = Layout(
@@ -258,13 +227,11 @@ _LLAMA = Layout(
     ln2_post=None,
     residual_pair=True,
     layer_input=1,
-    norm="rms",
     lm_head="lm_head",
 )
 _QWEN3 = replace(_LLAMA, q_norm="q_norm", k_norm="k_norm")
-_GEMMA = replace(_LLAMA, norm="rms_plus_one", embed_scaled=True)
 _GEMMA2 = replace(
-    _GEMMA,
+    _LLAMA,
     ln2="pre_feedforward_layernorm",
     ln1_post="post_attention_layernorm",
     ln2_post="post_feedforward_layernorm",
@@ -272,23 +239,27 @@ _GEMMA2 = replace(
 )
 _GEMMA3 = replace(_GEMMA2, lm_head="lm_head", q_norm="q_norm", k_norm="k_norm")
 _MIXTRAL = replace(_LLAMA, mlp="block_sparse_moe", gate_up=None, down=None, router="gate")
-# Mixtures of experts whose block is `mlp`; the routing's renormalisation follows the
-# checkpoint where vLLM's class reads it (Qwen 2/3-MoE), and is off in vLLM's OLMoE.
+#: What the vllm driver withholds on a row of a family the hf driver serves by inference.
+_INFERRED_ON_HF = {
+    "blocks.{i}.attn.hook_result": (
+        "the hf driver serves this family by inference, where no equation certifies the "
+        "per-head results; the vllm driver does not serve them either, so a name means the "
+        "same tensor on both drivers"
+    ),
+}
+# Mixtures of experts whose block is `mlp`.
 _QWEN3_MOE = replace(
-    _QWEN3, mlp="mlp", gate_up=None, down=None, router="gate", renormalize_field="norm_topk_prob"
+    _QWEN3, mlp="mlp", gate_up=None, down=None, router="gate", withheld=_INFERRED_ON_HF
 )
 _QWEN2_MOE = replace(_QWEN3_MOE, q_norm=None, k_norm=None)
 _OLMOE = replace(
     _QWEN3_MOE,
     qk_norm_layout="flat",
-    renormalize=False,
-    renormalize_field=None,
-    config_requires={
+    vllm_requires={
         "norm_topk_prob": (False, "vLLM's OLMoE never renormalises the chosen experts' weights"),
     },
 )
-# EXAONE 4: OLMo 2's block (no pre-norms, a norm after each sublayer) in vLLM's own class,
-# which passes the whole stream between layers; QK-norms per head.
+# EXAONE 4: vLLM's own class passes the whole stream between layers.
 _EXAONE4 = replace(
     _QWEN3,
     ln1=None,
@@ -296,10 +267,10 @@ _EXAONE4 = replace(
     ln1_post="post_attention_layernorm",
     ln2_post="post_feedforward_layernorm",
     residual_pair=False,
+    withheld=_INFERRED_ON_HF,
 )
 # gpt-oss: vLLM's own class names the embedding `embedding` and attention `attn`, passes
-# hidden states first, routes with a biased router (top-k of the logits, softmax over those:
-# the renormalised softmax) and adds attention sinks, which the pattern rebuild counts.
+# hidden states first; the pattern rebuild counts its attention sinks.
 _GPT_OSS = replace(
     _LLAMA,
     embed="embedding",
@@ -307,33 +278,33 @@ _GPT_OSS = replace(
     layer_input=0,
     residual_offset=2,
     attn_input=0,
-    attention_sinks=True,
     gate_up=None,
     down=None,
     router="router",
+    withheld=_INFERRED_ON_HF,
+)
+_NO_HF_ROUTER = (
+    "the hf driver finds no module of transformers' Granite-MoE that returns (logits, "
+    "weights, indices) as a router, so neither driver serves the routing sites"
 )
 _GRANITE_MOE = replace(
     _MIXTRAL,
-    config_requires={
+    vllm_requires={
         "embedding_multiplier": (1.0, "vLLM's Granite scales the embedding after its module"),
         "residual_multiplier": (
             1.0,
             "vLLM's Granite scales each sublayer's output after its module",
         ),
     },
-)
-_STABLELM = replace(
-    _LLAMA,
-    residual_pair=False,
-    norm="layernorm",
-    config_requires={
-        "use_parallel_residual": (
-            False,
-            "vLLM's StableLM layer runs attention and MLP in sequence",
-        ),
-        "qk_layernorm": (False, "vLLM's StableLM attention has no query/key norms"),
+    withheld={
+        **_INFERRED_ON_HF,
+        **{
+            f"blocks.{{i}}.mlp.{site}": _NO_HF_ROUTER
+            for site in ("hook_router_logits", "hook_expert_weights", "hook_expert_indices")
+        },
     },
 )
+_STABLELM = replace(_LLAMA, residual_pair=False)
 _GPT2 = Layout(
     inner="transformer",
     embed="wte",
@@ -348,7 +319,6 @@ _GPT2 = Layout(
     ln2_post=None,
     residual_pair=False,
     layer_input=0,
-    norm="layernorm",
     lm_head="lm_head",
     qkv="c_attn",
     o_proj="c_proj",
@@ -358,14 +328,13 @@ _GPT2 = Layout(
     down="c_proj",
 )
 
-# The families below pass one residual-stream tensor between layers and use LayerNorm,
-# like GPT-2; their rows start from it.
+# The families below pass one residual-stream tensor between layers, like GPT-2; their
+# rows start from it.
 _GPTJ = replace(
     _GPT2,
     pos_embed=None,
     ln2=None,
     layer_input=1,
-    parallel=True,
     qkv="qkv_proj",
     o_proj="out_proj",
     rotary="rotary_emb",
@@ -387,19 +356,6 @@ _OPT = replace(
     o_proj="out_proj",
     fc_in="fc1",
     down="fc2",
-    config_requires={
-        "do_layer_norm_before": (
-            True,
-            "post-LN OPT (opt-350m) normalises after each sublayer, which the canonical "
-            "pre-norm hooks cannot describe",
-        ),
-        "_remove_final_layer_norm": (False, "the final norm is expected"),
-    },
-    same_width=(
-        "word_embed_proj_dim",
-        "OPT's project_in/project_out around the blocks (word_embed_proj_dim != "
-        "hidden_size) are not mapped",
-    ),
 )
 _BLOOM = replace(
     _GPT2,
@@ -418,13 +374,6 @@ _BLOOM = replace(
     # BLOOM's GELU is the tanh approximation (transformers' BloomGelu, Megatron's bias-GELU);
     # vLLM 0.32's BloomMLP uses the exact (erf) GELU, 1e-3 away on the tiny model.
     activation=("gelu_impl", "gelu_pytorch_tanh"),
-    config_requires={
-        "apply_residual_connection_post_layernorm": (
-            False,
-            "with it the residual stream is the normalised input, which the hook "
-            "vocabulary's residual hooks cannot express",
-        ),
-    },
 )
 _FALCON = replace(
     _BLOOM,
@@ -433,17 +382,9 @@ _FALCON = replace(
     attn="self_attention",
     ln1="input_layernorm",
     ln2=None,
-    parallel=True,
     rotary="rotary_emb",
     partial_outputs=True,
-    config_requires={
-        "new_decoder_architecture": (
-            False,
-            "Falcon-40B/180B's grouped layout with two norms is not mapped (nor on the hf driver)",
-        ),
-        "multi_query": (True, "only the multi-query (Falcon-7B) layout is mapped"),
-        "alibi": (False, "Falcon-RW's ALiBi attention is not mapped (nor on the hf driver)"),
-        "parallel_attn": (True, "only the parallel attention/MLP block is mapped"),
+    vllm_requires={
         "bias": (
             False,
             "vLLM's Falcon adds the projections' biases after the block's single "
@@ -452,8 +393,9 @@ _FALCON = replace(
     },
 )
 #: vLLM architecture name -> layout of vLLM's own model class. Every entry is covered by the
-#: parity tests. Architectures vLLM runs on its Transformers backend (GPT-NeoX, OLMo 2, ...)
-#: have no row: their layout is read from the hf driver's description (``_derive``).
+#: parity tests, and its family is described in ``tl_core.architecture``. Architectures vLLM
+#: runs on its Transformers backend (GPT-NeoX, OLMo 2, ...) have no row: their layout is read
+#: from the hf driver's adapter (``_derive``, the ``transformers-backend`` extra).
 FAMILY_LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
@@ -467,7 +409,7 @@ FAMILY_LAYOUTS: dict[str, Layout] = {
     "GraniteMoeForCausalLM": _GRANITE_MOE,
     "GptOssForCausalLM": _GPT_OSS,
     "Exaone4ForCausalLM": _EXAONE4,
-    "GemmaForCausalLM": _GEMMA,
+    "GemmaForCausalLM": _LLAMA,
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
     "StableLmForCausalLM": _STABLELM,
@@ -522,81 +464,118 @@ def layout_for(architecture: str) -> Layout:
     return layout
 
 
-def resolve(config: Any) -> Layout:
-    """The layout serving one checkpoint: its family's, with per-checkpoint fields settled.
+def family_for(architecture: str) -> tuple[Layout, FamilyDescription]:
+    """The layout of a supported architecture and its family's description.
+
+    Raises:
+        ConfigError: The architecture is not supported (``layout_for``), or its row and its
+            description disagree (a table bug, named).
+    """
+    layout = layout_for(architecture)
+    description = family_description(architectures=(architecture,))
+    if description is None:
+        raise ConfigError(
+            f"the vllm driver's row for {architecture!r} names no family description in "
+            "tl_core.architecture (docs/adding-a-family.md)"
+        )
+    problems = disagreements(layout, description)
+    if problems:
+        raise ConfigError(
+            f"the vllm driver's row for {architecture!r} disagrees with the "
+            f"{description.family!r} description: {'; '.join(problems)}"
+        )
+    return layout, description
+
+
+def disagreements(layout: Layout, description: FamilyDescription) -> list[str]:
+    """Where a row's paths say something else than its description (empty: they agree)."""
+    d = description
+    expected: dict[str, bool] = {
+        "ln1": d.norm_before_attn,
+        "ln2": d.norm_before_mlp,
+        "ln1_post": d.norm_after_attn,
+        "ln2_post": d.norm_after_mlp,
+        "q_norm": d.qk_norm != "none",
+        "k_norm": d.qk_norm != "none",
+        "pos_embed": d.positions == "learned",
+        "embed_norm": d.norm_after_embed,
+        "router": d.moe,
+        "gate_up": d.gated,
+        "fc_in": d.mlp_variant == "dense",
+    }
+    if not layout.batched:  # the Transformers backend names the model's rotary module
+        expected["rotary"] = d.rotary
+    problems = [
+        f"{name}={getattr(layout, name)!r} but the description says "
+        f"{'there is one' if want else 'there is none'}"
+        for name, want in expected.items()
+        if (getattr(layout, name) is not None) != want
+    ]
+    if d.norm_before_unembed is not True:
+        problems.append(f"final_norm={layout.final_norm!r} but the description has none")
+    if layout.q_norm is not None and (layout.qk_norm_layout == "flat") != (
+        d.qk_norm == "across_heads"
+    ):
+        problems.append(
+            f"qk_norm_layout={layout.qk_norm_layout!r} but the description's QK-norm is "
+            f"{d.qk_norm.replace('_', ' ')}"
+        )
+    return problems
+
+
+def resolve(config: Any) -> tuple[Layout, FamilyDescription]:
+    """The layout serving one checkpoint, and its family's description settled for it.
 
     Args:
         config: The checkpoint's ``transformers`` config (text config for wrappers).
 
-    Returns:
-        The family layout, ``parallel`` read from ``parallel_field`` where it has one.
+    Raises:
+        ConfigError: Unsupported architecture, or a config the family or vLLM's class
+            cannot serve (naming each field, the value expected and why).
+    """
+    layout, description = family_for(architecture_of(config))
+    return layout, settle(layout, description, config)
+
+
+def settle(layout: Layout, description: FamilyDescription, config: Any) -> FamilyDescription:
+    """``description`` settled for one checkpoint (``FamilyDescription.settled``), after
+    checking that both the description and vLLM's class serve it.
 
     Raises:
-        ConfigError: Unsupported architecture, or a config the layout cannot serve (naming
-            each field, the value expected and why).
+        ConfigError: A config the description does not describe or vLLM's class cannot run
+            (naming each field, the value expected and why).
     """
-    return settle(layout_for(architecture_of(config)), config)
-
-
-def settle(layout: Layout, config: Any) -> Layout:
-    """``layout`` for one checkpoint: ``parallel`` read from ``parallel_field`` where it has one.
-
-    Raises:
-        ConfigError: A config the layout cannot serve (naming each field, the value expected
-            and why).
-    """
-    architecture = architecture_of(config)
-    problems = layout.config_problems(config)
+    problems = description.config_problems(config) + layout.config_problems(config)
     if problems:
         raise ConfigError(
-            f"the vllm driver cannot serve this {architecture!r} checkpoint: "
+            f"the vllm driver cannot serve this {architecture_of(config)!r} checkpoint: "
             f"{'; '.join(problems)}. Use the hf driver for it."
         )
-    if layout.parallel_field is not None:
-        parallel = bool(getattr(config, layout.parallel_field, layout.parallel))
-        layout = replace(layout, parallel=parallel)
-    if layout.renormalize_field is not None:
-        renormalize = bool(getattr(config, layout.renormalize_field, layout.renormalize))
-        layout = replace(layout, renormalize=renormalize)
-    return layout
+    return description.settled(config)
 
 
 def model_info(
-    config: Any, *, layout: Layout | None = None, max_model_len: int | None = None
+    config: Any, description: FamilyDescription, *, max_model_len: int | None = None
 ) -> ModelInfo:
     """Build the ``ModelInfo`` of a checkpoint from its ``transformers`` config.
 
-    The structure flags are the ones the hf driver reports for the same checkpoint, so a
-    name resolves to the same site on both drivers.
+    The structure is the family's description, as on the hf driver, so a name resolves to
+    the same site on both drivers.
 
     Args:
         config: A ``transformers.PretrainedConfig`` (text config for multimodal wrappers).
-        layout: The layout serving it (default: its family's row, ``resolve``).
+        description: Its family's description (``resolve``).
         max_model_len: The engine's context limit, when known (else the config's).
 
     Returns:
-        Sizes from tl-core's config reader, structure from the family's layout.
+        Sizes from tl-core's config reader, structure from the description.
 
     Raises:
-        ConfigError: Unsupported architecture or config, or a config missing a size.
+        ConfigError: A config missing a size, or one vLLM would read otherwise than
+            transformers.
     """
-    layout = resolve(config) if layout is None else layout
     architecture = architecture_of(config)
-    info = model_info_from_config(
-        config,
-        normalization_type=normalization_type(layout.norm),
-        positional_embedding_type=(
-            "standard" if layout.pos_embed else "rotary" if layout.rotary else "none"
-        ),
-        gated_mlp=layout.gated,
-        parallel_attn_mlp=layout.parallel,
-        sandwich_norm=layout.ln1_post is not None,
-        qk_norm=layout.qk_norm,
-        embed_norm=layout.embed_norm is not None,
-        moe=layout.moe,
-        architecture=architecture,
-        n_ctx=max_model_len,
-    )
+    info = description.model_info(config, n_ctx=max_model_len, architecture=architecture)
     kv, multi_query = (
         getattr(config, "num_key_value_heads", None),
         getattr(config, "multi_query", None),
@@ -613,8 +592,4 @@ def model_info(
                 f"different models; set num_key_value_heads to {heads} in the checkpoint's "
                 f"config.json"
             )
-    shared = getattr(config, "shared_expert_intermediate_size", None) if layout.moe else None
-    if isinstance(shared, int) and shared > 0:
-        # Qwen2-MoE's shared expert: its sites exist (the hf driver serves them).
-        info = replace(info, d_shared_expert=shared)
     return info

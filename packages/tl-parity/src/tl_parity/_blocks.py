@@ -88,7 +88,7 @@ def _native_blocks(model: str, options: Mapping[str, Any]) -> int | None:
 
 
 def _config_blocks(data: Mapping[str, Any]) -> int | None:
-    from tl_core.driver_api import model_info_from_config
+    from tl_core.architecture import model_info_from_config
 
     for config in (data, data.get("text_config")):
         if not isinstance(config, Mapping):

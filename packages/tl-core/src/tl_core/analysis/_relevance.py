@@ -431,7 +431,7 @@ def _plans(model: Any, rules: RelevanceRules) -> tuple[ModelInfo, list[_Plan], l
             SiteCoverage(site, "attention", True), "attention", lambda taps: _PatternRule()
         )
 
-    has_norm = info.normalization_type is not None
+    has_norm = info.normalization_type in ("LN", "RMS")
     plans: list[_Plan] = [norm("embed_ln")] if has_norm and info.embed_norm else []
     for i in range(info.n_layers):
         before, after = _norm_prefixes(info, i) if has_norm else ([], [])

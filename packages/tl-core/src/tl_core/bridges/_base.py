@@ -16,11 +16,11 @@ from typing import Any, ClassVar, Literal, TypeVar, Union
 import torch
 
 from tl_core._errors import UnsupportedFeatureError, UserError
+from tl_core.architecture._description import Architecture
 from tl_core.bridges._loss import next_token_loss
 from tl_core.bridges._prompts import check_context, encode, generated_output, prompt_rows
 from tl_core.bridges._stopping import reached
 from tl_core.cache._cache import ActivationCache
-from tl_core.driver_api._architecture import Architecture
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry

@@ -104,7 +104,7 @@ class RemoteBridge(Bridge):
         info = self.driver.info
         if stop < info.n_layers:
             name = f"blocks.{stop}.hook_in"
-        elif info.normalization_type is not None:
+        elif info.normalization_type in ("LN", "RMS"):
             name = "ln_final.hook_in"
         else:
             name = f"blocks.{info.n_layers - 1}.hook_out"

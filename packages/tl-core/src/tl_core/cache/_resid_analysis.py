@@ -106,6 +106,12 @@ class ResidualAnalysisMixin(ABC):
         if final and self.readout is not None:
             return self.readout.normalization_type
         if self.info is not None:
+            if self.info.normalization_type == "unknown":
+                raise UserError(
+                    f"{purpose} needs the model's normalisation, but tl did not establish it "
+                    f"for {self.info.architecture or 'this model'} (its blocks are read from "
+                    "outside only); apply the final norm yourself, or pass readout=ModelReadout(...)"
+                )
             return self.info.normalization_type
         if self.readout is not None:
             return self.readout.normalization_type

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from tl_core._errors import HookNameError, SpecError, UserError
+from tl_core.architecture._config import _N_CTX
 from tl_core.capture._config import CaptureConfig
-from tl_core.driver_api._hf_config import _N_CTX
 
 __all__ = [
     "ContextLimit",
@@ -152,7 +152,7 @@ def _config_limit(
     model: str, options: Mapping[str, Any], overrides: Mapping[str, Any] | None, *, rope_ok: bool
 ) -> tuple[int, str] | None:
     """The position limit a local folder's ``config.json`` names, read as the drivers read it."""
-    from tl_core.driver_api import model_info_from_config
+    from tl_core.architecture import model_info_from_config
 
     folder = Path(model).expanduser()
     path = folder / "config.json"

@@ -14,17 +14,6 @@ from tl_core._lazy import attach
 
 if TYPE_CHECKING:
     from tl_core.cache._readout import ModelReadout as ModelReadout
-    from tl_core.driver_api._architecture import (
-        Architecture as Architecture,
-        AttentionDescription as AttentionDescription,
-        BlockForm as BlockForm,
-        MLPDescription as MLPDescription,
-        NormDescription as NormDescription,
-        QKNorm as QKNorm,
-        block_form as block_form,
-        describe_model as describe_model,
-        uses_alibi as uses_alibi,
-    )
     from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
     from tl_core.driver_api._certification import (
         CERTIFIED_STATUSES as CERTIFIED_STATUSES,
@@ -58,17 +47,13 @@ if TYPE_CHECKING:
         gguf_source as gguf_source,
         require_gguf_packages as require_gguf_packages,
     )
-    from tl_core.driver_api._hf_config import model_info_from_config as model_info_from_config
     from tl_core.driver_api._layers import block_index as block_index
     from tl_core.driver_api._local import LocalDriver as LocalDriver
     from tl_core.driver_api._norms import (
-        NORM_KINDS as NORM_KINDS,
-        NormKind as NormKind,
         apply_norm_weight as apply_norm_weight,
         centred_input as centred_input,
         norm_module_eps as norm_module_eps,
         norm_statistics as norm_statistics,
-        normalization_type as normalization_type,
     )
     from tl_core.driver_api._paths import (
         checked_model_folder as checked_model_folder,

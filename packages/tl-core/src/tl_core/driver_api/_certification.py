@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-    from tl_core.driver_api._architecture import Architecture
+    from tl_core.architecture._description import Architecture
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""One norm vocabulary and one copy of the norm math, for every driver.
+"""One copy of the norm math, for every driver (the vocabulary, ``NormKind``, is
+``tl_core.architecture``'s).
 
 ``hook_scale`` and ``hook_normalized`` are not tensors any engine's norm exposes, so drivers
 recompute them from the norm's input, in float32 where the norm computes in float32, with
@@ -10,34 +11,19 @@ a driver rebuilds the output with it when a hook edits the scale or the normaliz
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from tl_core.architecture._vocabulary import NormKind
 
 if TYPE_CHECKING:  # the vocabulary is read without torch (adapter tables, support checks)
     import torch
 
 __all__ = [
-    "NORM_KINDS",
-    "NormKind",
     "apply_norm_weight",
     "centred_input",
     "norm_module_eps",
     "norm_statistics",
-    "normalization_type",
 ]
-
-#: How a norm normalizes and applies its weight (over the last axis):
-#: ``"layernorm"``: centred, biased variance, ``normalized * w + b``;
-#: ``"rms"``: ``w * normalized.to(input_dtype)`` (Llama);
-#: ``"rms_weight_first"``: ``(w * normalized).to(input_dtype)`` (OLMo 2);
-#: ``"rms_plus_one"``: ``(normalized * (1 + w)).to(input_dtype)`` (Gemma).
-NormKind = Literal["layernorm", "rms", "rms_weight_first", "rms_plus_one"]
-NORM_KINDS: tuple[NormKind, ...] = ("layernorm", "rms", "rms_weight_first", "rms_plus_one")
-"""Every ``NormKind``."""
-
-
-def normalization_type(kind: NormKind) -> Literal["LN", "RMS"]:
-    """The ``ModelInfo.normalization_type`` of a norm kind."""
-    return "LN" if kind == "layernorm" else "RMS"
 
 
 def norm_statistics(

@@ -98,7 +98,8 @@ def _rotary(info: ModelInfo) -> bool:
 
 
 def _not_rotary(info: ModelInfo) -> bool:
-    return info.positional_embedding_type != "rotary"
+    # Only where the scheme is established: an unknown one may well be rotary.
+    return info.positional_embedding_type in ("standard", "none")
 
 
 def _no_norm(info: ModelInfo) -> bool:

@@ -24,8 +24,12 @@ class ModelInfo:
         d_vocab: Vocabulary size (rows of the unembedding).
         n_ctx: Longest sequence the model takes.
         n_key_value_heads: Key/value heads (``n_heads`` unless grouped-query attention).
-        normalization_type: ``"LN"`` (LayerNorm), ``"RMS"`` (RMSNorm) or ``None``.
-        positional_embedding_type: ``"standard"`` (learned), ``"rotary"`` or ``"none"``.
+        normalization_type: ``"LN"`` (LayerNorm), ``"RMS"`` (RMSNorm), ``None`` (no norms),
+            or ``"unknown"``: tl did not establish it (a block it reads from outside only).
+            No norm site (``ln1.*``, ``ln_final.*``, ...) is served on an unknown norm.
+        positional_embedding_type: ``"standard"`` (learned), ``"rotary"``, ``"none"``, or
+            ``"unknown"`` (not established): then neither ``pos_embed.*`` nor the rotary
+            sites are served, and no alias claims the model has no rotary embedding.
         gated_mlp: Whether the MLP has a gate projection (``hook_pre_linear`` fires).
         parallel_attn_mlp: Whether attention and MLP read the same block input (GPT-J,
             NeoX): then ``ln2.hook_in`` / ``hook_resid_mid`` does not exist.
@@ -68,8 +72,8 @@ class ModelInfo:
     d_vocab: int
     n_ctx: int
     n_key_value_heads: int | None = None
-    normalization_type: Literal["LN", "RMS"] | None = "LN"
-    positional_embedding_type: Literal["standard", "rotary", "none"] = "standard"
+    normalization_type: Literal["LN", "RMS", "unknown"] | None = "LN"
+    positional_embedding_type: Literal["standard", "rotary", "none", "unknown"] = "standard"
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
     sandwich_norm: bool = False

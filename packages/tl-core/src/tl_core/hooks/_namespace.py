@@ -17,6 +17,7 @@ from tl_core._errors import DriverContractError, HookNameError, SpecError
 from tl_core.hooks._dictionary_sites import DictionarySite, split_dictionary_name
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._order import forward_order
+from tl_core.hooks._requirements import UNKNOWN_BECAUSE, requirement_unknown
 from tl_core.hooks._resolution import (
     HookResolution,
     canonical_name,
@@ -138,8 +139,13 @@ class HookNamespace:
                 else [template.template]
             )
             present = requirement_met(
-                template.requires, info, include_attn_result=False, include_split_qkv_input=False
+                template.requires,
+                info,
+                include_attn_result=False,
+                include_split_qkv_input=False,
+                statistic=template.statistic,
             )
+            unknown = requirement_unknown(template.requires, info, statistic=template.statistic)
             for name in names:
                 if name in served_set and name in editable_set:
                     continue
@@ -148,6 +154,8 @@ class HookNamespace:
                 elif name in served_set:
                     generic = f"{label} serves it for capture only"
                     table[name] = _IDS_REASON if template.layout in _IDS else generic
+                elif not present and unknown is not None:
+                    table[name] = f"this {model} may have such a site: {UNKNOWN_BECAUSE[unknown]}"
                 elif not present and template.requires is not None:
                     table[name] = (
                         f"this {model} has no such site: {MISSING_BECAUSE[template.requires]}"

@@ -1,7 +1,11 @@
 """When a model has the sites of a hook template: its ``requires`` conditions.
 
 Each ``HookTemplate.requires`` names one structural condition; ``requirement_met`` decides
-it from a ``ModelInfo`` and ``MISSING_BECAUSE`` says, for the sites a model lacks, why.
+it from a ``ModelInfo`` and ``MISSING_BECAUSE`` says, for the sites a model lacks, why. A
+site that needs a fact tl did not establish is not met either, and ``requirement_unknown``
+names the fact (``UNKNOWN_BECAUSE`` says why): a norm's scale and pre-weight value where the
+norms' weight rule is ``"unknown"`` (``ModelInfo.normalization_type``), the position sites
+where the position scheme is. Such a site is neither served nor called structurally absent.
 """
 
 from __future__ import annotations
@@ -10,7 +14,13 @@ from typing import Literal
 
 from tl_core.hooks._model_info import ModelInfo
 
-__all__ = ["MISSING_BECAUSE", "HookRequirement", "requirement_met"]
+__all__ = [
+    "MISSING_BECAUSE",
+    "UNKNOWN_BECAUSE",
+    "HookRequirement",
+    "requirement_met",
+    "requirement_unknown",
+]
 
 HookRequirement = Literal[
     "standard_pos",
@@ -54,6 +64,35 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "norm": "it has no normalisation layers",
 }
 
+#: Why a site that needs an unestablished fact is not served, by the fact.
+UNKNOWN_BECAUSE: dict[str, str] = {
+    "norm": "tl did not establish its norms' weight rule, so it cannot recompute a norm's "
+    "scale or pre-weight value",
+    "positions": "tl did not establish its position scheme (it reads these blocks from outside "
+    "only), so it serves no position site",
+}
+
+_POSITION_REQUIREMENTS = ("standard_pos", "rotary")
+
+
+def requirement_unknown(
+    requires: HookRequirement | None, info: ModelInfo, *, statistic: bool = False
+) -> str | None:
+    """The fact (``"norm"`` or ``"positions"``) a site needs when ``info`` leaves it unknown,
+    else ``None``.
+
+    Args:
+        requires: The site's ``HookTemplate.requires``.
+        info: The model's structure.
+        statistic: Whether the site is a norm's ``hook_scale`` or ``hook_normalized``
+            (``HookTemplate.statistic``), which needs the norm's weight rule.
+    """
+    if statistic and info.normalization_type == "unknown":
+        return "norm"
+    if requires in _POSITION_REQUIREMENTS and info.positional_embedding_type == "unknown":
+        return "positions"
+    return None
+
 
 def requirement_met(
     requires: HookRequirement | None,
@@ -61,6 +100,7 @@ def requirement_met(
     *,
     include_attn_result: bool = True,
     include_split_qkv_input: bool = True,
+    statistic: bool = False,
 ) -> bool:
     """Whether a model with ``info`` has sites that need ``requires``.
 
@@ -69,10 +109,14 @@ def requirement_met(
         info: The model's structure.
         include_attn_result: What to answer for the opt-in ``"attn_result"``.
         include_split_qkv_input: What to answer for the opt-in ``"split_qkv_input"``.
+        statistic: Whether the site is a norm's ``hook_scale`` or ``hook_normalized``: not
+            met where the norms' weight rule is unknown.
 
     Returns:
         ``True`` when the model has such sites.
     """
+    if statistic and info.normalization_type == "unknown":
+        return False
     if requires is None:
         return True
     if requires == "standard_pos":

@@ -43,6 +43,7 @@ from tl_core.hooks._alias_tables import (
     Target,
 )
 from tl_core.hooks._model_info import ModelInfo
+from tl_core.hooks._requirements import requirement_unknown
 from tl_core.hooks._vocabulary import (
     CANONICAL_TEMPLATES,
     MISSING_BECAUSE,
@@ -203,7 +204,9 @@ def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
     status, note = target.status, _fill(target.note, layer, info)
     if info is not None and canonical is not None and status in ("canonical", "alias"):
         requires = template_of(canonical).requires
-        if not requirement_met(requires, info, include_attn_result=True):
+        if not requirement_met(requires, info, include_attn_result=True) and not (
+            requirement_unknown(requires, info)
+        ):
             assert requires is not None
             status = "structurally_absent"
             model = info.architecture or "model"

@@ -121,6 +121,12 @@ class HookTemplate:
         return self.template.startswith(_BLOCK_PREFIX)
 
     @property
+    def statistic(self) -> bool:
+        """Whether the site is a norm's scale or pre-weight value (it needs the norm's weight
+        rule, ``ModelInfo.normalization_type``)."""
+        return self.template.endswith((".hook_scale", ".hook_normalized"))
+
+    @property
     def suffix(self) -> str:
         """The part after ``blocks.{i}.`` (the whole name for global hooks)."""
         return self.template[len(_BLOCK_PREFIX) :] if self.per_block else self.template
@@ -573,6 +579,7 @@ def _names_for(
             info,
             include_attn_result=include_attn_result,
             include_split_qkv_input=include_split_qkv_input,
+            statistic=template.statistic,
         )
         if not met:
             continue

@@ -1,8 +1,9 @@
 """The table of architecture adapters, keyed by ``model_type`` and architecture class name.
 
 Every module ``tl_driver_hf.adapters._<family>`` that defines ``ADAPTERS`` (a tuple of
-``ArchitectureAdapter``) is registered automatically, so adding a family is one new file
-(see ``docs/adding-a-family.md``). Importing this package loads only those data modules.
+``ArchitectureAdapter``) is registered automatically, so the hf side of a family is one new
+file of module paths next to its ``tl_core.architecture`` description (see
+``docs/adding-a-family.md``). Importing this package loads only those data modules.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import importlib
 import pkgutil
 from functools import lru_cache
 
-from tl_driver_hf.adapters._base import ArchitectureAdapter, LinearKind, NormKind
+from tl_driver_hf.adapters._base import ArchitectureAdapter, LinearKind
 
 __all__ = [
     "ArchitectureAdapter",
     "LinearKind",
-    "NormKind",
     "all_adapters",
     "find_adapter",
     "register_adapter",

@@ -1,10 +1,14 @@
 """``ArchitectureAdapter``: where one transformers family keeps each canonical site.
 
 An adapter is plain data: dotted module paths (relative to the ``*ForCausalLM`` module for
-model-level parts, to one decoder layer for block parts), a few structural flags and the
-family's deviations from the hook vocabulary. The driver turns it into torch hooks; no
-adapter holds code that runs in the forward pass. Importing this module is cheap (no torch,
-no transformers), so support checks and entry-point scans can read the table.
+model-level parts, to one decoder layer for block parts) and how transformers' modules of the
+family compute (linear kind, fused-projection layout, inline attention, ...). What the family
+*is* (its norms and where they sit, positions, MLP variant, the configs it cannot describe)
+is its ``tl_core.architecture.FamilyDescription``, which the adapter refers to and never
+restates; ``__post_init__`` checks that the paths agree with it. The driver turns an adapter
+into torch hooks; no adapter holds code that runs in the forward pass. Importing this module
+is cheap (no torch, no transformers), so support checks and entry-point scans can read the
+table.
 """
 
 from __future__ import annotations
@@ -12,16 +16,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from tl_core import ModelInfo
-from tl_core.driver_api import NormKind as _CoreNormKind, model_info_from_config, normalization_type
+from tl_core.architecture import FamilyDescription
 
-__all__ = ["ArchitectureAdapter", "LinearKind", "NormKind"]
-
-#: How a norm normalizes and applies its weight: tl-core's one vocabulary (``"layernorm"``,
-#: ``"rms"``, ``"rms_weight_first"``, ``"rms_plus_one"``), shared with every driver.
-NormKind = _CoreNormKind
+__all__ = ["ArchitectureAdapter", "LinearKind"]
 
 #: ``"linear"``: ``nn.Linear`` (weight ``[out, in]``); ``"conv1d"``: GPT-2's ``Conv1D``
 #: (weight ``[in, out]``).
@@ -33,9 +32,10 @@ class ArchitectureAdapter:
     """How one transformers family maps onto the canonical hook tree.
 
     Attributes:
-        family: Short family name (``"llama"``); shown in listings and errors.
-        model_types: The ``config.model_type`` values this adapter serves.
-        architectures: ``*ForCausalLM`` class names it serves (``config.architectures``).
+        description: What the family is (``tl_core.architecture.FamilyDescription``): its
+            name and lookup keys (``family``, ``model_types``, ``architectures`` read from
+            it), norms, positions, MLP variant, config requirements. Paths below exist
+            exactly where it says the module does.
         embed: Path of the token embedding module.
         layers: Path of the ``ModuleList`` of decoder layers.
         final_norm: Path of the final norm, or ``None`` when the unembedding reads the last
@@ -80,11 +80,6 @@ class ArchitectureAdapter:
         gate_up: Fused ``[gate | up]`` projection, inside ``mlp``.
         down: Output projection, inside ``mlp``.
         linear: Weight layout of the projections.
-        norm: How every norm of the family applies its weight.
-        rotary: Whether q/k are rotated inside attention (then ``hook_q``/``hook_k`` come
-            from the projections and ``hook_rot_q``/``hook_rot_k`` from attention).
-        parallel: Whether attention and MLP read the same block input.
-        moe: Whether the MLP is a mixture of experts (per-neuron hooks are absent).
         router: The router inside ``mlp`` (mixture of experts): a module returning
             ``(logits, top-k weights, top-k indices)`` for the flattened positions.
         experts: The routed experts inside ``mlp`` (one module returning their weighted
@@ -98,17 +93,10 @@ class ArchitectureAdapter:
             ``[experts, out, d_model]`` (transformers 5's batched experts, Mixtral's
             ``"experts.gate_up_proj"``), or ``None``; compatibility mode folds the pre-MLP
             norm into it.
-        embed_scaled: Whether the embedding module multiplies its lookup by its own
-            ``embed_scale`` buffer (Gemma); ``embed.hook_out`` is the module's (scaled)
-            output, and ``W_E`` is scaled alike.
         softmax_fp32: Whether eager attention takes the softmax in float32.
-        attn_softcap: Config field of the attention-logit soft-cap, if any.
-        final_softcap: Config field of the final-logit soft-cap, if any.
-        absent: Canonical templates (``"blocks.{i}.ln1.hook_scale"``) the family lacks
-            although its ``ModelInfo`` suggests them, with the reason.
-        hub_patterns: Regular expressions matching hub ids of this family, for offline
-            support checks.
-        known_models: Hub ids of well-known checkpoints of this family.
+        absent: Canonical templates (``"blocks.{i}.attn.hook_cos"``) transformers' modules
+            of the family do not let the hf driver serve, with the reason (beyond what the
+            description lacks, ``FamilyDescription.absent_templates``).
         verified: Whether the driver's test suite checks this family hook by hook.
         qkv_layout: How ``qkv`` is laid out: ``"blocks"`` (``[q | k | v]``) or ``"heads"``
             (per head ``[q_h | k_h | v_h]``, GPT-NeoX).
@@ -120,8 +108,6 @@ class ArchitectureAdapter:
             ``down``'s output.
         flat_mlp: Whether the layer flattens batch and position before its MLP half (OPT);
             the hooks there see ``[batch, pos, ...]`` again.
-        parallel_field: Config field that decides ``parallel`` per checkpoint, if any.
-        config_requires: Config values the adapter assumes, with the reason when one differs.
         rotary_in_attention: Whether attention receives its rotary table as the
             ``position_embeddings`` argument (then ``attn.hook_cos``/``hook_sin`` fire
             there); ``False`` where the module builds it itself (GPT-J).
@@ -140,9 +126,7 @@ class ArchitectureAdapter:
             readout and ``start_at_layer`` runs to the logits are then refused.
     """
 
-    family: str
-    model_types: tuple[str, ...]
-    architectures: tuple[str, ...]
+    description: FamilyDescription
     embed: str = "model.embed_tokens"
     layers: str = "model.layers"
     final_norm: str | None = "model.norm"
@@ -174,124 +158,113 @@ class ArchitectureAdapter:
     gate_up: str | None = None
     down: str | None = "down_proj"
     linear: LinearKind = "linear"
-    norm: NormKind = "rms"
-    rotary: bool = True
-    parallel: bool = False
-    moe: bool = False
     router: str | None = None
     experts: str | None = None
     shared_expert: str | None = None
     shared_parts: tuple[str, str, str] | None = None
     shared_expert_gate: str | None = None
     expert_in: str | None = None
-    embed_scaled: bool = False
     softmax_fp32: bool = True
-    attn_softcap: str | None = None
-    final_softcap: str | None = None
     absent: Mapping[str, str] = field(default_factory=dict)
-    hub_patterns: tuple[str, ...] = ()
-    known_models: tuple[str, ...] = ()
     verified: bool = True
     qkv_layout: Literal["blocks", "heads"] = "blocks"
     query_prescaled: bool = False
     pos_offset: int = 0
     mlp_inline: bool = False
     flat_mlp: bool = False
-    parallel_field: str | None = None
-    config_requires: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
     rotary_in_attention: bool = True
     inline_attention: str | None = None
     sublayers_add_residual: bool = False
     mlp_out_inplace: bool = False
     readout_opaque: bool = False
 
-    @property
-    def gated(self) -> bool:
-        """Whether the MLP has a gate (separate or fused)."""
-        return self.gate is not None or self.gate_up is not None
+    def __post_init__(self) -> None:
+        problems = _disagreements(self)
+        if problems:
+            raise ValueError(
+                f"ArchitectureAdapter {self.description.family!r}: its paths disagree with its "
+                f"description: {'; '.join(problems)}"
+            )
 
     @property
-    def sandwich(self) -> bool:
-        """Whether sublayer outputs are normalised before joining the residual stream."""
-        return self.ln1_post is not None or self.ln2_post is not None
+    def family(self) -> str:
+        """The description's family name (``"llama"``)."""
+        return self.description.family
 
-    def is_parallel(self, config: Any) -> bool:
-        """Whether attention and MLP read the same block input in this checkpoint."""
-        if self.parallel_field is not None:
-            return bool(getattr(config, self.parallel_field, self.parallel))
-        return self.parallel
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        """The description's ``config.model_type`` values."""
+        return self.description.model_types
 
-    def config_problems(self, config: Any) -> list[str]:
-        """Why this adapter cannot serve ``config`` (empty when it can)."""
-        return [
-            f"{name}={getattr(config, name, None)!r} (expected {want!r}): {why}"
-            for name, (want, why) in self.config_requires.items()
-            if getattr(config, name, want) != want
-        ]
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The description's class names."""
+        return self.description.architectures
 
     def matches_hub_id(self, name: str) -> bool:
         """Whether ``name`` looks like a hub id of this family."""
-        return any(re.search(p, name, flags=re.IGNORECASE) for p in self.hub_patterns)
-
-    def model_info(self, config: Any) -> ModelInfo:
-        """The ``ModelInfo`` of a transformers config of this family.
-
-        Args:
-            config: A ``PretrainedConfig`` (or anything with its attributes).
-
-        Returns:
-            Sizes from the config (tl-core's one reader), structure from this adapter.
-        """
-        architectures = getattr(config, "architectures", None) or [self.architectures[0]]
-        return model_info_from_config(
-            config,
-            normalization_type=normalization_type(self.norm),
-            positional_embedding_type=(
-                "standard" if self.pos_embed else "rotary" if self.rotary else "none"
-            ),
-            gated_mlp=self.gated,
-            parallel_attn_mlp=self.is_parallel(config),
-            sandwich_norm=self.sandwich,
-            qk_norm=self.q_norm is not None,
-            embed_norm=self.embed_norm is not None,
-            moe=self.moe,
-            architecture=str(architectures[0]),
-        )
+        return any(re.search(p, name, flags=re.IGNORECASE) for p in self.description.hub_patterns)
 
     def absent_templates(self) -> dict[str, str]:
-        """Every template this family lacks despite its ``ModelInfo``, with the reason."""
+        """Every template this family lacks despite its ``ModelInfo``, with the reason: the
+        adapter's ``absent``, what transformers' modules hide from the hf driver, then what
+        the description lacks."""
         reasons = dict(self.absent)
-        if self.ln1 is None:
-            for suffix in ("hook_in", "hook_scale", "hook_normalized", "hook_out"):
-                reasons.setdefault(
-                    f"blocks.{{i}}.ln1.{suffix}",
-                    f"{self.family} has no norm before attention (attention reads the "
-                    f"residual stream directly)",
-                )
-        if self.ln2 is None:
-            suffixes: tuple[str, ...] = ("hook_scale", "hook_normalized", "hook_out")
-            # A parallel block without any norm has no input of a norm before the MLP; with
-            # one shared norm (GPT-J), ln2.hook_in is the block input the MLP's copy reads.
-            suffixes = ("hook_in", *suffixes) if self.parallel and self.ln1 is None else suffixes
-            for suffix in suffixes:
-                reasons.setdefault(
-                    f"blocks.{{i}}.ln2.{suffix}",
-                    f"{self.family} has no norm before the MLP (the MLP reads the residual "
-                    f"stream directly)",
-                )
-        if self.rotary and not self.rotary_in_attention:
+        if self.description.rotary and not self.rotary_in_attention:
             for suffix in ("hook_cos", "hook_sin"):
                 reasons.setdefault(
                     f"blocks.{{i}}.attn.{suffix}",
                     f"{self.family} rotates q/k inside attention with a table it builds there; "
                     f"tl has no hook on that table (hook_rot_q/hook_rot_k hold the result)",
                 )
-        if self.moe:
-            for suffix in ("hook_pre", "hook_pre_linear", "hook_post"):
-                reasons.setdefault(
-                    f"blocks.{{i}}.mlp.{suffix}",
-                    f"{self.family} routes each token through a few of its experts, so "
-                    f"there is no single layer of MLP neurons; use mlp.hook_in / "
-                    f"mlp.hook_out",
-                )
+        for template, why in self.description.absent_templates().items():
+            reasons.setdefault(template, why)
         return reasons
+
+
+def _disagreements(adapter: ArchitectureAdapter) -> list[str]:
+    """Where a path's presence says something else than the description (empty: agreed)."""
+    d = adapter.description
+    if d.blocks == "opaque":
+        sublayers = {}
+    elif d.blocks == "mixer":
+        sublayers = {"mixer": d.blocks == "mixer"}
+    else:
+        sublayers = {
+            "ln1": d.norm_before_attn,
+            "ln2": d.norm_before_mlp,
+            "ln1_post": d.norm_after_attn,
+            "ln2_post": d.norm_after_mlp,
+            "q_norm": d.qk_norm != "none",
+            "k_norm": d.qk_norm != "none",
+        }
+    expected = {
+        **sublayers,
+        "pos_embed": d.positions == "learned",
+        "embed_norm": d.norm_after_embed,
+    }
+    problems = [
+        f"{name}={getattr(adapter, name)!r} but the description says "
+        f"{'there is one' if want else 'there is none'}"
+        for name, want in expected.items()
+        if (getattr(adapter, name) is not None) != want
+    ]
+    if d.norm_before_unembed is True and adapter.final_norm is None:
+        problems.append("final_norm=None but the description has a final norm")
+    if d.norm_before_unembed is not True and adapter.final_norm is not None:
+        problems.append(f"final_norm={adapter.final_norm!r} but the description has none")
+    if d.blocks == "attention_mlp" and not d.moe:
+        gated = adapter.gate is not None or adapter.gate_up is not None
+        if gated != d.gated:
+            problems.append(
+                f"gate={adapter.gate!r}, gate_up={adapter.gate_up!r} but the description's MLP "
+                f"is {d.mlp_variant}"
+            )
+    if adapter.q_norm is not None and (adapter.qk_norm_layout == "flat") != (
+        d.qk_norm == "across_heads"
+    ):
+        problems.append(
+            f"qk_norm_layout={adapter.qk_norm_layout!r} but the description's QK-norm is "
+            f"{d.qk_norm.replace('_', ' ')}"
+        )
+    return problems

@@ -17,13 +17,12 @@ driver runs its hooked re-implementation there (``inline_attention="bloom"``).
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="bloom",
-        model_types=("bloom",),
-        architectures=("BloomForCausalLM",),
+        description=family_named("bloom"),
         embed="transformer.word_embeddings",
         embed_norm="transformer.word_embeddings_layernorm",
         layers="transformer.h",
@@ -42,25 +41,7 @@ ADAPTERS = (
         gate=None,
         up=None,
         down="dense_4h_to_h",
-        norm="layernorm",
-        rotary=False,
         inline_attention="bloom",
         sublayers_add_residual=True,
-        config_requires={
-            "apply_residual_connection_post_layernorm": (
-                False,
-                "with it the residual stream is the normalised input, which the hook "
-                "vocabulary's residual hooks cannot express",
-            ),
-        },
-        hub_patterns=(r"^bigscience/bloom", r"^bigscience/bloomz"),
-        known_models=(
-            "bigscience/bloom-560m",
-            "bigscience/bloom-1b1",
-            "bigscience/bloom-1b7",
-            "bigscience/bloom-3b",
-            "bigscience/bloom-7b1",
-            "bigscience/bloomz-560m",
-        ),
     ),
 )

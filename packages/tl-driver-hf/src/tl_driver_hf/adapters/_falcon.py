@@ -19,20 +19,12 @@ layout) are refused at boot with the reason.
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
-
-_SHARED_NORM = (
-    "falcon (7B layout) has one norm per block (input_layernorm) feeding both attention "
-    "and the MLP; it is served as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in); ln2.hook_in is the block input as "
-    "the MLP's copy of that norm reads it, so an edit there reaches the MLP only"
-)
-
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="falcon",
-        model_types=("falcon",),
-        architectures=("FalconForCausalLM",),
+        description=family_named("falcon"),
         embed="transformer.word_embeddings",
         layers="transformer.h",
         final_norm="transformer.ln_f",
@@ -49,23 +41,6 @@ ADAPTERS = (
         gate=None,
         up=None,
         down="dense_4h_to_h",
-        norm="layernorm",
-        parallel=True,
         mlp_out_inplace=True,
-        absent={
-            f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
-            for suffix in ("hook_scale", "hook_normalized", "hook_out")
-        },
-        config_requires={
-            "new_decoder_architecture": (
-                False,
-                "Falcon-40B/180B's grouped fused layout and two norms are not mapped yet",
-            ),
-            "multi_query": (True, "only the multi-query (Falcon-7B) fused layout is mapped"),
-            "alibi": (False, "Falcon-RW's ALiBi attention is not re-implemented"),
-            "parallel_attn": (True, "only the parallel attention/MLP block is mapped"),
-        },
-        hub_patterns=(r"^tiiuae/falcon-7b",),
-        known_models=("tiiuae/falcon-7b", "tiiuae/falcon-7b-instruct"),
     ),
 )

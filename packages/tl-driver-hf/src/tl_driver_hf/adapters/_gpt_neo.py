@@ -10,13 +10,12 @@ on local ones (``hook_attn_scores`` holds ``-inf`` outside the window).
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="gpt_neo",
-        model_types=("gpt_neo",),
-        architectures=("GPTNeoForCausalLM",),
+        description=family_named("gpt_neo"),
         embed="transformer.wte",
         pos_embed="transformer.wpe",
         layers="transformer.h",
@@ -31,15 +30,6 @@ ADAPTERS = (
         gate=None,
         up=None,
         down="c_proj",
-        norm="layernorm",
-        rotary=False,
         inline_attention="gpt_neo",
-        hub_patterns=(r"^EleutherAI/gpt-neo-", r"^roneneldan/TinyStories-"),
-        known_models=(
-            "EleutherAI/gpt-neo-125m",
-            "EleutherAI/gpt-neo-1.3B",
-            "EleutherAI/gpt-neo-2.7B",
-            "roneneldan/TinyStories-33M",
-        ),
     ),
 )

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="gpt_neox",
-        model_types=("gpt_neox",),
-        architectures=("GPTNeoXForCausalLM",),
+        description=family_named("gpt_neox"),
         embed="gpt_neox.embed_in",
         layers="gpt_neox.layers",
         final_norm="gpt_neox.final_layer_norm",
@@ -28,23 +27,7 @@ ADAPTERS = (
         gate=None,
         up=None,
         down="dense_4h_to_h",
-        norm="layernorm",
         # Rotary covers only the first rotary_pct of each head; hook_rot_q/k hold the whole
         # head as attention receives it.
-        parallel=True,
-        parallel_field="use_parallel_residual",
-        hub_patterns=(r"^EleutherAI/pythia-", r"^EleutherAI/gpt-neox-"),
-        known_models=(
-            "EleutherAI/pythia-70m",
-            "EleutherAI/pythia-160m",
-            "EleutherAI/pythia-410m",
-            "EleutherAI/pythia-1b",
-            "EleutherAI/pythia-1.4b",
-            "EleutherAI/pythia-2.8b",
-            "EleutherAI/pythia-6.9b",
-            "EleutherAI/pythia-12b",
-            "EleutherAI/pythia-70m-deduped",
-            "EleutherAI/gpt-neox-20b",
-        ),
     ),
 )

@@ -12,19 +12,12 @@ bits unedited, so an edit (or a gradient) there reaches the MLP only, as Transfo
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
-
-_SHARED_NORM = (
-    "gptj has one norm per block (ln_1) feeding both attention and the MLP; it is served "
-    "as ln1.* (ln1.hook_out is also the MLP's input, mlp.hook_in); ln2.hook_in is the block input as "
-    "the MLP's copy of that norm reads it, so an edit there reaches the MLP only"
-)
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="gptj",
-        model_types=("gptj",),
-        architectures=("GPTJForCausalLM",),
+        description=family_named("gptj"),
         embed="transformer.wte",
         layers="transformer.h",
         final_norm="transformer.ln_f",
@@ -37,17 +30,9 @@ ADAPTERS = (
         gate=None,
         up=None,
         down="fc_out",
-        norm="layernorm",
         # Eager GPT-J computes scores in float32 and the softmax in the scores' dtype.
         softmax_fp32=True,
-        parallel=True,
         # GPT-J rotates inside attention with its own sin/cos table.
         rotary_in_attention=False,
-        absent={
-            f"blocks.{{i}}.ln2.{suffix}": _SHARED_NORM
-            for suffix in ("hook_scale", "hook_normalized", "hook_out")
-        },
-        hub_patterns=(r"^EleutherAI/gpt-j-",),
-        known_models=("EleutherAI/gpt-j-6b",),
     ),
 )

@@ -9,13 +9,12 @@ restores ``[batch, pos, ...]`` for those hooks. Post-LN checkpoints (OPT-350m) a
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="opt",
-        model_types=("opt",),
-        architectures=("OPTForCausalLM",),
+        description=family_named("opt"),
         embed="model.decoder.embed_tokens",
         pos_embed="model.decoder.embed_positions",
         pos_offset=2,
@@ -32,24 +31,6 @@ ADAPTERS = (
         gate=None,
         up=None,
         down="fc2",
-        norm="layernorm",
-        rotary=False,
         query_prescaled=True,
-        config_requires={
-            "do_layer_norm_before": (
-                True,
-                "post-LN OPT (opt-350m) normalises after each sublayer, which the canonical "
-                "pre-norm hooks cannot describe",
-            ),
-            "_remove_final_layer_norm": (False, "the final norm is expected"),
-        },
-        hub_patterns=(r"^facebook/opt-",),
-        known_models=(
-            "facebook/opt-125m",
-            "facebook/opt-1.3b",
-            "facebook/opt-2.7b",
-            "facebook/opt-6.7b",
-            "facebook/opt-13b",
-        ),
     ),
 )

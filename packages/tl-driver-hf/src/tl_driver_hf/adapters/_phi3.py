@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from tl_core.architecture import family_named
 from tl_driver_hf.adapters._base import ArchitectureAdapter
 
 ADAPTERS = (
     ArchitectureAdapter(
-        family="phi3",
-        model_types=("phi3",),
-        architectures=("Phi3ForCausalLM",),
+        description=family_named("phi3"),
         q=None,
         k=None,
         v=None,
@@ -16,7 +15,5 @@ ADAPTERS = (
         gate=None,
         up=None,
         gate_up="gate_up_proj",
-        hub_patterns=(r"^microsoft/Phi-3", r"^microsoft/Phi-4-mini"),
-        known_models=("microsoft/Phi-3-mini-4k-instruct", "microsoft/Phi-3.5-mini-instruct"),
     ),
 )

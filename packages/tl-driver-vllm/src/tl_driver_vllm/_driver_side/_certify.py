@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tl_core import ConfigError
+from tl_core.architecture import uses_alibi
 from tl_core.driver_api import (
     Certification,
     CertificationCheck,
@@ -22,7 +23,6 @@ from tl_core.driver_api import (
     equation_checks,
     silent_hook_checks,
     statuses_from_checks,
-    uses_alibi,
 )
 
 __all__ = ["ANCHOR_LOGPROBS", "PROBE_LENGTH", "certify_engine", "refusal"]
@@ -77,7 +77,7 @@ def certify_engine(
         captured, info, rtol=rtol, logits=logits,
         attn_softcap=float(softcap) if softcap else None,
         score_bias=uses_alibi(config),
-        attention_sinks=driver._layout.attention_sinks,
+        attention_sinks=driver._family.sinks,
     )  # fmt: skip
     anchor = _engine_logprobs(result.raw_output)
     if logits is not None and anchor is not None:

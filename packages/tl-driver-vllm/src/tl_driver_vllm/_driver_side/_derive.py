@@ -1,35 +1,45 @@
-"""Layouts read from the hf driver's description, for models on vLLM's Transformers backend.
+"""Layouts read from the hf driver's adapter, for models on vLLM's Transformers backend.
 
 vLLM runs many architectures (and every one it has no model class for) as transformers' own
 modules with vLLM's layers swapped in: the module tree is transformers', except that the
 base model sits at ``model``, separate query/key/value projections become one
 ``qkv_proj`` (``[q | k | v]``), separate gate and up projections one ``gate_up_proj``, and
 each attention module gains vLLM's ``Attention`` layer as ``attn``. So the hf driver's
-description of the architecture (its adapter, or the one it infers and certifies on a
-shrunk copy) says where every site is, and no vLLM row is written. What the description
-holds that these rules cannot place is refused here, naming it, before the engine starts;
-what they place is certified on the booted engine (``_certify``) before it is served.
+adapter of the architecture (written, or inferred and certified on a shrunk copy) says where
+every site is, with its family's description, and no vLLM row is written. What these rules
+cannot place is refused here, naming it, before the engine starts; what they place is
+certified on the booted engine (``_certify``) before it is served.
+
+That path needs transformers' module tree as the hf driver reads it: tl-driver-hf, the
+``transformers-backend`` extra, imported only here. Families with a row read their
+description from tl-core and need nothing of it.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tl_core import ConfigError
+from tl_core.architecture import FamilyDescription
 from tl_driver_vllm._driver_side._namespace import block_template
 from tl_driver_vllm._families import (
     FAMILY_LAYOUTS,
     NOT_RUN_BY_VLLM,
     Layout,
     architecture_of,
+    disagreements,
     layout_for,
     resolve,
     settle,
 )
 
+if TYPE_CHECKING:
+    from tl_driver_hf import ArchitectureDescription
+
 __all__ = [
+    "TRANSFORMERS_BACKEND_INSTALL",
     "Backend",
     "Serving",
     "derived_layout",
@@ -42,16 +52,11 @@ _LOG = logging.getLogger("tl_driver_vllm")
 
 Backend = Literal["native", "transformers"]
 
-#: Description fields these rules cannot place, with the reason.
+#: The line that installs what the Transformers-backend path needs.
+TRANSFORMERS_BACKEND_INSTALL = 'pip install "tl-driver-vllm[transformers-backend]"'
+
+#: Adapter fields these rules cannot place, with the reason.
 _UNMAPPED: tuple[tuple[str, str], ...] = (
-    (
-        "moe",
-        "a mixture of experts runs vLLM's fused experts there, whose routing sites tl does not map",
-    ),
-    (
-        "embed_scaled",
-        "the embedding scale is applied inside transformers' embedding, which vLLM replaces",
-    ),
     ("sublayers_add_residual", "its sublayers add the residual themselves"),
     ("mlp_out_inplace", "its layer adds into the MLP output in place"),
     (
@@ -91,19 +96,30 @@ def _relative(path: str | None, base: str, what: str, problems: list[str]) -> st
 
 
 def layout_from_description(adapter: Any) -> Layout:
-    """Place the sites of an hf description on vLLM's Transformers backend.
+    """Place the sites of an hf adapter on vLLM's Transformers backend.
 
     Args:
         adapter: The hf driver's ``ArchitectureAdapter`` of the architecture (written or
-            inferred).
+            inferred); its ``description`` is the family's.
 
     Returns:
-        The layout (``backend="transformers"``).
+        The layout (``backend="transformers"``); the description stays the adapter's.
 
     Raises:
-        ConfigError: The description holds something these rules cannot place (each named).
+        ConfigError: The adapter or its description holds something these rules cannot
+            place (each named).
     """
+    description: FamilyDescription = adapter.description
     problems = [why for name, why in _UNMAPPED if getattr(adapter, name)]
+    if description.moe:
+        problems.append(
+            "a mixture of experts runs vLLM's fused experts there, whose routing sites tl does "
+            "not map"
+        )
+    if description.embed_scaled:
+        problems.append(
+            "the embedding scale is applied inside transformers' embedding, which vLLM replaces"
+        )
     if adapter.linear != "linear":
         problems.append(
             "its projections are GPT-2 Conv1D modules, which vLLM's backend does not fuse"
@@ -128,7 +144,7 @@ def layout_from_description(adapter: Any) -> Layout:
         )
     assert embed is not None and final_norm is not None
     separate_qkv = adapter.qkv is None
-    return Layout(
+    layout = Layout(
         inner="model",
         embed=embed,
         pos_embed=pos_embed,
@@ -142,27 +158,31 @@ def layout_from_description(adapter: Any) -> Layout:
         ln2_post=adapter.ln2_post,
         residual_pair=False,
         layer_input=0,
-        norm=adapter.norm,
         lm_head="lm_head",
         qkv="qkv_proj" if separate_qkv else adapter.qkv,
         qkv_layout="blocks" if separate_qkv else adapter.qkv_layout,
         attention="attn",
         o_proj=adapter.o,
-        rotary="rotary_emb" if adapter.rotary else None,
+        rotary="rotary_emb" if description.rotary else None,
         q_norm=adapter.q_norm,
         k_norm=adapter.k_norm,
         qk_norm_layout="flat" if adapter.qk_norm_layout == "flat" else "heads",
         gate_up=("gate_up_proj" if adapter.gate_up is None else adapter.gate_up)
-        if adapter.gated
+        if description.gated
         else None,
-        fc_in=None if adapter.gated else adapter.mlp_in,
+        fc_in=None if description.gated else adapter.mlp_in,
         down=adapter.down,
-        config_requires=dict(adapter.config_requires),
         embed_norm=embed_norm,
-        parallel=adapter.parallel,
-        parallel_field=adapter.parallel_field,
         backend="transformers",
     )
+    wrong = disagreements(layout, description)
+    if wrong:
+        raise ConfigError(
+            f"the vllm driver cannot place tl's sites in {adapter.family!r} on vLLM's Transformers "
+            f"backend: its layout disagrees with its description ({'; '.join(wrong)}). Use the hf "
+            "driver for it."
+        )
+    return layout
 
 
 @dataclass(frozen=True)
@@ -170,23 +190,27 @@ class Serving:
     """How the vllm driver serves one checkpoint.
 
     Attributes:
-        layout: Where vLLM keeps each site, settled for the checkpoint.
+        layout: Where vLLM keeps each site.
+        family: The family's description, settled for the checkpoint
+            (``FamilyDescription.settled``).
         model_impl: The ``model_impl`` tl asks vLLM for (``None``: vLLM's own choice).
-        derived: Whether the layout was read from the hf driver's description (then the
-            boot certifies it on the engine, always).
-        withheld: Hook templates the hf driver did not certify for an inferred
-            architecture, with its reason: not served on vLLM either.
-        description: Facts for the certification report.
+        derived: Whether the layout was read from the hf driver's adapter (then the boot
+            certifies it on the engine, always).
+        withheld: Hook templates the layout places but the driver does not serve, with the
+            reason (a row's ``withheld``; what the hf driver did not certify for an inferred
+            architecture).
+        facts: Facts for the certification report.
     """
 
     layout: Layout
+    family: FamilyDescription
     model_impl: str | None = None
     derived: bool = False
     withheld: dict[str, str] = field(default_factory=dict)
-    description: dict[str, str] = field(default_factory=dict)
+    facts: dict[str, str] = field(default_factory=dict)
 
 
-def _withheld(description: Any) -> dict[str, str]:
+def _withheld(description: ArchitectureDescription) -> dict[str, str]:
     """Hook templates the hf driver's description lacks or did not certify, with the reason."""
     withheld = dict(description.adapter.absent)
     if description.certification is not None:
@@ -199,34 +223,36 @@ def _withheld(description: Any) -> dict[str, str]:
     return withheld
 
 
-def _row_withheld(config: Any) -> dict[str, str]:
-    """What a row must not serve because the hf driver does not: nothing for a family it
-    describes by hand; for one it infers, what it did not certify on a shrunk copy (a name
-    means the same tensor on both drivers, or is served by neither)."""
-    from tl_driver_hf import describe_architecture
-    from tl_driver_hf.adapters import find_adapter
+def _describe(config: Any) -> ArchitectureDescription:
+    """The hf driver's description of ``config``'s architecture.
 
-    if (
-        find_adapter(getattr(config, "model_type", None), getattr(config, "architectures", None))
-        is not None
-    ):
-        return {}
-    return _withheld(describe_architecture(config))
+    Raises:
+        ConfigError: tl-driver-hf is not installed (naming the line that installs it).
+    """
+    try:
+        from tl_driver_hf import describe_architecture
+    except ImportError as exc:
+        raise ConfigError(
+            f"the vllm driver serves {architecture_of(config)!r} on vLLM's Transformers backend, "
+            "where tl places its sites by the hf driver's reading of transformers' modules; "
+            f"that needs tl-driver-hf, which is not installed ({exc}). Install it with: "
+            f"{TRANSFORMERS_BACKEND_INSTALL}"
+        ) from None
+    return describe_architecture(config)
 
 
 def derived_layout(config: Any) -> Serving:
     """How a checkpoint vLLM runs on its Transformers backend is served: its layout read
-    from the hf driver's description of its architecture (inferred and certified on a
-    shrunk copy when no family describes it).
+    from the hf driver's adapter of its architecture (inferred and certified on a shrunk
+    copy when no family describes it).
 
     Raises:
-        ConfigError: The hf driver does not serve the architecture with attention and MLP
-            sites, or its description holds something vLLM's backend cannot place.
+        ConfigError: tl-driver-hf is not installed, the hf driver does not serve the
+            architecture with attention and MLP sites, or its adapter holds something vLLM's
+            backend cannot place.
     """
-    from tl_driver_hf import describe_architecture
-
     architecture = architecture_of(config)
-    description = describe_architecture(config)
+    description = _describe(config)
     if description.level != "full":
         raise ConfigError(
             f"the vllm driver cannot serve {architecture!r}: the hf driver certifies only its "
@@ -240,7 +266,9 @@ def derived_layout(config: Any) -> Serving:
         "layout": f"sites placed by the hf driver's description of {description.adapter.family!r}{how}",
         "backend": "vLLM's Transformers backend",
     }
-    return Serving(layout, derived=True, withheld=withheld, description=facts)
+    return Serving(
+        layout, description.adapter.description, derived=True, withheld=withheld, facts=facts
+    )
 
 
 def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
@@ -265,17 +293,17 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
     """
     architecture = architecture_of(config)
     if architecture in FAMILY_LAYOUTS and model_impl != "transformers":
-        layout = resolve(config)
+        layout, family = resolve(config)
         facts = {
             "layout": f"tl's row for vLLM's {architecture} model class",
             "backend": "vLLM's own model class",
         }
-        return Serving(layout, withheld=_row_withheld(config), description=facts)
+        return Serving(layout, family, withheld=dict(layout.withheld), facts=facts)
     backend = vllm_backend(architecture, model_impl)
     if backend is None:
         layout_for(architecture)  # raises, with vLLM's reason
     serving = derived_layout(config)
-    layout = settle(serving.layout, config)
+    family = settle(serving.layout, serving.family, config)
     if backend == "native":
         _LOG.warning(
             "tl has no row for vLLM's own %s model class; running it on vLLM's Transformers "
@@ -285,5 +313,5 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
         )
     impl = "transformers" if backend == "native" else None
     return Serving(
-        layout, impl, derived=True, withheld=serving.withheld, description=serving.description
+        serving.layout, family, impl, derived=True, withheld=serving.withheld, facts=serving.facts
     )

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tl_core import ModelInfo, TLError, UserError
+from tl_core.architecture import Architecture, FamilyDescription
 from tl_core.driver_api import (
-    Architecture,
     Certification,
     ForwardRequest,
     ForwardResult,
@@ -25,7 +25,6 @@ from tl_core.driver_api import (
     RequestForward,
 )
 from tl_driver_vllm._dictionaries import check_replicated, pack_attachment
-from tl_driver_vllm._driver_side._architecture import layout_architecture
 from tl_driver_vllm._driver_side._backend import classes_kept
 from tl_driver_vllm._driver_side._certify import ANCHOR_LOGPROBS, certify_engine, refusal
 from tl_driver_vllm._driver_side._derive import serving_layout
@@ -83,6 +82,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         tokenizer: HFTokenizer,
         *,
         layout: Layout,
+        family: FamilyDescription,
         positions: bool,
         use_attn_result: bool = False,
         withheld: Mapping[str, str] | None = None,
@@ -90,6 +90,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         self._llm: Any | None = llm
         self.tokenizer = tokenizer
         self._layout = layout
+        self._family = family
         self._positions = positions
         self._runs = itertools.count()
         self._readout: ModelReadout | None = None
@@ -97,7 +98,13 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         self._processes: set[int] = set()
         self.workers: list[dict[str, Any]] = llm.collective_rpc(
             "tl_install",
-            args=(info.architecture, info.n_layers, _sizes(info), dataclasses.asdict(layout)),
+            args=(
+                info.architecture,
+                info.n_layers,
+                _sizes(info),
+                dataclasses.asdict(layout),
+                family.as_dict(),
+            ),
         )
         self._raw = all(w["pid"] == os.getpid() for w in self.workers)
         # Workers in other processes hand results over through shared memory.
@@ -110,6 +117,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         self._namespace = hook_namespace(
             info,
             self._layout,
+            self._family,
             attn_result=use_attn_result,
             tp_size=self._tp,
             withheld=self._withheld,
@@ -195,10 +203,10 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         # Unsupported architectures and configs fail here, before any engine work.
         serving = serving_layout(config, vllm_kwargs.get("model_impl"))
-        layout = serving.layout
+        layout, family = serving.layout, serving.family
         if serving.model_impl is not None:
             vllm_kwargs["model_impl"] = serving.model_impl
-        info = model_info(config, layout=layout)
+        info = model_info(config, family)
         kwargs = engine_kwargs(
             path,
             tokenizer=tokenizer,
@@ -234,14 +242,15 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         started = children() - children_before
         try:
             limit = int(llm.llm_engine.model_config.max_model_len)
-            info = model_info(config, layout=layout, max_model_len=limit)
+            info = model_info(config, family, max_model_len=limit)
             driver = cls(
-                llm, info, HFTokenizer(hf_tokenizer), layout=layout, positions=enable_position_interventions,
+                llm, info, HFTokenizer(hf_tokenizer), layout=layout, family=family,
+                positions=enable_position_interventions,
                 use_attn_result=use_attn_result, withheld=serving.withheld,
             )  # fmt: skip
             driver._sockets, driver._processes = sockets, started
             driver._config, driver._model_name = config, str(model)
-            driver._description, driver._derived = serving.description, serving.derived
+            driver._facts, driver._derived = serving.facts, serving.derived
             if certify or serving.derived:
                 driver._certify_at_boot()
         except BaseException:
@@ -269,7 +278,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
                 self,
                 self._config,
                 model=self._model_name,
-                description=dict(self._description),
+                description=dict(self._facts),
                 derived=self._derived,
             )
         finally:
@@ -278,16 +287,17 @@ class VLLMDriver(RequestForward, NamespaceFacts):
     @property
     def architecture(self) -> Architecture | None:
         """The served checkpoint's engine-independent description (block form, norms,
-        attention and MLP variants, unembedding): ``tl_core.driver_api.Architecture``, the
-        one the hf driver gives for the same checkpoint (``None`` before a boot)."""
+        attention and MLP variants, unembedding): ``tl_core.architecture.Architecture``, its
+        family's description read against its config, as on the hf driver (``None`` before
+        a boot)."""
         if self._config is None:
             return None
-        return layout_architecture(self._config, self._layout, self.info)
+        return self._family.architecture(self._config, self.info)
 
     _config: Any = None
     _certifying = False
     _model_name: str = "<model>"
-    _description: Mapping[str, str] = {}
+    _facts: Mapping[str, str] = {}
     _derived: bool = False
 
     def _certify_at_boot(self) -> None:
@@ -306,6 +316,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             self._namespace = hook_namespace(
                 self.info,
                 self._layout,
+                self._family,
                 attn_result=self._attn_result,
                 tp_size=self._tp,
                 withheld=self._withheld,
@@ -322,7 +333,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             _LOG.warning(
                 "%s: %s has no vLLM row; %s; %d hooks certified on the engine and served at level "
                 "%r (tl certify %s --driver vllm shows the report)",
-                self._model_name, self.info.architecture, self._description.get("layout", ""),
+                self._model_name, self.info.architecture, self._facts.get("layout", ""),
                 len(self._namespace.served), cert.level, self._model_name,
             )  # fmt: skip
 
@@ -359,7 +370,9 @@ class VLLMDriver(RequestForward, NamespaceFacts):
                 b_U=b_u,
                 ln_final_weight=unpack(first["ln_weight"]),
                 ln_final_bias=None if first["ln_bias"] is None else unpack(first["ln_bias"]),
-                normalization_type=self.info.normalization_type,
+                # A vLLM row's description always names its norm kind (its final norm is
+                # read with it), so the kind is established here.
+                normalization_type="LN" if self._family.norm == "layernorm" else "RMS",
                 eps=float(first["eps"]),
                 logit_softcap=first["softcap"],
             )

@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping
 
 from tl_core import ModelInfo
+from tl_core.architecture import FamilyDescription
 from tl_core.driver_api import HookNamespace, canonical_hook_names
 from tl_driver_vllm._families import Layout
 
@@ -59,13 +60,6 @@ _EAGER_ONLY_ALL = (
     "this compiled engine has no tl site in its graph ({why}); a run that reads or edits "
     "any hook runs the engine's eager forward"
 )
-_NO_LN1 = "{arch} has no norm before attention (attention reads the residual stream directly)"
-_NO_LN2 = "{arch} has no norm before the MLP (the MLP reads the residual stream directly)"
-_SHARED_LN = (
-    "{arch} has one norm per block feeding both attention and the MLP; it is served as "
-    "ln1.* (ln2.hook_in is the block input as the MLP reads it, and an edit there reaches "
-    "the MLP only)"
-)
 _PARTIAL = (
     "under tensor parallelism vLLM's {arch} keeps each rank's attention and MLP outputs as "
     "partial sums and all-reduces them once, after adding them to each other, so no rank "
@@ -75,10 +69,6 @@ _PARTIAL_RESULT = (
     "under tensor parallelism vLLM's {arch} all-reduces the attention output only after "
     "adding the MLP's, so an edit of the per-head results cannot be placed on one rank; "
     "served for capture (edit attn.hook_z instead, or boot with tensor_parallel_size=1)"
-)
-_MOE_NEURONS = (
-    "{arch} routes each token through a few of its experts, so there is no single layer of "
-    "MLP neurons; use mlp.hook_in / mlp.hook_out"
 )
 _LATENT = (
     "the vllm driver does not serve multi-head latent attention's compressed latents (it "
@@ -97,14 +87,14 @@ def _suffix(name: str) -> str:
     return parts[2] if parts[0] == "blocks" else name
 
 
-def _block_sites(info: ModelInfo, layout: Layout, attn_result: bool) -> list[str]:
+def _block_sites(layout: Layout, family: FamilyDescription, attn_result: bool) -> list[str]:
     """Every per-block hook (``blocks.{i}.`` stripped) the driver serves on this family."""
     sites = ["hook_in"]
     if layout.ln1 is not None:
         sites += [f"ln1.{s}" for s in _NORM]
     sites.append("attn.hook_in")
     sites += ["attn.hook_q", "attn.hook_k", "attn.hook_v"]
-    if layout.qk_norm:
+    if family.qk_norm != "none":
         sites += [f"attn.{n}.{s}" for n in ("q_norm", "k_norm") for s in _NORM]
     if layout.rotary is not None:
         sites += ["attn.hook_rot_q", "attn.hook_rot_k"]
@@ -116,11 +106,11 @@ def _block_sites(info: ModelInfo, layout: Layout, attn_result: bool) -> list[str
         sites += [f"ln1_post.{s}" for s in _NORM]
     sites += [f"ln2.{s}" for s in _NORM] if layout.ln2 is not None else ["ln2.hook_in"]
     sites.append("mlp.hook_in")
-    if layout.moe:
+    if family.moe:
         sites += ["mlp.hook_router_logits", "mlp.hook_expert_weights", "mlp.hook_expert_indices"]
     else:
         sites += ["mlp.hook_pre", "mlp.hook_post"]
-        if layout.gated:
+        if family.gated:
             sites.append("mlp.hook_pre_linear")
     sites.append("mlp.hook_out")
     if layout.ln2_post is not None:
@@ -129,7 +119,7 @@ def _block_sites(info: ModelInfo, layout: Layout, attn_result: bool) -> list[str
     return sites
 
 
-def _read_only(i: int, layout: Layout) -> dict[str, str]:
+def _read_only(i: int, layout: Layout, family: FamilyDescription) -> dict[str, str]:
     """Why each served-but-read-only hook of block ``i`` takes no specs."""
     p = f"blocks.{i}."
     q, k = ("rot_q", "rot_k") if layout.rotary is not None else ("q", "k")
@@ -143,7 +133,7 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
     if layout.ln1_post is not None:
         norms += [("ln1_post", "ln1_post.hook_in or ln1_post.hook_out"),
                   ("ln2_post", "ln2_post.hook_in or ln2_post.hook_out")]  # fmt: skip
-    if layout.qk_norm:
+    if family.qk_norm != "none":
         norms += [
             (f"attn.{n}", f"attn.{n}.hook_in or attn.{n}.hook_out") for n in ("q_norm", "k_norm")
         ]
@@ -151,7 +141,7 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
         reason = _DERIVED.format(alt=f"blocks.{i}.{alt}".replace(" or ", f" or blocks.{i}."))
         out[f"{p}{prefix}.hook_scale"] = reason
         out[f"{p}{prefix}.hook_normalized"] = reason
-    if layout.moe:
+    if family.moe:
         out[p + "mlp.hook_router_logits"] = _ROUTING
         out[p + "mlp.hook_expert_weights"] = _ROUTING
     return out
@@ -160,6 +150,7 @@ def _read_only(i: int, layout: Layout) -> dict[str, str]:
 def hook_namespace(
     info: ModelInfo,
     layout: Layout,
+    family: FamilyDescription,
     *,
     attn_result: bool = False,
     tp_size: int = 1,
@@ -172,6 +163,8 @@ def hook_namespace(
     Args:
         info: The model's structure.
         layout: Where vLLM keeps its sites.
+        family: The family's description, settled for the checkpoint (what it lacks, and
+            why, is ``FamilyDescription.absent_templates``).
         attn_result: Also serve the opt-in ``attn.hook_result``.
         tp_size: Tensor-parallel ranks (``Layout.partial_outputs`` families serve less
             under tensor parallelism).
@@ -190,7 +183,7 @@ def hook_namespace(
         served |= {"pos_embed.hook_in", "pos_embed.hook_out"}
     if layout.embed_norm is not None:
         served.update(f"embed_ln.{s}" for s in _NORM)
-    per_block = _block_sites(info, layout, attn_result)
+    per_block = _block_sites(layout, family, attn_result)
     served.update(f"blocks.{i}.{s}" for i in range(info.n_layers) for s in per_block)
     read_only: dict[str, str] = {
         "ln_final.hook_scale": _DERIVED.format(alt="ln_final.hook_in or ln_final.hook_out"),
@@ -204,7 +197,7 @@ def hook_namespace(
                 alt="embed_ln.hook_in or embed_ln.hook_out"
             )
     for i in range(info.n_layers):
-        read_only.update(_read_only(i, layout))
+        read_only.update(_read_only(i, layout, family))
     reasons: dict[str, str] = {}
     if layout.partial_outputs and tp_size > 1:
         for i in range(info.n_layers):
@@ -217,6 +210,7 @@ def hook_namespace(
                 read_only[f"blocks.{i}.attn.hook_result"] = _PARTIAL_RESULT.format(
                     arch=info.architecture
                 )
+    lacks = family.absent_templates()
     for name in canonical_hook_names(
         info, include_attn_result=attn_result, include_split_qkv_input=True
     ):
@@ -224,16 +218,12 @@ def hook_namespace(
             continue
         suffix = _suffix(name)
         arch = info.architecture
-        if suffix in ("attn.hook_cos", "attn.hook_sin"):
+        if block_template(name) in lacks:
+            reasons[name] = lacks[block_template(name)]
+        elif suffix in ("attn.hook_cos", "attn.hook_sin"):
             reasons[name] = _TRANSFORMERS_ROTARY.format(arch=arch) if layout.batched else _ROTARY
-        elif suffix.startswith("ln1.") and layout.ln1 is None:
-            reasons[name] = _NO_LN1.format(arch=arch)
-        elif suffix.startswith("ln2.") and layout.ln2 is None:
-            reasons[name] = (_SHARED_LN if layout.parallel else _NO_LN2).format(arch=arch)
         elif suffix.startswith("attn.hook_") and suffix.endswith("_input"):
             reasons[name] = _SPLIT
-        elif layout.moe and suffix in ("mlp.hook_pre", "mlp.hook_post"):
-            reasons[name] = _MOE_NEURONS.format(arch=info.architecture)
         elif suffix.startswith(("mlp.shared_expert.", "mlp.experts.")):
             reasons[name] = _SHARED_EXPERT.format(arch=arch)
         elif suffix in ("attn.hook_q_latent", "attn.hook_kv_latent"):

@@ -19,7 +19,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from tl_core.driver_api import NormKind, norm_statistics
+from tl_core.architecture import NormKind
+from tl_core.driver_api import norm_statistics
 from tl_driver_vllm._worker_side._run_state import RunState
 
 __all__ = [
@@ -136,7 +137,7 @@ class NormSite:
         prefix: The norm's canonical prefix (``"blocks.0.ln1"``, ``"blocks.0.attn.q_norm"``).
         mode: ``"residual"``, ``"norm"``, or ``None`` (the input is read elsewhere).
         pair: Whether the norm may be called ``norm(delta, residual)`` (fused add-norm).
-        kind: The norm's kind (``tl_core.driver_api.NormKind``).
+        kind: The norm's kind (``tl_core.architecture.NormKind``).
         eps: Its epsilon.
         heads: For QK-norms, the heads on this rank (values are shown ``[tokens, heads, d]``).
         flat: For QK-norms, whether the norm normalises all heads of a position together.

@@ -1,6 +1,8 @@
 """Worker side: install, per run, the hooks at each physical site the run needs.
 
-``install_sites`` walks the family's ``Layout`` (module paths only; no per-family code) and
+``install_sites`` walks the family's ``Layout`` (module paths only; no per-family code), with
+the facts of its settled ``FamilyDescription`` (norm kind, parallel block, embedding scale,
+routing), and
 puts a hook from ``_site_hooks`` on each module some request captures or edits at. Only
 the sites some request needs are hooked, and the hooks are removed when the run ends, so a
 run without captures or edits runs the bare engine. Block shapes other than Llama's use the
@@ -17,7 +19,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import ConfigError
-from tl_core.driver_api import NormKind, norm_module_eps
+from tl_core.architecture import FamilyDescription, NormKind
+from tl_core.driver_api import norm_module_eps
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._worker_side._block_hooks import (
     CallThrough,
@@ -110,8 +113,14 @@ def pattern_needs(layout: Layout, n_layers: int) -> dict[str, tuple[str, ...]]:
 
 
 class _Installer:
-    def __init__(self, state: RunState, handles: list[RemovableHandle], layout: Layout) -> None:
-        self.state, self.handles, self.layout = state, handles, layout
+    def __init__(
+        self,
+        state: RunState,
+        handles: list[RemovableHandle],
+        layout: Layout,
+        family: FamilyDescription,
+    ) -> None:
+        self.state, self.handles, self.layout, self.family = state, handles, layout, family
         self.needed = state.needed()
 
     def add(self, module: nn.Module, hook: Any, kind: str = "forward") -> None:
@@ -161,6 +170,7 @@ class _Installer:
 def install_sites(
     model: nn.Module,
     layout: Layout,
+    family: FamilyDescription,
     n_layers: int,
     state: RunState,
     *,
@@ -173,6 +183,7 @@ def install_sites(
     Args:
         model: vLLM's top-level ``*ForCausalLM`` module on this worker.
         layout: Where the family keeps its sites.
+        family: The family's description, settled for the checkpoint.
         n_layers: Number of decoder layers of the whole model.
         state: The run (its ``needed()`` hooks decide which sites are hooked).
         attention: Per layer held on this worker, its attention facts (heads on this rank).
@@ -186,20 +197,21 @@ def install_sites(
     assert inner is not None
     layers = getattr(inner, layout.layers)
     handles: list[RemovableHandle] = []
-    at = _Installer(state, handles, layout)
+    at = _Installer(state, handles, layout, family)
+    kind = family.norm_kind
 
-    if not layout.embed_scaled:
+    if not family.embed_scaled:
         at.output(sub(inner, layout.embed), "embed.hook_out")
     if layout.pos_embed:
         at.output(sub(inner, layout.pos_embed), "pos_embed.hook_out")
     # BLOOM's norm on the embedding; its input is the embedding's output, edited for it only.
-    at.norm(sub(inner, layout.embed_norm), "embed_ln", mode="norm", pair=False, kind=layout.norm)
+    at.norm(sub(inner, layout.embed_norm), "embed_ln", mode="norm", pair=False, kind=kind)
     final_norm = sub(inner, layout.final_norm)
     for k in range(n_layers + 1):
         names, index, residual_at = residual_site(
             k, n_layers, layout.layer_input, layout.residual_offset
         )
-        if k == 0 and layout.embed_scaled:
+        if k == 0 and family.embed_scaled:
             # Gemma scales the embedding after its module: the embedding as it enters the
             # residual stream is block 0's input (no position embedding comes between).
             names.insert(0, "embed.hook_out")
@@ -210,7 +222,7 @@ def install_sites(
         target = final_norm if k == n_layers else sub(layers[k], "")
         if target is None or not (kept or derived):
             continue
-        final = (layout.norm, norm_eps(target, layout.norm)) if k == n_layers else None
+        final = (kind, norm_eps(target, kind)) if k == n_layers else None
         hook = ResidualSite(state, kept, index, layout.residual_pair, final, residual_at)
         at.add(target, hook, "pre_kwargs")
     for i in range(n_layers):
@@ -230,7 +242,7 @@ def _install_layer(
     tp_size: int,
     top_k: int | None,
 ) -> None:
-    state, pair, kind = at.state, layout.residual_pair, layout.norm
+    state, pair, kind = at.state, layout.residual_pair, at.family.norm_kind
     ln1 = sub(layer, layout.ln1)
     at.norm(ln1, p + "ln1", mode="norm", pair=pair, kind=kind)
     attn = sub(layer, layout.attn)
@@ -269,9 +281,10 @@ def _install_mlp_input(
     ln2 = sub(layer, layout.ln2)
     if ln2 is not None:
         # A parallel block's MLP norm reads the block input: an edit replaces its input only.
-        mode = "norm" if layout.parallel else "residual"
-        at.norm(ln2, name.rsplit(".", 1)[0], mode=mode, pair=layout.residual_pair, kind=layout.norm)
-    elif at.want(name) and layout.parallel:
+        mode = "norm" if at.family.parallel else "residual"
+        kind = at.family.norm_kind
+        at.norm(ln2, name.rsplit(".", 1)[0], mode=mode, pair=layout.residual_pair, kind=kind)
+    elif at.want(name) and at.family.parallel:
         assert ln1 is not None, "a parallel block without ln2 shares ln1 with its MLP"
         shared = SharedNormInput(at.state, name, ln1, layout.layer_input)
         # After the residual sites' pre-hook on the layer, so it keeps the edited input.
@@ -301,7 +314,7 @@ def _install_attention(
         ("k_norm", layout.k_norm, kv_heads),
     ):
         if path is not None:
-            at.norm(sub(attn, path), a + norm, mode="norm", pair=False, kind=layout.norm,
+            at.norm(sub(attn, path), a + norm, mode="norm", pair=False, kind=at.family.norm_kind,
                     heads=count, flat=flat)  # fmt: skip
     attention = sub(attn, layout.attention)
     if attention is not None and any(inputs):
@@ -339,4 +352,4 @@ def _install_mlp(at: _Installer, mlp: nn.Module, m: str, layout: Layout, top_k: 
     )
     if router is not None and routing:
         assert top_k is not None
-        at.add(router, RouterSite(state, m[:-1], top_k, layout.renormalize))
+        at.add(router, RouterSite(state, m[:-1], top_k, at.family.renormalize))

@@ -17,6 +17,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import TLError
+from tl_core.architecture import FamilyDescription
 from tl_driver_vllm._dictionaries import unpack_attachment
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._wire import TAG_KEY, Outbox, pack
@@ -54,6 +55,7 @@ class TLWorkerExtension:
     """RPC surface of the vllm driver inside each vLLM worker."""
 
     _tl_layout: Layout
+    _tl_family: FamilyDescription
     _tl_n_layers: int
     _tl_state: RunState | None
     _tl_handles: list[RemovableHandle]
@@ -67,18 +69,25 @@ class TLWorkerExtension:
     _tl_resident_run: bool
 
     def tl_install(
-        self, architecture: str, n_layers: int, sizes: dict[str, Any], layout: dict[str, Any]
+        self,
+        architecture: str,
+        n_layers: int,
+        sizes: dict[str, Any],
+        layout: dict[str, Any],
+        family: dict[str, Any],
     ) -> dict[str, Any]:
         """Remember the family layout and this rank's share of every layer's heads and
         neurons; report this worker's process and parallel ranks.
 
         ``sizes`` holds the model's global ``n_heads``, ``n_kv_heads``, ``d_model`` and
         ``experts_per_token`` and whether its blocks are parallel (from the driver's
-        ``ModelInfo``); ``layout`` the fields of the driver's ``Layout``, settled for this
-        checkpoint (a row, or one read from the hf driver's description). Where vLLM's model computes another MLP activation than the
+        ``ModelInfo``); ``layout`` the fields of the driver's ``Layout`` (a row, or one read
+        from the hf driver's adapter) and ``family`` its family's description settled for
+        this checkpoint (``FamilyDescription.as_dict``). Where vLLM's model computes another MLP activation than the
         checkpoint (``Layout.activation``), the checkpoint's is installed here, once.
         """
         self._tl_layout = Layout(**layout)
+        self._tl_family = FamilyDescription.from_dict(family)
         self._tl_n_layers = n_layers
         self._tl_state = None
         self._tl_outbox = None
@@ -135,7 +144,7 @@ class TLWorkerExtension:
             _log.debug("tl: this run runs the eager forward: %s", why)
         _, tp_size, _, _ = _ranks()
         handles = install_sites(
-            model, self._tl_layout, self._tl_n_layers, state,
+            model, self._tl_layout, self._tl_family, self._tl_n_layers, state,
             attention=self._tl_attention, tp_size=tp_size, top_k=self._tl_top_k,
         )  # fmt: skip
         if handles:
@@ -228,7 +237,7 @@ class TLWorkerExtension:
             weight = torch.ones(head.weight.shape[1], device=head.weight.device)
         else:
             weight = cast(torch.Tensor, raw).detach().float()
-        if self._tl_layout.norm == "rms_plus_one":
+        if self._tl_family.norm == "rms_plus_one":
             weight = weight + 1.0
         bias = getattr(norm, "bias", None)
         head_bias = getattr(head, "bias", None)
@@ -238,7 +247,7 @@ class TLWorkerExtension:
             "b_U": None if head_bias is None else pack(head_bias.detach().float()),
             "ln_weight": pack(weight),
             "ln_bias": None if bias is None else pack(bias.detach().float()),
-            "eps": norm_eps(norm, self._tl_layout.norm),
+            "eps": norm_eps(norm, self._tl_family.norm_kind),
             "softcap": getattr(processor, "soft_cap", None),
         }
 

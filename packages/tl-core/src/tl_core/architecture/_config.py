@@ -1,8 +1,9 @@
 """``model_info_from_config``: the one reader of a transformers config's sizes.
 
 Every driver that loads HuggingFace checkpoints (hf, vllm, ...) reads the sizes here, so the
-same checkpoint reports the same ``ModelInfo`` on every driver; the driver supplies the
-structure it knows from its family table. Duck-typed: tl-core does not import transformers.
+same checkpoint reports the same ``ModelInfo`` on every driver; the structure comes from the
+family's description (``FamilyDescription.model_info``). Duck-typed: tl-core does not import
+transformers.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def _int_or_none(value: Any) -> int | None:
 def model_info_from_config(
     config: Any,
     *,
-    normalization_type: Literal["LN", "RMS"] | None,
-    positional_embedding_type: Literal["standard", "rotary", "none"],
+    normalization_type: Literal["LN", "RMS", "unknown"] | None,
+    positional_embedding_type: Literal["standard", "rotary", "none", "unknown"],
     gated_mlp: bool,
     parallel_attn_mlp: bool = False,
     sandwich_norm: bool = False,
@@ -60,8 +61,10 @@ def model_info_from_config(
 
     Args:
         config: A ``PretrainedConfig`` or anything with its attributes.
-        normalization_type: The family's norm (``"LN"``, ``"RMS"`` or ``None``).
-        positional_embedding_type: ``"standard"`` (learned), ``"rotary"`` or ``"none"``.
+        normalization_type: The family's norm (``"LN"``, ``"RMS"``, ``None`` for none, or
+            ``"unknown"`` where tl did not establish it).
+        positional_embedding_type: ``"standard"`` (learned), ``"rotary"``, ``"none"`` or
+            ``"unknown"``.
         gated_mlp: Whether the MLP has a gate projection.
         parallel_attn_mlp: Whether attention and MLP read the same block input.
         sandwich_norm: Whether each sublayer output is normalised.

@@ -1,12 +1,12 @@
-"""``Architecture``: one engine-independent description of a causal LM's structure.
+"""``Architecture``: one engine-independent description of a checkpoint's structure.
 
-Every driver that serves HuggingFace checkpoints describes the model it booted in these
-terms, whatever its engine calls the modules: how a block combines attention and MLP, each
-norm's kind and epsilon, the position scheme, attention's variant, the MLP's variant, the
-unembedding. The engine-specific part (where each module sits) stays in the driver's row;
-the facts a config states (window sizes, soft-caps, expert counts, multipliers) are read
-here once, so two drivers serving the same checkpoint report the same description, and a
-test compares them. Certification reports it; ``bridge.architecture`` holds it.
+What a driver reports about the model it booted, whatever its engine calls the modules: how a
+block combines attention and MLP, each norm's kind and epsilon, the position scheme,
+attention's variant, the MLP's variant, the unembedding. It is the family's description
+(``FamilyDescription``) read against one checkpoint's config: the facts a config states
+(window sizes, soft-caps, expert counts, multipliers) are read here once, so every driver
+serving the same checkpoint reports the same description. Certification reports it;
+``bridge.architecture`` holds it. A fact tl did not establish is ``"unknown"``.
 
 Duck-typed over the config: tl-core does not import transformers.
 """
@@ -14,43 +14,33 @@ Duck-typed over the config: tl-core does not import transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Literal
+from typing import Any
 
-from tl_core.driver_api._hf_config import first_set as _first
-from tl_core.driver_api._norms import NormKind
+from tl_core.architecture._config import first_set as _first
+from tl_core.architecture._vocabulary import (
+    UNKNOWN,
+    AttentionDirection,
+    AttentionVariant,
+    BlockForm,
+    MLPVariant,
+    ModelKind,
+    NormKind,
+    PositionScheme,
+    QKNorm,
+    Unknown,
+)
 from tl_core.hooks._model_info import ModelInfo
 
 __all__ = [
     "Architecture",
     "AttentionDescription",
-    "BlockForm",
     "MLPDescription",
     "NormDescription",
-    "QKNorm",
+    "StackDescription",
     "block_form",
     "describe_model",
     "uses_alibi",
 ]
-
-#: How a block combines its sublayers (``x`` the block input, ``n`` a norm):
-#: ``"sequential"``: ``h = x + attn(n1(x)); out = h + mlp(n2(h))`` (Llama, GPT-2);
-#: ``"parallel"``: ``out = x + attn(n1(x)) + mlp(n2(x))`` (GPT-NeoX);
-#: ``"parallel_shared_norm"``: ``out = x + attn(n(x)) + mlp(n(x))`` (GPT-J, Falcon-7B, Phi);
-#: ``"sandwich"``: sequential with a norm after each sublayer too (Gemma 2/3);
-#: ``"post_norm"``: ``h = x + n1(attn(x)); out = h + n2(mlp(h))`` (OLMo 2, EXAONE 4);
-#: ``"mixer"``: ``out = x + mixer(n(x))``, a state-space mixer in place of attention and MLP (Mamba);
-#: ``"opaque"``: a block tl does not read inside (hybrids and recurrent blocks).
-BlockForm = Literal[
-    "sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "mixer", "opaque"
-]
-
-#: How queries and keys are normalised: ``"none"``; ``"per_head"`` (one scale per head and
-#: position: Qwen3, Gemma 3); ``"across_heads"`` (all heads of a position together: OLMo 2).
-QKNorm = Literal["none", "per_head", "across_heads"]
-
-PositionScheme = Literal["learned", "rotary", "alibi", "none"]
-AttentionVariant = Literal["mha", "gqa", "mqa", "mla"]
-MLPVariant = Literal["dense", "gated", "moe"]
 
 # Config field names, in the order families use them.
 _EPS = (
@@ -78,14 +68,31 @@ class NormDescription:
     """Every norm of the model (tl-core's one norm vocabulary).
 
     Attributes:
-        kind: How it normalizes and applies its weight (``tl_core.driver_api.NormKind``),
-            or ``None`` for a model without norms.
+        kind: How it normalizes and applies its weight (``tl_core.architecture.NormKind``),
+            ``None`` for a model without norms, or ``"unknown"`` where tl did not establish
+            it (blocks it reads from outside only, with no final norm it could measure).
         eps: The epsilon the config declares, or ``None`` where it declares none (drivers
             then read or measure it on the module, ``norm_module_eps``).
     """
 
-    kind: NormKind | None
+    kind: NormKind | Unknown | None
     eps: float | None
+
+
+@dataclass(frozen=True)
+class StackDescription:
+    """One stack of blocks and how its attention reads positions.
+
+    A causal LM has one, ``"blocks"``; an encoder-decoder will have an encoder and a decoder
+    stack, a vision-language model a vision tower beside its language stack.
+
+    Attributes:
+        name: The hook prefix of its blocks (``"blocks"`` -> ``blocks.{i}.*``).
+        attention: Which positions its attention reads (``AttentionDirection``).
+    """
+
+    name: str = "blocks"
+    attention: AttentionDirection = "causal"
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,7 @@ class MLPDescription:
 
 @dataclass(frozen=True)
 class Architecture:
-    """What a causal LM is, independent of the engine that runs it.
+    """What a checkpoint is, independent of the engine that runs it.
 
     Attributes:
         name: The class name (``config.architectures[0]``).
@@ -157,17 +164,20 @@ class Architecture:
         d_model: Residual-stream width.
         block: How a block combines attention and MLP (``BlockForm``).
         norm: The norms' kind and epsilon.
-        positions: ``"learned"``, ``"rotary"``, ``"alibi"`` or ``"none"``.
+        positions: ``"learned"``, ``"rotary"``, ``"alibi"``, ``"none"`` or ``"unknown"``.
         rotary_fraction: Share of each head that is rotated (``None`` without rotary).
         embed_scaled: Whether the embedding is multiplied by ``sqrt(d_model)`` (Gemma).
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM).
         attention: Attention's variant (``None`` for opaque blocks).
         mlp: The MLP's variant (``None`` for opaque blocks).
-        final_norm: Whether a norm sits between the last block and the unembedding.
+        final_norm: Whether a norm sits between the last block and the unembedding, or
+            ``"unknown"`` (an opaque block may end in one; a head transform may hold one).
         tied_embeddings: Whether the unembedding is the token embedding's matrix.
         logit_softcap: The final-logit soft-cap, or ``None``.
         multipliers: Scalar multipliers the config applies outside the modules
             (``("embedding_multiplier", 12.0)``, Granite), as ``(field, value)`` pairs.
+        kind: What the model is for (``ModelKind``: ``"causal_lm"``).
+        stacks: Its stacks of blocks (one ``"blocks"`` stack, causal, for a causal LM).
     """
 
     name: str
@@ -181,14 +191,19 @@ class Architecture:
     embed_norm: bool
     attention: AttentionDescription | None
     mlp: MLPDescription | None
-    final_norm: bool
+    final_norm: bool | Unknown
     tied_embeddings: bool
     logit_softcap: float | None
     multipliers: tuple[tuple[str, float], ...] = ()
+    kind: ModelKind = "causal_lm"
+    stacks: tuple[StackDescription, ...] = (StackDescription(),)
 
     def facts(self) -> dict[str, str]:
         """The description as report lines (``{"block": "sequential, rms norms (eps 1e-05)"}``)."""
-        norm = f"{self.norm.kind} norms" if self.norm.kind else "no norms"
+        if self.norm.kind == UNKNOWN:
+            norm = "norms unknown"
+        else:
+            norm = f"{self.norm.kind} norms" if self.norm.kind else "no norms"
         if self.norm.eps is not None:
             norm += f" (eps {self.norm.eps:g})"
         positions: str = self.positions
@@ -198,11 +213,15 @@ class Architecture:
         if self.embed_norm:
             embed += ", then normalised"
         unembed = "tied to the embedding" if self.tied_embeddings else "own matrix"
-        if not self.final_norm:
+        if self.final_norm == UNKNOWN:
+            unembed += ", final norm unknown"
+        elif not self.final_norm:
             unembed += ", no final norm"
         if self.logit_softcap is not None:
             unembed += f", soft-cap {self.logit_softcap:g}"
+        stacks = ", ".join(f"{s.name} ({s.attention} attention)" for s in self.stacks)
         out = {
+            "model": f"{self.kind.replace('_', ' ')}: {stacks}",
             "block": f"{self.block.replace('_', ' ')} ({self.n_layers} blocks, d_model {self.d_model}), {norm}",
             "embedding": embed,
             "positions": positions,
@@ -343,25 +362,29 @@ def describe_model(
     config: Any,
     info: ModelInfo,
     *,
-    norm: NormKind | None,
+    norm: NormKind | Unknown | None,
     block: BlockForm,
     qk_norm: QKNorm = "none",
     embed_scaled: bool = False,
-    final_norm: bool = True,
+    final_norm: bool | Unknown = True,
     sinks: bool = False,
+    kind: ModelKind = "causal_lm",
+    stacks: tuple[StackDescription, ...] = (StackDescription(),),
 ) -> Architecture:
-    """The ``Architecture`` of a checkpoint from its config, its ``ModelInfo`` and the
-    facts only the driver's row knows.
+    """The ``Architecture`` of a checkpoint from its config, its ``ModelInfo`` and the facts
+    its description holds (``FamilyDescription.architecture`` passes them).
 
     Args:
         config: The checkpoint's ``transformers`` config (text config for wrappers).
         info: The driver's ``ModelInfo`` of it (sizes, gated or mixture-of-experts MLP).
-        norm: The norms' kind, or ``None`` when the model has none.
+        norm: The norms' kind, ``None`` when the model has none, or ``"unknown"``.
         block: How a block combines its sublayers (``block_form``).
         qk_norm: How queries and keys are normalised.
         embed_scaled: Whether the embedding is multiplied by ``sqrt(d_model)``.
-        final_norm: Whether a norm precedes the unembedding.
+        final_norm: Whether a norm precedes the unembedding, or ``"unknown"``.
         sinks: Whether attention adds a sink logit per head.
+        kind: What the model is for.
+        stacks: Its stacks of blocks.
 
     Returns:
         The description.
@@ -409,9 +432,11 @@ def describe_model(
         positions: PositionScheme = "learned"
     elif info.positional_embedding_type == "rotary":
         positions = "rotary"
+    elif info.positional_embedding_type == "unknown":
+        positions = UNKNOWN
     else:
         positions = "alibi" if uses_alibi(config) else "none"
-    eps = _number(_first(config, _EPS)) if norm is not None else None
+    eps = _number(_first(config, _EPS)) if norm not in (None, UNKNOWN) else None
     multipliers = tuple(
         (name, float(value))
         for name in _MULTIPLIERS
@@ -433,4 +458,6 @@ def describe_model(
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
         logit_softcap=_number(_first(config, _FINAL_SOFTCAP)),
         multipliers=multipliers,
+        kind=kind,
+        stacks=stacks,
     )
