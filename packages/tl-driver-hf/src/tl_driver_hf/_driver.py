@@ -296,7 +296,7 @@ class HFDriver(LocalDriver):
 
         Folds norms into the layers reading them, centres the residual-stream writers
         (LayerNorm models), centres the unembedding and folds value biases (see
-        ``docs/driver.md``). Logits change only by a per-position constant (not at all
+        ``packages/tl-driver-hf/docs/driver.md``). Logits change only by a per-position constant (not at all
         under final-logit soft-capping, where the unembedding is not centred).
 
         Args:

@@ -26,6 +26,7 @@ __all__ = [
 #: A fact tl did not establish (an opaque block's norms, its position scheme): said as such,
 #: never replaced by a default.
 Unknown = Literal["unknown"]
+#: The one value of ``Unknown``.
 UNKNOWN: Final[Unknown] = "unknown"
 
 #: How a norm normalizes and applies its weight (over the last axis):
@@ -56,7 +57,11 @@ QKNorm = Literal["none", "per_head", "across_heads"]
 #: Where positions enter: a learned table added to the embedding, rotary q/k, ALiBi's score
 #: bias, none at all, or ``"unknown"`` (an opaque block's, which tl does not read).
 PositionScheme = Literal["learned", "rotary", "alibi", "none", "unknown"]
+#: Attention's heads: one key/value head per query head (``"mha"``), grouped (``"gqa"``),
+#: one for all (``"mqa"``), or multi-head latent attention (``"mla"``, DeepSeek-V2/V3).
 AttentionVariant = Literal["mha", "gqa", "mqa", "mla"]
+#: The MLP: ``down(act(in(x)))`` (``"dense"``), ``down(act(gate(x)) * up(x))`` (``"gated"``),
+#: or a router choosing experts per token (``"moe"``).
 MLPVariant = Literal["dense", "gated", "moe"]
 
 #: What the model is for, which decides its stacks and head. Today every served model is a
