@@ -784,6 +784,39 @@ def test_state_space_and_hybrid_models_are_described_by_their_block_form(
     assert "attention" not in hybrid.facts() and hybrid.facts()["block"].startswith("opaque (")
     mamba = TransformerBridge.boot_transformers(str(tiny_folder("mamba"))).architecture
     assert mamba is not None and (mamba.block, mamba.attention, mamba.mlp) == ("mixer", None, None)
+    # Measured on its modules: the norms' rule and the final norm; not read: the positions.
+    assert (mamba.norm.kind, mamba.final_norm, mamba.positions) == ("rms", True, "unknown")
+
+
+def test_an_opaque_block_states_no_fact_tl_did_not_establish(tmp_path: Path) -> None:
+    # BART's decoder as a causal LM: post-norm LayerNorm blocks with learned positions that
+    # tl reads from outside only. It used to be described with RMS norms, no positions and
+    # no final norm, none of which tl had established.
+    from transformers import BartConfig, BartForCausalLM
+
+    config = BartConfig(
+        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_position_embeddings=64, architectures=["BartForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    BartForCausalLM(config).eval().save_pretrained(tmp_path)
+    bridge = TransformerBridge.boot_transformers(str(tmp_path))
+    layer = bridge.driver.hf_model.model.decoder.layers[0]
+    assert isinstance(layer.self_attn_layer_norm, nn.LayerNorm)  # transformers: not RMS
+    arch = bridge.architecture
+    assert arch is not None and arch.block == "opaque"
+    assert (arch.norm.kind, arch.positions, arch.final_norm) == ("unknown", "unknown", "unknown")
+    facts = arch.facts()
+    assert facts["block"].endswith("norms unknown") and facts["positions"] == "unknown"
+    assert "final norm unknown" in facts["unembedding"]
+    assert (bridge.cfg.normalization_type, bridge.cfg.positional_embedding_type) == (
+        "unknown", "unknown"
+    )  # fmt: skip
+    served = set(bridge.driver.hook_points)
+    assert {"blocks.0.hook_in", "blocks.1.hook_out"} <= served
+    assert not any(n.endswith(("hook_scale", "hook_normalized")) for n in served)
+    assert not any(n.startswith("pos_embed.") or "hook_rot_" in n for n in served)
 
 
 # -- tl certify ---------------------------------------------------------------------------
