@@ -208,3 +208,19 @@ def test_an_unknown_fact_is_not_called_structurally_absent() -> None:
     namespace = HookNamespace.build(info, ["blocks.0.hook_in"], driver="toy")
     assert "may have such a site" in namespace.reasons["ln_final.hook_scale"]
     assert "position scheme" in namespace.reasons["pos_embed.hook_out"]
+
+
+def test_analysis_refuses_a_norm_tl_did_not_establish() -> None:
+    import torch
+
+    from tl_core import ActivationCache, UserError
+
+    stack = torch.zeros(2, 1, 3, 64)
+    cache = ActivationCache({"blocks.0.hook_in": torch.zeros(1, 3, 64)}, info=_opaque_info())
+    with pytest.raises(UserError, match="did not establish it for 'Opaque'"):
+        cache.apply_ln_to_stack(stack, layer=0)
+    known = ActivationCache(
+        {"blocks.0.ln1.hook_scale": torch.ones(1, 3, 1)},
+        info=dataclasses.replace(_opaque_info(), normalization_type="RMS"),
+    )
+    torch.testing.assert_close(known.apply_ln_to_stack(stack + 2.0, layer=0), stack + 2.0)

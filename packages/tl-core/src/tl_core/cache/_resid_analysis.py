@@ -109,8 +109,9 @@ class ResidualAnalysisMixin(ABC):
             if self.info.normalization_type == "unknown":
                 raise UserError(
                     f"{purpose} needs the model's normalisation, but tl did not establish it "
-                    f"for {self.info.architecture or 'this model'} (its blocks are read from "
-                    "outside only); apply the final norm yourself, or pass readout=ModelReadout(...)"
+                    f"for {self.info.architecture or 'this model'!r} (its blocks are read from "
+                    "outside only); normalise the stack yourself, or, for the final norm, pass "
+                    "readout=ModelReadout(...)"
                 )
             return self.info.normalization_type
         if self.readout is not None:
