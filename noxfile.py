@@ -206,6 +206,7 @@ def integration(session: nox.Session) -> None:
     _install(
         session,
         "pytest",
+        "hypothesis",  # the capture-identity properties
         f"{ROOT / 'packages' / 'tl-core'}[plots]",
         f"{ROOT / 'packages' / 'tl-driver-hf'}[gguf]",
     )
