@@ -364,8 +364,9 @@ def _compare(text: str, version: str) -> int:
         # a check that skipped it could never fail.
         print(
             f"{where} was written with transformers {written}, and this is {version}: "
-            f"rewrite it with {COMMAND} under the transformers CI installs (constraints.txt), "
-            f"and commit it",
+            f"run this under transformers {written} (the docs session installs the release the "
+            f"page names), or move the page to {version} by rewriting it with {COMMAND} and "
+            f"committing it (within constraints.txt's range)",
             file=sys.stderr,
         )
         return 1
