@@ -111,3 +111,24 @@ def test_start_at_layer_fires_only_later_hooks(
             tokens=ids,
         )
     assert seen and all(n.startswith(("blocks.1.", "ln_final.")) for n in seen), seen
+
+
+def test_start_at_layer_fires_no_hook_of_an_earlier_block(
+    bridge: TransformerBridge, ids: torch.Tensor
+) -> None:
+    # The forward that finds block 1's arguments (masks, rotary tables) runs block 0 on the
+    # given residual: a hook left on block 0 must not see that stand-in input.
+    earlier = [name for name in bridge.hook_dict if name.startswith("blocks.0.")]
+    assert any(".attn.hook_" in name for name in earlier)
+    seen: list[str] = []
+    with torch.no_grad():
+        resid = bridge(ids, stop_at_layer=1)
+        full = bridge(ids)
+        try:
+            for name in earlier:
+                bridge.add_hook(name, lambda x, hook: seen.append(hook.name))
+            rest = bridge(None, start_at_layer=1, residual=resid, tokens=ids)
+        finally:
+            bridge.reset_hooks()
+    assert seen == []
+    torch.testing.assert_close(rest, full, atol=1e-5, rtol=1e-5)

@@ -534,17 +534,22 @@ class HFDriver(LocalDriver):
 
     @contextmanager
     def _session(self, *, wire: bool = True) -> Iterator[ForwardBookkeeping]:
-        """Hooked attention and the needed torch hooks for one forward; all undone after."""
+        """Hooked attention and the needed torch hooks for one forward; all undone after.
+
+        ``wire=False`` is a forward no hook may see (``_run_from``'s probe): the attention
+        implementation is tl's, so transformers builds the same masks, but no site fires.
+        """
         saved = [(cfg, getattr(cfg, _IMPL_ATTR, None)) for cfg in self._configs]
         state = ForwardBookkeeping()
         handles = []
+        sites = self._sites if wire else {}
         try:
             for cfg, _ in saved:
                 if self._hooked_attention:
                     setattr(cfg, _IMPL_ATTR, ATTN_IMPLEMENTATION)
             with (
-                attention_sites(self._sites),
-                inline_attention(self._sites, self._adapter),
+                attention_sites(sites),
+                inline_attention(sites, self._adapter),
                 self._arena.forward(),
                 head_into_arena(self._modules.lm_head, self._arena),
             ):
