@@ -195,6 +195,10 @@ def run(path: Path, blocks: list[Block], folder: Path, vllm_cache: Path) -> list
         # after the first load the compiled graph instead of compiling it again).
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CACHE_ROOT": str(vllm_cache),
+        # vLLM 0.32's CPU build cannot load the graphs it compiled ahead of time ("'function'
+        # object has no attribute 'finalize_loading'"), so every page compiled SmolLM2 again
+        # (90 s); its other compile path reuses the cache (22 s). The pages check output only.
+        "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0"),
         "VLLM_RPC_BASE_PATH": str(folder.parent),
         # vLLM logs to stdout by default; a page shows what its code prints, not the engine's log.
         "VLLM_LOGGING_STREAM": "ext://sys.stderr",
