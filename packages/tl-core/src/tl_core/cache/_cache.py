@@ -463,6 +463,16 @@ class ActivationCache(ResidualAnalysisMixin, CachePlotsMixin, Mapping[str, torch
                 )
         return self._map(lambda _, tensor: tensor[0], has_batch_dim=False)
 
+    def _one_prompt(self, prompt: int) -> ActivationCache:
+        """One prompt's cache without a batch dimension: what the figures draw from."""
+        if self.has_batch_dim:
+            return self.prompt(prompt).remove_batch_dim()
+        if prompt not in (0, -1):
+            raise UserError(
+                f"this cache has no batch dimension, so prompt must be 0, got {prompt!r}"
+            )
+        return self
+
     def prompt(self, index: int) -> ActivationCache:
         """A new cache holding one prompt, trimmed to its real length (views).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -14,31 +14,34 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from tl_core.cache._cache import ActivationCache
+__all__ = ["CachePlotsMixin", "PromptView"]
 
-__all__ = ["CachePlotsMixin"]
+
+class PromptView(Protocol):
+    """What the figures read from one prompt's cache (``ActivationCache`` is one)."""
+
+    def __getitem__(self, name: str, /) -> torch.Tensor: ...
+
+    def logit_lens(
+        self,
+        layer: int | None = ...,
+        *,
+        incl_mid: bool = ...,
+        pos_slice: Any = ...,
+        return_labels: Literal[True],
+    ) -> tuple[torch.Tensor, list[str]]: ...
 
 
 class CachePlotsMixin(ABC):
-    """Plotting methods of ``ActivationCache`` (matplotlib: ``pip install 'tl-core[plots]'``)."""
+    """Plotting methods of ``ActivationCache`` (matplotlib: ``pip install 'tl-core[plots]'``).
+
+    It reads the cache through ``PromptView`` only, so this module needs nothing of the
+    cache's own (no import circle with ``_cache``).
+    """
 
     @abstractmethod
-    def prompt(self, index: int) -> ActivationCache:
-        """One prompt's cache, trimmed to its length."""
-
-    @property
-    @abstractmethod
-    def has_batch_dim(self) -> bool:
-        """Whether tensors have a leading batch dimension."""
-
-    def _one_prompt(self, prompt: int) -> ActivationCache:
-        if self.has_batch_dim:
-            return self.prompt(prompt).remove_batch_dim()
-        if prompt not in (0, -1):
-            raise UserError(
-                f"this cache has no batch dimension, so prompt must be 0, got {prompt!r}"
-            )
-        return self  # type: ignore[return-value]
+    def _one_prompt(self, prompt: int) -> PromptView:
+        """One prompt's cache, trimmed to its length, without a batch dimension."""
 
     def plot_pattern(
         self,
