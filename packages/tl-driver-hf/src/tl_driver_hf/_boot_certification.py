@@ -1,27 +1,79 @@
-"""What the ``hf`` driver serves after its boot-time certification.
+"""What the ``hf`` driver serves after its boot-time certification: a ``BootDecision``.
 
 A described family serves the hooks its equations certify; an inferred architecture is
 certified in stages, each serving less, and refused when even its residual stream fails.
+Certification only tries configurations (``CertificationTrials``) and returns what to serve;
+the driver applies the decision itself.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from tl_core import ConfigError
 from tl_core.driver_api import Certification
 from tl_driver_hf._certify import boot_refusal, on_residual_stream
 
-if TYPE_CHECKING:
-    from tl_driver_hf._driver import HFDriver
-
-__all__ = ["certify_at_boot"]
+__all__ = ["BootDecision", "BootFacts", "CertificationTrials", "certify_at_boot"]
 
 _LOG = logging.getLogger("tl_driver_hf")
 
 
-def _first_certifiable(driver: HFDriver) -> Certification:
+class CertificationTrials(Protocol):
+    """A booted driver that can serve a trial set of hooks and certify it."""
+
+    @property
+    def candidate_hooks(self) -> Sequence[str]:
+        """Every hook the model's modules offer, before certification."""
+
+    def certify_serving(
+        self,
+        names: Sequence[str] | None,
+        *,
+        hooked_attention: bool,
+        absent: Mapping[str, str],
+        thorough: bool,
+    ) -> Certification:
+        """Serve ``names`` (``None``: as booted), with tl's attention or the model's, the
+        ``absent`` ones not served for the reason given, and certify that."""
+
+
+@dataclass(frozen=True)
+class BootFacts:
+    """What the boot knows of the model, for the report and the refusal."""
+
+    name: str
+    architecture: str
+    family: str
+    layers: str
+    inferred: bool
+
+
+@dataclass
+class BootDecision:
+    """What the driver serves after certification.
+
+    Attributes:
+        certification: The report of the configuration chosen.
+        served: The hooks to serve (``None``: every candidate, as booted).
+        absent: Hooks not served, each with why.
+        hooked_attention: Whether tl's attention function runs (``False``: the model's own).
+        readout_refused: Why the logit readout is refused (``None``: it held).
+        refused_weights: Weights not served, each with why.
+    """
+
+    certification: Certification
+    served: list[str] | None = None
+    absent: dict[str, str] = field(default_factory=dict)
+    hooked_attention: bool = True
+    readout_refused: str | None = None
+    refused_weights: dict[str, str] = field(default_factory=dict)
+
+
+def _first_certifiable(trials: CertificationTrials, facts: BootFacts) -> BootDecision:
     """Certify an inferred model in stages, each serving less, until its run holds.
 
     First with every candidate hook and tl's hooked attention; then with the model's own
@@ -32,79 +84,89 @@ def _first_certifiable(driver: HFDriver) -> Certification:
         ConfigError: Not even the residual stream runs (names the error).
     """
     error: Exception | None = None
-    cert: Certification | None = None
+    tried: BootDecision | None = None
     for hooked, residual_only in ((True, False), (False, False), (False, True)):
-        driver._hooked_attention = hooked
+        served: list[str] | None = None
+        absent: dict[str, str] = {}
         if residual_only:
-            names = list(driver._model.hook_points)
-            kept = [n for n in names if on_residual_stream(n)]
+            names = list(trials.candidate_hooks)
             why = (
                 f"{type(error).__name__}: {error}"
                 if error is not None
                 else "its block equations failed"
             )
-            for n in names:
-                if n not in kept:
-                    driver._absent[n] = (
-                        f"uncertified: tl's hooks inside this inferred block do not run ({why})"
-                    )
-            driver._build(kept)
+            served = [n for n in names if on_residual_stream(n)]
+            absent = {
+                n: f"uncertified: tl's hooks inside this inferred block do not run ({why})"
+                for n in names
+                if not on_residual_stream(n)
+            }
         try:
-            cert = driver.certify()
+            cert = trials.certify_serving(
+                served, hooked_attention=hooked, absent=absent, thorough=True
+            )
         except Exception as exc:  # the family's code does not run with these hooks
             error = exc
             continue
+        tried = BootDecision(cert, served=served, absent=absent, hooked_attention=hooked)
         if cert.residual_holds:
-            return cert
-    if cert is not None:
-        return cert  # refused by the caller, with the failing equations
+            return tried
+    if tried is not None:
+        return tried  # refused by the caller, with the failing equations
     raise ConfigError(
-        f"architecture {driver._info.architecture!r} has no hand-written description and tl "
+        f"architecture {facts.architecture!r} has no hand-written description and tl "
         f"cannot run the one inferred from its modules ({type(error).__name__}: {error}); "
         f"describe it with an ArchitectureAdapter (docs/adding-a-family.md)."
     )
 
 
-def certify_at_boot(driver: HFDriver) -> None:
-    """Certify, then serve only what passed; refuse an inferred model whose run is wrong."""
-    name = driver._name
-    inferred = driver._inferred is not None
-    cert = _first_certifiable(driver) if inferred else driver.certify(thorough=False)
+def certify_at_boot(trials: CertificationTrials, facts: BootFacts) -> BootDecision:
+    """Certify, and decide to serve only what passed; refuse an inferred model whose run is wrong.
+
+    Raises:
+        ConfigError: The model's run is wrong where tl cannot leave hooks out.
+    """
+    if facts.inferred:
+        decision = _first_certifiable(trials, facts)
+    else:
+        decision = BootDecision(
+            trials.certify_serving(None, hooked_attention=True, absent={}, thorough=False)
+        )
+    cert = decision.certification
     refused = boot_refusal(
-        cert, inferred=inferred, architecture=driver._info.architecture, family=driver._adapter.family,
-        layers=driver._adapter.layers, name=name,
+        cert, inferred=facts.inferred, architecture=facts.architecture, family=facts.family,
+        layers=facts.layers, name=facts.name,
     )  # fmt: skip
     if refused is not None:
         raise refused
+    candidates = decision.served if decision.served is not None else list(trials.candidate_hooks)
     dropped = [
-        n
-        for n in driver._model.hook_points
-        if cert.statuses.get(n) is None or cert.statuses[n].status != "real"
+        n for n in candidates if cert.statuses.get(n) is None or cert.statuses[n].status != "real"
     ]
     if dropped:
         for n in dropped:
             cert_n = cert.statuses.get(n)
-            driver._absent[n] = f"uncertified: {cert_n.reason if cert_n else 'not checked'}"
-        driver._build([n for n in driver._model.hook_points if n not in dropped])
-        if not inferred:
+            decision.absent[n] = f"uncertified: {cert_n.reason if cert_n else 'not checked'}"
+        decision.served = [n for n in candidates if n not in dropped]
+        if not facts.inferred:
             _LOG.warning(
                 "%d hooks of %s failed certification and are not served (first: %s); see "
-                "bridge.certification", len(dropped), name, dropped[0],
+                "bridge.certification", len(dropped), facts.name, dropped[0],
             )  # fmt: skip
-    driver._certification = cert
     wrong_readout = [
         c
         for c in cert.failed
         if c.hooks and set(c.hooks) <= {"unembed.hook_out", "ln_final.hook_out"}
     ]
     if wrong_readout:
-        driver._readout_refused = f"failed: {wrong_readout[0].equation}"
-    driver._model.refused_weights.update(
-        {name: w.reason for name, w in cert.weights.items() if w.status != "real"}
-    )
-    if inferred:
+        decision.readout_refused = f"failed: {wrong_readout[0].equation}"
+    decision.refused_weights = {
+        name: w.reason for name, w in cert.weights.items() if w.status != "real"
+    }
+    if facts.inferred:
         _LOG.warning(
             "%s: architecture %s inferred from its modules (no hand-written description); "
             "%d hooks certified and served at level %r (tl certify %s shows the report)",
-            name, driver._info.architecture, len(cert.served), cert.level, name,
+            facts.name, facts.architecture, len(cert.served), cert.level, facts.name,
         )  # fmt: skip
+    return decision

@@ -41,7 +41,7 @@ from tl_driver_hf._weight_checks import (
 )
 
 if TYPE_CHECKING:
-    from tl_driver_hf._driver import HFDriver
+    from tl_driver_hf._certification_target import CertifiableDriver
 
 __all__ = ["boot_refusal", "certify_driver", "on_residual_stream"]
 
@@ -68,7 +68,7 @@ def _add_to_input(delta: torch.Tensor) -> Callable[..., Any]:
 
 
 @contextmanager
-def _captured(driver: HFDriver, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+def _captured(driver: CertifiableDriver, names: list[str]) -> Iterator[dict[str, torch.Tensor]]:
     cache: dict[str, torch.Tensor] = {}
     points = driver.hook_points
 
@@ -111,7 +111,9 @@ def _plain(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, tuple[tor
     return out.logits, tuple(getattr(out, "hidden_states", None) or ())
 
 
-def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[CertificationCheck]:
+def _edit_checks(
+    driver: CertifiableDriver, ids: torch.Tensor, rtol: float
+) -> list[CertificationCheck]:
     """An edit at each editable site moves the logits as a plain torch hook on its module does."""
     parts = driver.hooked_model.parts
     points = driver.hook_points
@@ -194,7 +196,7 @@ def _edit_checks(driver: HFDriver, ids: torch.Tensor, rtol: float) -> list[Certi
 
 
 def certify_driver(
-    driver: HFDriver,
+    driver: CertifiableDriver,
     *,
     model: str,
     inferred: bool,
@@ -394,7 +396,7 @@ def _opt_in(name: str) -> bool:
     return name.endswith(("hook_q_input", "hook_k_input", "hook_v_input", "hook_result"))
 
 
-def _all_names(driver: HFDriver) -> list[str]:
+def _all_names(driver: CertifiableDriver) -> list[str]:
     return [*driver.hooked_model.hook_points, *driver.absent_reasons]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -23,7 +23,7 @@ from tl_core.driver_api import (
 )
 from tl_driver_hf._arena import CaptureArena, head_into_arena
 from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
-from tl_driver_hf._boot_certification import certify_at_boot
+from tl_driver_hf._boot_certification import BootDecision, BootFacts, certify_at_boot
 from tl_driver_hf._certify import certify_driver
 from tl_driver_hf._compat import CompatState, enable_compatibility
 from tl_driver_hf._infer import InferredArchitecture, infer_architecture
@@ -288,8 +288,46 @@ class HFDriver(LocalDriver):
         driver._inferred = inferred
         driver._name = name
         if (opts.certify or inferred is not None) and not driver._meta:
-            certify_at_boot(driver)
+            facts = BootFacts(
+                name=name,
+                architecture=driver._info.architecture,
+                family=driver._adapter.family,
+                layers=driver._adapter.layers,
+                inferred=inferred is not None,
+            )
+            driver._apply(certify_at_boot(driver, facts))
         return driver
+
+    @property
+    def candidate_hooks(self) -> list[str]:
+        """Every hook built now (before certification: every one the modules offer)."""
+        return list(self._model.hook_points)
+
+    def certify_serving(
+        self,
+        names: Sequence[str] | None,
+        *,
+        hooked_attention: bool,
+        absent: Mapping[str, str],
+        thorough: bool,
+    ) -> Certification:
+        """Serve ``names`` (``None``: as built) with tl's attention or the model's, and certify
+        that (a trial of the boot's certification, ``CertificationTrials``)."""
+        self._hooked_attention = hooked_attention
+        if names is not None:
+            self._absent.update(absent)
+            self._build(list(names))
+        return self.certify(thorough=thorough)
+
+    def _apply(self, decision: BootDecision) -> None:
+        """Serve what the boot's certification decided."""
+        self._hooked_attention = decision.hooked_attention
+        self._absent.update(decision.absent)
+        if decision.served is not None:
+            self._build(decision.served)
+        self._certification = decision.certification
+        self._readout_refused = decision.readout_refused
+        self._model.refused_weights.update(decision.refused_weights)
 
     def enable_compatibility_mode(self, **options: Any) -> None:
         """Rewrite the weights to HookedTransformer's processed-weights convention.

@@ -22,7 +22,7 @@ from tl_core.driver_api import (
 from tl_driver_hf._norms import apply_weight
 
 if TYPE_CHECKING:
-    from tl_driver_hf._driver import HFDriver
+    from tl_driver_hf._certification_target import CertifiableDriver
 
 __all__ = ["exported_weight_checks", "latent_checks", "readout_checks", "weight_rule_checks"]
 
@@ -48,7 +48,7 @@ def _unexpandable(name: str, up: str | None) -> CertificationCheck:
 
 
 def latent_checks(
-    driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float
+    driver: CertifiableDriver, cache: dict[str, torch.Tensor], rtol: float
 ) -> list[CertificationCheck]:
     """Multi-head latent attention: each head's value and the unrotated part of its key and
     query are the up-projections of the served latents (``[nope | rope]`` per head)."""
@@ -91,7 +91,7 @@ def latent_checks(
 
 
 def weight_rule_checks(
-    driver: HFDriver, cache: dict[str, torch.Tensor], rtol: float
+    driver: CertifiableDriver, cache: dict[str, torch.Tensor], rtol: float
 ) -> list[CertificationCheck]:
     """Each norm's output is its ``hook_normalized`` through the family's weight rule."""
     parts = driver.hooked_model.parts
@@ -130,7 +130,7 @@ def weight_rule_checks(
 
 
 def exported_weight_checks(
-    driver: HFDriver,
+    driver: CertifiableDriver,
     cache: dict[str, torch.Tensor],
     ids: torch.Tensor,
     rtol: float,
@@ -270,7 +270,7 @@ _WEIGHTS = (
 
 
 def readout_checks(
-    driver: HFDriver,
+    driver: CertifiableDriver,
     cache: dict[str, torch.Tensor],
     ids: torch.Tensor,
     logits: torch.Tensor,
