@@ -16,6 +16,10 @@ modules are reported with the file and line. Every import counts, those inside f
 under ``if TYPE_CHECKING:`` too: a type-only import of a private module breaks as surely when
 that module moves. tl-core's own subpackage floors are tl-core's ``tests/test_layout.py``.
 
+Within a package no modules may import one another in a circle, type-only imports counted
+(a circle makes the import order matter and ties the modules into one unit): each circle is
+reported with its modules and the import line of each step.
+
 Usage: ``python scripts/check_layout.py`` (exit 1 when something is reported); ``nox -s lint``
 runs it.
 """
@@ -23,6 +27,7 @@ runs it.
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import sys
 from dataclasses import dataclass
@@ -99,6 +104,96 @@ def _imports(tree: ast.AST) -> list[tuple[str, int]]:
     return sorted(found, key=lambda item: item[1])
 
 
+def _module_name(package: Package, path: Path) -> str:
+    parts = list(path.relative_to(package.source.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _internal_imports(package: Package) -> dict[str, dict[str, tuple[Path, int]]]:
+    """Each module of ``package`` -> the package's modules it imports, with file and line.
+
+    ``from p import m`` where ``p.m`` is a module counts as importing ``p.m`` (not ``p``);
+    relative imports are resolved.
+    """
+    paths = {_module_name(package, path): path for path in package.source.rglob("*.py")}
+    graph: dict[str, dict[str, tuple[Path, int]]] = {name: {} for name in paths}
+    for name, path in paths.items():
+        home = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = home[: len(home) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                targets = [
+                    f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module
+                    for a in node.names
+                ]
+            for target in targets:
+                if target in paths and target != name:
+                    graph[name].setdefault(target, (path, node.lineno))
+    return graph
+
+
+def import_circles(package: Package) -> list[list[str]]:
+    """The circles of imports inside ``package``: each as a closed path of module names."""
+    graph = _internal_imports(package)
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in order:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], order[nxt])
+        if low[node] == order[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    circles = []
+    for component in components:
+        # One closed path through the component, from its first module.
+        inside, path = set(component), [component[0]]
+        while True:
+            nxt = next(t for t in sorted(graph[path[-1]]) if t in inside)
+            if nxt in path:
+                circles.append([*path[path.index(nxt) :], nxt])
+                break
+            path.append(nxt)
+    return circles
+
+
+def _circle_problems(package: Package, root: Path) -> list[str]:
+    graph = _internal_imports(package)
+    found = []
+    for circle in import_circles(package):
+        steps = [
+            f"{a} -> {b} ({graph[a][b][0].relative_to(root)}:{graph[a][b][1]})"
+            for a, b in itertools.pairwise(circle)
+        ]
+        found.append(
+            f"{package.name}: modules import one another in a circle: {'; '.join(steps)} "
+            "(move what both need into a module of its own, or depend on a Protocol)"
+        )
+    return found
+
+
 def problems(root: Path = ROOT) -> list[str]:
     """What breaks the layout, one line each (empty when it holds)."""
     every = packages(root)
@@ -136,6 +231,7 @@ def problems(root: Path = ROOT) -> list[str]:
                         f"{target.name} ({'.'.join(private)}); import it from a public module, or make "
                         f"{target.name} export it"
                     )
+        found += _circle_problems(package, root)
     return found
 
 
@@ -145,7 +241,10 @@ def main() -> int:
     if found:
         print("the packages' layout is broken:", *found, sep="\n", file=sys.stderr)
         return 1
-    print(f"layout holds: {len(packages())} packages on {len(FLOORS)} floors, public imports only")
+    print(
+        f"layout holds: {len(packages())} packages on {len(FLOORS)} floors, public imports only, "
+        "no import circles"
+    )
     return 0
 
 

@@ -88,3 +88,26 @@ def test_a_package_on_no_floor_is_named(repo: Path) -> None:
     )
     (problem,) = check_layout.problems(repo)
     assert "on no floor" in problem and "tl-other" in problem
+
+
+def test_an_import_circle_is_reported_with_each_step(repo: Path) -> None:
+    # A type-only import back into a module that imports this one closes a circle.
+    source = next((repo / "packages" / "tl-driver-hf" / "src").iterdir())
+    (source / "_planted.py").write_text("from tl_driver_hf._planted_back import X\n")
+    (source / "_planted_back.py").write_text(
+        "from typing import TYPE_CHECKING\nX = 1\nif TYPE_CHECKING:\n    from . import _planted\n"
+    )
+    found = [p for p in check_layout.problems(repo) if "circle" in p]
+    assert len(found) == 1, found
+    assert "tl_driver_hf._planted -> tl_driver_hf._planted_back" in found[0]
+    assert "tl_driver_hf._planted_back -> tl_driver_hf._planted" in found[0]
+    assert "_planted_back.py:4" in found[0]
+
+
+def test_a_submodule_imported_from_its_package_is_no_circle(repo: Path) -> None:
+    # ``from package import submodule`` in a sibling imports the submodule, not the package's
+    # __init__ back; the __init__ importing its submodules is no circle.
+    source = next((repo / "packages" / "tl-driver-hf" / "src").iterdir())
+    (source / "_planted.py").write_text("from tl_driver_hf import _planted_leaf\n")
+    (source / "_planted_leaf.py").write_text("Y = 2\n")
+    assert [p for p in check_layout.problems(repo) if "circle" in p] == []
