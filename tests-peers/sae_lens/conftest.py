@@ -12,7 +12,8 @@ import pytest
 
 _VLLM_TMP = Path(tempfile.mkdtemp(prefix="tl-sae-lens-tests-"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in-process: fast boots
-os.environ.setdefault("VLLM_CACHE_ROOT", str(_VLLM_TMP / "cache"))  # a cache the caller names is kept
+# A cache the caller names (the nox session shares one between its suites) is kept.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_VLLM_TMP / "cache"))
 os.environ["VLLM_RPC_BASE_PATH"] = str(_VLLM_TMP / "rpc")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("WANDB_MODE", "disabled")

@@ -20,7 +20,8 @@ os.environ.setdefault("INSPECT_LOG_LEVEL", "warning")
 # sockets in a temp folder (vLLM reads these when its modules load).
 _VLLM_TMP = Path(tempfile.mkdtemp(prefix="tl-inspect-vllm-"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CACHE_ROOT", str(_VLLM_TMP / "cache"))  # a cache the caller names is kept
+# A cache the caller names (the nox session shares one between its suites) is kept.
+os.environ.setdefault("VLLM_CACHE_ROOT", str(_VLLM_TMP / "cache"))
 os.environ["VLLM_RPC_BASE_PATH"] = str(_VLLM_TMP / "rpc")
 (_VLLM_TMP / "rpc").mkdir()
 
