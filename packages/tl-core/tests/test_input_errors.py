@@ -14,12 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from tl_core import RemoteBridge, TransformerBridge, UserError
+from tl_core.bridges._prompts import check_context
+from tl_core.driver_api import fits_context, pad_batch
 
 Bridge = TransformerBridge | RemoteBridge
 
 N_CTX = 16
+_NATIVE_LLAMA = TransformerBridge.boot_native("llama", n_layers=1, n_ctx=N_CTX, seed=2)
 _FAKE = (
     Path(__file__).parent / "fixtures" / "tl-fake-driver" / "src" / "tl_fake_driver" / "_driver.py"
 )
@@ -309,17 +313,47 @@ def test_generate_checks_prompt_plus_new_tokens_before_decoding(
     prompts = [[5] * 3, [6] * 10]
     with pytest.raises(
         UserError,
-        match=rf"generate: prompt 1 is 10 tokens and max_new_tokens=8, 18 tokens in all, which "
-        rf"exceeds n_ctx={N_CTX}.*largest max_new_tokens that fits is 6",
+        match=rf"generate: prompt 1 is 10 tokens and max_new_tokens=9, which runs the model on "
+        rf"18 positions .*more than n_ctx={N_CTX}.*largest max_new_tokens that fits is 7",
     ):
-        bridge.generate(prompts, max_new_tokens=8)
+        bridge.generate(prompts, max_new_tokens=9)
     with pytest.raises(
-        UserError, match=rf"prompt 0 is {N_CTX} tokens long.*no room for new tokens"
+        UserError, match=rf"prompt 0 is {N_CTX + 1} tokens long.*no room for new tokens"
     ):
-        bridge.generate([[5] * N_CTX], max_new_tokens=1)
+        bridge.generate([[5] * (N_CTX + 1)], max_new_tokens=1)
     assert not engine_calls
-    new = bridge.generate(prompts, max_new_tokens=6, stop_at_eos=False, return_type="tokens")
-    assert isinstance(new, torch.Tensor) and new.shape == (2, 6)
+    # The last new token is never fed back: 10 + 7 new tokens run 16 positions, and a prompt
+    # of n_ctx tokens still gets one.
+    new = bridge.generate(prompts, max_new_tokens=7, stop_at_eos=False, return_type="tokens")
+    assert isinstance(new, torch.Tensor) and new.shape == (2, 7)
+    one = bridge.generate([[5] * N_CTX], max_new_tokens=1, stop_at_eos=False, return_type="tokens")
+    assert isinstance(one, torch.Tensor) and one.shape == (1, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, N_CTX + 3), min_size=1, max_size=3),
+    max_new_tokens=st.integers(0, N_CTX + 3),
+)
+def test_the_bridge_and_the_driver_apply_one_context_rule(
+    lengths: list[int], max_new_tokens: int
+) -> None:
+    # fits_context is the only rule: the bridge's check and the local driver's refuse exactly
+    # the runs it says do not fit (issue #44: they used two formulas, one token apart).
+    driver = _NATIVE_LLAMA.driver
+    batch = pad_batch([[5] * n for n in lengths], pad_id=0)
+    fits = all(fits_context(n, max_new_tokens, N_CTX) for n in lengths)
+    outcomes = []
+    for check in (
+        lambda: check_context(driver.info, driver.name, batch, max_new_tokens),
+        lambda: driver._check_context(batch, max_new_tokens),
+    ):
+        try:
+            check()
+            outcomes.append(True)
+        except UserError:
+            outcomes.append(False)
+    assert outcomes == [fits, fits]
 
 
 def test_local_drivers_refuse_work_past_n_ctx_themselves() -> None:

@@ -102,8 +102,8 @@ def test_generate_refuses_up_front_with_the_largest_max_new_tokens(
     prompt = [1] + [7] * (n_ctx - 5)
     with pytest.raises(
         UserError,
-        match=rf"generate: prompt 0 is {n_ctx - 4} tokens and max_new_tokens=10, {n_ctx + 6} tokens in all, "
-        rf"which exceeds n_ctx={n_ctx}.*largest max_new_tokens that fits is 4",
+        match=rf"generate: prompt 0 is {n_ctx - 4} tokens and max_new_tokens=10, which runs the "
+        rf"model on {n_ctx + 5} positions .*more than n_ctx={n_ctx}.*largest max_new_tokens that fits is 5",
     ):
         llama.generate([prompt], max_new_tokens=10)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tl_core import UserError
+from tl_core.driver_api import most_new_tokens
 
 __all__ = ["DEFAULT_MAX_TOKENS", "Completion", "cut_at_stop", "logprobs_of", "sampling_options"]
 
@@ -27,7 +28,8 @@ def sampling_options(config: Any, *, prompt_len: int, n_ctx: int) -> tuple[int, 
         UserError: The prompt leaves no room for a token, or an option is out of range.
     """
     wanted = config.max_tokens if config.max_tokens is not None else DEFAULT_MAX_TOKENS
-    room = n_ctx - prompt_len if n_ctx > 0 else wanted
+    most = most_new_tokens(prompt_len, n_ctx)  # the one context rule (fits_context)
+    room = wanted if most is None else most
     if room < 1:
         raise UserError(
             f"the prompt is {prompt_len} tokens and the model's context is {n_ctx}: no room "

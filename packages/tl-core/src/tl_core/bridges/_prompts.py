@@ -13,6 +13,7 @@ import torch
 
 from tl_core._errors import UserError
 from tl_core.driver_api._batching import TokenBatch, describe_value
+from tl_core.driver_api._context import fits_context, most_new_tokens, positions_run
 from tl_core.driver_api._tokenizers import Tokenizer
 from tl_core.hooks._model_info import ModelInfo
 
@@ -99,15 +100,17 @@ def check_context(
     to the limit, fail there and lose the text.
     """
     n_ctx = info.n_ctx
-    if n_ctx <= 0:
-        return
     lengths = batch.lengths
-    longest = max(lengths)
-    if longest + max_new_tokens <= n_ctx:
+    too_long = [n for n in lengths if not fits_context(n, max_new_tokens, n_ctx)]
+    if not too_long:
         return
+    longest = max(lengths)
     index = lengths.index(longest)
-    over = sum(1 for n in lengths if n + max_new_tokens > n_ctx)
-    others = f" ({over} of the {len(lengths)} prompts are too long)" if over > 1 else ""
+    others = (
+        f" ({len(too_long)} of the {len(lengths)} prompts are too long)"
+        if len(too_long) > 1
+        else ""
+    )
     shorten = "Shorten it (to_tokens(..., truncate=True) cuts text to n_ctx tokens), or"
     hint = _longer_context_hint(info, driver_name)
     if not max_new_tokens:
@@ -115,7 +118,8 @@ def check_context(
             f"prompt {index} is {longest} tokens long, which exceeds n_ctx={n_ctx}, the "
             f"longest input this model takes{others}. {shorten} {hint}"
         )
-    if longest >= n_ctx:
+    most = most_new_tokens(longest, n_ctx)
+    if not most:
         raise UserError(
             f"generate: prompt {index} is {longest} tokens long and this model's context "
             f"is n_ctx={n_ctx}, so there is no room for new tokens{others}. Nothing was "
@@ -123,10 +127,10 @@ def check_context(
         )
     raise UserError(
         f"generate: prompt {index} is {longest} tokens and max_new_tokens="
-        f"{max_new_tokens}, {longest + max_new_tokens} tokens in all, which exceeds "
-        f"n_ctx={n_ctx}, this model's context{others}; the largest max_new_tokens that "
-        f"fits is {n_ctx - longest}. Nothing was generated. Pass max_new_tokens="
-        f"{n_ctx - longest} or less, shorten the prompt, or {hint}"
+        f"{max_new_tokens}, which runs the model on {positions_run(longest, max_new_tokens)} "
+        f"positions (the last new token is not fed back), more than n_ctx={n_ctx}, this "
+        f"model's context{others}; the largest max_new_tokens that fits is {most}. Nothing "
+        f"was generated. Pass max_new_tokens={most} or less, shorten the prompt, or {hint}"
     )
 
 

@@ -131,10 +131,13 @@ def context_limit_before_boot(config: CaptureConfig) -> ContextLimit | None:
         )
         return None if found is None else (found[0], found[1], raise_it)
     if config.driver == "vllm":
+        # vLLM counts the token it samples against max_model_len: the model runs one
+        # position fewer (the vllm driver's n_ctx, tl_core.driver_api.fits_context).
         if _positive_int(options.get("max_model_len")):
             return (
-                int(options["max_model_len"]),
-                "the boot option max_model_len",
+                int(options["max_model_len"]) - 1,
+                f"the boot option max_model_len={options['max_model_len']}, less the token "
+                "vLLM samples",
                 "a larger --option max_model_len=N",
             )
         if any("override" in key for key in options):
@@ -143,7 +146,11 @@ def context_limit_before_boot(config: CaptureConfig) -> ContextLimit | None:
         return (
             None
             if found is None
-            else (found[0], found[1], "--option max_model_len=N where the model allows it")
+            else (
+                found[0] - 1,
+                f"{found[1]}, less the token vLLM samples",
+                "--option max_model_len=N where the model allows it",
+            )
         )
     return None
 

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
         statuses_from_checks as statuses_from_checks,
     )
     from tl_core.driver_api._conformance import check_driver as check_driver
+    from tl_core.driver_api._context import (
+        fits_context as fits_context,
+        most_new_tokens as most_new_tokens,
+        positions_run as positions_run,
+    )
     from tl_core.driver_api._counting import validation_calls as validation_calls
     from tl_core.driver_api._discovery import (
         DriverEntry as DriverEntry,

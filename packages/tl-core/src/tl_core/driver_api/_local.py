@@ -18,6 +18,7 @@ from torch import nn
 from tl_core._errors import DriverContractError, UnsupportedFeatureError, UserError
 from tl_core.cache._readout import ModelReadout
 from tl_core.driver_api._batching import TokenBatch
+from tl_core.driver_api._context import fits_context, most_new_tokens, positions_run
 from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
 from tl_core.driver_api._request import LOCAL_OPTIONS, ForwardRequest, RequestForward
 from tl_core.driver_api._sampling import next_tokens
@@ -369,17 +370,17 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         """
         n_ctx = self.info.n_ctx
         longest = max(batch.lengths)
-        # The last generated token is never fed back, so n new tokens run n - 1 more.
-        run = longest + max(max_new_tokens - 1, 0)
-        if n_ctx <= 0 or run <= n_ctx:
+        if fits_context(longest, max_new_tokens, n_ctx):
             return
+        run = positions_run(longest, max_new_tokens)
         index = batch.lengths.index(longest)
         steps = (
             f" and generating {max_new_tokens} tokens runs the model on {run} positions"
             if max_new_tokens > 1
             else ""
         )
-        fewer = f", or lower max_new_tokens to {n_ctx - longest + 1}" if longest < n_ctx else ""
+        most = most_new_tokens(longest, n_ctx)
+        fewer = f", or lower max_new_tokens to {most}" if most else ""
         longer = (
             "its positions are learned, so it takes no longer inputs"
             if self.info.positional_embedding_type == "standard" and self.name != "native"

@@ -241,8 +241,10 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         sockets = socket_files() - sockets_before
         started = children() - children_before
         try:
+            # vLLM counts the token it samples against max_model_len, so the positions the
+            # model runs (tl's n_ctx, tl_core.driver_api.fits_context) are one fewer.
             limit = int(llm.llm_engine.model_config.max_model_len)
-            info = model_info(config, family, max_model_len=limit)
+            info = model_info(config, family, max_model_len=limit - 1)
             driver = cls(
                 llm, info, HFTokenizer(hf_tokenizer), layout=layout, family=family,
                 positions=enable_position_interventions,
@@ -422,7 +424,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
                 engine work.
         """
         llm = self._engine()
-        check_room(request.lengths, request.max_new_tokens, limit=self.info.n_ctx)
+        check_room(request.lengths, request.max_new_tokens, n_ctx=self.info.n_ctx)
         if not self._positions:
             refuse_positions(request.plan.per_prompt)
         rows = request.batch.rows()
