@@ -651,3 +651,23 @@ def test_reading_a_hook_that_never_fired_names_it() -> None:
     state.check_written()  # nothing was written: a buffer that does not exist is not checked
     with pytest.raises(TLError, match=r"'blocks\.0\.hook_out' never fired"):
         state.batched("blocks.0.hook_out")
+
+
+@pytest.mark.parametrize("max_model_len", [2, 17])
+def test_room_on_the_engine_is_the_one_context_rule(max_model_len: int) -> None:
+    # vLLM needs prompt + max(1, new tokens) <= max_model_len (it counts the sampled token);
+    # with n_ctx = max_model_len - 1 that is exactly tl_core's fits_context, for every length.
+    from tl_core import UserError
+    from tl_core.driver_api import fits_context
+    from tl_driver_vllm._driver_side._inputs import check_room
+
+    n_ctx = max_model_len - 1
+    for length in range(1, max_model_len + 3):
+        for new in range(0, max_model_len + 3):
+            engine_accepts = length + max(1, new) <= max_model_len
+            assert fits_context(length, new, n_ctx) == engine_accepts, (length, new)
+            if engine_accepts:
+                check_room([length], new, n_ctx=n_ctx)
+            else:
+                with pytest.raises(UserError, match=f"max_model_len={max_model_len}"):
+                    check_room([length], new, n_ctx=n_ctx)
