@@ -323,7 +323,8 @@ class HFDriver(LocalDriver):
         """Serve what the boot's certification decided."""
         self._hooked_attention = decision.hooked_attention
         self._absent.update(decision.absent)
-        if decision.served is not None:
+        # A residual-only stage was certified as built: build again only when hooks dropped.
+        if decision.served is not None and decision.served != self.candidate_hooks:
             self._build(decision.served)
         self._certification = decision.certification
         self._readout_refused = decision.readout_refused
