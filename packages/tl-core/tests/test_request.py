@@ -33,6 +33,8 @@ def _assert_validated_once(counts: Any, names: list[str]) -> None:
     assert lookups == dict.fromkeys(names, 1), counts
     assert counts["pad_batch"] == 1, counts
     assert counts["block_index"] == 1, counts
+    # One plan; the one spec list (the same for every prompt) composed once.
+    assert (counts["build_plan"], counts["compile_specs"]) == (1, 1), counts
 
 
 def test_run_with_cache_resolves_pads_and_checks_the_stop_layer_once(
@@ -52,6 +54,7 @@ def test_the_counter_sees_a_second_validation(bridge: TransformerBridge) -> None
         bridge.driver.forward([[1, 2, 3]], capture=["hook_embed"], max_new_tokens=0)
     assert counts["lookup:hook_embed"] == 2
     assert counts["pad_batch"] == 2
+    assert counts["build_plan"] == 2 and counts["compile_specs"] == 1
 
 
 def test_remote_bridge_validates_once_too() -> None:

@@ -31,3 +31,18 @@ def test_one_run_with_cache_validates_once(
     lookups = {k.removeprefix("lookup:"): n for k, n in counts.items() if k.startswith("lookup:")}
     assert lookups == dict.fromkeys([*names, *spec], 1), counts
     assert (counts["pad_batch"], counts["block_index"]) == (1, 1), counts
+    assert (counts["build_plan"], counts["compile_specs"]) == (1, 1), counts
+
+
+def test_each_prompts_specs_are_compiled_once(
+    bridge_of: Callable[[str], TransformerBridge],
+) -> None:
+    # Different specs per prompt: one composition per prompt, inside one plan.
+    bridge = bridge_of("llama")
+    specs = [
+        {"blocks.0.mlp.hook_post": {"op": "scale", "factor": 0.5}},
+        {"blocks.0.mlp.hook_post": [{"op": "add", "value": 1.0, "pos": [0]}]},
+    ]
+    with validation_calls() as counts:
+        bridge.run_with_cache(["two prompts", "b"], names_filter=["hook_embed"], intervene=specs)
+    assert (counts["build_plan"], counts["compile_specs"]) == (1, 2), counts

@@ -108,6 +108,8 @@ def test_one_run_with_cache_validates_once(booted: tuple[RemoteBridge, Reference
     lookups = {k.removeprefix("lookup:"): n for k, n in counts.items() if k.startswith("lookup:")}
     assert lookups == dict.fromkeys([*names, *spec], 1), counts
     assert (counts["pad_batch"], counts["block_index"]) == (1, 1), counts
+    # One plan; both prompts share one edit table (it used to be composed twice per prompt).
+    assert (counts["build_plan"], counts["compile_specs"]) == (1, 1), counts
 
 
 def test_loss_uses_sequence_logits(booted: tuple[RemoteBridge, Reference]) -> None:

@@ -21,7 +21,7 @@ from tl_core import (  # noqa: E402
 from tl_core.driver_api import SamplingOptions, get_driver_entry  # noqa: E402
 from tl_driver_vllm import ENTRY  # noqa: E402
 from tl_driver_vllm._driver_side._derive import serving_layout  # noqa: E402
-from tl_driver_vllm._driver_side._edit_tables import edit_table  # noqa: E402
+from tl_driver_vllm._driver_side._edit_tables import EditTables, edit_table  # noqa: E402
 from tl_driver_vllm._driver_side._merge import merge_batched, pad_rows  # noqa: E402
 from tl_driver_vllm._driver_side._namespace import INPUT_SITES, hook_namespace  # noqa: E402
 from tl_driver_vllm._driver_side._options import (  # noqa: E402
@@ -65,6 +65,59 @@ def test_edit_table_rows_prompt_positions_then_generated() -> None:
     flat = edit_table([InterventionSpec.set([3.0, 4.0])], length=5, feature_shape=(2,))
     assert not flat["positional"] and unpack(flat["scale"]).shape == (2, 2)
     assert unpack(flat["bias"]).tolist() == [[3.0, 4.0], [3.0, 4.0]]
+
+
+_SPEC_CHOICES = [
+    InterventionSpec.scale(2.0),
+    InterventionSpec.add(1.0, pos=(1,)),
+    InterventionSpec.set([3.0, -4.0]),
+    InterventionSpec.suppress(pos=(0, 2)),
+    InterventionSpec(op="scale", factor=0.5, features=(1,)),
+    InterventionSpec(op="add", value=(7.0,), pos=(2,), features=(0,)),
+    InterventionSpec.add(-1.5),
+]
+
+
+@pytest.mark.parametrize("picks", [(0, 1), (2,), (1, 0, 4), (3, 6, 5), (5, 2, 3, 0), (6,)])
+@pytest.mark.parametrize("length", [3, 5])
+def test_one_compilation_gives_the_prompt_rows_and_the_generated_row(
+    picks: tuple[int, ...], length: int
+) -> None:
+    # The table is compiled once; it equals the prompt's specs compiled over its length,
+    # followed by one row of the specs without pos alone (what a generated token meets).
+    from tl_core.specs import compile_specs
+
+    specs = [_SPEC_CHOICES[i] for i in picks]
+    table = edit_table(specs, length=length, feature_shape=(2,))
+    positional = any(s.pos is not None for s in specs)
+    rows = length if positional else 1
+
+    def want(part: str) -> torch.Tensor:
+        kw: dict[str, Any] = {"feature_shape": (2,), "dtype": torch.float32, "device": "cpu"}
+        prompt = getattr(compile_specs(specs, seq_len=length, **kw), part)
+        after = [s for s in specs if s.pos is None]
+        generated = getattr(compile_specs(after, seq_len=1, **kw), part)
+        return torch.cat([prompt.expand(rows, 2), generated.expand(1, 2)])
+
+    assert table["positional"] == positional
+    assert torch.equal(unpack(table["scale"]), want("scale"))
+    assert torch.equal(unpack(table["bias"]), want("bias"))
+
+
+def test_prompts_with_the_same_specs_share_one_compiled_table() -> None:
+    from tl_core.driver_api import validation_calls
+
+    tables = EditTables(lambda hook: (2,), raw=True)
+    steer = (InterventionSpec.add([1.0, 2.0]),)
+    at_one = (InterventionSpec.scale(3.0, pos=(1,)),)
+    with validation_calls() as counts:
+        first, second = tables.get("h", steer, 4), tables.get("h", steer, 9)
+        third, fourth = tables.get("h", at_one, 4), tables.get("h", at_one, 4)
+        fifth = tables.get("h", at_one, 5)
+        other_hook = tables.get("g", steer, 4)
+    assert first is second and third is fourth  # positions make the length matter
+    assert fifth is not third and other_hook is not first
+    assert counts["compile_specs"] == 4, counts
 
 
 def test_an_in_process_edit_table_holds_the_tensors_themselves() -> None:

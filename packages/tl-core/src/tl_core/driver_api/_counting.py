@@ -1,4 +1,5 @@
-"""Count the validation work one call does, for tests that a request is validated once."""
+"""Count the validation and compilation work one call does, for tests that a request is
+validated, planned and compiled once."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ from unittest import mock
 
 from tl_core.driver_api import _batching, _layers
 from tl_core.hooks._namespace import HookNamespace
+from tl_core.specs import _affine, _plan
 
 __all__ = ["validation_calls"]
 
 
 @contextmanager
 def validation_calls() -> Iterator[Counter[str]]:
-    """Count name resolutions, paddings and layer checks inside the ``with`` block.
+    """Count name resolutions, paddings, layer checks, spec plans and spec compilations
+    inside the ``with`` block.
 
     The counter's keys: ``"lookup:<name as given>"`` for each ``HookNamespace.lookup``,
-    ``"pad_batch"`` and ``"block_index"``. Every module that imported ``pad_batch`` or
-    ``block_index`` by name is patched too, so a copy of the call anywhere is counted.
-    Meant for driver tests: one ``run_with_cache`` should resolve each name once, pad once
-    and check its stop layer once, however many layers it passes through.
+    ``"pad_batch"``, ``"block_index"``, ``"build_plan"`` (a whole ``intervene=`` checked)
+    and ``"compile_specs"`` (one list of specs composed into an affine edit). Every module
+    that imported one of those functions by name is patched too, so a copy of the call
+    anywhere is counted. Meant for driver tests: one ``run_with_cache`` should resolve each
+    name once, pad once, check its stop layer once, plan once and compile each hook's specs
+    once, however many layers it passes through.
     """
     counts: Counter[str] = Counter()
     lookup = HookNamespace.lookup
@@ -34,7 +39,13 @@ def validation_calls() -> Iterator[Counter[str]]:
 
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(HookNamespace, "lookup", counted_lookup))
-        for original in (_batching.pad_batch, _layers.block_index):
+        originals = (
+            _batching.pad_batch,
+            _layers.block_index,
+            _plan.build_plan,
+            _affine.compile_specs,
+        )
+        for original in originals:
             wrapper = _counting(original, counts)
             for module in list(sys.modules.values()):
                 # The module's own namespace, not getattr: lazy modules (transformers')

@@ -28,7 +28,7 @@ from tl_driver_vllm._dictionaries import check_replicated, pack_attachment
 from tl_driver_vllm._driver_side._backend import classes_kept
 from tl_driver_vllm._driver_side._certify import ANCHOR_LOGPROBS, certify_engine, refusal
 from tl_driver_vllm._driver_side._derive import serving_layout
-from tl_driver_vllm._driver_side._edit_tables import edit_table
+from tl_driver_vllm._driver_side._edit_tables import EditTables
 from tl_driver_vllm._driver_side._gguf import gguf_checkpoint
 from tl_driver_vllm._driver_side._inputs import check_room, refuse_positions
 from tl_driver_vllm._driver_side._lifecycle import children, shutdown, socket_files
@@ -47,7 +47,7 @@ from tl_driver_vllm._families import Layout, model_info
 from tl_driver_vllm._wire import TAG_KEY, SharedFiles, unpack
 
 if TYPE_CHECKING:
-    from tl_core.sae import Attachment
+    from tl_core.driver_api import Attachment
 
 __all__ = ["VLLMDriver"]
 
@@ -441,6 +441,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         tags = [f"r{run}-{b}" for b in range(len(rows))]
         inputs = [n for n in names if n in INPUT_SITES]
         engine_names = [n for n in names if n not in INPUT_SITES]
+        tables = EditTables(self._features, raw=self._raw)
         requests = {}
         for index, (tag, specs_by_hook, length) in enumerate(
             zip(tags, plan.per_prompt, lengths, strict=True)
@@ -451,9 +452,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
                 "capture": engine_names,
                 "logits": return_logits,
                 "edits": {
-                    hook: edit_table(
-                        specs, length=length, feature_shape=self._features(hook), raw=self._raw
-                    )
+                    hook: tables.get(hook, specs, length)
                     for hook, specs in specs_by_hook.items()
                     if specs
                 },

@@ -8,7 +8,7 @@ where only specs without ``pos`` apply.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from tl_core import InterventionSpec
 from tl_core.driver_api import compile_specs
 from tl_driver_vllm._wire import pack
 
-__all__ = ["edit_table"]
+__all__ = ["EditTables", "edit_table"]
 
 
 def edit_table(
@@ -42,18 +42,40 @@ def edit_table(
     """
     width = math.prod(feature_shape)
     positional = any(spec.pos is not None for spec in specs)
-    prompt = compile_specs(
-        specs, feature_shape=feature_shape, seq_len=length, dtype=torch.float32, device="cpu"
+    # One compilation covers both parts: positions are absolute and inside the prompt, so
+    # the row after it (the first generated token) is edited by the specs without ``pos``
+    # alone, composed in the same order.
+    edit = compile_specs(
+        specs, feature_shape=feature_shape, seq_len=length + 1, dtype=torch.float32, device="cpu"
     )
-    generated = compile_specs(
-        [s for s in specs if s.pos is None], feature_shape=feature_shape, seq_len=1,
-        dtype=torch.float32, device="cpu",
-    )  # fmt: skip
-    rows = length if positional else 1
+    rows = length + 1 if positional else 2
 
-    def flat(t: torch.Tensor, n: int) -> torch.Tensor:
-        return t.expand(n, *feature_shape).reshape(n, width)
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        if not positional:  # shape () or feature_shape: one row serves every position
+            t = t.expand(*feature_shape)[None]
+        return t.expand(rows, *feature_shape).reshape(rows, width).contiguous()
 
-    scale = torch.cat([flat(prompt.scale, rows), flat(generated.scale, 1)])
-    bias = torch.cat([flat(prompt.bias, rows), flat(generated.bias, 1)])
+    scale, bias = flat(edit.scale), flat(edit.bias)
     return {"scale": pack(scale, raw=raw), "bias": pack(bias, raw=raw), "positional": positional}
+
+
+class EditTables:
+    """One run's edit tables, each compiled once: prompts with the same specs on a hook
+    share one table (one per prompt length when the specs list positions)."""
+
+    def __init__(self, feature_shape: Callable[[str], tuple[int, ...]], *, raw: bool) -> None:
+        """``feature_shape(hook)`` gives a hook's per-position shape; ``raw`` as ``edit_table``."""
+        self._feature_shape = feature_shape
+        self._raw = raw
+        self._tables: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def get(self, hook: str, specs: Sequence[InterventionSpec], length: int) -> dict[str, Any]:
+        """The table of ``specs`` on ``hook`` for a prompt of ``length`` tokens."""
+        specs = tuple(specs)
+        positional = any(spec.pos is not None for spec in specs)
+        key = (hook, specs, length if positional else None)
+        if key not in self._tables:
+            self._tables[key] = edit_table(
+                specs, length=length, feature_shape=self._feature_shape(hook), raw=self._raw
+            )
+        return self._tables[key]
