@@ -2,7 +2,7 @@
 
 The driver packs an ``Attachment`` (the dictionary's tensors and settings, where it sits) as
 plain data; every worker rebuilds it on its own device and keeps it until it is detached,
-and each run's ``RunState`` runs it inside the forward pass (``tl_core.sae``'s stage), on
+and each run's ``RunState`` runs it inside the forward pass (``tl_core.driver_api.DictionaryRun``), on
 every row of the step, so it is batched across requests.
 
 Under tensor parallelism every rank holds the whole dictionary and runs it on the whole
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from tl_core import UnsupportedFeatureError
-from tl_core.driver_api import HookNamespace
-from tl_core.sae import Attachment, DictionarySite, Linear, SparseDictionary
+from tl_core.driver_api import Attachment, HookNamespace, Linear
+from tl_core.sae import DictionarySite, SparseDictionary
 from tl_driver_vllm._wire import pack, unpack
 
 __all__ = ["check_replicated", "pack_attachment", "unpack_attachment"]

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal, TypeVar, Union
 
 import torch
 
+from tl_core._dictionaries._dictionary import SparseDictionary
 from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.architecture._description import Architecture
 from tl_core.bridges._loss import next_token_loss
@@ -37,7 +38,6 @@ from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
-from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._splice import Splice, splice
 
 __all__ = ["Bridge", "HookSpec", "ModelInput", "NamesFilter", "ReturnType"]

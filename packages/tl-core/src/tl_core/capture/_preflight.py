@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tl_core._dictionaries._dictionary import SparseDictionary
 from tl_core._errors import UserError
 from tl_core.capture._checks import check_context_size, check_intervene, context_limit_before_boot
 from tl_core.capture._config import CaptureConfig
@@ -20,7 +21,6 @@ from tl_core.capture._lock import LOCK
 from tl_core.capture._manifest import MANIFEST, Manifest
 from tl_core.capture._model_files import model_files
 from tl_core.capture._source import DocumentSource, open_source
-from tl_core.sae._dictionary import SparseDictionary
 from tl_core.sae._load import load_dictionary
 
 __all__ = ["SPECS", "Preflight", "preflight"]

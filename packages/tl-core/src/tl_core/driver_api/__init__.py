@@ -4,6 +4,10 @@ Researchers use ``tl_core`` (bridges, caches, specs, hook names); a driver distr
 implements the ``Driver`` protocol with the pieces here and registers a ``DriverEntry``
 under the ``tl_core.drivers`` entry-point group. Importing this package is cheap (no
 torch), so a driver's entry-point module can import ``DriverEntry`` from it.
+
+Sparse dictionaries spliced by researchers (``bridge.add_sae``) reach a driver as an
+``Attachment``; a driver runs one inside its forward pass with ``DictionaryRun`` (or
+``encode_and_decode`` and ``finish`` on the values at its sites).
 """
 
 from __future__ import annotations
@@ -13,6 +17,15 @@ from typing import TYPE_CHECKING
 from tl_core._lazy import attach
 
 if TYPE_CHECKING:
+    from tl_core._dictionaries._dictionary import Linear as Linear
+    from tl_core._dictionaries._run import (
+        Attachment as Attachment,
+        Decoded as Decoded,
+        DictionaryRun as DictionaryRun,
+        Visit as Visit,
+        encode_and_decode as encode_and_decode,
+        finish as finish,
+    )
     from tl_core.cache._readout import ModelReadout as ModelReadout
     from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
     from tl_core.driver_api._certification import (

@@ -32,7 +32,7 @@ from tl_core.specs._affine import AffineEdit, compile_plan
 from tl_core.specs._plan import InterventionPlan
 
 if TYPE_CHECKING:
-    from tl_core.sae._stage import DictionaryRun
+    from tl_core._dictionaries._run import DictionaryRun
 
 __all__ = ["LocalDriver"]
 

@@ -4,8 +4,8 @@ spliced into a driver's forward pass (``splice`` / ``bridge.add_sae``), where th
 (``<hook>.hook_sae_acts_post``, ...) take captures and feature-level specs.
 
 ``evaluate_dictionary`` scores one over a corpus (CE recovered, KL, explained variance, L0,
-dead features) on any driver. Driver authors run a dictionary with ``encode_and_decode`` and ``finish`` on the values at
-its sites (``Attachment`` says which).
+dead features) on any driver. Driver authors find the pieces that run a dictionary inside
+an engine (``Attachment``, ``DictionaryRun``) in ``tl_core.driver_api``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING
 from tl_core._lazy import attach
 
 if TYPE_CHECKING:
+    from tl_core._dictionaries._dictionary import (
+        ARCHITECTURES as ARCHITECTURES,
+        NORMALIZATIONS as NORMALIZATIONS,
+        SparseDictionary as SparseDictionary,
+    )
     from tl_core.hooks._dictionary_sites import (
         DICTIONARY_SITES as DICTIONARY_SITES,
         DictionarySite as DictionarySite,
-    )
-    from tl_core.sae._dictionary import (
-        ARCHITECTURES as ARCHITECTURES,
-        NORMALIZATIONS as NORMALIZATIONS,
-        Linear as Linear,
-        SparseDictionary as SparseDictionary,
     )
     from tl_core.sae._evaluate import (
         DictionaryEvaluation as DictionaryEvaluation,
@@ -34,15 +33,7 @@ if TYPE_CHECKING:
     from tl_core.sae._splice import (
         DEFAULT_TOP_K as DEFAULT_TOP_K,
         Splice as Splice,
-        plan_attachment as plan_attachment,
         splice as splice,
-    )
-    from tl_core.sae._stage import (
-        Attachment as Attachment,
-        Decoded as Decoded,
-        DictionaryRun as DictionaryRun,
-        encode_and_decode as encode_and_decode,
-        finish as finish,
     )
 
 __getattr__, __dir__, __all__ = attach(__name__)

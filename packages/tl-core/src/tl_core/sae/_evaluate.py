@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from tl_core._dictionaries._dictionary import SparseDictionary
 from tl_core._errors import UserError
-from tl_core.sae._dictionary import SparseDictionary
 
 __all__ = ["DictionaryEvaluation", "evaluate_dictionary"]
 

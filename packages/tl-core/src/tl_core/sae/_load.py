@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from tl_core._dictionaries._dictionary import ARCHITECTURES, NORMALIZATIONS, SparseDictionary
 from tl_core._errors import ConfigError, UnsupportedFeatureError, UserError
-from tl_core.sae._dictionary import ARCHITECTURES, NORMALIZATIONS, SparseDictionary
 
 __all__ = ["from_sae_lens", "load_dictionary"]
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tl_core.sae._dictionary import SparseDictionary
+from tl_core._dictionaries._dictionary import SparseDictionary
 
 __all__ = ["random_dictionary"]
 

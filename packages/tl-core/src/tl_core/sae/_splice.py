@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from tl_core._dictionaries._dictionary import SparseDictionary
+from tl_core._dictionaries._run import Attachment, DictionaryRun
 from tl_core._errors import ConfigError, UnsupportedFeatureError
 from tl_core.driver_api._local import LocalDriver
 from tl_core.hooks._dictionary_sites import DICTIONARY_SITES, DictionarySite
 from tl_core.hooks._hook_point import HookPoint
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._order import forward_order
-from tl_core.sae._dictionary import SparseDictionary
-from tl_core.sae._stage import Attachment, DictionaryRun
 
 __all__ = ["DEFAULT_TOP_K", "Splice", "plan_attachment", "splice"]
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tl_core import TLError
-from tl_core.sae import Attachment, DictionaryRun
+from tl_core.driver_api import Attachment, DictionaryRun
 from tl_driver_vllm._wire import unpack
 
 __all__ = ["NORMED", "Allocate", "RequestPlan", "RunState", "Step", "copy_rows"]

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tl_core._dictionaries._dictionary import Linear, SparseDictionary
 from tl_core._errors import TLError
 from tl_core.hooks._dictionary_sites import DictionarySite
-from tl_core.sae._dictionary import Linear, SparseDictionary
 
 __all__ = ["Attachment", "Decoded", "DictionaryRun", "Visit", "encode_and_decode", "finish"]
 
