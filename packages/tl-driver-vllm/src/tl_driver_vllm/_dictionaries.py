@@ -14,6 +14,7 @@ neuron-level sites are split across ranks, so a dictionary there needs one rank.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -23,7 +24,12 @@ from tl_core.driver_api import Attachment, HookNamespace, Linear
 from tl_core.sae import DictionarySite, SparseDictionary
 from tl_driver_vllm._wire import pack, unpack
 
-__all__ = ["check_replicated", "pack_attachment", "unpack_attachment"]
+__all__ = ["check_replicated", "pack_attachment", "release_retired_handles", "unpack_attachment"]
+
+#: oneDNN matmul handles whose dictionary is gone, freed at the next attach or detach. vLLM's
+#: handle frees itself by reading a tensor, which raises when garbage collection happens to
+#: collect it while torch.compile traces the model with fake tensors (a later engine's boot).
+_RETIRED: list[Any] = []
 
 _TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold", "W_skip")
 
@@ -90,6 +96,7 @@ def engine_linears(dictionary: SparseDictionary) -> tuple[Linear, Linear]:
         return None, None
     if not getattr(ops, "_supports_onednn", False) or not hasattr(ops, "create_onednn_mm"):
         return None, None
+    release_retired_handles()
     enc = ops.create_onednn_mm(dictionary.W_enc, 32)
     dec = ops.create_onednn_mm(dictionary.W_dec, 32)
     b_enc, b_dec = dictionary.b_enc, dictionary.b_dec
@@ -102,4 +109,13 @@ def engine_linears(dictionary: SparseDictionary) -> tuple[Linear, Linear]:
         flat = acts.reshape(-1, acts.shape[-1]).contiguous()
         return ops.onednn_mm(dec, flat, b_dec).view(*acts.shape[:-1], -1)  # type: ignore[no-any-return]
 
+    # The finalizers hold the handles past their functions' end, then retire them.
+    weakref.finalize(encoder, _RETIRED.append, enc)
+    weakref.finalize(decoder, _RETIRED.append, dec)
     return encoder, decoder
+
+
+def release_retired_handles() -> None:
+    """Free the oneDNN handles of dictionaries no longer used (call outside any forward)."""
+    while _RETIRED:
+        _RETIRED.pop()

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tl_core import TLError
 from tl_core.architecture import FamilyDescription
-from tl_driver_vllm._dictionaries import unpack_attachment
+from tl_driver_vllm._dictionaries import release_retired_handles, unpack_attachment
 from tl_driver_vllm._families import Layout
 from tl_driver_vllm._wire import TAG_KEY, Outbox, pack
 from tl_driver_vllm._worker_side._block_hooks import install_activations
@@ -164,6 +164,7 @@ class TLWorkerExtension:
     def tl_detach_dictionary(self, hook: str) -> None:
         """Drop the dictionary at canonical ``hook``."""
         self._tl_dictionaries.pop(hook, None)
+        release_retired_handles()
 
     def tl_collect(self) -> dict[str, Any]:
         """End the run: unhook, and return every result as one ``[batch, width, ...]``
