@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as metadata
 from typing import Any
 
@@ -9,7 +10,13 @@ import pytest
 import torch
 
 from tl_core import DriverContractError
-from tl_core.driver_api import ForwardResult, build_request, check_driver
+from tl_core.driver_api import (
+    ForwardRequest,
+    ForwardResult,
+    InterventionPlan,
+    SamplingOptions,
+    check_driver,
+)
 from tl_core.native import NativeDriver
 
 
@@ -33,7 +40,11 @@ def test_remote_style_driver_keeps_the_contract() -> None:
 
 
 class _IgnoresSpecs:
-    """Wraps a driver and drops every spec: the check must notice."""
+    """Wraps a driver and drops every spec: the check must notice.
+
+    (A driver no longer validates names or specs: the request reaches ``run`` checked, so
+    a driver that accepted a spec on a read-only hook is a failure mode that is gone.)
+    """
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -41,23 +52,14 @@ class _IgnoresSpecs:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
-        kwargs.pop("intervene", None)
-        return self._inner.forward(input_ids, **kwargs)  # type: ignore[no-any-return]
-
-
-class _ValidatesThenIgnoresSpecs(_IgnoresSpecs):
-    """Refuses bad specs like a real driver, then runs without the good ones."""
-
-    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
-        if kwargs.get("intervene") is not None:
-            build_request(self._inner, input_ids, intervene=kwargs["intervene"])
-        return super().forward(input_ids, **kwargs)
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        unedited = InterventionPlan(per_prompt=tuple({} for _ in request.lengths))
+        return self._inner.run(dataclasses.replace(request, plan=unedited))  # type: ignore[no-any-return]
 
 
 class _DropsAHook(_IgnoresSpecs):
-    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
-        result = self._inner.forward(input_ids, **kwargs)
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        result = self._inner.run(request)
         captured = {k: v for k, v in result.captured.items() if k != "blocks.1.hook_out"}
         return ForwardResult(result.logits, captured, result.new_tokens, None, result.lengths)
 
@@ -67,16 +69,18 @@ class _DropsAnOption(_IgnoresSpecs):
 
     option = ""
 
-    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
-        kwargs.pop(self.option, None)
-        return self._inner.forward(input_ids, **kwargs)  # type: ignore[no-any-return]
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        kept = request.sampling.keywords()
+        kept[self.option] = SamplingOptions().keywords()[self.option]
+        unread = dataclasses.replace(request, sampling=SamplingOptions(**kept))
+        return self._inner.run(unread)  # type: ignore[no-any-return]
 
 
 class _PaddingReachesRealPositions(_IgnoresSpecs):
     """Hands shorter rows back shifted right, as a driver that left-pads and forgets the offset."""
 
-    def forward(self, input_ids: Any, **kwargs: Any) -> ForwardResult:
-        result = self._inner.forward(input_ids, **kwargs)
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        result = self._inner.run(request)
         longest = max(result.lengths)
         captured = {
             name: torch.stack(
@@ -95,8 +99,7 @@ def _dropping(option: str) -> type:
 @pytest.mark.parametrize(
     ("wrapper", "message"),
     [
-        (_IgnoresSpecs, "accepted a spec on read-only"),
-        (_ValidatesThenIgnoresSpecs, "left non-zero values"),
+        (_IgnoresSpecs, "left non-zero values"),
         (_DropsAHook, "returned no tensor"),
         (_PaddingReachesRealPositions, "prompt 2 run alone gives another 'blocks.0.attn.hook_out'"),
         (_dropping("do_sample"), "it ignores do_sample"),

@@ -67,7 +67,7 @@ def test_validate_driver_names_the_broken_attribute() -> None:
         provides_sequence_logits = True
         tokenizer = native.tokenizer
 
-        def forward(self) -> None: ...
+        def run(self) -> None: ...
 
         def supports(self, feature: str) -> bool:
             return False

@@ -2,8 +2,8 @@
 
 A serving engine computes sequence logits on purpose (vLLM only computes the sampled
 row), and ships ``[batch, pos, vocab]`` between processes: a run that only captures must
-not ask for them. Each path runs against the fake remote driver, whose ``forward`` calls
-are recorded.
+not ask for them. Each path runs against the fake remote driver, whose ``run`` calls are
+recorded.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ def remote() -> Iterator[RemoteBridge]:
 
 @pytest.fixture
 def asked(remote: RemoteBridge, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """``return_logits`` of every engine call the bridge makes."""
+    """Whether each engine call the bridge makes asks for logits."""
     calls: list[Any] = []
-    original = remote.driver.forward
+    original = remote.driver.run
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append(kwargs.get("return_logits", "<default>"))
-        return original(*args, **kwargs)
+    def spy(request: Any) -> Any:
+        calls.append(request.logits != "none")
+        return original(request)
 
-    monkeypatch.setattr(remote.driver, "forward", spy)
+    monkeypatch.setattr(remote.driver, "run", spy)
     return calls
 
 
@@ -76,7 +76,7 @@ def test_logits_are_asked_for_only_where_they_are_used(
     call, wanted = PATHS[path]
     call(remote)
     assert asked and all(a is wanted for a in asked), (
-        f"{path}: return_logits={asked}, expected {wanted}"
+        f"{path}: logits asked={asked}, expected {wanted}"
     )
 
 

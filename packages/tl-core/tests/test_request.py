@@ -8,12 +8,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tl_core import RemoteBridge, TransformerBridge, UserError
+from tl_core import DriverContractError, RemoteBridge, TransformerBridge, UserError
 from tl_core.driver_api import (
     ForwardRequest,
     RequestForward,
     build_request,
-    call_driver,
     validation_calls,
 )
 
@@ -68,7 +67,7 @@ def test_remote_bridge_validates_once_too() -> None:
     _assert_validated_once(counts, [*_NAMES[:2], *_SPEC])
 
 
-def test_a_request_and_its_keywords_give_the_same_result(bridge: TransformerBridge) -> None:
+def test_the_keyword_form_gives_what_the_request_gives(bridge: TransformerBridge) -> None:
     driver = bridge.driver
     request = build_request(
         driver,
@@ -78,9 +77,10 @@ def test_a_request_and_its_keywords_give_the_same_result(bridge: TransformerBrid
         max_new_tokens=0,
     )
     assert request.capture == ("blocks.1.hook_out",)
-    rows, keywords = request.keywords()
-    assert rows == [[5, 6, 7, 8], [9, 10]]
-    by_keywords = driver.forward(rows, **keywords)
+    assert request.batch.rows() == [[5, 6, 7, 8], [9, 10]]
+    by_keywords = driver.forward(
+        [[5, 6, 7, 8], [9, 10]], capture=["blocks.1.hook_out"], intervene=_SPEC, max_new_tokens=0
+    )
     by_request = driver.run(request)
     torch.testing.assert_close(by_request.logits, by_keywords.logits, rtol=0, atol=0)
     torch.testing.assert_close(
@@ -88,25 +88,23 @@ def test_a_request_and_its_keywords_give_the_same_result(bridge: TransformerBrid
     )
 
 
-def test_a_keyword_only_driver_runs_through_call_driver(bridge: TransformerBridge) -> None:
+def test_a_driver_with_only_the_keyword_forward_is_refused_with_the_way_to_run() -> None:
+    # Drivers run one ForwardRequest; the keyword forward of earlier releases alone no
+    # longer keeps the contract, and the message says what run takes.
+    from tl_core.driver_api import validate_driver
+
     class KeywordOnly:
-        """A driver from before ForwardRequest: forward with keywords, no run."""
-
-        def __init__(self) -> None:
-            self.seen: dict[str, Any] = {}
-
         def forward(self, input_ids: Any, **kwargs: Any) -> Any:
-            self.seen = dict(kwargs, input_ids=input_ids)
-            return bridge.driver.forward(input_ids, **kwargs)
+            raise AssertionError("never reached")
 
-    request = build_request(
-        bridge.driver, [[1, 2, 3]], capture=["hook_embed"], max_new_tokens=2, do_sample=True, seed=4
-    )
-    keyword_only = KeywordOnly()
-    result = call_driver(keyword_only, request)
-    assert keyword_only.seen["capture"] == ["embed.hook_out"]
-    assert keyword_only.seen["seed"] == 4 and keyword_only.seen["do_sample"] is True
-    assert result.new_tokens is not None and result.new_tokens.shape == (1, 2)
+        def close(self) -> None:
+            pass
+
+        def supports(self, feature: str) -> bool:
+            return False
+
+    with pytest.raises(DriverContractError, match=r"method 'run' is missing.*ForwardRequest"):
+        validate_driver(KeywordOnly(), name="old")
 
 
 def test_last_logits_are_each_prompts_last_position(bridge: TransformerBridge) -> None:
@@ -171,18 +169,19 @@ def test_requests_are_immutable(bridge: TransformerBridge) -> None:
         request.capture = ("embed.hook_out",)  # type: ignore[misc]
 
 
-def test_a_subclass_that_overrides_forward_is_called_through_it() -> None:
+def test_bridges_and_the_keyword_form_both_go_through_run() -> None:
     from tl_core.native import NativeDriver
 
     class Faulty(NativeDriver):
-        """Overrides the keyword form, as drivers written before ForwardRequest do."""
+        """A wrapper driver (as the parity fault drivers are): it changes what run returns."""
 
-        def forward(self, input_ids: Any, **kwargs: Any) -> Any:
-            result = super().forward(input_ids, **kwargs)
+        def run(self, request: ForwardRequest) -> Any:
+            result = super().run(request)
             return type(result)(result.logits * 0, result.captured, None, None, result.lengths)
 
-    bridge = TransformerBridge(Faulty.boot("gpt2", n_layers=1))
-    assert bool((bridge([[1, 2, 3]]) == 0).all())
+    driver = Faulty.boot("gpt2", n_layers=1)
+    assert bool((TransformerBridge(driver)([[1, 2, 3]]) == 0).all())
+    assert bool((driver.forward([[1, 2, 3]], max_new_tokens=0).logits == 0).all())
 
 
 _ROWS = st.lists(st.lists(st.integers(0, 258), min_size=1, max_size=9), min_size=1, max_size=4)
@@ -207,7 +206,10 @@ def test_the_keyword_form_of_any_request_builds_the_same_request(
     assert request.lengths == tuple(len(r) for r in rows)
     assert request.batch.rows() == rows
     assert len(set(request.capture)) == len(request.capture)  # each name once, canonical
-    again = build_request(bridge.driver, *request.keywords()[:1], **request.keywords()[1])
+    keywords = {"return_logits": {"all": True, "none": False, "last": "last"}[request.logits]}
+    again = build_request(
+        bridge.driver, request.batch.rows(), capture=request.capture, max_new_tokens=0, **keywords
+    )
     assert (again.capture, again.logits, again.lengths) == (
         request.capture,
         request.logits,

@@ -8,14 +8,27 @@ from collections.abc import Callable
 import pytest
 
 from tl_core import TransformerBridge
-from tl_core.driver_api import check_driver, validation_calls
+from tl_core.driver_api import (
+    CertifyingDriver,
+    DescribingDriver,
+    DictionaryDriver,
+    ReadoutDriver,
+    WeightFoldingDriver,
+    check_driver,
+    validation_calls,
+)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_hf_driver_keeps_the_contract(
     bridge_of: Callable[[str], TransformerBridge], family: str
 ) -> None:
-    check_driver(bridge_of(family).driver)
+    driver = bridge_of(family).driver
+    check_driver(driver)
+    # Its optional capabilities, each a Protocol it implements.
+    for capability in (CertifyingDriver, DescribingDriver, ReadoutDriver, WeightFoldingDriver):
+        assert isinstance(driver, capability), capability.__name__
+    assert not isinstance(driver, DictionaryDriver)  # in-process: spliced into its hook tree
 
 
 def test_one_run_with_cache_validates_once(

@@ -9,7 +9,14 @@ from typing import Any
 
 import pytest
 
-from tl_core.driver_api import check_driver
+from tl_core.driver_api import (
+    CertifyingDriver,
+    DescribingDriver,
+    DictionaryDriver,
+    ReadoutDriver,
+    WeightFoldingDriver,
+    check_driver,
+)
 
 
 @pytest.mark.vllm
@@ -22,3 +29,7 @@ def test_the_vllm_driver_keeps_the_contract(checkpoint: Any) -> None:
 
     with RemoteBridge.boot_vllm(checkpoint("llama"), dtype="float32", **ENGINE_OPTIONS) as bridge:
         check_driver(bridge.driver)
+        # Its optional capabilities, each a Protocol it implements.
+        for capability in (CertifyingDriver, DescribingDriver, ReadoutDriver, DictionaryDriver):
+            assert isinstance(bridge.driver, capability), capability.__name__
+        assert not isinstance(bridge.driver, WeightFoldingDriver)

@@ -27,7 +27,6 @@ from tl_core.driver_api import (
     NamespaceFacts,
     RequestForward,
     Tokenizer,
-    call_driver,
 )
 
 __all__ = ["PROVIDERS", "InspectDriver"]
@@ -194,7 +193,8 @@ class InspectDriver(RequestForward, NamespaceFacts):
         """
         inner = self.inner
         with self._lock:
-            return call_driver(inner, request)
+            result: ForwardResult = inner.run(request)
+        return result
 
     def readout(self) -> Any:
         """The final norm and unembedding, from the provider's driver (cache analysis)."""

@@ -26,6 +26,7 @@ from inspect_ai.model import (
 )
 
 from tl_core import UserError
+from tl_core.driver_api import run_keywords
 from tl_driver_inspect._chat import prompt_ids
 from tl_driver_inspect._context import GenerationRecord, current_scope
 from tl_driver_inspect._generation import (
@@ -119,9 +120,15 @@ class TLProvider(ModelAPI):
         import torch
 
         with self.lock, torch.no_grad():
-            result = self.bridge.driver.forward(
-                [prompt], intervene=specs, max_new_tokens=max_new, return_logits=False, **sampling
+            result = run_keywords(
+                self.bridge.driver,
+                [prompt],
+                intervene=specs,
+                max_new_tokens=max_new,
+                return_logits=False,
+                **sampling,
             )
+        assert result.new_tokens is not None  # max_new >= 1: every driver returns them
         return [int(i) for i in result.new_tokens[0].tolist()]
 
     def _forward_blocking(
@@ -131,7 +138,8 @@ class TLProvider(ModelAPI):
         import torch
 
         with self.lock, torch.no_grad():
-            result = self.bridge.driver.forward(
+            result = run_keywords(
+                self.bridge.driver,
                 [ids],
                 capture=list(capture),
                 intervene=specs,

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tl_core import DriverNotFoundError
+from tl_core.driver_api import run_keywords
 from tl_driver_inspect._batcher import Batcher
 from tl_driver_inspect._provider import TLProvider, _first_row
 
@@ -55,16 +56,19 @@ class TLBridgeVLLMAPI(TLProvider):
     ) -> list[Any]:
         if kind == "generate":
             _, max_new, sampling = key
-            result = driver.forward(
+            result = run_keywords(
+                driver,
                 rows,
                 intervene=intervene,
                 max_new_tokens=max_new,
                 return_logits=False,
                 **dict(sampling),
             )
+            assert result.new_tokens is not None  # max_new >= 1: every driver returns them
             return [[int(i) for i in row] for row in result.new_tokens.tolist()]
         _, capture, want_logits = key
-        result = driver.forward(
+        result = run_keywords(
+            driver,
             rows,
             capture=list(capture),
             intervene=intervene,

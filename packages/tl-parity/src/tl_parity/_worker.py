@@ -132,6 +132,7 @@ def run_job(request: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     import tl_core
+    from tl_core.driver_api import run_keywords
 
     out = Path(job["out"])
     ids: list[list[int]] | None = None
@@ -173,7 +174,7 @@ def run_job(request: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
         if ids is None:
             ids = _encode(bridge, job["prompts"])
             _write(out.with_suffix(".ids.json"), {"ids": ids})
-        result = driver.forward(ids, capture=names, max_new_tokens=0, return_logits=True)
+        result = run_keywords(driver, ids, capture=names, max_new_tokens=0, return_logits=True)
         tensors: dict[str, torch.Tensor] = {}
         for name, value in result.captured.items():
             tensors[f"hook::{name}"] = value.detach().to("cpu").clone().contiguous()

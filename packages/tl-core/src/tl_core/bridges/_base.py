@@ -23,12 +23,14 @@ from tl_core.bridges._prompts import check_context, encode, generated_output, pr
 from tl_core.bridges._stopping import reached
 from tl_core.cache._cache import ActivationCache
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
+from tl_core.driver_api._capabilities import CertifyingDriver, DescribingDriver, ReadoutDriver
 from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
 from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
-from tl_core.driver_api._protocol import ForwardResult, validate_driver
+from tl_core.driver_api._protocol import validate_driver
 from tl_core.driver_api._request import (
     ForwardRequest,
+    ForwardResult,
     LogitsWanted,
     partial_layers,
     planned_request,
@@ -118,7 +120,9 @@ class Bridge:
         """The driver's certification report of the booted model (which hooks are served,
         with what status, and the equations that proved them), or ``None`` when the driver
         does not certify or was booted with ``certify=False``."""
-        report = getattr(self.driver, "certification", None)
+        if not isinstance(self.driver, CertifyingDriver):
+            return None
+        report = self.driver.certification
         return report if isinstance(report, Certification) else None
 
     @property
@@ -126,7 +130,9 @@ class Bridge:
         """What the booted model is, independent of the engine (block form, norms, attention
         and MLP variants, unembedding), or ``None`` when the driver does not describe it.
         Two drivers serving the same checkpoint give the same description."""
-        described = getattr(self.driver, "architecture", None)
+        if not isinstance(self.driver, DescribingDriver):
+            return None
+        described = self.driver.architecture
         return described if isinstance(described, Architecture) else None
 
     @property
@@ -557,7 +563,7 @@ class Bridge:
         cache = ActivationCache(
             captured,
             namespace=self.namespace,
-            readout=getattr(self.driver, "readout", None),
+            readout=self.driver.readout if isinstance(self.driver, ReadoutDriver) else None,
             lengths=batch.lengths,
         )
         if incl_bwd:

@@ -16,8 +16,7 @@ import torch
 from tl_core._errors import RemoteHookMutationError, UnsupportedFeatureError
 from tl_core.bridges._base import Bridge
 from tl_core.bridges._stopping import reached
-from tl_core.driver_api._protocol import ForwardResult
-from tl_core.driver_api._request import ForwardRequest, call_driver
+from tl_core.driver_api._request import ForwardRequest, ForwardResult
 from tl_core.hooks._hook_point import HookPoint
 
 __all__ = ["RemoteBridge"]
@@ -91,7 +90,7 @@ class RemoteBridge(Bridge):
             stop_at_layer=None,
             capture_device=None,
         )
-        result = call_driver(self.driver, engine_request)
+        result = self.driver.run(engine_request)
         self._replay(result.captured, hooked)
         captured = {n: result.captured[n] for n in capture}
         if request.capture_device is not None:

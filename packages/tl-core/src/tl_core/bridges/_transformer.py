@@ -9,9 +9,9 @@ from torch import nn
 
 from tl_core._errors import UnsupportedFeatureError
 from tl_core.bridges._base import Bridge
+from tl_core.driver_api._capabilities import SplitQKVDriver, WeightFoldingDriver
 from tl_core.driver_api._local import LocalDriver
-from tl_core.driver_api._protocol import ForwardResult
-from tl_core.driver_api._request import ForwardRequest, call_driver
+from tl_core.driver_api._request import ForwardRequest, ForwardResult
 from tl_core.hooks._hook_point import HookPoint
 
 __all__ = ["TransformerBridge"]
@@ -88,7 +88,7 @@ class TransformerBridge(Bridge, nn.Module):
     # -- running ----------------------------------------------------------------------
 
     def _execute(self, request: ForwardRequest) -> ForwardResult:
-        return call_driver(self.driver, request)
+        return self.driver.run(request)  # type: ignore[no-any-return]
 
     def set_use_split_qkv_input(self, enabled: bool) -> TransformerBridge:
         """Give each attention head its own copy of the block input (``attn.hook_q_input``,
@@ -98,10 +98,9 @@ class TransformerBridge(Bridge, nn.Module):
         Raises:
             UnsupportedFeatureError: If the driver has no per-head inputs.
         """
-        toggle = getattr(self.driver, "set_use_split_qkv_input", None)
-        if toggle is None:
+        if not isinstance(self.driver, SplitQKVDriver):
             raise UnsupportedFeatureError(f"driver {self._name!r} has no per-head q/k/v inputs")
-        toggle(enabled)
+        self.driver.set_use_split_qkv_input(enabled)
         return self
 
     # -- weights ----------------------------------------------------------------------
@@ -112,10 +111,9 @@ class TransformerBridge(Bridge, nn.Module):
         Raises:
             UnsupportedFeatureError: If the driver cannot rewrite its weights.
         """
-        enable = getattr(self.driver, "enable_compatibility_mode", None)
-        if enable is None:
+        if not isinstance(self.driver, WeightFoldingDriver):
             raise UnsupportedFeatureError(
                 f"driver {self._name!r} does not support enable_compatibility_mode()"
             )
-        enable(**options)
+        self.driver.enable_compatibility_mode(**options)
         return self

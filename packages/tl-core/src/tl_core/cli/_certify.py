@@ -40,14 +40,15 @@ def run_certify(args: argparse.Namespace) -> int:
     from tl_core._errors import UnsupportedFeatureError
     from tl_core.bridges._boot import boot
     from tl_core.cli._model_arg import check_model, default_driver
+    from tl_core.driver_api._capabilities import CertifyingDriver
 
     model = check_model(args.model)  # before any driver is imported
     driver = args.driver or default_driver(model)
     bridge = boot(model, driver=driver)
     try:
         # Every check, on demand (a described family's boot runs the quick ones).
-        certify = getattr(bridge.driver, "certify", None)
-        report = certify() if callable(certify) else bridge.certification
+        engine = bridge.driver
+        report = engine.certify() if isinstance(engine, CertifyingDriver) else None
         if report is None:
             raise UnsupportedFeatureError(
                 f"the {driver!r} driver does not certify its hooks; tl certify runs on drivers "

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     )
     from tl_core.cache._readout import ModelReadout as ModelReadout
     from tl_core.driver_api._batching import TokenBatch as TokenBatch, pad_batch as pad_batch
+    from tl_core.driver_api._capabilities import (
+        CertifyingDriver as CertifyingDriver,
+        DescribingDriver as DescribingDriver,
+        DictionaryDriver as DictionaryDriver,
+        ReadoutDriver as ReadoutDriver,
+        SplitQKVDriver as SplitQKVDriver,
+        WeightFoldingDriver as WeightFoldingDriver,
+    )
     from tl_core.driver_api._certification import (
         CERTIFIED_STATUSES as CERTIFIED_STATUSES,
         Certification as Certification,
@@ -81,20 +89,20 @@ if TYPE_CHECKING:
     from tl_core.driver_api._protocol import (
         FEATURES as FEATURES,
         Driver as Driver,
-        ForwardResult as ForwardResult,
         NamespaceFacts as NamespaceFacts,
         validate_driver as validate_driver,
     )
     from tl_core.driver_api._request import (
         LOCAL_OPTIONS as LOCAL_OPTIONS,
         ForwardRequest as ForwardRequest,
+        ForwardResult as ForwardResult,
         LogitsWanted as LogitsWanted,
         RequestForward as RequestForward,
         build_request as build_request,
-        call_driver as call_driver,
         logits_wanted as logits_wanted,
         partial_layers as partial_layers,
         planned_request as planned_request,
+        run_keywords as run_keywords,
     )
     from tl_core.driver_api._rounding import (
         DEFAULT_ERROR_FACTOR as DEFAULT_ERROR_FACTOR,

@@ -17,6 +17,7 @@ import torch
 
 from tl_core._errors import DriverContractError, HookNameError, SpecError
 from tl_core.driver_api._protocol import Driver, validate_driver
+from tl_core.driver_api._request import run_keywords
 
 __all__ = ["check_driver"]
 
@@ -49,7 +50,7 @@ def check_driver(driver: Driver, *, prompts: Sequence[Sequence[int]] | None = No
     rows = [list(p) for p in prompts] if prompts is not None else _prompts(info.d_vocab)
     lengths = tuple(len(r) for r in rows)
     served = namespace.ordered
-    result = driver.forward(rows, capture=served, max_new_tokens=0)
+    result = run_keywords(driver, rows, capture=served, max_new_tokens=0)
     if tuple(result.lengths) != lengths:
         raise _fail(driver, f"returned lengths {result.lengths}, expected {lengths}")
     for name in served:
@@ -66,7 +67,7 @@ def check_driver(driver: Driver, *, prompts: Sequence[Sequence[int]] | None = No
     _check_refusals(driver, rows)
     _check_edit(driver, rows)
     if driver.supports("generation"):
-        out = driver.forward(rows[:1], max_new_tokens=3, stop_at_eos=False)
+        out = run_keywords(driver, rows[:1], max_new_tokens=3, stop_at_eos=False)
         if out.new_tokens is None or tuple(out.new_tokens.shape) != (1, 3):
             raise _fail(driver, "generation did not return [batch, 3] new tokens")
         _check_sampling(driver, rows[:2])
@@ -82,8 +83,8 @@ def _check_sampling(driver: Any, rows: list[list[int]]) -> None:
     """Each sampling option changes what is generated, as it promises."""
 
     def generate(**options: Any) -> torch.Tensor:
-        out = driver.forward(
-            rows, max_new_tokens=_SAMPLED, stop_at_eos=False, return_logits=False, **options
+        out = run_keywords(
+            driver, rows, max_new_tokens=_SAMPLED, stop_at_eos=False, return_logits=False, **options
         )
         return torch.as_tensor(out.new_tokens)
 
@@ -120,7 +121,9 @@ def _check_alias(driver: Any) -> None:
     canonical = "blocks.0.hook_out"
     if canonical not in driver.namespace.served:
         return
-    result = driver.forward([[1, 2, 3]], capture=["blocks.0.hook_resid_post"], max_new_tokens=0)
+    result = run_keywords(
+        driver, [[1, 2, 3]], capture=["blocks.0.hook_resid_post"], max_new_tokens=0
+    )
     if set(result.captured) != {canonical}:
         raise _fail(
             driver,
@@ -148,7 +151,7 @@ def _check_padding(driver: Any, rows: list[list[int]], batched: Mapping[str, tor
         (f"the first {half} tokens of prompt {longest} run alone", rows[longest][:half], longest),
     ]
     for what, prompt, row in runs:
-        alone = driver.forward([prompt], capture=probes, max_new_tokens=0).captured
+        alone = run_keywords(driver, [prompt], capture=probes, max_new_tokens=0).captured
         for name in probes:
             _check_shape(driver, name, alone.get(name), 1, len(prompt))
             want = batched[name][row, : len(prompt)].float()
@@ -165,7 +168,7 @@ def _check_padding(driver: Any, rows: list[list[int]], batched: Mapping[str, tor
 
 def _check_refusals(driver: Any, rows: list[list[int]]) -> None:
     try:
-        driver.forward(rows, capture=["blocks.0.hook_no_such_site"], max_new_tokens=0)
+        run_keywords(driver, rows, capture=["blocks.0.hook_no_such_site"], max_new_tokens=0)
     except HookNameError:
         pass
     else:
@@ -173,7 +176,9 @@ def _check_refusals(driver: Any, rows: list[list[int]]) -> None:
     read_only = sorted(driver.namespace.read_only)
     if read_only:
         try:
-            driver.forward(rows, intervene={read_only[0]: {"op": "suppress"}}, max_new_tokens=0)
+            run_keywords(
+                driver, rows, intervene={read_only[0]: {"op": "suppress"}}, max_new_tokens=0
+            )
         except (SpecError, HookNameError):
             pass
         else:
@@ -194,11 +199,11 @@ def _check_edit(driver: Any, rows: list[list[int]]) -> None:
     if target is None:
         return
     position = min(len(r) for r in rows) - 1
-    plain = driver.forward(rows, capture=[target], max_new_tokens=0).captured[target]
+    plain = run_keywords(driver, rows, capture=[target], max_new_tokens=0).captured[target]
     spec = {target: {"op": "suppress", "pos": position}}
-    edited = driver.forward(rows, capture=[target], intervene=spec, max_new_tokens=0).captured[
-        target
-    ]
+    edited = run_keywords(
+        driver, rows, capture=[target], intervene=spec, max_new_tokens=0
+    ).captured[target]
     if bool(edited[:, position].abs().max() > 0):
         raise _fail(
             driver, f"a suppress spec on {target!r} at position {position} left non-zero values"

@@ -19,8 +19,8 @@ from tl_core._errors import DriverContractError, UnsupportedFeatureError, UserEr
 from tl_core.cache._readout import ModelReadout
 from tl_core.driver_api._batching import TokenBatch
 from tl_core.driver_api._context import fits_context, most_new_tokens, positions_run
-from tl_core.driver_api._protocol import FEATURES, ForwardResult, NamespaceFacts
-from tl_core.driver_api._request import LOCAL_OPTIONS, ForwardRequest, RequestForward
+from tl_core.driver_api._protocol import FEATURES, NamespaceFacts
+from tl_core.driver_api._request import LOCAL_OPTIONS, ForwardRequest, ForwardResult, RequestForward
 from tl_core.driver_api._sampling import next_tokens
 from tl_core.driver_api._tokenizers import Tokenizer, padding_id
 from tl_core.hooks._dictionary_sites import DictionarySite, check_start

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tl_core._errors import DriverContractError
 
 if TYPE_CHECKING:
-    import torch
-
+    from tl_core.driver_api._request import ForwardRequest, ForwardResult
     from tl_core.driver_api._tokenizers import Tokenizer
     from tl_core.hooks._model_info import ModelInfo
     from tl_core.hooks._namespace import HookNamespace
@@ -18,7 +16,6 @@ if TYPE_CHECKING:
 __all__ = [
     "FEATURES",
     "Driver",
-    "ForwardResult",
     "NamespaceFacts",
     "validate_driver",
 ]
@@ -38,30 +35,6 @@ FEATURES: frozenset[str] = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class ForwardResult:
-    """What one ``Driver.forward`` call returns.
-
-    Batches are right-padded: row ``b`` of every tensor holds prompt ``b`` in its first
-    ``lengths[b]`` positions; later positions are padding and carry no meaning.
-
-    Attributes:
-        logits: ``[batch, pos, d_vocab]`` sequence logits, or ``None`` when not requested
-            or when the driver cannot provide them.
-        captured: Canonical hook name to tensor (``[batch, pos, ...]``, on the CPU unless
-            the caller asked otherwise).
-        new_tokens: Generated token ids per prompt (``[batch, n]``), or ``None``.
-        raw_output: The engine's own result object, for callers who need more.
-        lengths: Real length of each prompt.
-    """
-
-    logits: torch.Tensor | None
-    captured: Mapping[str, torch.Tensor]
-    new_tokens: torch.Tensor | None = None
-    raw_output: Any = None
-    lengths: tuple[int, ...] = field(default=())
-
-
 @runtime_checkable
 class Driver(Protocol):
     """An execution engine seen through tl's hook vocabulary.
@@ -71,10 +44,8 @@ class Driver(Protocol):
     driver to start from; ``tl_core.driver_api.check_driver`` runs the contract checks on
     a booted driver.
 
-    Drivers in this repository also have ``run(request: ForwardRequest) -> ForwardResult``,
-    which bridges call with a request validated once; ``forward`` is its keyword form
-    (``RequestForward``). ``run`` is optional: a driver with only ``forward`` is called
-    through ``call_driver`` with ``request.keywords()``.
+    Bridges call ``run`` with a ``ForwardRequest`` validated once; ``RequestForward``
+    gives a driver ``forward``, its keyword form, for direct use.
     """
 
     #: The name users type to get this driver (its entry-point name).
@@ -90,39 +61,23 @@ class Driver(Protocol):
     supported_hook_points: frozenset[str]
     #: Canonical hook names it cannot serve (``namespace.non_fireable``).
     non_fireable_hook_points: frozenset[str]
-    #: Whether ``forward`` can return logits at every position (needed for ``loss``).
+    #: Whether ``run`` can return logits at every position (needed for ``loss``).
     provides_sequence_logits: bool
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | Sequence[Sequence[int]],
-        *,
-        capture: Sequence[str] = (),
-        intervene: Any = None,
-        max_new_tokens: int = 1,
-        return_logits: bool = True,
-        **kwargs: Any,
-    ) -> ForwardResult:
-        """Run prompts, capturing ``capture`` hooks and applying ``intervene`` specs.
+    def run(self, request: ForwardRequest) -> ForwardResult:
+        """Run one request: its prompts, capturing ``request.capture`` and applying
+        ``request.plan``.
 
-        Names in ``capture`` and ``intervene`` resolve through ``namespace``; validate the
-        specs with ``tl_core.driver_api.build_plan(..., namespace=self.namespace)`` before
-        any engine work.
-
-        Args:
-            input_ids: ``[batch, pos]`` ids or a list of (ragged) id lists.
-            capture: Hook names (canonical or aliases) to return in ``captured``.
-            intervene: ``{hook: spec | [spec, ...]}`` for every prompt, or a list with one
-                such mapping (or ``None``) per prompt. Drivers that support
-                ``intervention_callbacks`` also accept Python callables as values.
-            max_new_tokens: Tokens to generate after the prompt (0 = prefill only).
-            return_logits: Whether to return sequence logits.
-            **kwargs: Sampling options (``do_sample``, ``temperature``, ``top_k``,
-                ``top_p``, ``seed``, ``stop_at_eos``) and driver-specific options;
-                unknown ones must raise.
+        The bridge builds the request once (``tl_core.driver_api.build_request``): the
+        batch padded and in the vocabulary, every name resolved through ``namespace``,
+        the specs checked into an ``InterventionPlan``, the layers and sampling options
+        validated. A driver trusts it and does no validation of its own beyond what only
+        its engine knows (its context length, say). Mix in ``RequestForward`` for the
+        keyword form ``forward(input_ids, capture=..., intervene=...)``.
 
         Returns:
-            A ``ForwardResult``.
+            A ``ForwardResult``: logits as ``request.logits`` asks, the captures under
+            their canonical names, the new tokens when ``request.max_new_tokens >= 1``.
         """
         ...
 
@@ -165,7 +120,7 @@ class NamespaceFacts:
         return self.namespace.non_fireable_reasons
 
 
-_REQUIRED_METHODS = ("forward", "close", "supports")
+_REQUIRED_METHODS = ("run", "close", "supports")
 _REQUIRED_SETS = ("supported_hook_points", "non_fireable_hook_points")
 _TOKENIZER_MEMBERS = (
     "encode",
@@ -198,8 +153,11 @@ def validate_driver(driver: object, *, name: str | None = None) -> None:
     for attr in _REQUIRED_METHODS:
         if not callable(getattr(driver, attr, None)):
             raise broken(
-                f"method {attr!r} is missing or not callable. Implement forward(), close() "
-                f"and supports()."
+                f"method {attr!r} is missing or not callable. Implement run(request), close() "
+                f"and supports(). run takes one tl_core.driver_api.ForwardRequest (the "
+                f"validated batch, resolved names and intervention plan); a driver written "
+                f"with the keyword forward() of earlier releases reads those from the "
+                f"request instead, and mixes in RequestForward to keep forward()."
             )
     namespace = getattr(driver, "namespace", None)
     if not isinstance(namespace, HookNamespace):

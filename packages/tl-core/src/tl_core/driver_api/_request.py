@@ -2,16 +2,16 @@
 
 The bridge builds it (``Bridge._execute``) from what it already resolved: the padded batch,
 canonical names, the intervention plan and the stop layer. A driver's ``run(request)`` does
-no validation of its own. ``Driver.forward``'s keyword form is ``build_request`` followed by
-``run``: ``RequestForward`` gives a driver that form, and ``call_driver`` feeds a request to
-a third-party driver that only has the keyword form.
+no validation of its own and returns a ``ForwardResult``. The keyword form
+``forward(input_ids, capture=..., intervene=...)`` is ``build_request`` followed by
+``run``: ``RequestForward`` gives a driver that form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -22,19 +22,17 @@ from tl_core.driver_api._sampling import SamplingOptions
 from tl_core.driver_api._tokenizers import padding_id
 from tl_core.specs._plan import InterventionPlan, build_plan
 
-if TYPE_CHECKING:
-    from tl_core.driver_api._protocol import ForwardResult
-
 __all__ = [
     "LOCAL_OPTIONS",
     "ForwardRequest",
+    "ForwardResult",
     "LogitsWanted",
     "RequestForward",
     "build_request",
-    "call_driver",
     "logits_wanted",
     "partial_layers",
     "planned_request",
+    "run_keywords",
 ]
 
 #: Which logits a request wants: none, each prompt's last position, or every position.
@@ -52,6 +50,30 @@ _COMMON = (
 
 
 @dataclass(frozen=True)
+class ForwardResult:
+    """What one ``Driver.run`` call returns.
+
+    Batches are right-padded: row ``b`` of every tensor holds prompt ``b`` in its first
+    ``lengths[b]`` positions; later positions are padding and carry no meaning.
+
+    Attributes:
+        logits: ``[batch, pos, d_vocab]`` sequence logits, or ``None`` when not requested
+            or when the driver cannot provide them.
+        captured: Canonical hook name to tensor (``[batch, pos, ...]``, on the CPU unless
+            the caller asked otherwise).
+        new_tokens: Generated token ids per prompt (``[batch, n]``), or ``None``.
+        raw_output: The engine's own result object, for callers who need more.
+        lengths: Real length of each prompt.
+    """
+
+    logits: torch.Tensor | None
+    captured: Mapping[str, torch.Tensor]
+    new_tokens: torch.Tensor | None = None
+    raw_output: Any = None
+    lengths: tuple[int, ...] = field(default=())
+
+
+@dataclass(frozen=True)
 class ForwardRequest:
     """One validated engine call.
 
@@ -61,8 +83,6 @@ class ForwardRequest:
             prompts' lengths.
         capture: Canonical hook names to return, each once, resolved against the same
             namespace.
-        intervene: The ``intervene=`` argument the plan was built from (for drivers that
-            take the keyword form, see ``keywords``).
         max_new_tokens: Tokens to generate (0: prefill only).
         logits: ``"all"`` (``[batch, pos, vocab]``), ``"last"`` (``[batch, 1, vocab]``,
             each prompt's last position) or ``"none"``.
@@ -78,7 +98,6 @@ class ForwardRequest:
     batch: TokenBatch
     plan: InterventionPlan
     capture: tuple[str, ...] = ()
-    intervene: Any = None
     max_new_tokens: int = 0
     logits: LogitsWanted = "all"
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
@@ -97,30 +116,6 @@ class ForwardRequest:
     def decodes(self) -> bool:
         """Whether the call generates step by step (more than one token, or a sampled one)."""
         return self.max_new_tokens > 1 or (self.max_new_tokens == 1 and self.sampling.do_sample)
-
-    def keywords(self) -> tuple[list[list[int]], dict[str, Any]]:
-        """The request as ``Driver.forward``'s keyword form: ``(prompt rows, keywords)``.
-
-        Options left at their defaults are not passed, so a remote driver's keyword form
-        accepts what it is given.
-        """
-        kwargs: dict[str, Any] = {
-            "capture": list(self.capture),
-            "intervene": self.intervene,
-            "max_new_tokens": self.max_new_tokens,
-            "return_logits": {"all": True, "none": False, "last": "last"}[self.logits],
-        }
-        kwargs.update({k: v for k, v in self.sampling.keywords().items() if v is not None})
-        if not self.stop_at_eos:
-            kwargs["stop_at_eos"] = False
-        local = {
-            "capture_device": self.capture_device,
-            "start_at_layer": self.start_at_layer,
-            "stop_at_layer": self.stop_at_layer,
-            "residual": self.residual,
-        }
-        kwargs.update({k: v for k, v in local.items() if v is not None})
-        return self.batch.rows(), kwargs
 
 
 def build_request(
@@ -233,7 +228,7 @@ def planned_request(
         }
         if any(missed.values()):
             raise partial_refusal(missed, start, stop, dictionaries)
-    return ForwardRequest(batch=batch, plan=plan, intervene=intervene, **fields)
+    return ForwardRequest(batch=batch, plan=plan, **fields)
 
 
 def partial_layers(
@@ -287,6 +282,22 @@ def logits_wanted(return_logits: object) -> LogitsWanted:
     )
 
 
+def run_keywords(
+    driver: Any,
+    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+    **keywords: Any,
+) -> ForwardResult:
+    """``driver.run(build_request(driver, input_ids, **keywords))``: the keyword form of any
+    driver's ``run``, for code that holds a driver rather than a bridge (``RequestForward``
+    gives a driver the same form as its ``forward`` method).
+
+    Raises:
+        UserError: What ``build_request`` refuses, before any engine work.
+    """
+    result: ForwardResult = driver.run(build_request(driver, input_ids, **keywords))
+    return result
+
+
 class RequestForward:
     """Gives a driver with ``run(request)`` the keyword form of ``Driver.forward``."""
 
@@ -333,15 +344,3 @@ class RequestForward:
             **options,
         )
         return self.run(request)
-
-
-def call_driver(driver: Any, request: ForwardRequest) -> ForwardResult:
-    """Run ``request`` on ``driver``: through ``run`` when its ``forward`` is the keyword
-    form of ``run`` (``RequestForward``'s), else through ``forward`` with
-    ``request.keywords()``: drivers written before ``ForwardRequest``, and subclasses that
-    override ``forward``, get the call they implement."""
-    run = getattr(driver, "run", None)
-    if callable(run) and getattr(type(driver), "forward", None) is RequestForward.forward:
-        return run(request)  # type: ignore[no-any-return]
-    rows, kwargs = request.keywords()
-    return driver.forward(rows, **kwargs)  # type: ignore[no-any-return]

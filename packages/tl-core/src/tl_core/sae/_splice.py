@@ -21,6 +21,7 @@ import torch
 from tl_core._dictionaries._dictionary import SparseDictionary
 from tl_core._dictionaries._run import Attachment, DictionaryRun
 from tl_core._errors import ConfigError, UnsupportedFeatureError
+from tl_core.driver_api._capabilities import DictionaryDriver
 from tl_core.driver_api._local import LocalDriver
 from tl_core.hooks._dictionary_sites import DICTIONARY_SITES, DictionarySite
 from tl_core.hooks._hook_point import HookPoint
@@ -235,9 +236,8 @@ def splice(
         use_error_term=use_error_term, top_k=top_k,
     )  # fmt: skip
     driver = bridge.driver
-    remote = getattr(driver, "attach_dictionary", None)
-    if remote is not None:
-        remote(attachment)
+    if isinstance(driver, DictionaryDriver):
+        driver.attach_dictionary(attachment)
         return Splice(attachment, lambda: driver.detach_dictionary(attachment.site.hook))
     if isinstance(driver, LocalDriver):
         return Splice(attachment, _attach_local(driver, attachment))
