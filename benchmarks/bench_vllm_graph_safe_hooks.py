@@ -256,7 +256,7 @@ def _checkpoint(model: str, tmp: Path) -> str:
         return str(_random_checkpoint(tmp))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tl_core.driver_api import dequantized_gguf
+    from tl_core.gguf import dequantized_gguf
     from tl_core.models import smollm2_gguf
 
     folder = dequantized_gguf(

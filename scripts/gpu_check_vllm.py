@@ -20,7 +20,7 @@ its defaults (full and piecewise CUDA graphs): nothing requested >= 0.97x in pre
 decoding, residual capture of every layer >= 0.9x, one ``add`` spec >= 0.95x in prefill and
 decoding. Float32, each result measured against the hf driver on the CPU in float64 and
 required within the parity suite's ``VLLM_FACTOR`` times the float32 hf driver's own error
-(``tl_core.driver_api.check_rounding``: a band that holds on any processor, GPU included);
+(``tl_core.certification.check_rounding``: a band that holds on any processor, GPU included);
 generation against plain transformers; and a JumpReLU SAE spliced at one block with
 per-prompt feature edits (logits and feature activations; the float64 reference runs the
 dictionary in float64). Budget: under 10 minutes on one GPU.
@@ -63,7 +63,7 @@ def _stage(name: str, family: str, tmp: Path) -> dict[str, Any]:
     from test_parity import _per_prompt_specs, _prompts, _site_specs
 
     from tl_core import RemoteBridge, TransformerBridge
-    from tl_core.driver_api import check_rounding
+    from tl_core.certification import check_rounding
     from tl_core.sae import random_dictionary
     from tl_driver_hf.testing import write_tiny_checkpoint
 

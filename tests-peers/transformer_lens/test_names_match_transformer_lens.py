@@ -38,13 +38,13 @@ transformers = pytest.importorskip("transformers")
 import _transformer_lens_peer as _shared  # noqa: E402  (conftest puts this folder on sys.path)
 
 from tl_core import ActivationCache, HookNameError, TransformerBridge, resolve_hook_name  # noqa: E402
-from tl_core.driver_api import check_rounding  # noqa: E402
+from tl_core.certification import check_rounding  # noqa: E402
 
 FAMILIES: list[str] = _shared.FAMILIES
 MODES: dict[str, bool] = _shared.MODES
 
 #: Both tools in float32, each measured against TransformerLens's own float64 run of the same
-#: checkpoint (tl_core.driver_api.check_rounding): tl's error may be FACTOR times
+#: checkpoint (tl_core.certification.check_rounding): tl's error may be FACTOR times
 #: TransformerLens's, never a fixed difference, whose size in rounding steps would depend on
 #: the processor. The two tools run the same transformers modules in other orders.
 FACTOR = 4.0

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tl_core import ModelInfo
-from tl_core.driver_api import (
+from tl_core.certification import (
     CERTIFIED_STATUSES,
     Certification,
     CertificationCheck,

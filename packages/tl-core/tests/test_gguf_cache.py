@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tl_core import UserError
-from tl_core.driver_api import (
+from tl_core.gguf import (
     CACHE_ENV,
     GGUF_RECORD,
     dequantized_gguf,

@@ -2,7 +2,7 @@
 
 The floors are the architecture a newcomer reads: the bundled-model locator, hook names, then
 the engine-independent model descriptions, then specs, then the figures (plain arrays in, matplotlib figures out), then the cache,
-then sparse dictionaries' tensors and their work in one forward pass, then the driver-author API, then sparse dictionaries
+then certification's checks and reports, GGUF checkpoints, then sparse dictionaries' tensors and their work in one forward pass, then the driver-author API, then sparse dictionaries
 as researchers load, splice and evaluate them, then the bridges over drivers, then the built-in native driver, the
 activation store built on any bridge, and the command line. Imports are read from the source (``ast``), including those inside
 functions; imports under ``if TYPE_CHECKING:`` are annotations only and are skipped.
@@ -30,6 +30,8 @@ FLOORS = [
     "specs",
     "plots",
     "cache",
+    "certification",
+    "gguf",
     "_dictionaries",
     "driver_api",
     "sae",

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tl_core.driver_api import DEFAULT_ERROR_FACTOR, check_rounding
+from tl_core.certification import DEFAULT_ERROR_FACTOR, check_rounding
 
 
 def _exact_and_rounded(

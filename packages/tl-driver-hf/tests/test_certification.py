@@ -22,8 +22,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from tl_core import ConfigError, HookNameError, TransformerBridge, UserError
+from tl_core.certification import Certification
 from tl_core.cli import main
-from tl_core.driver_api import Certification
 from tl_driver_hf import build_bridge_from_module
 from tl_driver_hf.adapters import _EXTRA, ArchitectureAdapter, find_adapter, register_adapter
 from tl_driver_hf.testing import TINY_FAMILIES, tiny_default_model

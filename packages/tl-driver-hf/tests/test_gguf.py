@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tl_core import ConfigError, TransformerBridge, UserError
-from tl_core.driver_api import CACHE_ENV, GGUF_RECORD, RoundingCheck, check_rounding
+from tl_core.certification import RoundingCheck, check_rounding
+from tl_core.gguf import CACHE_ENV, GGUF_RECORD
 from tl_core.models import SMOLLM2
 from tl_driver_hf import HFDriver
 

@@ -25,7 +25,7 @@ COMPILED_RTOL = 1e-5
 
 
 #: How many times the float32 hf driver's error (against the same checkpoint in float64) vLLM
-#: may show (tl_core.driver_api.check_rounding): its CPU kernels (fused projections, its own
+#: may show (tl_core.certification.check_rounding): its CPU kernels (fused projections, its own
 #: attention and norms) compute in other orders and forms than transformers'. Measured on the
 #: 17 tiny families: up to 15x (Gemma 2's ln2.hook_scale; most hooks within 4x); a hook
 #: served from the wrong site or layer is off by 10^4-10^6x.
@@ -98,7 +98,7 @@ def rounding_ratio(
     """vLLM's error against the hf driver in float64, as a multiple of the allowed
     ``VLLM_FACTOR`` x the float32 hf driver's own error (<= 1 passes); inf on a shape
     mismatch. The processor-independent band of every vLLM-vs-hf comparison."""
-    from tl_core.driver_api import check_rounding
+    from tl_core.certification import check_rounding
 
     if ours.shape != theirs.shape or ours.shape != exact.shape:
         return float("inf")

@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 
 
 from tl_core import ConfigError, RemoteBridge, UserError  # noqa: E402
-from tl_core.driver_api import CACHE_ENV, RoundingCheck, check_rounding, gguf_cache_dir  # noqa: E402
+from tl_core.certification import RoundingCheck, check_rounding  # noqa: E402
+from tl_core.gguf import CACHE_ENV, gguf_cache_dir  # noqa: E402
 from tl_core.models import SMOLLM2  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -33,7 +34,7 @@ PROMPTS = [
     "Hello there, how are you doing today?",
 ]
 # Bands: each float32 result must be as close to a float64 run of the same weights as a
-# trusted float32 run is (tl_core.driver_api.check_rounding), never "within N of the other
+# trusted float32 run is (tl_core.certification.check_rounding), never "within N of the other
 # float32 run": which order a kernel sums in depends on the processor, and the residual
 # stream holds values near 22,500 (one float32 step there is 0.002). Measured on the CPU
 # build: vLLM's error on this 30-layer model is up to 34x transformers' (largest element;

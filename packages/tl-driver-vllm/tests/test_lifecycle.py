@@ -18,7 +18,7 @@ from _tlv_reference import Reference  # noqa: E402
 from _tlv_support import ENGINE_OPTIONS, check, prompt_part, reference_served, rounding_ratio  # noqa: E402
 
 from tl_core import RemoteBridge, TransformerBridge, UserError  # noqa: E402
-from tl_core.driver_api import check_rounding  # noqa: E402
+from tl_core.certification import check_rounding  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -168,7 +168,7 @@ def test_tensor_parallel_2_multiprocess(
 
 #: bfloat16: engine kernels and transformers round at different places, so each is measured
 #: against the checkpoint run in float64 (the hf driver), and vLLM's error may be this many
-#: times transformers' own bfloat16 error (tl_core.driver_api.check_rounding), never a fixed
+#: times transformers' own bfloat16 error (tl_core.certification.check_rounding), never a fixed
 #: share of the largest activation, which counts rounding steps of one machine.
 BF16_FACTOR = 8.0
 

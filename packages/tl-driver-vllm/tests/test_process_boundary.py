@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "tl_driver_vllm"
-SHARED = ("_dictionaries.py", "_families.py", "_wire.py")
+SHARED = ("_dictionaries.py", "_families.py", "_run_message.py", "_wire.py")
 
 
 def imported_modules(source: str) -> list[str]:

@@ -263,10 +263,13 @@ def test_in_process_edit_tables_reach_the_workers_as_tensors(
         PROMPTS, intervene={hook: {"op": "add", "value": 1.0, "pos": -1}}, max_new_tokens=0
     )
     assert not torch.equal(plain, steered.logits)
-    edits = [request["edits"][hook] for request in configs[-1]["requests"].values()]
-    assert len(edits) == 3 and all(
-        isinstance(e["scale"], torch.Tensor) and isinstance(e["bias"], torch.Tensor) for e in edits
-    )
+    # One stacked table for the run's hook, every prompt's rows in it, sent as tensors.
+    table = configs[-1]["tables"][hook]
+    assert isinstance(table["scale"], torch.Tensor) and isinstance(table["bias"], torch.Tensor)
+    firsts = [request["edits"][hook][0] for request in configs[-1]["requests"]]
+    lengths = [len(p) for p in PROMPTS]
+    assert firsts == [sum(n + 1 for n in lengths[:i]) for i in range(3)]
+    assert table["scale"].shape[0] == sum(n + 1 for n in lengths)
 
 
 @pytest.mark.vllm

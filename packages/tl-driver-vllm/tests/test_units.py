@@ -32,6 +32,7 @@ from tl_driver_vllm._driver_side._options import (  # noqa: E402
     sampling_params,
 )
 from tl_driver_vllm._families import FAMILY_LAYOUTS, family_for, layout_for, model_info, resolve  # noqa: E402
+from tl_driver_vllm._run_message import EditRows, RequestEntry, RunMessage  # noqa: E402
 from tl_driver_vllm._wire import pack, unpack  # noqa: E402
 from tl_driver_vllm._worker_side._shards import Shard, layer_shards  # noqa: E402
 
@@ -107,28 +108,53 @@ def test_one_compilation_gives_the_prompt_rows_and_the_generated_row(
 def test_prompts_with_the_same_specs_share_one_compiled_table() -> None:
     from tl_core.driver_api import validation_calls
 
-    tables = EditTables(lambda hook: (2,), raw=True)
+    tables = EditTables(lambda hook: (2,))
     steer = (InterventionSpec.add([1.0, 2.0]),)
     at_one = (InterventionSpec.scale(3.0, pos=(1,)),)
     with validation_calls() as counts:
-        first, second = tables.get("h", steer, 4), tables.get("h", steer, 9)
-        third, fourth = tables.get("h", at_one, 4), tables.get("h", at_one, 4)
-        fifth = tables.get("h", at_one, 5)
-        other_hook = tables.get("g", steer, 4)
-    assert first is second and third is fourth  # positions make the length matter
-    assert fifth is not third and other_hook is not first
+        first, second = tables.rows("h", steer, 4), tables.rows("h", steer, 9)
+        third, fourth = tables.rows("h", at_one, 4), tables.rows("h", at_one, 4)
+        fifth = tables.rows("h", at_one, 5)
+        other_hook = tables.rows("g", steer, 4)
     assert counts["compile_specs"] == 4, counts
+    # Shared parts share their rows; positions make the length matter.
+    assert first == second == EditRows(0, False) and third == fourth == EditRows(2, True)
+    assert fifth == EditRows(2 + 5, True) and other_hook == EditRows(0, False)
+    stacked = tables.stacked()
+    assert stacked["h"].scale.shape == (2 + 5 + 6, 2) and stacked["g"].bias.shape == (2, 2)
+    assert stacked["h"].bias[:2].tolist() == [[1.0, 2.0], [1.0, 2.0]]
+    assert stacked["h"].scale[2:7, 0].tolist() == [1.0, 3.0, 1.0, 1.0, 1.0]
 
 
-def test_an_in_process_edit_table_holds_the_tensors_themselves() -> None:
-    specs = [InterventionSpec.scale(2.0), InterventionSpec.add(1.0, pos=(1,))]
-    packed = edit_table(specs, length=3, feature_shape=(2,))
-    raw = edit_table(specs, length=3, feature_shape=(2,), raw=True)
-    assert isinstance(packed["scale"]["data"], bytes)
-    assert isinstance(raw["scale"], torch.Tensor) and isinstance(raw["bias"], torch.Tensor)
-    assert torch.equal(raw["scale"], unpack(packed["scale"])) and torch.equal(
-        raw["bias"], unpack(packed["bias"])
-    )
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_run_message_reads_back_what_the_driver_sent(raw: bool) -> None:
+    # Packed bytes for workers in other processes; the tensors themselves in this one.
+    tables = EditTables(lambda hook: (2,))
+    specs = (InterventionSpec.scale(2.0), InterventionSpec.add(1.0, pos=(1,)))
+    first = tables.rows("blocks.0.hook_out", specs, 3)
+    message = RunMessage(
+        (RequestEntry("r0-0", 0, 3, ("blocks.1.hook_out",), "last", {"blocks.0.hook_out": first}),),
+        tables.stacked(), width=3, raw=raw, shared={"dir": "/dev/shm/x", "token": "t"},
+    )  # fmt: skip
+    wire = message.to_wire()
+    carried = wire["tables"]["blocks.0.hook_out"]["scale"]
+    assert isinstance(carried, torch.Tensor) if raw else isinstance(carried["data"], bytes)
+    back = RunMessage.from_wire(wire)
+    assert back.requests == message.requests and back.shared == message.shared
+    assert (back.width, back.raw, back.all_ranks) == (3, raw, False)
+    for hook, table in message.tables.items():
+        assert torch.equal(back.tables[hook].scale, table.scale)
+        assert torch.equal(back.tables[hook].bias, table.bias)
+
+
+@pytest.mark.parametrize("version", [None, 0, 2, "1"])
+def test_a_worker_refuses_a_run_message_of_another_version(version: Any) -> None:
+    wire = RunMessage((RequestEntry("r0-0", 0, 3),)).to_wire()
+    wire["version"] = version
+    if version is None:
+        del wire["version"]
+    with pytest.raises(TLError, match=rf"version {version!r} and reads version 1 only"):
+        RunMessage.from_wire(wire)
 
 
 def test_edit_table_of_a_head_site_is_head_major() -> None:
@@ -699,8 +725,8 @@ def test_the_readout_anchor_sees_a_scale_the_greedy_token_cannot() -> None:
 def test_reading_a_hook_that_never_fired_names_it() -> None:
     from tl_driver_vllm._worker_side._run_state import RunState
 
-    config = {"requests": {"r0": {"capture": ["blocks.0.hook_out"], "logits": False, "length": 3}}}
-    state = RunState(config, torch.device("cpu"), torch.float32)
+    message = RunMessage((RequestEntry("r0", 0, 3, ("blocks.0.hook_out",)),))
+    state = RunState(message, torch.device("cpu"), torch.float32)
     state.check_written()  # nothing was written: a buffer that does not exist is not checked
     with pytest.raises(TLError, match=r"'blocks\.0\.hook_out' never fired"):
         state.batched("blocks.0.hook_out")

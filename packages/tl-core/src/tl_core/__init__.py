@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from tl_core.bridges._remote import RemoteBridge as RemoteBridge
     from tl_core.bridges._transformer import TransformerBridge as TransformerBridge
     from tl_core.cache._cache import ActivationCache as ActivationCache
-    from tl_core.driver_api._certification import Certification as Certification
+    from tl_core.certification._report import Certification as Certification
     from tl_core.driver_api._discovery import available_drivers as available_drivers
     from tl_core.hooks._hook_point import HookPoint as HookPoint
     from tl_core.hooks._model_info import ModelInfo as ModelInfo

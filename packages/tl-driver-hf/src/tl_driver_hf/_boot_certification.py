@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tl_core import ConfigError
-from tl_core.driver_api import Certification
+from tl_core.certification import Certification
 from tl_driver_hf._certify import boot_refusal, on_residual_stream
 
 __all__ = ["BootDecision", "BootFacts", "CertificationTrials", "certify_at_boot"]

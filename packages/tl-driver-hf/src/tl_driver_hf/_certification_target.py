@@ -14,7 +14,7 @@ from torch import nn
 
 from tl_core import HookPoint, ModelInfo
 from tl_core.architecture import Architecture
-from tl_core.driver_api import Certification
+from tl_core.certification import Certification
 from tl_driver_hf._model import HFHookedModel
 from tl_driver_hf.adapters import ArchitectureAdapter
 

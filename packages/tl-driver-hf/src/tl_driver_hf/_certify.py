@@ -2,7 +2,7 @@
 
 A few token ids run three ways: plain transformers (its logits and ``hidden_states``, the
 references), tl capturing every hook (the engine-independent equations of
-``tl_core.driver_api.equation_checks`` plus each norm's weight rule), and tl with one edit
+``tl_core.certification.equation_checks`` plus each norm's weight rule), and tl with one edit
 at a time against the same edit made by a plain torch hook on the module that holds the
 site (both runs must move the logits alike). Every check names the hooks it vouches for;
 ``statuses_from_checks`` turns them into each hook's status.
@@ -20,7 +20,7 @@ from torch import nn
 
 from tl_core import ConfigError
 from tl_core.architecture import uses_alibi
-from tl_core.driver_api import (
+from tl_core.certification import (
     Certification,
     CertificationCheck,
     HookCertificate,

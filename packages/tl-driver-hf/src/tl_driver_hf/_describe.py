@@ -18,7 +18,7 @@ from typing import Any, Final, Literal
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tl_core.driver_api import Certification
+from tl_core.certification import Certification
 from tl_driver_hf.adapters import ArchitectureAdapter, find_adapter
 
 __all__ = ["ArchitectureDescription", "SHRUNK_SIZES", "describe_architecture", "shrunk_model"]

@@ -12,8 +12,8 @@ from torch import nn
 
 from tl_core import HookPoint, ModelInfo, UnsupportedFeatureError, UserError
 from tl_core.architecture import Architecture
+from tl_core.certification import Certification
 from tl_core.driver_api import (
-    Certification,
     ForwardRequest,
     ForwardResult,
     LocalDriver,
@@ -213,7 +213,7 @@ class HFDriver(LocalDriver):
                 serving it, see ``certification``; False skips it for a described family and
                 is refused for an inferred one). A
                 GGUF file is dequantised once, in ``dtype``, into a cached safetensors
-                folder (``tl_core.driver_api.gguf_cache_dir``) that later boots reuse; to
+                folder (``tl_core.gguf.gguf_cache_dir``) that later boots reuse; to
                 load one through transformers alone, pass ``hf_model=`` and ``tokenizer=``.
 
         An architecture no adapter describes is inferred from its module tree, certified,

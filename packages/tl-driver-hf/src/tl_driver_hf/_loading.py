@@ -17,7 +17,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from tl_core import ConfigError, UserError
-from tl_core.driver_api import HFTokenizer, Tokenizer, checked_model_folder, dequantized_gguf
+from tl_core.driver_api import HFTokenizer, Tokenizer, checked_model_folder
+from tl_core.gguf import dequantized_gguf
 from tl_driver_hf._built import built_class_name, describing_adapter
 from tl_driver_hf._kinds import refuse_other_kind, refuse_without_causal_lm, what_it_is
 from tl_driver_hf._load_report import check_loading_info, held_load_report, release
@@ -41,7 +42,7 @@ def gguf_folder(opts: BootOptions) -> BootOptions:
     """Options that boot a GGUF file from its dequantised folder (other options unchanged).
 
     The file is dequantised once into a cached safetensors folder
-    (``tl_core.driver_api.dequantized_gguf``) and booted like any folder: transformers
+    (``tl_core.gguf.dequantized_gguf``) and booted like any folder: transformers
     otherwise parses the whole file again on every load, about a minute for SmolLM2-135M
     on two cores.
     """

@@ -14,11 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tl_core.driver_api import (
-    CertificationCheck,
-    HookCertificate,
-    compare,
-)
+from tl_core.certification import CertificationCheck, HookCertificate, compare
 from tl_driver_hf._norms import apply_weight
 
 if TYPE_CHECKING:

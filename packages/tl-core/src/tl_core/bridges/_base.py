@@ -22,9 +22,9 @@ from tl_core.bridges._loss import next_token_loss
 from tl_core.bridges._prompts import check_context, encode, generated_output, prompt_rows
 from tl_core.bridges._stopping import reached
 from tl_core.cache._cache import ActivationCache
+from tl_core.certification._report import Certification
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._capabilities import CertifyingDriver, DescribingDriver, ReadoutDriver
-from tl_core.driver_api._certification import Certification
 from tl_core.driver_api._discovery import get_driver_entry
 from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._protocol import validate_driver

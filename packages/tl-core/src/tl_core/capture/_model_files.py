@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tl_core._errors import UserError
-from tl_core.driver_api._gguf import file_sha256
+from tl_core.gguf._cache import file_sha256
 
 __all__ = [
     "MODEL_KEY",

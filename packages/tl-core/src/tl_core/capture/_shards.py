@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tl_core._errors import UserError
-from tl_core.driver_api._gguf import file_sha256
+from tl_core.gguf._cache import file_sha256
 
 __all__ = [
     "RECORD_FIELDS",

@@ -36,17 +36,6 @@ if TYPE_CHECKING:
         SplitQKVDriver as SplitQKVDriver,
         WeightFoldingDriver as WeightFoldingDriver,
     )
-    from tl_core.driver_api._certification import (
-        CERTIFIED_STATUSES as CERTIFIED_STATUSES,
-        Certification as Certification,
-        CertificationCheck as CertificationCheck,
-        CertifiedStatus as CertifiedStatus,
-        HookCertificate as HookCertificate,
-        certified_level as certified_level,
-        compare as compare,
-        silent_hook_checks as silent_hook_checks,
-        statuses_from_checks as statuses_from_checks,
-    )
     from tl_core.driver_api._conformance import check_driver as check_driver
     from tl_core.driver_api._context import (
         fits_context as fits_context,
@@ -62,16 +51,6 @@ if TYPE_CHECKING:
         clear_driver_cache as clear_driver_cache,
         get_driver_entry as get_driver_entry,
         load_driver_class as load_driver_class,
-    )
-    from tl_core.driver_api._equations import equation_checks as equation_checks
-    from tl_core.driver_api._gguf import (
-        CACHE_ENV as CACHE_ENV,
-        GGUF_RECORD as GGUF_RECORD,
-        dequantized_gguf as dequantized_gguf,
-        file_sha256 as file_sha256,
-        gguf_cache_dir as gguf_cache_dir,
-        gguf_source as gguf_source,
-        require_gguf_packages as require_gguf_packages,
     )
     from tl_core.driver_api._layers import block_index as block_index
     from tl_core.driver_api._local import LocalDriver as LocalDriver
@@ -103,11 +82,6 @@ if TYPE_CHECKING:
         partial_layers as partial_layers,
         planned_request as planned_request,
         run_keywords as run_keywords,
-    )
-    from tl_core.driver_api._rounding import (
-        DEFAULT_ERROR_FACTOR as DEFAULT_ERROR_FACTOR,
-        RoundingCheck as RoundingCheck,
-        check_rounding as check_rounding,
     )
     from tl_core.driver_api._sampling import (
         SamplingOptions as SamplingOptions,

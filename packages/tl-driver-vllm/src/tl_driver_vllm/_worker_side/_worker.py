@@ -20,6 +20,7 @@ from tl_core import TLError
 from tl_core.architecture import FamilyDescription
 from tl_driver_vllm._dictionaries import release_retired_handles, unpack_attachment
 from tl_driver_vllm._families import Layout
+from tl_driver_vllm._run_message import RunMessage
 from tl_driver_vllm._wire import TAG_KEY, Outbox, pack
 from tl_driver_vllm._worker_side._block_hooks import install_activations
 from tl_driver_vllm._worker_side._compiled import EagerSwitch
@@ -114,20 +115,22 @@ class TLWorkerExtension:
         }
 
     def tl_begin(self, config: dict[str, Any]) -> None:
-        """Set up one run: build its edit tables and hook the sites it needs.
+        """Set up one run from the driver's ``RunMessage`` (as ``to_wire`` sends it): take
+        its edit tables and hook the sites it needs.
 
         The run's result buffers are made by its ``Outbox``: in the driver's shared-memory
         folder when this worker is another process on the driver's machine.
         """
         self.tl_abort()
+        message = RunMessage.from_wire(config)
         model = self._tl_model()
         param = next(model.parameters())
         columns = {name: shard.columns for name, shard in self._tl_shards.items()}
         needs = pattern_needs(self._tl_layout, self._tl_n_layers)
-        outbox = Outbox(raw=bool(config.get("raw", False)), offer=config.get("shared"))
+        outbox = Outbox(raw=message.raw, offer=message.shared)
         self._tl_outbox = outbox
         state = RunState(
-            config, param.device, param.dtype, columns=columns, needs=needs, allocate=outbox.empty,
+            message, param.device, param.dtype, columns=columns, needs=needs, allocate=outbox.empty,
             dictionaries=self._tl_dictionaries,
         )  # fmt: skip
         self._tl_state = state

@@ -9,7 +9,7 @@ in as references. A hook is served only when every check that covers it passes; 
 report says, for each hook, its status and why.
 
 This module holds the report and the comparison; the equations are in
-``tl_core.driver_api._equations``. Everything is pure tensor arithmetic over a
+``tl_core.certification._equations``. Everything is pure tensor arithmetic over a
 ``{canonical name: tensor}`` mapping, so any driver (hf, vllm, a third-party one) can
 certify with it.
 """

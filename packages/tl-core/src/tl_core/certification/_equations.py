@@ -13,8 +13,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from tl_core.driver_api._attention_equations import attention_checks
-from tl_core.driver_api._certification import CertificationCheck, compare
+from tl_core.certification._attention_equations import attention_checks
+from tl_core.certification._report import CertificationCheck, compare
 
 if TYPE_CHECKING:
     import torch

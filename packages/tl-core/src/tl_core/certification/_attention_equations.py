@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tl_core.driver_api._certification import CertificationCheck, compare
+from tl_core.certification._report import CertificationCheck, compare
 
 if TYPE_CHECKING:
     import torch
