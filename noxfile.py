@@ -152,10 +152,12 @@ def vllm(session: nox.Session) -> None:
         f"{ROOT / 'packages' / 'tl-driver-vllm'}[gguf]",  # GGUF files: tests/test_gguf.py, the tutorials
     )
     _install_smollm2(session)
+    # The slowest tests are listed: this suite holds CI's longest chain.
     session.run(
         "pytest",
         str(ROOT / "packages" / "tl-driver-vllm" / "tests"),
         "-q",
+        "--durations=20",
         *session.posargs,
         env=SHARED_VLLM_CACHE,
     )
