@@ -25,7 +25,6 @@ Usage: ``python scripts/write_api_docs.py`` (rewrite) or ``... --check``.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import pkgutil
 import sys
@@ -53,7 +52,7 @@ DISTRIBUTIONS = {
 GRIFFE_EXTENSIONS = ("griffe_sphinx", "griffe_inherited_docstrings")
 #: Names in ``__all__`` that need no docstring of their own.
 EXEMPT = frozenset({"__version__"})
-LISTING = REFERENCE / "public-api.txt"
+LISTING_NAME = "public-api.txt"
 LISTING_HEADER = (
     "# tl's public API: every public module's exports with their signatures. Written by\n"
     "# scripts/write_api_docs.py from the code; the docs session's --check fails when it is\n"
@@ -195,10 +194,13 @@ def render_index(modules: list[Module]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pages(modules: list[Module]) -> dict[Path, str]:
+def pages(modules: list[Module], loader: Any = None) -> dict[Path, str]:
     """Every reference page: path -> text."""
     home = homes(modules)
-    out = {REFERENCE / "index.md": render_index(modules), LISTING: render_listing(modules) + "\n"}
+    out = {
+        REFERENCE / "index.md": render_index(modules),
+        REFERENCE / LISTING_NAME: render_listing(modules, loader) + "\n",
+    }
     for module in modules:
         out[REFERENCE / f"{module.name}.md"] = render_page(module, home)
     return out
@@ -216,8 +218,7 @@ def with_nav(mkdocs_yml: str, modules: list[Module]) -> str:
     return mkdocs_yml[: start + len(_NAV_START)] + "".join(entries) + mkdocs_yml[end:]
 
 
-@functools.cache
-def _griffe_loader(roots: tuple[str, ...]) -> Any:
+def _griffe_loader(roots: Sequence[str]) -> Any:
     """The packages as the site reads them: griffe, with the site's extensions."""
     import griffe
 
@@ -230,12 +231,16 @@ def _griffe_loader(roots: tuple[str, ...]) -> Any:
     return loader
 
 
-def _griffe_target(roots: tuple[str, ...], path: str) -> Any:
-    obj = _griffe_loader(roots).modules_collection.get_member(path)
+def _griffe_target(loader: Any, path: str) -> Any:
+    obj = loader.modules_collection.get_member(path)
     return obj.final_target if obj.is_alias else obj
 
 
-def _griffe_objects(modules: list[Module], roots: Sequence[str]) -> Iterator[tuple[str, Any]]:
+def _roots(modules: list[Module]) -> list[str]:
+    return sorted({m.name.split(".")[0] for m in modules})
+
+
+def _griffe_objects(modules: list[Module], loader: Any) -> Iterator[tuple[str, Any]]:
     """``(public path, griffe object)`` of every exported object, once per object."""
     seen: set[str] = set()
     for module in modules:
@@ -243,7 +248,7 @@ def _griffe_objects(modules: list[Module], roots: Sequence[str]) -> Iterator[tup
             if name in EXEMPT:
                 continue
             path = f"{module.name}.{name}"
-            target = _griffe_target(tuple(roots), path)
+            target = _griffe_target(loader, path)
             if target.path not in seen:
                 seen.add(target.path)
                 yield path, target
@@ -264,12 +269,13 @@ def _documented_attributes(cls: Any) -> set[str]:
     return names
 
 
-def undocumented(modules: list[Module]) -> list[str]:
+def undocumented(modules: list[Module], loader: Any = None) -> list[str]:
     """Public objects and public members of public classes that have no docstring."""
     packages = sorted({m.name.split(".")[0] for m in modules})
     roots = tuple(f"{root}." for root in packages)
     missing: list[str] = []
-    for path, obj in _griffe_objects(modules, packages):
+    loader = loader or _griffe_loader(packages)
+    for path, obj in _griffe_objects(modules, loader):
         if not obj.docstring or not obj.docstring.value.strip():
             missing.append(f"{path} ({obj.path})")
         if not obj.is_class:
@@ -332,7 +338,7 @@ def _entry(name: str, obj: Any, roots: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def render_listing(modules: list[Module]) -> str:
+def render_listing(modules: list[Module], loader: Any = None) -> str:
     """The public API as text, one export per line, so a change to it shows in review.
 
     Each public module lists its exports in ``__all__`` order: a function's signature, a
@@ -340,7 +346,8 @@ def render_listing(modules: list[Module]) -> str:
     (short) value. A name documented on another module's page points there instead of
     repeating its signature.
     """
-    roots = tuple(sorted({m.name.split(".")[0] for m in modules}))
+    roots = tuple(_roots(modules))
+    loader = loader or _griffe_loader(roots)
     home = homes(modules)
     lines = [LISTING_HEADER, ""]
     for module in modules:
@@ -352,7 +359,7 @@ def render_listing(modules: list[Module]) -> str:
             if where != module.name:
                 lines.append(f"{name} -> {where}.{name}")
                 continue
-            lines += _entry(name, _griffe_target(roots, f"{module.name}.{name}"), roots)
+            lines += _entry(name, _griffe_target(loader, f"{module.name}.{name}"), roots)
         lines.append("")
     return "\n".join(lines)
 
@@ -369,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     modules = public_modules()
-    wanted = pages(modules)
+    loader = _griffe_loader(_roots(modules))  # one read of the sources for both uses
+    wanted = pages(modules, loader)
     wanted[MKDOCS_YML] = with_nav(MKDOCS_YML.read_text(encoding="utf-8"), modules)
     if not args.check:
         REFERENCE.mkdir(parents=True, exist_ok=True)
@@ -390,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if problems:
             problems.append("run python scripts/write_api_docs.py to rewrite the pages")
-    problems += [f"no docstring: {entry}" for entry in undocumented(modules)]
+    problems += [f"no docstring: {entry}" for entry in undocumented(modules, loader)]
     if problems:
         print("API reference check failed:", *problems, sep="\n  ", file=sys.stderr)
         return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -137,3 +138,24 @@ def test_a_missing_or_extra_page_fails_the_check(
     err = capsys.readouterr().err
     assert "stale or missing: " in err and "tl_core.md" in err
     assert "page of no public module: " in err and "gone_module.md" in err
+
+
+def test_a_changed_public_api_fails_the_check_until_the_listing_is_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # The committed listing as it would be if a signature had changed in the code.
+    reference = tmp_path / "reference"
+    shutil.copytree(write_api_docs.REFERENCE, reference)
+    listing = reference / write_api_docs.LISTING_NAME
+    text = listing.read_text(encoding="utf-8")
+    assert "def splice(bridge: Any, dictionary: SparseDictionary, *," in text
+    listing.write_text(text.replace("def splice(bridge: Any,", "def splice(model: Any,"))
+    mkdocs_yml = tmp_path / "mkdocs.yml"
+    shutil.copy(write_api_docs.MKDOCS_YML, mkdocs_yml)
+    monkeypatch.setattr(write_api_docs, "REFERENCE", reference)
+    monkeypatch.setattr(write_api_docs, "MKDOCS_YML", mkdocs_yml)
+    assert write_api_docs.main(["--check"]) == 1
+    assert f"stale or missing: {listing}" in capsys.readouterr().err
+    assert write_api_docs.main([]) == 0  # rewriting it from the code
+    assert listing.read_text(encoding="utf-8") == text
+    assert write_api_docs.main(["--check"]) == 0
