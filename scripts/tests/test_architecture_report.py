@@ -180,7 +180,7 @@ def test_a_refusal_that_does_not_name_the_weights_a_causal_lm_drops_is_wrong(
     """Without the load report's check, ProphetNet's sequence-to-sequence checkpoint is
     refused for another reason (its decoder layers cannot be inferred), which names none of
     the encoder weights transformers' causal-LM class drops."""
-    import tl_driver_hf._loading as loading
+    import tl_driver_hf._weights._loading as loading
 
     monkeypatch.setattr(loading, "check_loading_info", lambda *args, **kwargs: None)
     verdict = report.judge(builds.build("prophetnet", cache, builds.kind("seq2seq")), cache)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel
 from tl_core import ConfigError, TransformerBridge, UserError, boot
 from tl_core.certification import check_rounding
 from tl_driver_hf import HFDriver, build_bridge_from_module
-from tl_driver_hf._checkpoints import checkpoint_revision
+from tl_driver_hf._weights._checkpoints import checkpoint_revision
 from tl_driver_hf.testing import write_tiny_checkpoint
 
 NOWHERE = "no-such-org/no-such-model"

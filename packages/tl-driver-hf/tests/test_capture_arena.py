@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tl_core import TransformerBridge
-from tl_driver_hf._arena import CaptureArena, head_into_arena
+from tl_driver_hf._runtime._arena import CaptureArena, head_into_arena
 
 #: Values the driver computes itself (arena buffers) and one a transformers module computes.
 OWN = ("blocks.0.attn.hook_attn_scores", "blocks.1.attn.hook_pattern", "blocks.1.attn.hook_z")

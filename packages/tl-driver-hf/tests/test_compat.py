@@ -259,7 +259,7 @@ def test_the_fold_is_the_same_in_small_row_blocks(
     family: str, checkpoint: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Large tensors are processed in row blocks; blocks of 7 rows cut every tensor unevenly."""
-    from tl_driver_hf import _folding
+    from tl_driver_hf._weights import _folding
 
     monkeypatch.setattr(_folding, "ROWS", 7)
     _check_weights(checkpoint(family), PATHS[family])
@@ -309,7 +309,7 @@ def test_options_apply_one_at_a_time(checkpoint: Callable[[str], Path], ids: tor
 def test_an_unfoldable_structure_is_refused_with_it_described(
     checkpoint: Callable[[str], Path],
 ) -> None:
-    from tl_driver_hf._compat import enable_compatibility
+    from tl_driver_hf._weights._compat import enable_compatibility
 
     bridge = TransformerBridge.boot_transformers(str(checkpoint("mixtral")))
     driver: Any = bridge.driver

@@ -31,7 +31,7 @@ from transformers import (
 
 from tl_core import ConfigError, TransformerBridge
 from tl_driver_hf import HFDriver
-from tl_driver_hf._describe import shrunk_model
+from tl_driver_hf._architecture._describe import shrunk_model
 from tl_driver_hf.testing import TINY_FAMILIES, write_tiny_default_checkpoint
 
 WEIGHTS = "model.safetensors"

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import DeepseekV2Config, DeepseekV3Config, PreTrainedModel
 
 from tl_driver_hf import build_bridge_from_module
-from tl_driver_hf._describe import shrunk_model
+from tl_driver_hf._architecture._describe import shrunk_model
 from tl_driver_hf.adapters import _EXTRA, register_adapter
 
 _SIZES: dict[str, Any] = dict(

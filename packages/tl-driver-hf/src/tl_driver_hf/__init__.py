@@ -19,9 +19,9 @@ from tl_core.driver_api import FEATURES, DriverEntry, EngineRequirement
 from tl_driver_hf._version import __version__
 
 if TYPE_CHECKING:
-    from tl_driver_hf._arena import CaptureArena
-    from tl_driver_hf._describe import ArchitectureDescription, describe_architecture
+    from tl_driver_hf._architecture._describe import ArchitectureDescription, describe_architecture
     from tl_driver_hf._driver import HFDriver
+    from tl_driver_hf._runtime._arena import CaptureArena
     from tl_driver_hf._support import (
         SupportReport,
         build_bridge_config_from_hf,
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         check_model_support,
         list_supported_models,
     )
-    from tl_driver_hf._tokenizer import detect_tokenizer_bos_eos
+    from tl_driver_hf._weights._tokenizer import detect_tokenizer_bos_eos
     from tl_driver_hf.adapters import ArchitectureAdapter, register_adapter
 
 __all__ = [
@@ -61,17 +61,17 @@ ENTRY = DriverEntry(
 )
 
 _LAZY = {
-    "CaptureArena": "tl_driver_hf._arena",
+    "CaptureArena": "tl_driver_hf._runtime._arena",
     "HFDriver": "tl_driver_hf._driver",
-    "detect_tokenizer_bos_eos": "tl_driver_hf._tokenizer",
+    "detect_tokenizer_bos_eos": "tl_driver_hf._weights._tokenizer",
     "SupportReport": "tl_driver_hf._support",
     "build_bridge_config_from_hf": "tl_driver_hf._support",
     "build_bridge_from_module": "tl_driver_hf._support",
     "check_model_support": "tl_driver_hf._support",
     "list_supported_models": "tl_driver_hf._support",
     "ArchitectureAdapter": "tl_driver_hf.adapters",
-    "ArchitectureDescription": "tl_driver_hf._describe",
-    "describe_architecture": "tl_driver_hf._describe",
+    "ArchitectureDescription": "tl_driver_hf._architecture._describe",
+    "describe_architecture": "tl_driver_hf._architecture._describe",
     "register_adapter": "tl_driver_hf.adapters",
 }
 

@@ -21,14 +21,24 @@ from tl_core.driver_api import (
     Tokenizer,
     canonical_hook_names,
 )
-from tl_driver_hf._arena import CaptureArena, head_into_arena
-from tl_driver_hf._attention import ATTN_IMPLEMENTATION, attention_sites
-from tl_driver_hf._boot_certification import BootDecision, BootFacts, certify_at_boot
-from tl_driver_hf._certify import certify_driver
-from tl_driver_hf._compat import CompatState, enable_compatibility
-from tl_driver_hf._infer import InferredArchitecture, infer_architecture
-from tl_driver_hf._inline_attention import inline_attention
-from tl_driver_hf._loading import (
+from tl_driver_hf._architecture._infer import InferredArchitecture, infer_architecture
+from tl_driver_hf._architecture._modules import resolve_modules
+from tl_driver_hf._certification._boot_certification import BootDecision, BootFacts, certify_at_boot
+from tl_driver_hf._certification._certify import certify_driver
+from tl_driver_hf._options import BootOptions
+from tl_driver_hf._runtime._arena import CaptureArena, head_into_arena
+from tl_driver_hf._runtime._attention import ATTN_IMPLEMENTATION, attention_sites
+from tl_driver_hf._runtime._inline_attention import inline_attention
+from tl_driver_hf._runtime._model import HFHookedModel
+from tl_driver_hf._runtime._stopping import Stop, configs_of, prober, stop_after, stopper
+from tl_driver_hf._runtime._torch_hooks import (
+    ROUTER_LOGITS_READ_ONLY,
+    ForwardBookkeeping,
+    _with_input,
+)
+from tl_driver_hf._runtime._wiring import Wiring
+from tl_driver_hf._weights._compat import CompatState, enable_compatibility
+from tl_driver_hf._weights._loading import (
     adapter_or_none,
     apply_n_ctx,
     built_class,
@@ -37,12 +47,6 @@ from tl_driver_hf._loading import (
     load_model,
     load_tokenizer,
 )
-from tl_driver_hf._model import HFHookedModel
-from tl_driver_hf._modules import resolve_modules
-from tl_driver_hf._options import BootOptions
-from tl_driver_hf._stopping import Stop, configs_of, prober, stop_after, stopper
-from tl_driver_hf._torch_hooks import ROUTER_LOGITS_READ_ONLY, ForwardBookkeeping, _with_input
-from tl_driver_hf._wiring import Wiring
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["HFDriver"]

@@ -15,7 +15,7 @@ import torch
 from tl_core import ConfigError, UserError
 from tl_core.driver_api import checked_path
 from tl_core.gguf import gguf_source, require_gguf_packages
-from tl_driver_hf._checkpoints import checkpoint_revision
+from tl_driver_hf._weights._checkpoints import checkpoint_revision
 
 __all__ = ["BOOT_OPTIONS", "GGUF_EXTRA", "BootOptions", "parse_dtype"]
 

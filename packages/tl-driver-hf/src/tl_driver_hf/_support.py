@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from tl_core import ModelInfo, UserError
 from tl_core.driver_api import checked_path
-from tl_driver_hf._checkpoints import series_for
+from tl_driver_hf._weights._checkpoints import series_for
 from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters, find_adapter
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ def build_bridge_config_from_hf(hf_config: Any) -> ModelInfo:
     Raises:
         ConfigError: The architecture is not supported.
     """
-    from tl_driver_hf._loading import adapter_for_config
+    from tl_driver_hf._weights._loading import adapter_for_config
 
     return adapter_for_config(hf_config).description.model_info(hf_config)
 

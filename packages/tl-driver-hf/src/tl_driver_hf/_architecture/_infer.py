@@ -16,7 +16,7 @@ it reads and returns. From that:
 
 The facts found make an inferred ``FamilyDescription`` (the class hand-written families use),
 and the paths an ``ArchitectureAdapter`` referring to it. What the probe proposes is only a
-hypothesis: the driver serves a hook after certification (``tl_driver_hf._certify``) has
+hypothesis: the driver serves a hook after certification (``tl_driver_hf._certification._certify``) has
 proven it on the booted model. Layers of different shapes (hybrid models) or blocks whose
 parts cannot be told apart keep the residual stream only; their norms, position scheme and
 final norm are ``"unknown"`` unless a module tl measured establishes them.
@@ -45,8 +45,8 @@ from tl_core.architecture import (
     uses_alibi,
 )
 from tl_core.driver_api import canonical_hook_names
-from tl_driver_hf._norms import is_norm_module, norm_kind_of
-from tl_driver_hf._probe import ModuleCall, path_of, probe_ids, recording, same_tensor
+from tl_driver_hf._architecture._probe import ModuleCall, path_of, probe_ids, recording, same_tensor
+from tl_driver_hf._runtime._norms import is_norm_module, norm_kind_of
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["InferredArchitecture", "infer_architecture"]

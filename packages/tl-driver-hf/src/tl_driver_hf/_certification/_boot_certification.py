@@ -15,7 +15,7 @@ from typing import Protocol
 
 from tl_core import ConfigError
 from tl_core.certification import Certification
-from tl_driver_hf._certify import boot_refusal, on_residual_stream
+from tl_driver_hf._certification._certify import boot_refusal, on_residual_stream
 
 __all__ = ["BootDecision", "BootFacts", "CertificationTrials", "certify_at_boot"]
 

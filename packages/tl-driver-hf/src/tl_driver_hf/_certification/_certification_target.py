@@ -15,7 +15,7 @@ from torch import nn
 from tl_core import HookPoint, ModelInfo
 from tl_core.architecture import Architecture
 from tl_core.certification import Certification
-from tl_driver_hf._model import HFHookedModel
+from tl_driver_hf._runtime._model import HFHookedModel
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["CertifiableDriver"]

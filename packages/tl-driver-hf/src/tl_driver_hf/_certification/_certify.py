@@ -30,18 +30,18 @@ from tl_core.certification import (
     silent_hook_checks,
     statuses_from_checks,
 )
-from tl_driver_hf._modules import has_attention_sinks
-from tl_driver_hf._probe import probe_ids
-from tl_driver_hf._torch_hooks import _with_input
-from tl_driver_hf._weight_checks import (
+from tl_driver_hf._architecture._modules import has_attention_sinks
+from tl_driver_hf._architecture._probe import probe_ids
+from tl_driver_hf._certification._weight_checks import (
     exported_weight_checks,
     latent_checks,
     readout_checks,
     weight_rule_checks,
 )
+from tl_driver_hf._runtime._torch_hooks import _with_input
 
 if TYPE_CHECKING:
-    from tl_driver_hf._certification_target import CertifiableDriver
+    from tl_driver_hf._certification._certification_target import CertifiableDriver
 
 __all__ = ["boot_refusal", "certify_driver", "on_residual_stream"]
 

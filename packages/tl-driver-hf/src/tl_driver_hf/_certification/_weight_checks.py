@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from tl_core.certification import CertificationCheck, HookCertificate, compare
-from tl_driver_hf._norms import apply_weight
+from tl_driver_hf._runtime._norms import apply_weight
 
 if TYPE_CHECKING:
-    from tl_driver_hf._certification_target import CertifiableDriver
+    from tl_driver_hf._certification._certification_target import CertifiableDriver
 
 __all__ = ["exported_weight_checks", "latent_checks", "readout_checks", "weight_rule_checks"]
 

@@ -31,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from tl_core import HookPoint
 from tl_core.driver_api import only_rerouted
-from tl_driver_hf._arena import CaptureArena
+from tl_driver_hf._runtime._arena import CaptureArena
 
 __all__ = ["ATTN_IMPLEMENTATION", "AttentionSite", "attention_sites", "hooked_attention"]
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tl_core import ConfigError, UserError
-from tl_driver_hf._attention import AttentionSite, _allowed, _fire_bhpd
+from tl_driver_hf._runtime._attention import AttentionSite, _allowed, _fire_bhpd
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["INLINE_FORWARDS", "LEGACY_FORWARDS", "inline_attention"]
@@ -311,7 +311,7 @@ def inline_attention(
     if forward is None:
         raise ConfigError(
             f"the {adapter.family!r} adapter sets inline_attention={name!r}, which is not one "
-            f"of {sorted(INLINE_FORWARDS)}; add it to tl_driver_hf._inline_attention"
+            f"of {sorted(INLINE_FORWARDS)}; add it to tl_driver_hf._runtime._inline_attention"
         )
     swapped: list[tuple[nn.Module, str, Any]] = []
     try:

@@ -16,9 +16,9 @@ from torch import nn
 
 from tl_core import HookPoint, ModelInfo, UnsupportedFeatureError
 from tl_core.driver_api import ModelReadout
-from tl_driver_hf._modules import ModelModules
-from tl_driver_hf._norms import norm_eps
-from tl_driver_hf._weights import (
+from tl_driver_hf._architecture._modules import ModelModules
+from tl_driver_hf._runtime._norms import norm_eps
+from tl_driver_hf._weights._shapes import (
     bias_of,
     head_weights,
     in_out,

@@ -19,7 +19,7 @@ from tl_core.architecture import NormKind
 from tl_core.driver_api import apply_norm_weight, norm_module_eps, norm_statistics
 
 if TYPE_CHECKING:
-    from tl_driver_hf._probe import ModuleCall
+    from tl_driver_hf._architecture._probe import ModuleCall
 
 __all__ = ["norm_eps", "normalize", "apply_weight", "is_norm_module", "norm_kind_of"]
 

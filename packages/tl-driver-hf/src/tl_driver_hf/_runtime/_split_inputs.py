@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import HookPoint
-from tl_driver_hf._modules import LayerModules
-from tl_driver_hf._weights import layer_attention_weights
+from tl_driver_hf._architecture._modules import LayerModules
+from tl_driver_hf._weights._shapes import layer_attention_weights
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["install_split_inputs"]

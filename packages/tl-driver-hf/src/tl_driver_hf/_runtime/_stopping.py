@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig
 
-from tl_driver_hf._torch_hooks import _input_of
+from tl_driver_hf._runtime._torch_hooks import _input_of
 
 __all__ = ["Stop", "configs_of", "prober", "stop_after", "stopper"]
 

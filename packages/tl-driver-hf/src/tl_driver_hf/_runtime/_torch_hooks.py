@@ -2,7 +2,7 @@
 input or output and hands an edited tensor downstream.
 
 Factories only (no state of their own beyond ``ForwardBookkeeping``, the per-forward bookkeeping);
-``tl_driver_hf._wiring.Wiring`` decides which of them to install where.
+``tl_driver_hf._runtime._wiring.Wiring`` decides which of them to install where.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from torch import nn
 
 from tl_core import HookPoint, UserError
 from tl_core.driver_api import centred_input
-from tl_driver_hf._arena import CaptureArena
-from tl_driver_hf._norms import apply_weight, norm_eps, normalize
+from tl_driver_hf._runtime._arena import CaptureArena
+from tl_driver_hf._runtime._norms import apply_weight, norm_eps, normalize
 
 __all__ = [
     "HeadView",

@@ -20,12 +20,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import HookPoint
-from tl_driver_hf._arena import CaptureArena
-from tl_driver_hf._attention import AttentionSite
-from tl_driver_hf._flat import FLAT_SUFFIXES, FlatPoint, flat_points
-from tl_driver_hf._modules import LayerModules, ModelModules
-from tl_driver_hf._split_inputs import install_split_inputs
-from tl_driver_hf._torch_hooks import (
+from tl_driver_hf._architecture._modules import LayerModules, ModelModules
+from tl_driver_hf._runtime._arena import CaptureArena
+from tl_driver_hf._runtime._attention import AttentionSite
+from tl_driver_hf._runtime._flat import FLAT_SUFFIXES, FlatPoint, flat_points
+from tl_driver_hf._runtime._split_inputs import install_split_inputs
+from tl_driver_hf._runtime._torch_hooks import (
     ForwardBookkeeping,
     HeadView,
     _heads_hook,
@@ -45,7 +45,7 @@ from tl_driver_hf._torch_hooks import (
     _weight,
     _with_input,
 )
-from tl_driver_hf._weights import head_weights
+from tl_driver_hf._weights._shapes import head_weights
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["ForwardBookkeeping", "Wiring"]

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from tl_core import UnsupportedFeatureError, UserError
-from tl_driver_hf._folding import (
+from tl_driver_hf._architecture._modules import LayerModules, ModelModules
+from tl_driver_hf._weights._folding import (
     Projection,
     center_embedding,
     center_unembedding,
@@ -47,7 +48,6 @@ from tl_driver_hf._folding import (
     untie,
     value_bias_view,
 )
-from tl_driver_hf._modules import LayerModules, ModelModules
 from tl_driver_hf.adapters import ArchitectureAdapter
 
 __all__ = ["CompatState", "describe_blocks", "enable_compatibility"]

@@ -34,7 +34,7 @@ from typing import Any
 from torch import nn
 
 from tl_core import ConfigError
-from tl_driver_hf._kinds import class_kind, with_article
+from tl_driver_hf._architecture._kinds import class_kind, with_article
 
 __all__ = ["check_loading_info", "held_load_report", "release"]
 

@@ -19,11 +19,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from tl_core import ConfigError, UserError
 from tl_core.driver_api import HFTokenizer, Tokenizer, checked_model_folder
 from tl_core.gguf import dequantized_gguf
-from tl_driver_hf._built import built_class_name, describing_adapter
-from tl_driver_hf._kinds import refuse_other_kind, refuse_without_causal_lm, what_it_is
-from tl_driver_hf._load_report import check_loading_info, held_load_report, release
+from tl_driver_hf._architecture._built import built_class_name, describing_adapter
+from tl_driver_hf._architecture._kinds import (
+    refuse_other_kind,
+    refuse_without_causal_lm,
+    what_it_is,
+)
 from tl_driver_hf._options import BootOptions
-from tl_driver_hf._tokenizer import MissingTokenizer
+from tl_driver_hf._weights._load_report import check_loading_info, held_load_report, release
+from tl_driver_hf._weights._tokenizer import MissingTokenizer
 from tl_driver_hf.adapters import ArchitectureAdapter, all_adapters
 
 __all__ = [

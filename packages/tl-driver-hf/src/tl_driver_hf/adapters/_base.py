@@ -113,7 +113,7 @@ class ArchitectureAdapter:
             there); ``False`` where the module builds it itself (GPT-J).
         inline_attention: The family computes attention inside its module instead of calling
             ``AttentionInterface`` (GPT-Neo, BLOOM, Falcon): the name of the faithful
-            re-implementation in ``tl_driver_hf._inline_attention`` that replaces the
+            re-implementation in ``tl_driver_hf._runtime._inline_attention`` that replaces the
             attention module's forward for the duration of each run.
         sublayers_add_residual: Whether the attention and MLP modules return their output
             plus the residual (BLOOM); ``attn.hook_out``/``mlp.hook_out`` then fire at the

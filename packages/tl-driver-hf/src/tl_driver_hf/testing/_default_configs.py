@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from transformers import AutoConfig, PreTrainedModel
 
-from tl_driver_hf._describe import SHRUNK_SIZES, shrunk_model
+from tl_driver_hf._architecture._describe import SHRUNK_SIZES, shrunk_model
 from tl_driver_hf.testing._checkpoint import save_with_tokenizer
 
 __all__ = ["TINY_SIZES", "VLLM_TINY_SIZES", "tiny_default_model", "write_tiny_default_checkpoint"]
