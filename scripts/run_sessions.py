@@ -54,6 +54,12 @@ LANES: tuple[tuple[str, ...], ...] = (
         "lint",
     ),
 )
+#: Environment each lane's sessions get, unless the caller set the variable. Lane 1's
+#: sessions run tiny models one thread each: torch would take both cores, and with the vLLM
+#: lane's engines (OpenMP threads bound to every core) and compiles beside it, two lanes of
+#: two threads each oversubscribed the machine (tl-core's suite took 7:19 beside the vLLM
+#: lane against 1-2 minutes alone).
+LANE_ENV: tuple[dict[str, str], ...] = ({}, {"OMP_NUM_THREADS": "1"})
 #: How often a line says what is still running.
 HEARTBEAT_S = 300.0
 
@@ -126,9 +132,11 @@ class Runner:
                 outcome = Outcome(name, lane, log, start=time.monotonic() - self.began)
                 self.outcomes.append(outcome)
                 with log.open("wb") as handle:
+                    extra = LANE_ENV[lane] if lane < len(LANE_ENV) else {}
                     process = subprocess.Popen(
                         self.command(name),
                         cwd=ROOT,
+                        env={**extra, **os.environ},
                         stdout=handle,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # so its whole process group can be stopped

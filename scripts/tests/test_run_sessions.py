@@ -64,3 +64,22 @@ def test_sessions_not_placed_join_the_lane_with_fewest_and_absent_ones_are_dropp
 def test_log_names_are_plain_file_names() -> None:
     assert run_sessions.log_name("tests(package='tl-core')") == "tests-tl-core"
     assert run_sessions.log_name("vllm") == "vllm"
+
+
+def test_lane_one_runs_one_thread_unless_the_caller_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    show = "import os, sys; print(sys.argv[1], os.environ.get('OMP_NUM_THREADS'))"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    runner = run_sessions.Runner(
+        [["zero"], ["one"]], lambda name: [sys.executable, "-c", show, name], tmp_path / "logs"
+    )
+    runner.run()
+    logs = {n: (tmp_path / "logs" / f"{n}.log").read_text().split() for n in ("zero", "one")}
+    assert logs == {"zero": ["zero", "None"], "one": ["one", "1"]}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    runner = run_sessions.Runner(
+        [[], ["one"]], lambda name: [sys.executable, "-c", show, name], tmp_path / "logs"
+    )
+    runner.run()
+    assert (tmp_path / "logs" / "one.log").read_text().split() == ["one", "2"]
