@@ -52,7 +52,7 @@ def edit_table(
     def flat(t: torch.Tensor) -> torch.Tensor:
         if not positional:  # shape () or feature_shape: one row serves every position
             t = t.expand(*feature_shape)[None]
-        return t.expand(rows, *feature_shape).reshape(rows, width).contiguous()
+        return t.expand(rows, *feature_shape).reshape(rows, width)
 
     scale, bias = flat(edit.scale), flat(edit.bias)
     return {"scale": scale, "bias": bias, "positional": positional}
@@ -83,7 +83,8 @@ class EditTables:
         return self._rows[key]
 
     def stacked(self) -> dict[str, StackedEdits]:
-        """Hook -> every part's rows, in the order ``rows`` handed out their offsets."""
+        """Hook -> every part's rows, in the order ``rows`` handed out their offsets (one
+        copy: the parts may be views of one row)."""
         return {
             hook: StackedEdits(
                 torch.cat([p["scale"] for p in parts]), torch.cat([p["bias"] for p in parts])
