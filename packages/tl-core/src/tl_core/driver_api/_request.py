@@ -334,7 +334,7 @@ class RequestForward:
         Raises:
             UserError: Bad options, ids, names or specs, before any engine work.
         """
-        request = build_request(
+        return run_keywords(
             self,
             input_ids,
             capture=capture,
@@ -343,4 +343,3 @@ class RequestForward:
             return_logits=return_logits,
             **options,
         )
-        return self.run(request)
