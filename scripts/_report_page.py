@@ -170,13 +170,22 @@ def _anchor(title: str) -> str:
 
 def _section(kind: builds.Kind, verdicts: Sequence[Verdict]) -> list[str]:
     runs = _INPUTS[kind.inputs]
-    refused = (
-        ""
-        if kind is builds.CAUSAL
-        else " tl's hf driver serves decoder-only causal LMs: a model of this kind is "
-        "refused with a `ConfigError` naming its kind, or, where transformers' causal-LM class "
-        "of the same model type reads the checkpoint whole, booted as that class."
-    )
+    if kind is builds.CAUSAL:
+        refused = ""
+    elif kind.key == "masked-lm":
+        refused = (
+            " tl's hf driver boots a masked LM's checkpoint as its masked-LM class, with one "
+            "bidirectional stack (its ragged batches carry the padding mask); a checkpoint "
+            "this mapping lists that is of another kind (BART's sequence-to-sequence class) "
+            "is refused naming it."
+        )
+    else:
+        refused = (
+            " tl's hf driver serves decoder-only causal LMs and masked LMs: a model of this "
+            "kind is refused with a `ConfigError` naming its kind, or, where transformers' "
+            "causal-LM class of the same model type reads the checkpoint whole, booted as "
+            "that class."
+        )
     lines = [
         f"## {kind.title}",
         "",

@@ -18,6 +18,7 @@ from tl_core.certification import (
     CertificationCheck,
     HookCertificate,
     compare,
+    compare_differs,
     equation_checks,
     silent_hook_checks,
     statuses_from_checks,
@@ -75,6 +76,35 @@ def test_compare_refuses_a_shape_mismatch_a_missing_side_and_non_finite_values()
     # NaN in both sides at the same place is not "equal".
     nan = torch.full((2,), math.nan)
     assert not compare("x == y", ["x"], nan, nan.clone(), rtol=1e-4).passed
+
+
+@SETTINGS
+@given(
+    values=st.lists(st.floats(-50, 50, allow_nan=False), min_size=1, max_size=12),
+    shift=st.floats(-3.0, 3.0),
+)
+def test_compare_differs_passes_exactly_where_compare_fails(
+    values: list[float], shift: float
+) -> None:
+    """An encoder's direction check: the change must reach the compared logits."""
+    want = torch.tensor(values)
+    got = want + shift
+    same, differs = (
+        compare("x", ["h"], got, want, rtol=1e-4),
+        compare_differs("x", ["h"], got, want, rtol=1e-4),
+    )
+    assert differs.passed == (not same.passed)
+    assert (differs.error, differs.allowed) == (same.error, same.allowed)
+    if not differs.passed:
+        assert "did not reach them" in differs.detail
+
+
+def test_compare_differs_fails_on_a_missing_side_a_shape_mismatch_and_nothing_compared() -> None:
+    x = torch.zeros(2, 3)
+    assert not compare_differs("x", ["h"], None, x, rtol=1e-4).passed
+    assert not compare_differs("x", ["h"], torch.ones(3, 2), x, rtol=1e-4).passed
+    assert not compare_differs("x", ["h"], torch.zeros(0), torch.zeros(0), rtol=1e-4).passed
+    assert not compare_differs("x", ["h"], x + math.inf, x, rtol=1e-4).passed
 
 
 def test_compare_masks_and_accepts_an_empty_mask() -> None:

@@ -1,6 +1,6 @@
-"""Checkpoints that are no causal LM are refused with what they are, never booted as a part.
+"""Checkpoints of a kind tl does not serve are refused with what they are, never booted as a part.
 
-The hf driver serves decoder-only causal LMs. A sequence-to-sequence model, an encoder, a
+The hf driver serves decoder-only causal LMs and masked LMs. A sequence-to-sequence model, a
 vision-language model, an image classifier or a speech recogniser is refused with a
 ``ConfigError`` naming its kind. The references are plain transformers: what
 ``AutoModelForCausalLM`` does with the same folder, and which weights the file holds.
@@ -67,20 +67,20 @@ def test_an_image_classifier_is_refused_naming_its_kind(tmp_path: Path) -> None:
         HFDriver.boot(str(folder))
 
 
-def test_a_masked_lm_whose_weights_fit_its_causal_class_is_refused(tmp_path: Path) -> None:
+def test_a_masked_lm_whose_weights_fit_its_causal_class_boots_as_the_masked_lm(
+    tmp_path: Path,
+) -> None:
     """transformers builds BertLMHeadModel from a BertForMaskedLM checkpoint and every weight
-    finds its place: only the config's architectures tell it is an encoder."""
+    finds its place: only the config's architectures tell it is an encoder, and tl builds
+    the masked LM they name (``tests/test_encoders.py`` checks it against transformers)."""
     folder = tmp_path / "bert"
     BertForMaskedLM(BertConfig(**_BERT_SIZES)).save_pretrained(folder)
     plain, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     assert type(plain).__name__ == "BertLMHeadModel"
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    with pytest.raises(ConfigError) as refused:
-        HFDriver.boot(str(folder))
-    message = str(refused.value)
-    assert "is a masked language model: its config's architectures name BertForMaskedLM" in message
-    assert "transformers builds BertLMHeadModel from it" in message
-    assert "masked language models are not served yet" in message
+    driver = HFDriver.boot(str(folder))
+    assert type(driver.hf_model).__name__ == "BertForMaskedLM"
+    assert driver.architecture.kind == "masked_lm"
 
 
 def test_a_config_transformers_refuses_for_the_causal_class_is_a_config_error(
@@ -92,13 +92,15 @@ def test_a_config_transformers_refuses_for_the_causal_class_is_a_config_error(
         axial_pos_shape=[4, 8], max_position_embeddings=32, is_decoder=False,
     )  # fmt: skip
     AutoModelForMaskedLM.from_config(config).save_pretrained(tmp_path / "reformer")
+    # The checkpoint claims the causal class its config cannot build.
+    path = tmp_path / "reformer" / "config.json"
+    path.write_text(path.read_text().replace("ReformerForMaskedLM", "ReformerModelWithLMHead"))
     with pytest.raises(AssertionError, match="is_decoder=True"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "reformer")
     with pytest.raises(ConfigError) as refused:
         HFDriver.boot(str(tmp_path / "reformer"))
     message = str(refused.value)
     assert "transformers cannot build ReformerModelWithLMHead" in message
-    assert "architectures name ReformerForMaskedLM: a masked language model" in message
     assert "AssertionError: If you want to use `ReformerModelWithLMHead`" in message
 
 

@@ -475,9 +475,23 @@ class HFDriver(LocalDriver):
             )
         return self._model.readout()
 
+    @property
+    def masks_padding(self) -> bool:
+        """Whether the model attends both ways (an encoder), so padding must be masked."""
+        stacks = self._adapter.description.stacks
+        return bool(stacks) and stacks[0].attention == "bidirectional"
+
     def run(self, request: ForwardRequest) -> ForwardResult:
-        """As ``LocalDriver.run``; refuses a model booted without weights first."""
+        """As ``LocalDriver.run``; refuses a model booted without weights first, and
+        generation from a masked LM."""
         self._check_runnable()
+        if request.decodes and self._adapter.description.kind == "masked_lm":
+            raise UnsupportedFeatureError(
+                f"{self._info.architecture!r} is a masked LM: it predicts each position's own "
+                f"(masked) token, not a next one, so there is nothing to generate. Read its "
+                f"predictions from the logits of run_with_cache or the bridge's forward, at "
+                f"the positions holding the mask token"
+            )
         return super().run(request)
 
     def run_model(
@@ -508,7 +522,11 @@ class HFDriver(LocalDriver):
         if mask is None and self._inferred is not None and start is None:
             # Some families build their masks from it unconditionally (MPT).
             mask = torch.ones((batch, seq), dtype=torch.long, device=device)
-        if position_ids is None:
+        if position_ids is None and self._adapter.description.kind == "masked_lm":
+            # An encoder's prompts are right-padded and it numbers positions its own way
+            # (RoBERTa's start after the padding id): the model's own numbering holds.
+            pass
+        elif position_ids is None:
             # Explicit [batch, pos] ids: left padding needs them from the mask, and learned
             # position embeddings then fire with the batch axis like every other hook.
             if mask is not None:

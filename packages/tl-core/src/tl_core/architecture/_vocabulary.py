@@ -64,14 +64,16 @@ AttentionVariant = Literal["mha", "gqa", "mqa", "mla"]
 #: or a router choosing experts per token (``"moe"``).
 MLPVariant = Literal["dense", "gated", "moe"]
 
-#: What the model is for, which decides its stacks and head. Today every served model is a
-#: ``"causal_lm"`` (one decoder stack, an unembedding); masked LMs, sequence-to-sequence and
-#: image-text-to-text models add their kinds here.
-ModelKind = Literal["causal_lm"]
+#: What the model is for, which decides its stacks and head: a ``"causal_lm"`` (one decoder
+#: stack, an unembedding predicting the next token) or a ``"masked_lm"`` (one encoder stack,
+#: a head predicting each position's own token). Sequence-to-sequence and image-text-to-text
+#: models add their kinds here.
+ModelKind = Literal["causal_lm", "masked_lm"]
 
-#: Which positions a stack's attention reads: ``"causal"`` (each position its prefix). Encoder
-#: stacks (bidirectional) and prefix-LM stacks add their directions here.
-AttentionDirection = Literal["causal"]
+#: Which positions a stack's attention reads: ``"causal"`` (each position its prefix) or
+#: ``"bidirectional"`` (every position of its prompt, as an encoder's). Prefix-LM stacks add
+#: their direction here.
+AttentionDirection = Literal["causal", "bidirectional"]
 
 
 def normalization_type(kind: NormKind | Unknown) -> Literal["LN", "RMS", "unknown"]:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         HookCertificate as HookCertificate,
         certified_level as certified_level,
         compare as compare,
+        compare_differs as compare_differs,
         silent_hook_checks as silent_hook_checks,
         statuses_from_checks as statuses_from_checks,
     )

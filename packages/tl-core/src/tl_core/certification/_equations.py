@@ -145,6 +145,13 @@ def equation_checks(
             summed,
             get("blocks.0.hook_in"),
         )
+    if has("embed_ln.hook_out") and n:
+        check(
+            "embed_ln.hook_out == blocks.0.hook_in",
+            ("embed_ln.hook_out",),
+            get("embed_ln.hook_out"),
+            get("blocks.0.hook_in"),
+        )
     for i in range(n - 1):
         a, b = f"blocks.{i}.hook_out", f"blocks.{i + 1}.hook_in"
         check(f"{a} == {b}", (a, b), get(a), get(b))

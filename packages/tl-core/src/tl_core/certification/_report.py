@@ -16,6 +16,7 @@ certify with it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ __all__ = [
     "HookCertificate",
     "certified_level",
     "compare",
+    "compare_differs",
     "statuses_from_checks",
 ]
 
@@ -261,6 +263,29 @@ def compare(
         return CertificationCheck(equation, hooks, False, math.inf, allowed, "a side is not finite")
     error = float((a - b).abs().max())
     return CertificationCheck(equation, hooks, error <= allowed, error, allowed)
+
+
+def compare_differs(
+    equation: str,
+    hooks: Iterable[str],
+    got: torch.Tensor | None,
+    want: torch.Tensor | None,
+    *,
+    rtol: float,
+) -> CertificationCheck:
+    """Check that ``got`` and ``want`` differ by more than ``compare``'s tolerance: a change
+    the model must see (an encoder's first positions read its last token) reached them.
+
+    Fails, with why, where ``compare`` would pass, where a side is missing, where the shapes
+    differ or where a side is not finite.
+    """
+    same = compare(equation, hooks, got, want, rtol=rtol)
+    if same.error == math.inf or same.detail == "nothing to compare":
+        return dataclasses.replace(same, passed=False)
+    if same.passed:
+        detail = "the two sides are equal within the tolerance: the change did not reach them"
+        return dataclasses.replace(same, passed=False, detail=detail)
+    return dataclasses.replace(same, passed=True)
 
 
 def silent_hook_checks(names: Iterable[str], fired: Container[str]) -> list[CertificationCheck]:

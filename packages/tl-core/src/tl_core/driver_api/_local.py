@@ -306,6 +306,12 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
             self._namespace = built
         return built
 
+    @property
+    def masks_padding(self) -> bool:
+        """Whether a prefill of a ragged batch passes the padding mask to ``run_model``: an
+        encoder's positions attend to every position, padding included, unless masked."""
+        return False
+
     def supports(self, feature: str) -> bool:
         """Whether this driver has ``feature``."""
         return feature in self.features
@@ -334,9 +340,13 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         store: dict[str, torch.Tensor] = {}
         start, stop = request.start_at_layer, request.stop_at_layer
         check_start(self.dictionary_sites.values(), start)
+        # A causal model's real positions never read the right padding after them; an
+        # encoder's would, so its ragged batches carry the padding mask.
+        mask = batch.attention_mask() if self.masks_padding and batch.is_ragged else None
         with self.attached(request.plan, batch, capture=request.capture, store=store):
             out = self.run_model(
                 None if start is not None else batch.ids,
+                attention_mask=mask,
                 start_at_layer=start,
                 stop_at_layer=stop,
                 residual=request.residual,

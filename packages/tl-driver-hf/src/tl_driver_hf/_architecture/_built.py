@@ -43,7 +43,8 @@ def built_class_name(
 
     Args:
         config: The checkpoint's config.
-        model_class: The class the caller chose (``None``: ``AutoModelForCausalLM``).
+        model_class: The class the caller chose (``None``: ``AutoModelForCausalLM``), or
+            the auto class of the config's kind (``AutoModelForMaskedLM``).
         trust_remote_code: Whether the checkpoint's own code may run (its class is then
             unknown until loaded).
         name: The checkpoint, for the message.
@@ -56,9 +57,18 @@ def built_class_name(
         ConfigError: ``architectures`` names a causal LM other than the one ``model_type``
             builds (both named, with how to make them agree).
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_MASKED_LM_MAPPING,
+    )
 
+    if model_class is AutoModelForMaskedLM:
+        try:
+            masked: Any = MODEL_FOR_MASKED_LM_MAPPING[type(config)]
+        except (KeyError, ValueError):
+            return None
+        return str((masked[0] if isinstance(masked, (list, tuple)) else masked).__name__)
     if model_class is not None and model_class is not AutoModelForCausalLM:
         return str(model_class.__name__)
     auto_map = getattr(config, "auto_map", None) or {}

@@ -41,10 +41,12 @@ from tl_core.architecture import (
     NormKind,
     PositionScheme,
     QKNorm,
+    StackDescription,
     Unknown,
     uses_alibi,
 )
 from tl_core.driver_api import canonical_hook_names
+from tl_driver_hf._architecture._kinds import MASKED_LM, class_kind
 from tl_driver_hf._architecture._probe import ModuleCall, path_of, probe_ids, recording, same_tensor
 from tl_driver_hf._runtime._norms import is_norm_module, norm_kind_of
 from tl_driver_hf.adapters import ArchitectureAdapter
@@ -206,6 +208,26 @@ def _position_embedding(
     return None
 
 
+def _embedding_norm(
+    model: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
+) -> str | None:
+    """A norm outside the layers whose output is the first layer's input: the embedding
+    norm (BERT's sums word, position and token-type rows, then normalises them)."""
+    first = calls[id(layers[0])]
+    inside = {id(m) for m in layers.modules()}
+    for name, module in model.named_modules():
+        call = calls.get(id(module))
+        if (
+            call is not None
+            and id(module) not in inside
+            and call.end < first.start
+            and is_norm_module(module)
+            and same_tensor(call.output, first.input)
+        ):
+            return str(name)
+    return None
+
+
 def _counts_positions(ids: torch.Tensor) -> bool:
     """Whether integer inputs step by one along the sequence (positions, maybe offset),
     unlike token ids (Gemma 4's per-layer embeddings read those)."""
@@ -345,7 +367,7 @@ def _mixer_norm(layers: nn.ModuleList, calls: Mapping[int, ModuleCall], d_model:
 
 
 def infer_architecture(model: nn.Module) -> InferredArchitecture:
-    """Propose an adapter for a transformers causal LM that no adapter describes.
+    """Propose an adapter for a transformers causal or masked LM that no adapter describes.
 
     Args:
         model: The loaded model (float weights, on one device).
@@ -390,6 +412,14 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     layers_path = _layer_list(model, calls, d_model, ids.shape[1], n_declared)
     layers = cast(nn.ModuleList, model.get_submodule(layers_path))
     final_norm, readout_opaque = _final_norm(model, layers, lm_head, calls)
+    embed_norm = _embedding_norm(model, layers, calls)
+    # A masked LM's encoder attends both ways; certification checks the direction claimed.
+    masked = class_kind(type(model).__name__) == MASKED_LM
+    lm: dict[str, Any] = {
+        "kind": "masked_lm" if masked else "causal_lm",
+        "stacks": (StackDescription(attention="bidirectional" if masked else "causal"),),
+        "norm_after_embed": embed_norm is not None,
+    }
     embed_path, head_path = path_of(model, embed), path_of(model, lm_head)
     assert embed_path is not None and head_path is not None
     blocks = [_block(layer, calls) for layer in layers]
@@ -414,6 +444,12 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         if final_module is not None
         else None
     )
+    embed_module = model.get_submodule(embed_norm) if embed_norm is not None else None
+    embed_kind = (
+        norm_kind_of(embed_module, calls.get(id(embed_module)))
+        if embed_module is not None
+        else None
+    )
     kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
     known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
     # A norm whose weight rule is not the one wired (or none of tl's) keeps its input and
@@ -422,7 +458,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
     pos_embed = _position_embedding(model, embed, layers, calls)
     facts: dict[str, str] = {
-        "embedding": embed_path,
+        "embedding": embed_path + (f", then the norm {embed_norm}" if embed_norm else ""),
         "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
         "unembedding": head_path,
     }
@@ -434,6 +470,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         if mixer_norm is not None:
             module = layers[0].get_submodule(mixer_norm)
             mixer_kind = norm_kind_of(module, calls.get(id(module)))
+        # The embedding norm's kind says nothing of the blocks' norms (BART's decoder).
         established = [k for k in (final_kind, mixer_kind) if k is not None]
         norm = established[0] if established else UNKNOWN
         if mixer_norm is not None and mixer_kind != norm:
@@ -442,6 +479,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             )
         if final_norm is not None and final_kind != norm:
             absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
+        if embed_norm is not None and embed_kind != norm:
+            absent.update({"embed_ln.hook_scale": unknown, "embed_ln.hook_normalized": unknown})
         if final_norm is None:
             absent.update({f"ln_final.{s}": _no_final_norm(readout_opaque) for s in _NORM_SUFFIXES})
         facts["final norm"] = (
@@ -461,7 +500,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             norm=norm, norm_before_attn=False, norm_before_mlp=False,
             norm_before_unembed=True if final_norm is not None else UNKNOWN,
             positions="learned" if pos_embed else UNKNOWN, mlp_variant="dense",
-            blocks="mixer" if mixer_norm else "opaque", inferred=True,
+            blocks="mixer" if mixer_norm else "opaque", inferred=True, **lm,
         )  # fmt: skip
         info = _info(config, model, len(layers), d_model, _rows(lm_head), description, arch)
         opaque = f"{model_type} blocks are read as a whole ({why}): tl serves their input and output only"
@@ -480,7 +519,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=mixer_norm, ln2=None,
             attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
             mixer="mixer" if mixer_norm else None,
-            verified=False, pos_embed=pos_embed, absent=absent,
+            verified=False, pos_embed=pos_embed, embed_norm=embed_norm, absent=absent,
             readout_opaque=readout_opaque,
         )  # fmt: skip
         return InferredArchitecture(adapter, facts, "opaque", info)
@@ -509,6 +548,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         absent.update({f"ln_final.{s}": _no_final_norm(readout_opaque) for s in _NORM_SUFFIXES})
     elif final_kind != norm:
         absent.update({"ln_final.hook_scale": unknown, "ln_final.hook_normalized": unknown})
+    if embed_norm is not None and embed_kind != norm:
+        absent.update({"embed_ln.hook_scale": unknown, "embed_ln.hook_normalized": unknown})
     facts["final norm"] = (
         f"{final_norm} ({final_kind or 'unknown weight rule'})"
         if final_norm
@@ -630,6 +671,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         attn_softcap="attn_logit_softcapping" if softcap is not None else None,
         final_softcap="final_logit_softcapping" if final_softcap is not None else None,
         inferred=True,
+        **lm,
     )
     adapter = ArchitectureAdapter(
         description=description,
@@ -669,6 +711,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         rotary_in_attention=rotary_in_attention,
         verified=False,
         pos_embed=pos_embed,
+        embed_norm=embed_norm,
         absent=absent,
         readout_opaque=readout_opaque,
     )

@@ -1,25 +1,30 @@
-"""What kind of model a transformers class is, for refusals that say what a checkpoint is.
+"""What kind of model a transformers class is: which the hf driver builds, which it refuses.
 
-The hf driver serves decoder-only causal LMs. A checkpoint of another kind (a
-sequence-to-sequence model, an encoder, a vision-language model) is refused, and the
-refusal names the kind by the task mapping transformers files the class under.
+The hf driver serves decoder-only causal LMs and masked LMs (encoders with a head that
+predicts each position's token: BERT, RoBERTa, ...). A checkpoint of another kind (a
+sequence-to-sequence model, a vision-language model) is refused, and the refusal names the
+kind by the task mapping transformers files the class under.
 """
 
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, Literal
 
 from tl_core import ConfigError
 
 __all__ = [
     "class_kind",
     "is_causal_lm_class",
+    "lm_kind",
     "refuse_other_kind",
     "refuse_without_causal_lm",
     "what_it_is",
     "with_article",
 ]
+
+#: The kind of a masked LM's class, as ``_KINDS`` names it.
+MASKED_LM = "masked language model"
 
 #: transformers' task mappings, most specific first (BART's ``ForConditionalGeneration``
 #: is filed under both sequence-to-sequence and masked LM), with what their classes are.
@@ -108,6 +113,43 @@ def _checkpoint_kind(config: Any) -> tuple[str | None, str]:
     return _kind_by_type().get(model_type), f"model_type {model_type!r}"
 
 
+@cache
+def _masked_classes() -> frozenset[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return frozenset(n for v in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values() for n in _names(v))
+
+
+def lm_kind(config: Any) -> Literal["causal_lm", "masked_lm"]:
+    """Which kind of language model the hf driver builds for ``config``.
+
+    A masked LM where the config's first architecture is a masked-LM class (a
+    ``BertForMaskedLM`` checkpoint, though transformers also maps ``bert`` to the causal
+    ``BertLMHeadModel``), or where it names none and transformers maps the model type to a
+    masked LM only (``distilbert``); otherwise a causal LM (which ``refuse_without_causal_lm``
+    refuses for the other kinds).
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    architectures = [str(a) for a in getattr(config, "architectures", None) or ()]
+    if architectures:
+        first = architectures[0]
+        if first in _masked_classes() and class_kind(first) == MASKED_LM:
+            return "masked_lm"
+        return "causal_lm"
+    model_type = str(getattr(config, "model_type", None))
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and _kind_by_type().get(model_type) == MASKED_LM
+    ):
+        return "masked_lm"
+    return "causal_lm"
+
+
 def refuse_without_causal_lm(config: Any, *, name: str) -> None:
     """Refuse, before any weight loads, a config transformers maps to no causal-LM class.
 
@@ -126,7 +168,7 @@ def refuse_without_causal_lm(config: Any, *, name: str) -> None:
     raise ConfigError(
         f"the checkpoint {name!r} is {what}: transformers has no causal-LM class for model "
         f"type {model_type!r} (AutoModelForCausalLM cannot build it), and the hf driver "
-        f"serves decoder-only causal LMs; {served}."
+        f"serves decoder-only causal LMs and masked LMs; {served}."
     )
 
 
@@ -161,7 +203,7 @@ def refuse_other_kind(model: Any, config: Any, *, name: str) -> None:
         f"the checkpoint {name!r} is {with_article(kind)}: its config's architectures name "
         f"{other}, and transformers builds {built} from it, a causal LM the checkpoint was "
         f"not written for (another model over its weights, or a part of them). The hf "
-        f"driver serves decoder-only causal LMs; {kind}s are not served yet."
+        f"driver serves decoder-only causal LMs and masked LMs; {kind}s are not served yet."
     )
 
 

@@ -26,6 +26,7 @@ from tl_core.certification import (
     HookCertificate,
     certified_level,
     compare,
+    compare_differs,
     equation_checks,
     silent_hook_checks,
     statuses_from_checks,
@@ -276,15 +277,7 @@ def certify_driver(
         attention_sinks=has_attention_sinks(parts),
     )
     if later is not None and reference is not None:
-        checks.append(
-            compare(
-                "logits before the last position ignore the last token (the model is causal)",
-                ("unembed.hook_out",),
-                later[:, :-1],
-                reference[:, :-1],
-                rtol=rtol,
-            )
-        )
+        checks.append(_direction_check(driver, later, reference, rtol))
     checks += weight_rule_checks(driver, cache, rtol)
     checks += latent_checks(driver, cache, rtol)
     if logits is not None:
@@ -405,6 +398,23 @@ def on_residual_stream(name: str) -> bool:
     return not name.startswith("blocks.") or (
         name.count(".") == 2 and name.endswith((".hook_in", ".hook_out"))
     )
+
+
+def _direction_check(
+    driver: CertifiableDriver, later: torch.Tensor, reference: torch.Tensor, rtol: float
+) -> CertificationCheck:
+    """The attention direction the description claims, against plain transformers: a causal
+    stack's earlier logits ignore a change of the last token, an encoder's read it."""
+    stacks = driver.adapter.description.stacks
+    if stacks and stacks[0].attention == "bidirectional":
+        check = compare_differs
+        equation = (
+            "logits before the last position read the last token (the model attends both ways)"
+        )
+    else:
+        check = compare
+        equation = "logits before the last position ignore the last token (the model is causal)"
+    return check(equation, ("unembed.hook_out",), later[:, :-1], reference[:, :-1], rtol=rtol)
 
 
 def boot_refusal(

@@ -310,7 +310,8 @@ def _unplaced_message(
             + (f", {with_article(kind)}" if kind else "")
             + f", and {dropped} "
             + (
-                f"The hf driver serves decoder-only causal LMs; {kind}s are not served yet."
+                f"The hf driver serves decoder-only causal LMs and masked LMs; {kind}s are not "
+                f"served yet."
                 if kind is not None
                 else f"Boot a checkpoint of {built} itself, or pair the config with the "
                 f"weights it was written for."

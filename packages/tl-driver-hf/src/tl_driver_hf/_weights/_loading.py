@@ -14,13 +14,20 @@ from typing import Any, cast
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    PretrainedConfig,
+)
 
 from tl_core import ConfigError, UserError
 from tl_core.driver_api import HFTokenizer, Tokenizer, checked_model_folder
 from tl_core.gguf import dequantized_gguf
 from tl_driver_hf._architecture._built import built_class_name, describing_adapter
 from tl_driver_hf._architecture._kinds import (
+    lm_kind,
     refuse_other_kind,
     refuse_without_causal_lm,
     what_it_is,
@@ -186,10 +193,12 @@ def apply_n_ctx(config: PretrainedConfig, adapter: ArchitectureAdapter, n_ctx: i
         config.max_position_embeddings = n_ctx
 
 
-def _model_class(opts: BootOptions) -> Any:
+def _model_class(opts: BootOptions, config: Any) -> Any:
+    """The class ``from_pretrained`` is called on: ``model_class``, else the auto class of
+    the config's kind (a masked LM's checkpoint builds its masked LM, ``lm_kind``)."""
     cls = opts.model_class
     if cls is None:
-        return AutoModelForCausalLM
+        return AutoModelForMaskedLM if lm_kind(config) == "masked_lm" else AutoModelForCausalLM
     if isinstance(cls, str):
         found = getattr(transformers, cls, None)
         if found is None:
@@ -233,10 +242,11 @@ def load_model(
     opts: BootOptions, config: PretrainedConfig, adapter: ArchitectureAdapter | None
 ) -> nn.Module:
     """Load (or, with ``load_weights=False``, build on the meta device) the model."""
-    cls = _model_class(opts)
+    cls = _model_class(opts, config)
     if not opts.load_weights:
         with torch.device("meta"):
-            build = cls.from_config if cls is AutoModelForCausalLM else cls._from_config
+            auto = cls in (AutoModelForCausalLM, AutoModelForMaskedLM)
+            build = cls.from_config if auto else cls._from_config
             return cast(nn.Module, build(config, dtype=opts.dtype, attn_implementation="eager"))
     kwargs: dict[str, Any] = {
         "config": config,
@@ -298,10 +308,18 @@ def load_model(
 
 def built_name(config: Any, cls: Any) -> str:
     """The name of the class ``cls`` (an auto class: the class it picks) builds for ``config``."""
-    if cls is AutoModelForCausalLM:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if cls in (AutoModelForCausalLM, AutoModelForMaskedLM):
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        )
 
-        found = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(getattr(config, "model_type", "")))
+        names = (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            if cls is AutoModelForCausalLM
+            else MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        )
+        found = names.get(str(getattr(config, "model_type", "")))
         if found:
             return found if isinstance(found, str) else str(found[0])
     return str(getattr(cls, "__name__", cls))
@@ -392,11 +410,11 @@ def built_class(config: Any, opts: BootOptions) -> str | None:
     remote = opts.trust_remote_code and "AutoModelForCausalLM" in (
         getattr(config, "auto_map", None) or {}
     )
-    if opts.model_class is None and not remote:
+    if opts.model_class is None and not remote and lm_kind(config) == "causal_lm":
         refuse_without_causal_lm(config, name=str(opts.model_name))
     return built_class_name(
         config,
-        _model_class(opts),
+        _model_class(opts, config),
         trust_remote_code=opts.trust_remote_code,
         name=str(opts.model_name),
     )

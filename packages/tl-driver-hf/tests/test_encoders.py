@@ -1,0 +1,182 @@
+"""Masked LMs (encoders) on the hf driver, against plain transformers.
+
+A ``BertForMaskedLM`` or ``RobertaForMaskedLM`` checkpoint boots as that class, whole, and is
+described as a masked LM with one bidirectional stack. The references are transformers
+alone: each block's input is what a forward pre-hook on the encoder layer receives, the
+logits are ``AutoModelForMaskedLM``'s, an ``add`` spec equals the same add made by a plain
+pre-hook, and a prompt in a ragged batch gets what it gets alone (its padding is masked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    BertLMHeadModel,
+    RobertaConfig,
+    RobertaForMaskedLM,
+)
+
+from tl_core import TransformerBridge, UnsupportedFeatureError
+from tl_driver_hf import HFDriver
+
+_SIZES: dict[str, Any] = {
+    "vocab_size": 200, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "intermediate_size": 64, "max_position_embeddings": 40,
+}  # fmt: skip
+_PROMPTS = [[5, 17, 42, 9, 120, 33, 7], [11, 60, 4]]
+
+
+def _write(model: nn.Module, folder: Path) -> Path:
+    torch.manual_seed(0)
+    for p in model.parameters():  # untrained norms and biases hide mistakes: move them
+        p.data.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(**_SIZES))
+    return _write(model, tmp_path_factory.mktemp("bert") / "bert")
+
+
+@pytest.fixture(scope="module")
+def roberta(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    # RoBERTa numbers positions from pad_token_id + 1, from the ids themselves.
+    model = RobertaForMaskedLM(RobertaConfig(**{**_SIZES, "pad_token_id": 1}))
+    return _write(model, tmp_path_factory.mktemp("roberta") / "roberta")
+
+
+@contextmanager
+def _layer_inputs(layers: nn.ModuleList, seen: list[torch.Tensor]) -> Iterator[None]:
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _plain(folder: Path, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], nn.Module]:
+    model = AutoModelForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
+    layers = model.base_model.encoder.layer
+    seen: list[torch.Tensor] = []
+    with _layer_inputs(layers, seen), torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits
+    return logits, seen, model
+
+
+@pytest.mark.parametrize("which", ["bert", "roberta"])
+def test_a_masked_lm_boots_as_itself_and_is_described_as_an_encoder(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    folder = request.getfixturevalue(which)
+    driver = HFDriver.boot(str(folder))
+    built = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM"}[which]
+    assert type(driver.hf_model).__name__ == built
+    architecture = driver.architecture
+    assert architecture.kind == "masked_lm"
+    assert [s.attention for s in architecture.stacks] == ["bidirectional"]
+    assert architecture.embed_norm  # word + position + token-type rows, then a LayerNorm
+    # Blocks read from outside: their norms' kind is not established (the embedding norm's
+    # says nothing of them), and embed_ln's scale is not served on a guess. Its output is
+    # the stream's start; its input (word + position + token-type rows) no equation checks.
+    assert architecture.norm.kind == "unknown"
+    assert "embed_ln.hook_out" in driver.hook_points
+    assert "embed_ln.hook_scale" in driver.absent_reasons
+    assert architecture.facts()["model"] == "masked lm: blocks (bidirectional attention)"
+    cert = driver.certification
+    assert cert is not None
+    direction = [c for c in cert.checks if "attends both ways" in c.equation]
+    assert len(direction) == 1 and direction[0].passed
+    assert not [c for c in cert.checks if "(the model is causal)" in c.equation]
+
+
+@pytest.mark.parametrize("which", ["bert", "roberta"])
+def test_each_prompt_of_a_ragged_batch_gets_what_transformers_gives_it_alone(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    folder = request.getfixturevalue(which)
+    bridge = TransformerBridge(HFDriver.boot(str(folder)))
+    names = [f"blocks.{i}.hook_in" for i in range(2)] + ["blocks.1.hook_out"]
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(_PROMPTS, names_filter=names)
+    for row, ids in enumerate(_PROMPTS):
+        want_logits, layer_inputs, _ = _plain(folder, ids)
+        n = len(ids)
+        torch.testing.assert_close(logits[row, :n], want_logits[0], rtol=1e-5, atol=1e-5)
+        for i, want in enumerate(layer_inputs):
+            torch.testing.assert_close(
+                cache[f"blocks.{i}.hook_in"][row, :n], want[0], rtol=1e-5, atol=1e-5
+            )
+
+
+def test_the_padding_mask_is_what_keeps_a_short_prompt_whole(bert: Path) -> None:
+    """Fault injection: without the mask a short prompt reads its padding (an encoder reads
+    every position), so the ragged check above can fail."""
+    driver = HFDriver.boot(str(bert))
+    short = _PROMPTS[1]
+    padded = torch.tensor([short + [0] * 4])
+    with torch.no_grad():
+        unmasked = driver.run_model(padded)
+        masked = driver.run_model(padded, attention_mask=torch.tensor([[1, 1, 1, 0, 0, 0, 0]]))
+    want, _, _ = _plain(bert, short)
+    torch.testing.assert_close(masked[0, :3], want[0], rtol=1e-5, atol=1e-5)
+    assert (unmasked[0, :3] - want[0]).abs().max() > 1e-3
+
+
+def test_an_add_at_a_block_equals_the_same_add_by_a_plain_pre_hook(bert: Path) -> None:
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    ids = _PROMPTS[0]
+    vector = torch.randn(_SIZES["hidden_size"], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        edited = bridge(
+            torch.tensor([ids]), intervene={"blocks.1.hook_in": {"op": "add", "value": vector}}
+        )
+    _, _, model = _plain(bert, ids)
+
+    def add(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return (args[0] + vector, *args[1:]), kwargs
+
+    handle = model.base_model.encoder.layer[1].register_forward_pre_hook(add, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(edited, want, rtol=1e-5, atol=1e-5)
+
+
+def test_generating_from_a_masked_lm_is_refused_with_the_reason(bert: Path) -> None:
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    with pytest.raises(UnsupportedFeatureError, match="is a masked LM: it predicts each"):
+        bridge.generate(torch.tensor([_PROMPTS[0]]), max_new_tokens=3)
+
+
+def test_a_bert_decoder_checkpoint_stays_a_causal_lm(tmp_path: Path) -> None:
+    """``BertLMHeadModel`` with ``is_decoder=True`` is a causal LM: described and certified
+    as one (its earlier logits ignore a change of the last token)."""
+    torch.manual_seed(0)
+    folder = _write(BertLMHeadModel(BertConfig(**_SIZES, is_decoder=True)), tmp_path / "dec")
+    driver = HFDriver.boot(str(folder))
+    assert type(driver.hf_model).__name__ == "BertLMHeadModel"
+    assert driver.architecture.kind == "causal_lm"
+    assert [s.attention for s in driver.architecture.stacks] == ["causal"]
+    cert = driver.certification
+    assert cert is not None
+    assert [c.passed for c in cert.checks if "(the model is causal)" in c.equation] == [True]
