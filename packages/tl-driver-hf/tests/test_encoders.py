@@ -19,9 +19,11 @@ import torch
 from torch import nn
 from transformers import (
     AutoModelForMaskedLM,
+    AutoTokenizer,
     BertConfig,
     BertForMaskedLM,
     BertLMHeadModel,
+    BertTokenizerFast,
     RobertaConfig,
     RobertaForMaskedLM,
 )
@@ -180,3 +182,42 @@ def test_a_bert_decoder_checkpoint_stays_a_causal_lm(tmp_path: Path) -> None:
     cert = driver.certification
     assert cert is not None
     assert [c.passed for c in cert.checks if "(the model is causal)" in c.equation] == [True]
+
+
+_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "capital", "of", "france", "is"]
+_WORDS += ["paris", ".", "a", "cat", "sat"]
+
+
+def test_a_prompt_is_encoded_as_the_encoders_own_tokenizer_encodes_it(tmp_path: Path) -> None:
+    """``[CLS] text [SEP]``: the closing token an encoder was trained with is part of every
+    prompt (``to_tokens`` used to stop after the text), and the mask token's logits are
+    transformers' own."""
+    folder = tmp_path / "bert"
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(_WORDS)}).save_pretrained(folder)
+    torch.manual_seed(0)
+    _write(BertForMaskedLM(BertConfig(**{**_SIZES, "vocab_size": len(_WORDS)})), folder)
+    own = AutoTokenizer.from_pretrained(folder)
+    bridge = TransformerBridge(HFDriver.boot(str(folder)))
+    texts = ["the capital of france is [MASK] .", "a cat sat"]
+    for text in texts:
+        assert bridge.to_tokens(text)[0].tolist() == own(text)["input_ids"]
+    assert bridge.to_str_tokens(texts[1]) == ["[CLS]", "a", "cat", "sat", "[SEP]"]
+    assert bridge.to_tokens(texts[1], prepend_bos=False)[0].tolist() == own.encode(
+        texts[1], add_special_tokens=False
+    )
+    ids = own(texts[0])["input_ids"]
+    at = ids.index(own.mask_token_id)
+    with torch.no_grad():
+        logits = bridge(texts[0])
+    want, _, _ = _plain(folder, ids)
+    torch.testing.assert_close(logits[0, at], want[0, at], rtol=1e-5, atol=1e-5)
+
+
+def test_a_causal_lms_prompts_are_not_closed(tmp_path: Path) -> None:
+    folder = tmp_path / "dec"
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(_WORDS)}).save_pretrained(folder)
+    torch.manual_seed(0)
+    config = BertConfig(**{**_SIZES, "vocab_size": len(_WORDS)}, is_decoder=True)
+    _write(BertLMHeadModel(config), folder)
+    bridge = TransformerBridge(HFDriver.boot(str(folder)))
+    assert bridge.to_str_tokens("a cat sat") == ["[CLS]", "a", "cat", "sat"]

@@ -16,6 +16,7 @@ from tl_core.certification import Certification
 from tl_core.driver_api import (
     ForwardRequest,
     ForwardResult,
+    HFTokenizer,
     LocalDriver,
     ModelReadout,
     Tokenizer,
@@ -281,6 +282,9 @@ class HFDriver(LocalDriver):
             inferred = infer_architecture(model)
             adapter = inferred.adapter
         info = inferred.info if inferred is not None else None
+        if adapter.description.kind == "masked_lm" and isinstance(tokenizer, HFTokenizer):
+            # An encoder reads [CLS] text [SEP]: bridges close each prompt as its template does.
+            tokenizer = HFTokenizer(tokenizer.hf_tokenizer, close_prompts=True)
         driver = cls(
             model,
             adapter,

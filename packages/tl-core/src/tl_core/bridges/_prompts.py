@@ -28,10 +28,15 @@ _CONTEXT_OPTIONS = {
 
 
 def encode(tokenizer: Tokenizer, text: str, prepend_bos: bool) -> list[int]:
-    """The ids of ``text``, after the BOS token when asked and the tokenizer has one."""
+    """The ids of ``text``, after the BOS token when asked and the tokenizer has one, and
+    then before the tokenizer's closing token where it has one (an encoder's ``[SEP]``:
+    ``HFTokenizer.closing_token_id``)."""
     ids = tokenizer.encode(text)
     bos = tokenizer.bos_token_id
-    return [bos, *ids] if prepend_bos and bos is not None else ids
+    if not prepend_bos or bos is None:
+        return ids
+    closing = getattr(tokenizer, "closing_token_id", None)
+    return [bos, *ids] if closing is None else [bos, *ids, int(closing)]
 
 
 def prompt_rows(tokenizer: Tokenizer, inputs: object, prepend_bos: bool) -> Any:

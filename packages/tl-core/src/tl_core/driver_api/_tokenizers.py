@@ -100,6 +100,24 @@ def _as_id(value: Any) -> int | None:
     return None
 
 
+def _template_ends(tokenizer: Any) -> tuple[int | None, int | None]:
+    """The ids the tokenizer's own template adds before and after a text (each ``None``
+    where it adds none), by comparing an encoding with and without special tokens."""
+    try:
+        plain = list(tokenizer.encode("a", add_special_tokens=False))
+        special = list(tokenizer.encode("a", add_special_tokens=True))
+    except Exception:
+        return None, None
+    if len(special) <= len(plain):
+        return None, None
+    start = next((n for n in range(len(special)) if special[n : n + len(plain)] == plain), None)
+    if start is None:
+        return None, None
+    first = int(special[0]) if start > 0 else None
+    last = int(special[-1]) if start + len(plain) < len(special) else None
+    return first, last
+
+
 def detect_bos_eos(tokenizer: Any) -> tuple[int | None, int | None]:
     """The BOS and EOS token ids of a transformers tokenizer.
 
@@ -118,19 +136,8 @@ def detect_bos_eos(tokenizer: Any) -> tuple[int | None, int | None]:
     eos = _as_id(getattr(tokenizer, "eos_token_id", None))
     if bos is not None and eos is not None:
         return bos, eos
-    try:
-        plain = list(tokenizer.encode("a", add_special_tokens=False))
-        special = list(tokenizer.encode("a", add_special_tokens=True))
-    except Exception:
-        return bos, eos
-    if len(special) > len(plain):
-        start = next((n for n in range(len(special)) if special[n : n + len(plain)] == plain), None)
-        if start is not None:
-            if bos is None and start > 0:
-                bos = int(special[0])
-            if eos is None and start + len(plain) < len(special):
-                eos = int(special[-1])
-    return bos, eos
+    first, last = _template_ends(tokenizer)
+    return (bos if bos is not None else first), (eos if eos is not None else last)
 
 
 class HFTokenizer:
@@ -146,14 +153,21 @@ class HFTokenizer:
     Args:
         tokenizer: A ``transformers.PreTrainedTokenizerBase`` (duck-typed: tl-core does
             not import transformers).
+        close_prompts: Whether bridges close a prompt with the token the tokenizer's own
+            template puts after a text, wherever they put the BOS first: an encoder reads
+            ``[CLS] text [SEP]`` (BERT), ``<s> text </s>`` (RoBERTa). Causal LMs keep
+            ``False``: their prompts go on.
 
     Attributes:
         hf_tokenizer: The wrapped tokenizer.
+        closing_token_id: The id closing each prompt after the BOS (``None``: prompts are
+            not closed).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, close_prompts: bool = False) -> None:
         self.hf_tokenizer = tokenizer
         self.bos_token_id, self.eos_token_id = detect_bos_eos(tokenizer)
+        self.closing_token_id: int | None = _template_ends(tokenizer)[1] if close_prompts else None
         #: The wrapped tokenizer's own pad id (``None`` when it has none).
         self.pad_token_id: int | None = _as_id(getattr(tokenizer, "pad_token_id", None))
         self._specials = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
