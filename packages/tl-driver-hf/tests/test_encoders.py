@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from tl_core import TransformerBridge, UnsupportedFeatureError
+from tl_core.sae import random_dictionary, splice
 from tl_driver_hf import HFDriver
 
 _SIZES: dict[str, Any] = {
@@ -221,3 +222,36 @@ def test_a_causal_lms_prompts_are_not_closed(tmp_path: Path) -> None:
     _write(BertLMHeadModel(config), folder)
     bridge = TransformerBridge(HFDriver.boot(str(folder)))
     assert bridge.to_str_tokens("a cat sat") == ["[CLS]", "a", "cat", "sat"]
+
+
+def test_a_dictionary_spliced_into_an_encoder_equals_the_same_swap_by_a_plain_pre_hook(
+    bert: Path,
+) -> None:
+    """Sparse dictionaries run on encoders as on causal LMs: the spliced forward equals
+    transformers with the layer's input swapped for the reconstruction, and the features of
+    each prompt of a ragged batch are the ones it gets alone."""
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    d = random_dictionary(_SIZES["hidden_size"], 4 * _SIZES["hidden_size"], seed=1, scale=0.5)
+    ids = _PROMPTS[0]
+    _, _, model = _plain(bert, ids)
+
+    def swap(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return (d.reconstruct(args[0]), *args[1:]), kwargs
+
+    handle = model.base_model.encoder.layer[1].register_forward_pre_hook(swap, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = model(input_ids=torch.tensor([ids])).logits
+    finally:
+        handle.remove()
+    spliced = splice(bridge, d, hook_name="blocks.1.hook_in")
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(bridge(torch.tensor([ids])), want, rtol=1e-5, atol=1e-5)
+            site = "blocks.1.hook_in.hook_sae_acts_post"
+            _, batch = bridge.run_with_cache(_PROMPTS, names_filter=[site])
+            _, alone = bridge.run_with_cache([_PROMPTS[1]], names_filter=[site])
+    finally:
+        spliced.remove()
+    n = len(_PROMPTS[1])
+    torch.testing.assert_close(batch[site][1, :n], alone[site][0], rtol=1e-5, atol=1e-5)

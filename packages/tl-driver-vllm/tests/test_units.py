@@ -683,6 +683,16 @@ def test_a_native_family_without_a_row_runs_on_the_backend_with_the_inferred_des
         serving_layout(mamba)
 
 
+@pytest.mark.parametrize("architecture", ["BertForMaskedLM", "RobertaForMaskedLM"])
+def test_a_masked_lm_is_refused_naming_the_hf_driver(architecture: str) -> None:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(architecture.removesuffix("ForMaskedLM").lower())
+    config.architectures = [architecture]
+    with pytest.raises(ConfigError, match=rf"'{architecture}' is a masked LM .* hf driver"):
+        serving_layout(config)
+
+
 def test_withheld_hooks_are_not_served_and_say_why() -> None:
     info = _info("LlamaForCausalLM")
     names = hook_namespace(

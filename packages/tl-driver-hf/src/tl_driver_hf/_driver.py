@@ -161,7 +161,7 @@ class HFDriver(LocalDriver):
 
         Args:
             thorough: Every check (the default here, and at the boot of an inferred
-                architecture): plain transformers as the reference, causality, edits
+                architecture): plain transformers as the reference, the attention direction, edits
                 against plain torch hooks, weights. ``False`` is what the boot of a
                 described family runs: the equations over tl's own capture.
 

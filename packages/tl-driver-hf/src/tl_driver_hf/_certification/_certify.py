@@ -305,7 +305,7 @@ def certify_driver(
     _follow_parents(statuses)
     level = certified_level(statuses, n)
     scope = (
-        "every check: plain transformers as the reference, causality, edits against plain torch hooks, weights"
+        "every check: plain transformers as the reference, the attention direction, edits against plain torch hooks, weights"
         if thorough
         else f"quick (the boot of a described family): tl's own equations over blocks 0-{min(_QUICK_BLOCKS, n) - 1}; "
         "driver.certify() runs every check"

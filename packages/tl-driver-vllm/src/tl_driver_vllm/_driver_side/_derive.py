@@ -271,6 +271,34 @@ def derived_layout(config: Any) -> Serving:
     )
 
 
+def _refuse_masked_lm(architecture: str) -> None:
+    """Refuse a masked LM (an encoder) before anything boots.
+
+    Raises:
+        ConfigError: ``architecture`` is a masked-LM class of transformers' and no causal LM.
+    """
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    def names(mapping: Any) -> set[str]:
+        found: set[str] = set()
+        for value in mapping.values():
+            found.update((value,) if isinstance(value, str) else value)
+        return found
+
+    if architecture in names(MODEL_FOR_MASKED_LM_MAPPING_NAMES) - names(
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
+        raise ConfigError(
+            f"{architecture!r} is a masked LM (an encoder whose attention reads both ways): "
+            "vLLM runs encoders for pooling (embeddings, classification), not as language "
+            "models with logits at every position, so the vllm driver does not serve them. "
+            "Boot it with the hf driver (boot_transformers), which serves masked LMs."
+        )
+
+
 def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
     """How a checkpoint is served: its layout, and the ``model_impl`` tl must ask vLLM for.
 
@@ -292,6 +320,7 @@ def serving_layout(config: Any, model_impl: str | None = None) -> Serving:
             describe it fully, or its description cannot be placed (all named).
     """
     architecture = architecture_of(config)
+    _refuse_masked_lm(architecture)
     if architecture in FAMILY_LAYOUTS and model_impl != "transformers":
         layout, family = resolve(config)
         facts = {
