@@ -28,7 +28,8 @@ from transformers import (
     RobertaForMaskedLM,
 )
 
-from tl_core import TransformerBridge, UnsupportedFeatureError
+from tl_core import TransformerBridge, UnsupportedFeatureError, UserError
+from tl_core.capture import CaptureConfig, CaptureStore, capture
 from tl_core.sae import random_dictionary, splice
 from tl_driver_hf import HFDriver
 
@@ -255,3 +256,40 @@ def test_a_dictionary_spliced_into_an_encoder_equals_the_same_swap_by_a_plain_pr
         spliced.remove()
     n = len(_PROMPTS[1])
     torch.testing.assert_close(batch[site][1, :n], alone[site][0], rtol=1e-5, atol=1e-5)
+
+
+def _bert_with_tokenizer(folder: Path) -> Path:
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(_WORDS)}).save_pretrained(folder)
+    torch.manual_seed(0)
+    return _write(BertForMaskedLM(BertConfig(**{**_SIZES, "vocab_size": len(_WORDS)})), folder)
+
+
+def test_a_capture_on_an_encoder_stores_what_transformers_computes_on_each_closed_context(
+    tmp_path: Path,
+) -> None:
+    """Each context is [CLS] text [SEP], run with its padding masked: the stored rows equal
+    a plain transformers run of that context alone."""
+    folder = _bert_with_tokenizer(tmp_path / "bert")
+    text = tmp_path / "docs.txt"
+    text.write_text("the cat sat .\na cat sat of paris is the capital of france .\nparis\n")
+    config = CaptureConfig(
+        model=str(folder), driver="hf", hooks=("blocks.1.hook_in",), input=str(text),
+        context_size=9, batch_size=3, shard_contexts=6, pack=False,
+    )  # fmt: skip
+    assert capture(config, tmp_path / "store", progress=False).complete
+    store = CaptureStore(tmp_path / "store")
+    tokens, contexts = store.read("tokens"), store.read("contexts")
+    own = AutoTokenizer.from_pretrained(folder)
+    seen = 0
+    for i in range(int(contexts.max()) + 1):
+        rows = (contexts == i).nonzero().flatten()
+        ids = tokens[rows].tolist()
+        assert ids[0] == own.cls_token_id and ids[-1] == own.sep_token_id
+        _, layer_inputs, _ = _plain(folder, ids)
+        got = store.read("blocks.1.hook_in", int(rows[0]), int(rows[-1]) + 1)
+        torch.testing.assert_close(got, layer_inputs[1][0], rtol=1e-5, atol=1e-5)
+        seen += 1
+    assert seen >= 4  # the long document is cut into contexts, each closed
+    refused = CaptureConfig(**{**config.__dict__, "drop_padding": False})
+    with pytest.raises(UserError, match="attends both ways"):
+        capture(refused, tmp_path / "padded", progress=False)

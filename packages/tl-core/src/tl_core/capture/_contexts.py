@@ -48,6 +48,9 @@ class Tokens:
     bos: int | None
     separator: int | None
     pad: int
+    #: The id closing each context after its text, with ``prepend_bos`` on a tokenizer that
+    #: closes prompts (an encoder's ``[SEP]``, ``HFTokenizer.closing_token_id``), else ``None``.
+    closing: int | None = None
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, config: CaptureConfig) -> Tokens:
@@ -60,7 +63,13 @@ class Tokens:
         separator = {"bos": bos, "eos": tokenizer.eos_token_id, "none": None}[config.separator]
         if config.separator == "eos" and separator is None:
             raise UserError("the tokenizer has no EOS token; choose separator 'bos' or 'none'")
-        return cls(bos=bos, separator=separator, pad=padding_id(tokenizer))
+        closing = getattr(tokenizer, "closing_token_id", None) if config.prepend_bos else None
+        return cls(
+            bos=bos,
+            separator=separator,
+            pad=padding_id(tokenizer),
+            closing=int(closing) if closing is not None else None,
+        )
 
 
 def contexts(
@@ -69,12 +78,14 @@ def contexts(
     """The job's contexts, in order; stops after the context reaching ``max_tokens``."""
     special = Tokens.of(tokenizer, config)
     prefix = [special.bos] if config.prepend_bos and special.bos is not None else []
-    width = config.context_size - len(prefix)
+    # An encoder's context is closed as its prompts are: [CLS] text [SEP].
+    suffix = [special.closing] if prefix and special.closing is not None else []
+    width = config.context_size - len(prefix) - len(suffix)
     cut = _packed if config.pack else _one_per_document
     fed = 0
     for index, (body, docs, progress) in enumerate(cut(documents, tokenizer, special, width)):
-        tokens = prefix + body
-        owners = [NOT_A_DOCUMENT] * len(prefix) + docs
+        tokens = prefix + body + suffix
+        owners = [NOT_A_DOCUMENT] * len(prefix) + docs + [NOT_A_DOCUMENT] * len(suffix)
         stored = [not (config.drop_bos and t == special.bos) for t in tokens]
         if not config.drop_padding and len(tokens) < config.context_size:
             missing = config.context_size - len(tokens)
@@ -132,7 +143,9 @@ def most_contexts(documents: Iterable[Document], config: CaptureConfig) -> int:
     tokenizer that adds a word-start marker, so a document of ``b`` bytes is at most
     ``b + 1`` tokens.
     """
-    width = config.context_size - (1 if config.prepend_bos else 0)
+    # Room for a BOS and, on an encoder, its closing token: fewer tokens per context only
+    # raises the bound.
+    width = max(1, config.context_size - (2 if config.prepend_bos else 0))
     tokens = contexts_cut = documents_seen = 0
     for document in documents:
         if not document.text:

@@ -207,6 +207,22 @@ def _shard_tensors(shard: Sequence[Context], plan: HookPlan) -> dict[str, torch.
     return tensors
 
 
+def _check_padding(bridge: Any, config: CaptureConfig) -> None:
+    """Refuse stored padding on a model that attends both ways.
+
+    Raises:
+        UserError: ``drop_padding=False`` on an encoder, whose real positions would read the
+            padding tokens (a causal model's never do).
+    """
+    if not config.drop_padding and getattr(bridge.driver, "masks_padding", False):
+        raise UserError(
+            "drop_padding=False pads short contexts with real padding tokens, and this model "
+            "attends both ways (an encoder): every position of the context would read them, "
+            "so its activations would depend on the padding. Keep drop_padding=True (the "
+            "default; drop --keep-padding), which runs short contexts with the padding masked"
+        )
+
+
 def _fill_batch(
     bridge: Any,
     batch: Sequence[Context],
@@ -406,6 +422,7 @@ def _boot_and_run(
         if limit is not None:
             check_context_size(config, limit, booted=True)
         Tokens.of(bridge.tokenizer, config)
+        _check_padding(bridge, config)
         check_intervene_on(bridge, config, SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
