@@ -8,13 +8,21 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tl_core import DriverContractError, RemoteBridge, TransformerBridge, UserError
+from tl_core import (
+    DriverContractError,
+    RemoteBridge,
+    TransformerBridge,
+    UnsupportedFeatureError,
+    UserError,
+)
 from tl_core.driver_api import (
     ForwardRequest,
     RequestForward,
     build_request,
+    pad_batch,
     validation_calls,
 )
+from tl_core.driver_api._request import checked_token_types
 
 _SPEC = {"blocks.0.mlp.hook_post": {"op": "scale", "factor": 0.5}}
 _NAMES = ["blocks.0.hook_resid_post", "hook_embed", "blocks.1.attn.hook_pattern"]
@@ -223,3 +231,43 @@ def test_the_keyword_form_of_any_request_builds_the_same_request(
     else:
         width = 1 if request.logits == "last" else max(request.lengths)
         assert result.logits is not None and result.logits.shape[:2] == (len(rows), width)
+
+
+class _Segmented:
+    """A driver stand-in that takes segment ids (an encoder's)."""
+
+    name = "segmented"
+
+    def supports(self, feature: str) -> bool:
+        return feature == "token_type_ids"
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), data=st.data())
+def test_segment_ids_per_prompt_are_padded_like_the_prompts(lengths: list[int], data: Any) -> None:
+    batch = pad_batch([[1] * n for n in lengths], pad_id=0)
+    rows = [data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)) for n in lengths]
+    types = checked_token_types(_Segmented(), rows, batch)
+    assert types.shape == batch.ids.shape and types.dtype == torch.long
+    for b, row in enumerate(rows):
+        assert types[b, : len(row)].tolist() == row
+        assert not types[b, len(row) :].any()
+    assert torch.equal(checked_token_types(_Segmented(), types, batch), types)
+
+
+def test_segment_ids_are_refused_where_the_driver_takes_none(bridge: TransformerBridge) -> None:
+    with pytest.raises(UnsupportedFeatureError, match="'native' takes no token_type_ids"):
+        build_request(bridge.driver, [[1, 2, 3]], token_type_ids=[[0, 0, 1]])
+    with pytest.raises(UnsupportedFeatureError, match="takes no token_type_ids"):
+        bridge([[1, 2, 3]], token_type_ids=[[0, 0, 1]])
+
+
+def test_segment_ids_cannot_ride_along_a_generation() -> None:
+    class Encoder(_Segmented):
+        namespace = TransformerBridge.boot_native("gpt2", n_layers=1).driver.namespace
+
+    batch = pad_batch([[1, 2, 3]], pad_id=0)
+    from tl_core.driver_api import planned_request
+
+    with pytest.raises(UserError, match="cannot be combined with generation"):
+        planned_request(Encoder(), batch, token_type_ids=[[0, 0, 1]], max_new_tokens=4)

@@ -293,3 +293,64 @@ def test_a_capture_on_an_encoder_stores_what_transformers_computes_on_each_close
     refused = CaptureConfig(**{**config.__dict__, "drop_padding": False})
     with pytest.raises(UserError, match="attends both ways"):
         capture(refused, tmp_path / "padded", progress=False)
+
+
+def test_segment_ids_reach_the_model_as_transformers_takes_them(bert: Path) -> None:
+    """Sentence A/B: token_type_ids as a tensor or one list per prompt give transformers' own
+    logits for the same segments (and other logits than segment 0 everywhere)."""
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    ids = _PROMPTS[0]
+    types = [0, 0, 0, 0, 1, 1, 1]
+    model = AutoModelForMaskedLM.from_pretrained(bert, attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits
+        got = bridge(torch.tensor([ids]), token_type_ids=torch.tensor([types]))
+        listed, cache = bridge.run_with_cache(
+            _PROMPTS, token_type_ids=[types, [0, 1, 1]], names_filter="blocks.0.hook_in"
+        )
+        plain = bridge(torch.tensor([ids]))
+        alone = model(
+            input_ids=torch.tensor([_PROMPTS[1]]), token_type_ids=torch.tensor([[0, 1, 1]])
+        )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(listed[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(listed[1, :3], alone.logits[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        embedded = model.bert.embeddings(
+            input_ids=torch.tensor([_PROMPTS[1]]), token_type_ids=torch.tensor([[0, 1, 1]])
+        )
+    torch.testing.assert_close(cache["blocks.0.hook_in"][1, :3], embedded[0], rtol=1e-6, atol=1e-6)
+    assert (plain - want).abs().max() > 1e-3  # the segments changed the forward
+
+
+def test_segment_ids_that_do_not_fit_are_refused_before_the_forward(bert: Path) -> None:
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    ids = torch.tensor([_PROMPTS[0]])
+    with pytest.raises(UserError, match=r"must lie in \[0, 2\)"):
+        bridge(ids, token_type_ids=torch.full((1, 7), 2))
+    with pytest.raises(UserError, match="has shape \\(1, 3\\)"):
+        bridge(ids, token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(UserError, match="of prompt 1 has 2 ids; the prompt has 3 tokens"):
+        bridge(_PROMPTS, token_type_ids=[[0] * 7, [0, 1]])
+    with pytest.raises(UserError, match="must hold integers"):
+        bridge(ids, token_type_ids=torch.zeros(1, 7))
+    with pytest.raises(UserError, match="must be >= 0"):
+        bridge(ids, token_type_ids=torch.full((1, 7), -1))
+
+
+def test_segment_ids_on_a_model_without_them_are_refused(checkpoint: Any) -> None:
+    bridge = TransformerBridge(HFDriver.boot(str(checkpoint("llama"))))
+    with pytest.raises(UnsupportedFeatureError, match="takes no token_type_ids"):
+        bridge(torch.tensor([[1, 2, 3]]), token_type_ids=torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_a_next_token_loss_on_a_masked_lm_is_refused(bert: Path) -> None:
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    ids = torch.tensor([_PROMPTS[0]])
+    for call in (
+        lambda: bridge.loss(ids),
+        lambda: bridge(ids, return_type="both"),
+        lambda: bridge.run_with_cache(ids, incl_bwd=True),
+    ):
+        with pytest.raises(UnsupportedFeatureError, match="is a masked LM: its logits"):
+            call()

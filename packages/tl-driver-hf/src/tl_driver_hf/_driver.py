@@ -1,8 +1,9 @@
-"""``HFDriver``: the ``LocalDriver`` over a HuggingFace transformers causal LM."""
+"""``HFDriver``: the ``LocalDriver`` over a HuggingFace transformers causal or masked LM."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -480,6 +481,23 @@ class HFDriver(LocalDriver):
         return self._model.readout()
 
     @property
+    def _token_types(self) -> int:
+        """How many segment ids the model's token-type embedding has (0: none)."""
+        config: Any = self.hf_model.config
+        count = getattr(config, "type_vocab_size", None)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            return 0
+        accepts = inspect.signature(self.hf_model.forward).parameters
+        return count if "token_type_ids" in accepts else 0
+
+    def supports(self, feature: str) -> bool:
+        """As ``LocalDriver.supports``; ``"token_type_ids"`` where the model has a token-type
+        embedding (BERT-style encoders)."""
+        if feature == "token_type_ids":
+            return self._token_types > 0
+        return super().supports(feature)
+
+    @property
     def masks_padding(self) -> bool:
         """Whether the model attends both ways (an encoder), so padding must be masked."""
         stacks = self._adapter.description.stacks
@@ -489,6 +507,12 @@ class HFDriver(LocalDriver):
         """As ``LocalDriver.run``; refuses a model booted without weights first, and
         generation from a masked LM."""
         self._check_runnable()
+        types = request.token_type_ids
+        if types is not None and types.numel() and int(types.max()) >= self._token_types:
+            raise UserError(
+                f"token_type_ids must lie in [0, {self._token_types}) (the model's "
+                f"type_vocab_size), got {int(types.max())}"
+            )
         if request.decodes and self._adapter.description.kind == "masked_lm":
             raise UnsupportedFeatureError(
                 f"{self._info.architecture!r} is a masked LM: it predicts each position's own "
@@ -507,10 +531,12 @@ class HFDriver(LocalDriver):
         start_at_layer: int | None = None,
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of the transformers model with the attached hooks.
 
         Block indices come checked (``LocalDriver.run_model``); ``residual`` with them.
+        ``token_type_ids`` (checked by ``ForwardRequest``) go to models that take them.
         """
         self._check_runnable()
         start, stop = start_at_layer, stop_at_layer
@@ -553,9 +579,14 @@ class HFDriver(LocalDriver):
                     )
                 else:  # no final norm: the stream ends at the last block's output
                     handle = parts.layers[-1].layer.register_forward_hook(stop_after)
+            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids.to(device)}
             try:
                 out = self.hf_model(
-                    input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    **extra,
                 )
             except Stop as stopped:
                 return stopped.value  # type: ignore[no-any-return]

@@ -175,6 +175,7 @@ class Bridge:
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
         capture_device: torch.device | str | None = None,
+        token_type_ids: Any = None,
     ) -> ForwardRequest:
         """The one request of a bridge call: names canonical, layers resolved, specs planned."""
         return planned_request(
@@ -190,7 +191,22 @@ class Bridge:
             start_at_layer=start_at_layer,
             residual=residual,
             capture_device=capture_device,
+            token_type_ids=token_type_ids,
         )
+
+    def _check_next_token_loss(self, what: str) -> None:
+        """Refuse a next-token loss on a model that predicts no next token (a masked LM).
+
+        Raises:
+            UnsupportedFeatureError: The architecture is a masked LM.
+        """
+        described = self.architecture
+        if described is not None and described.kind == "masked_lm":
+            raise UnsupportedFeatureError(
+                f"{what} needs the next-token loss, and {described.name!r} is a masked LM: its "
+                "logits at a position predict that position's own (masked) token, not the "
+                "next one. Take the masked-LM loss from the logits at the masked positions"
+            )
 
     # -- tokens -----------------------------------------------------------------------
 
@@ -404,6 +420,7 @@ class Bridge:
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
+        token_type_ids: Any = None,
     ) -> Any:
         """Run the model.
 
@@ -423,6 +440,9 @@ class Bridge:
                 it (``n_layers``: the final norm's input).
             residual: The residual stream entering ``start_at_layer``.
             tokens: Token ids for the loss when ``input`` is ``None`` (with ``residual``).
+            token_type_ids: Segment ids of an encoder's prompts (BERT's sentence A and B):
+                a ``[batch, pos]`` tensor of the padded ids' shape, or one list per prompt
+                as long as the prompt; drivers and models without them refuse it.
 
         Returns:
             Logits ``[batch, pos, d_vocab]``, the loss, both, the residual stream when
@@ -454,6 +474,8 @@ class Bridge:
         wants_loss = stop is None and return_type in ("loss", "both")
         if wants_loss and source is None:
             raise UserError("a loss needs the token ids: pass input or tokens")
+        if wants_loss:
+            self._check_next_token_loss(f"return_type={return_type!r}")
         request = self._request(
             batch,
             intervene=intervene,
@@ -461,6 +483,7 @@ class Bridge:
             start_at_layer=start,
             stop_at_layer=stop,
             residual=residual,
+            token_type_ids=token_type_ids,
         )
         result = self._execute(request)
         return self._output(result, batch, return_type, loss_per_token, stop)
@@ -494,6 +517,7 @@ class Bridge:
         prepend_bos: bool = True,
         stop_at_layer: int | None = None,
         incl_bwd: bool = False,
+        token_type_ids: Any = None,
     ) -> tuple[Any, ActivationCache]:
         """Run and cache activations.
 
@@ -515,6 +539,7 @@ class Bridge:
             incl_bwd: Also cache gradients (drivers with gradients): computes the loss,
                 calls ``backward()`` and stores each selected hook's gradient in
                 ``cache.grads``.
+            token_type_ids: As in ``forward``.
 
         Returns:
             ``(output, cache)``.
@@ -538,7 +563,10 @@ class Bridge:
             self._require("gradients", "incl_bwd=True caches gradients")
             if stop is not None:
                 raise UserError("incl_bwd needs the loss, which stop_at_layer skips")
+            self._check_next_token_loss("incl_bwd=True")
             bwd = [(n, _GradCapture(grads, n, device)) for n in names]
+        elif return_type in ("loss", "both") and stop is None:
+            self._check_next_token_loss(f"return_type={return_type!r}")
         with self.hooks((), bwd):
             request = self._request(
                 batch,
@@ -547,6 +575,7 @@ class Bridge:
                 logits="all" if return_type is not None or incl_bwd else "none",
                 capture_device=device,
                 stop_at_layer=stop,
+                token_type_ids=token_type_ids,
             )
             result = self._execute(request)
             if incl_bwd:

@@ -57,7 +57,8 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
     #: Local drivers return logits at every position.
     provides_sequence_logits: bool = True
     #: Features this driver has; local drivers have all of them unless they say otherwise.
-    features: ClassVar[frozenset[str]] = FEATURES
+    # Segment ids need a model with a token-type embedding: drivers that have one say so.
+    features: ClassVar[frozenset[str]] = FEATURES - {"token_type_ids"}
     #: ``forward`` also takes capture_device and the partial-forward options.
     forward_options: ClassVar[frozenset[str]] = LOCAL_OPTIONS
 
@@ -343,6 +344,10 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         # A causal model's real positions never read the right padding after them; an
         # encoder's would, so its ragged batches carry the padding mask.
         mask = batch.attention_mask() if self.masks_padding and batch.is_ragged else None
+        # Only drivers that support segment ids get them (planned_request checked that).
+        extra: dict[str, Any] = {}
+        if request.token_type_ids is not None:
+            extra["token_type_ids"] = request.token_type_ids.to(batch.ids.device)
         with self.attached(request.plan, batch, capture=request.capture, store=store):
             out = self.run_model(
                 None if start is not None else batch.ids,
@@ -350,6 +355,7 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
                 start_at_layer=start,
                 stop_at_layer=stop,
                 residual=request.residual,
+                **extra,
             )
         new = None
         last_logits = None

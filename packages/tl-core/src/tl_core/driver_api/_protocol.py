@@ -31,6 +31,8 @@ FEATURES: frozenset[str] = frozenset(
         "generation",
         "batching",
         "position_interventions",
+        # Segment ids beside the prompts (an encoder's sentence A/B, ForwardRequest.token_type_ids).
+        "token_type_ids",
     }
 )
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from tl_core._errors import UserError
+from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._sampling import SamplingOptions
@@ -29,6 +29,7 @@ __all__ = [
     "LogitsWanted",
     "RequestForward",
     "build_request",
+    "checked_token_types",
     "logits_wanted",
     "partial_layers",
     "planned_request",
@@ -44,8 +45,8 @@ LOCAL_OPTIONS: frozenset[str] = frozenset(
 )
 
 _COMMON = (
-    "capture, intervene, max_new_tokens, return_logits, stop_at_eos and the sampling options "
-    + ", ".join(SamplingOptions.KEYS)
+    "capture, intervene, max_new_tokens, return_logits, stop_at_eos, token_type_ids and the "
+    "sampling options " + ", ".join(SamplingOptions.KEYS)
 )
 
 
@@ -93,6 +94,9 @@ class ForwardRequest:
         start_at_layer: Block index to start at from ``residual`` (local drivers).
         residual: ``[batch, pos, d_model]`` input of ``start_at_layer``.
         capture_device: Where captures go (``None``: where computed).
+        token_type_ids: ``[batch, pos]`` segment ids of the prompts (an encoder's sentence
+            A/B), right-padded with 0 like ``batch``; ``None`` leaves them to the model
+            (all 0). Only drivers that support ``"token_type_ids"`` get one.
     """
 
     batch: TokenBatch
@@ -106,6 +110,7 @@ class ForwardRequest:
     start_at_layer: int | None = None
     residual: torch.Tensor | None = None
     capture_device: torch.device | str | None = None
+    token_type_ids: torch.Tensor | None = None
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -138,6 +143,7 @@ def build_request(
             before any engine work; the message names what was wrong.
     """
     sampling = SamplingOptions.pop_from(options)
+    token_type_ids = options.pop("token_type_ids", None)
     stop_at_eos = options.pop("stop_at_eos", True)
     if not isinstance(stop_at_eos, bool):
         raise UserError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
@@ -191,6 +197,7 @@ def build_request(
         start_at_layer=start,
         residual=options.get("residual"),
         capture_device=options.get("capture_device"),
+        token_type_ids=token_type_ids,
     )
 
 
@@ -211,6 +218,15 @@ def planned_request(
         UserError: A capture or an edit on a hook that a partial forward
             (``start_at_layer``/``stop_at_layer``) never runs.
     """
+    if fields.get("token_type_ids") is not None:
+        fields["token_type_ids"] = checked_token_types(driver, fields["token_type_ids"], batch)
+        new = fields.get("max_new_tokens", 0)
+        if new > 1 or (new == 1 and fields.get("sampling", SamplingOptions()).do_sample):
+            raise UserError(
+                "token_type_ids segment a prompt for one forward pass; generated tokens would "
+                "have none, so they cannot be combined with generation (max_new_tokens="
+                f"{new}): run the forward with max_new_tokens=0 or 1"
+            )
     namespace = driver.namespace
     plan = build_plan(
         intervene,
@@ -229,6 +245,66 @@ def planned_request(
         if any(missed.values()):
             raise partial_refusal(missed, start, stop, dictionaries)
     return ForwardRequest(batch=batch, plan=plan, **fields)
+
+
+def checked_token_types(driver: Any, value: object, batch: TokenBatch) -> torch.Tensor:
+    """``token_type_ids`` as a ``[batch, pos]`` integer tensor padded like ``batch``.
+
+    Args:
+        driver: The driver that will run it (it must support ``"token_type_ids"``).
+        value: A tensor of the padded batch's shape, or one list of ids per prompt, each as
+            long as its prompt.
+        batch: The checked, right-padded prompts.
+
+    Raises:
+        UnsupportedFeatureError: The driver (or its model) takes no segment ids.
+        UserError: Another shape, row lengths that are not the prompts', or ids that are
+            not non-negative integers (named with the prompt).
+    """
+    if not driver.supports("token_type_ids"):
+        raise UnsupportedFeatureError(
+            f"driver {driver.name!r} takes no token_type_ids for this model: segment ids "
+            "exist for encoders with a token-type embedding (BERT); drop token_type_ids"
+        )
+    width = batch.ids.shape[1]
+    if isinstance(value, torch.Tensor):
+        if value.ndim == 1 and len(batch.lengths) == 1:
+            value = value[None]
+        if tuple(value.shape) != (len(batch.lengths), width):
+            raise UserError(
+                f"token_type_ids has shape {tuple(value.shape)}; the prompts' padded ids have "
+                f"shape {(len(batch.lengths), width)}: give one segment id per token"
+            )
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise UserError(f"token_type_ids must hold integers, got dtype {value.dtype}")
+        types = value.detach().to("cpu", torch.long)
+    elif isinstance(value, (list, tuple)):
+        rows = list(value)
+        if rows and not isinstance(rows[0], (list, tuple)) and len(batch.lengths) == 1:
+            rows = [rows]
+        if len(rows) != len(batch.lengths):
+            raise UserError(
+                f"token_type_ids has {len(rows)} rows for {len(batch.lengths)} prompts: give "
+                "one list of segment ids per prompt"
+            )
+        types = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, (row, n) in enumerate(zip(rows, batch.lengths, strict=True)):
+            if not isinstance(row, (list, tuple)) or len(row) != n:
+                got = len(row) if isinstance(row, (list, tuple)) else type(row).__name__
+                raise UserError(
+                    f"token_type_ids of prompt {b} has {got} ids; the prompt has {n} tokens"
+                )
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
+                raise UserError(f"token_type_ids of prompt {b} must hold integers, got {row!r}")
+            types[b, :n] = torch.tensor(row, dtype=torch.long)
+    else:
+        raise UserError(
+            f"token_type_ids must be a tensor [batch, pos] or one list of ids per prompt, "
+            f"got {type(value).__name__}"
+        )
+    if types.numel() and int(types.min()) < 0:
+        raise UserError(f"token_type_ids must be >= 0, got {int(types.min())}")
+    return types
 
 
 def partial_layers(

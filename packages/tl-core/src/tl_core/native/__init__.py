@@ -22,7 +22,7 @@ ENTRY = DriverEntry(
     name="native",
     distribution="tl-core",
     loader="tl_core.native._driver:NativeDriver",
-    features=FEATURES,
+    features=FEATURES - {"token_type_ids"},
     kind="local",
     description="small random GPT-2- or Llama-style transformer in plain torch",
 )
