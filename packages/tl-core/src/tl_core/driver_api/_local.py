@@ -56,8 +56,8 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
     name: ClassVar[str] = ""
     #: Local drivers return logits at every position.
     provides_sequence_logits: bool = True
-    #: Features this driver has; local drivers have all of them unless they say otherwise.
-    # Segment ids need a model with a token-type embedding: drivers that have one say so.
+    #: Features this driver has; local drivers have all of them unless they say otherwise,
+    #: but ``token_type_ids`` (a model with a token-type embedding says so itself).
     features: ClassVar[frozenset[str]] = FEATURES - {"token_type_ids"}
     #: ``forward`` also takes capture_device and the partial-forward options.
     forward_options: ClassVar[frozenset[str]] = LOCAL_OPTIONS
