@@ -41,6 +41,7 @@ HF_ENGINE_FIELDS: dict[str, str] = {
     "qkv_layout": "how transformers packs a fused projection",
     "query_prescaled": "transformers' attention module scales queries before attention",
     "pos_offset": "rows of transformers' position table before position 0",
+    "position_ids_start": "the position id transformers' embedding gives a prompt's first token",
     "mlp_inline": "transformers' MLP projections sit in the layer",
     "flat_mlp": "transformers' layer flattens positions before its MLP",
     "rotary_in_attention": "transformers hands attention its rotary table as an argument",

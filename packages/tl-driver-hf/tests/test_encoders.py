@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 from transformers import (
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoTokenizer,
     BertConfig,
@@ -25,6 +26,7 @@ from transformers import (
     BertLMHeadModel,
     BertTokenizerFast,
     RobertaConfig,
+    RobertaForCausalLM,
     RobertaForMaskedLM,
 )
 
@@ -354,3 +356,27 @@ def test_a_next_token_loss_on_a_masked_lm_is_refused(bert: Path) -> None:
     ):
         with pytest.raises(UnsupportedFeatureError, match="is a masked LM: its logits"):
             call()
+
+
+def test_a_roberta_decoder_numbers_positions_after_its_padding_id(tmp_path: Path) -> None:
+    """RoBERTa's position table starts after its padding id (2 here), and its embedding reads
+    position ids as given: tl numbers positions from there, in a prefill and in a ragged
+    greedy generation (left-padded), as transformers numbers them from the ids alone."""
+    torch.manual_seed(0)
+    config = RobertaConfig(**{**_SIZES, "pad_token_id": 1}, is_decoder=True)
+    folder = _write(RobertaForCausalLM(config), tmp_path / "roberta-decoder")
+    driver = HFDriver.boot(str(folder))
+    assert driver.adapter.position_ids_start == 2
+    bridge = TransformerBridge(driver)
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for ids in _PROMPTS:
+            want = model(input_ids=torch.tensor([ids])).logits
+            torch.testing.assert_close(bridge(torch.tensor([ids])), want, rtol=1e-5, atol=1e-5)
+        generated = bridge.generate(_PROMPTS, max_new_tokens=3, return_type="tokens")
+        for row, ids in enumerate(_PROMPTS):
+            tokens = list(ids)
+            for _ in range(3):
+                logits = model(input_ids=torch.tensor([tokens])).logits
+                tokens.append(int(logits[0, -1].argmax()))
+            assert generated[row].tolist() == tokens[len(ids) :]

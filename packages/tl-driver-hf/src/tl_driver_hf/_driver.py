@@ -563,6 +563,9 @@ class HFDriver(LocalDriver):
                 position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
             else:
                 position_ids = torch.arange(seq, device=device).expand(batch, seq)
+            if self._adapter.position_ids_start:
+                # RoBERTa numbers positions after its padding id.
+                position_ids = position_ids + self._adapter.position_ids_start
         elif position_ids.ndim == 1:
             position_ids = position_ids.to(device).expand(batch, seq)
         if start is not None:

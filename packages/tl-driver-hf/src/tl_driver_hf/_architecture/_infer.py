@@ -188,6 +188,19 @@ def _final_norm(
     return None, True
 
 
+def _first_position(
+    model: nn.Module, pos_embed: str | None, calls: Mapping[int, ModuleCall]
+) -> int:
+    """The position id the model gave the probe's first token (RoBERTa's start after its
+    padding id; 0 for most), read from what its position table received."""
+    if pos_embed is None:
+        return 0
+    call = calls.get(id(model.get_submodule(pos_embed)))
+    if call is None or call.input is None or call.input.numel() == 0:
+        return 0
+    return int(call.input.flatten()[0])
+
+
 def _position_embedding(
     model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
 ) -> str | None:
@@ -217,11 +230,16 @@ def _embedding_norm(
     inside = {id(m) for m in layers.modules()}
     for name, module in model.named_modules():
         call = calls.get(id(module))
+        weight = getattr(module, "weight", None)
         if (
             call is not None
             and id(module) not in inside
             and call.end < first.start
             and is_norm_module(module)
+            # A norm's own weight vector: an embedding module whose class is named after
+            # its norm (RobertaPreLayerNormEmbeddings) is no norm.
+            and isinstance(weight, torch.Tensor)
+            and weight.ndim == 1
             and same_tensor(call.output, first.input)
         ):
             return str(name)
@@ -457,6 +475,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     absent: dict[str, str] = {}
     unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
     pos_embed = _position_embedding(model, embed, layers, calls)
+    position_ids_start = _first_position(model, pos_embed, calls)
     facts: dict[str, str] = {
         "embedding": embed_path + (f", then the norm {embed_norm}" if embed_norm else ""),
         "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
@@ -520,7 +539,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
             mixer="mixer" if mixer_norm else None,
             verified=False, pos_embed=pos_embed, embed_norm=embed_norm, absent=absent,
-            readout_opaque=readout_opaque,
+            readout_opaque=readout_opaque, position_ids_start=position_ids_start,
         )  # fmt: skip
         return InferredArchitecture(adapter, facts, "opaque", info)
     norm_found = any(p is not None for p in (first.ln1, first.ln2, first.ln1_post, first.ln2_post))
@@ -714,6 +733,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         embed_norm=embed_norm,
         absent=absent,
         readout_opaque=readout_opaque,
+        position_ids_start=position_ids_start,
     )
     form = "parallel" if first.parallel else "sequential"
     if description.sandwich:

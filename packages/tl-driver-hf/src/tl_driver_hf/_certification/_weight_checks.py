@@ -285,7 +285,8 @@ def readout_checks(
             )
         )
     if "pos_embed.hook_in" in cache:
-        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).double()
+        start = driver.adapter.position_ids_start
+        positions = (torch.arange(ids.shape[1], device=ids.device) + start).expand_as(ids).double()
         checks.append(
             compare(
                 "pos_embed.hook_in == the positions",

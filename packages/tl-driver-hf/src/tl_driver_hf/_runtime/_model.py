@@ -168,8 +168,9 @@ class HFHookedModel(nn.Module):
                 f"{self.info.positional_embedding_type!r} positions"
             )
         weight: torch.Tensor = self.parts.pos_embed.weight  # type: ignore[assignment]
-        # OPT keeps two rows before position 0.
-        return weight[self.adapter.pos_offset :] if self.adapter.pos_offset else weight
+        # OPT keeps two rows before position 0; RoBERTa numbers positions after its padding id.
+        first = self.adapter.pos_offset + self.adapter.position_ids_start
+        return weight[first:] if first else weight
 
     @property
     def W_Q(self) -> torch.Tensor:

@@ -103,6 +103,9 @@ class ArchitectureAdapter:
         query_prescaled: Whether the attention module scales queries before calling
             attention (OPT); ``hook_q``/``hook_k`` then fire at the projections (unscaled).
         pos_offset: Rows of the position table before position 0 (OPT: 2).
+        position_ids_start: The position id the model gives a prompt's first token, where
+            its embedding reads the ids as given (RoBERTa: ``padding_idx + 1``); the driver
+            numbers positions from it, and rows before it are not ``W_pos``.
         mlp_inline: Whether the MLP projections sit directly in the layer (``mlp`` is
             ``""``); ``mlp.hook_in``/``hook_out`` then fire at ``mlp_in``'s input and
             ``down``'s output.
@@ -170,6 +173,7 @@ class ArchitectureAdapter:
     qkv_layout: Literal["blocks", "heads"] = "blocks"
     query_prescaled: bool = False
     pos_offset: int = 0
+    position_ids_start: int = 0
     mlp_inline: bool = False
     flat_mlp: bool = False
     rotary_in_attention: bool = True
