@@ -9,7 +9,7 @@ pre-hook, and a prompt in a ragged batch gets what it gets alone (its padding is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,24 @@ def _plain(folder: Path, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tenso
     return logits, seen, model
 
 
+def _with_layer_input(
+    folder: Path, ids: list[int], layer: int, change: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """transformers' logits with encoder layer ``layer``'s input changed by a plain pre-hook."""
+    _, _, model = _plain(folder, ids)
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return (change(args[0]), *args[1:]), kwargs
+
+    target = model.base_model.encoder.layer[layer]
+    handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits  # type: ignore[no-any-return]
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("which", ["bert", "roberta"])
 def test_a_masked_lm_boots_as_itself_and_is_described_as_an_encoder(
     which: str, request: pytest.FixtureRequest
@@ -154,17 +172,7 @@ def test_an_add_at_a_block_equals_the_same_add_by_a_plain_pre_hook(bert: Path) -
         edited = bridge(
             torch.tensor([ids]), intervene={"blocks.1.hook_in": {"op": "add", "value": vector}}
         )
-    _, _, model = _plain(bert, ids)
-
-    def add(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return (args[0] + vector, *args[1:]), kwargs
-
-    handle = model.base_model.encoder.layer[1].register_forward_pre_hook(add, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            want = model(input_ids=torch.tensor([ids])).logits
-    finally:
-        handle.remove()
+    want = _with_layer_input(bert, ids, 1, lambda x: x + vector)
     torch.testing.assert_close(edited, want, rtol=1e-5, atol=1e-5)
 
 
@@ -236,17 +244,7 @@ def test_a_dictionary_spliced_into_an_encoder_equals_the_same_swap_by_a_plain_pr
     bridge = TransformerBridge(HFDriver.boot(str(bert)))
     d = random_dictionary(_SIZES["hidden_size"], 4 * _SIZES["hidden_size"], seed=1, scale=0.5)
     ids = _PROMPTS[0]
-    _, _, model = _plain(bert, ids)
-
-    def swap(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return (d.reconstruct(args[0]), *args[1:]), kwargs
-
-    handle = model.base_model.encoder.layer[1].register_forward_pre_hook(swap, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            want = model(input_ids=torch.tensor([ids])).logits
-    finally:
-        handle.remove()
+    want = _with_layer_input(bert, ids, 1, d.reconstruct)
     spliced = splice(bridge, d, hook_name="blocks.1.hook_in")
     try:
         with torch.no_grad():
