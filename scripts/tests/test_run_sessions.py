@@ -52,7 +52,7 @@ def test_a_failing_session_is_reported_and_the_others_still_run(tmp_path: Path) 
 
 
 def test_sessions_not_placed_join_the_lane_with_fewest_and_absent_ones_are_dropped() -> None:
-    # LANES puts ray and vllm in lane 0 and lint in lane 1; a new session joins the lane with
+    # LANES puts vllm in lane 0 and ray and lint in lane 1; a new session joins the lane with
     # the fewest sessions (the first of equals).
     assert run_sessions.plan_lanes(["vllm", "lint", "new_session"]) == [
         ["vllm", "new_session"],
