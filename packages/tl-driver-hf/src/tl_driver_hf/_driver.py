@@ -552,11 +552,10 @@ class HFDriver(LocalDriver):
         if mask is None and self._inferred is not None and start is None:
             # Some families build their masks from it unconditionally (MPT).
             mask = torch.ones((batch, seq), dtype=torch.long, device=device)
-        if position_ids is None and self._adapter.description.kind == "masked_lm":
-            # An encoder's prompts are right-padded and it numbers positions its own way
-            # (RoBERTa's start after the padding id): the model's own numbering holds.
-            pass
-        elif position_ids is None:
+        # An encoder's prompts are right-padded and it numbers positions its own way: its
+        # own numbering holds (position_ids stays None).
+        encoder = self._adapter.description.kind == "masked_lm"
+        if position_ids is None and not encoder:
             # Explicit [batch, pos] ids: left padding needs them from the mask, and learned
             # position embeddings then fire with the batch axis like every other hook.
             if mask is not None:
@@ -566,7 +565,7 @@ class HFDriver(LocalDriver):
             if self._adapter.position_ids_start:
                 # RoBERTa numbers positions after its padding id.
                 position_ids = position_ids + self._adapter.position_ids_start
-        elif position_ids.ndim == 1:
+        elif position_ids is not None and position_ids.ndim == 1:
             position_ids = position_ids.to(device).expand(batch, seq)
         if start is not None:
             assert residual is not None

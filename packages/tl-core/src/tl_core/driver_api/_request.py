@@ -220,13 +220,6 @@ def planned_request(
     """
     if fields.get("token_type_ids") is not None:
         fields["token_type_ids"] = checked_token_types(driver, fields["token_type_ids"], batch)
-        new = fields.get("max_new_tokens", 0)
-        if new > 1 or (new == 1 and fields.get("sampling", SamplingOptions()).do_sample):
-            raise UserError(
-                "token_type_ids segment a prompt for one forward pass; generated tokens would "
-                "have none, so they cannot be combined with generation (max_new_tokens="
-                f"{new}): run the forward with max_new_tokens=0 or 1"
-            )
     namespace = driver.namespace
     plan = build_plan(
         intervene,
@@ -244,7 +237,14 @@ def planned_request(
         }
         if any(missed.values()):
             raise partial_refusal(missed, start, stop, dictionaries)
-    return ForwardRequest(batch=batch, plan=plan, **fields)
+    request = ForwardRequest(batch=batch, plan=plan, **fields)
+    if request.token_type_ids is not None and request.decodes:
+        raise UserError(
+            "token_type_ids segment a prompt for one forward pass; generated tokens would "
+            "have none, so they cannot be combined with generation (max_new_tokens="
+            f"{request.max_new_tokens}): run the forward with max_new_tokens=0 or 1"
+        )
+    return request
 
 
 def checked_token_types(driver: Any, value: object, batch: TokenBatch) -> torch.Tensor:

@@ -113,13 +113,6 @@ def _checkpoint_kind(config: Any) -> tuple[str | None, str]:
     return _kind_by_type().get(model_type), f"model_type {model_type!r}"
 
 
-@cache
-def _masked_classes() -> frozenset[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    return frozenset(n for v in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values() for n in _names(v))
-
-
 def lm_kind(config: Any) -> Literal["causal_lm", "masked_lm"]:
     """Which kind of language model the hf driver builds for ``config``.
 
@@ -129,21 +122,16 @@ def lm_kind(config: Any) -> Literal["causal_lm", "masked_lm"]:
     masked LM only (``distilbert``); otherwise a causal LM (which ``refuse_without_causal_lm``
     refuses for the other kinds).
     """
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    # class_kind and _kind_by_type name a masked LM only from the masked-LM mapping, and
+    # only where no earlier (more specific) mapping lists the class or type.
     architectures = [str(a) for a in getattr(config, "architectures", None) or ()]
     if architectures:
-        first = architectures[0]
-        if first in _masked_classes() and class_kind(first) == MASKED_LM:
-            return "masked_lm"
-        return "causal_lm"
+        return "masked_lm" if class_kind(architectures[0]) == MASKED_LM else "causal_lm"
     model_type = str(getattr(config, "model_type", None))
     if (
         model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
         and _kind_by_type().get(model_type) == MASKED_LM
     ):
         return "masked_lm"
