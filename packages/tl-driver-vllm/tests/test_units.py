@@ -693,6 +693,16 @@ def test_a_masked_lm_is_refused_naming_the_hf_driver(architecture: str) -> None:
         serving_layout(config)
 
 
+def test_a_sequence_to_sequence_class_the_masked_lm_mapping_lists_is_not_called_one() -> None:
+    import transformers
+
+    config = transformers.AutoConfig.for_model("bart")
+    config.architectures = ["BartForConditionalGeneration"]
+    with pytest.raises(ConfigError) as refused:
+        serving_layout(config)
+    assert "is a masked LM" not in str(refused.value)
+
+
 def test_withheld_hooks_are_not_served_and_say_why() -> None:
     info = _info("LlamaForCausalLM")
     names = hook_namespace(

@@ -275,12 +275,11 @@ def _refuse_masked_lm(architecture: str) -> None:
     """Refuse a masked LM (an encoder) before anything boots.
 
     Raises:
-        ConfigError: ``architecture`` is a masked-LM class of transformers' and no causal LM.
+        ConfigError: ``architecture`` is a masked-LM class of transformers' and no causal LM
+            (nor a sequence-to-sequence or image-text class, which the masked-LM mapping
+            also lists: BART's ``ForConditionalGeneration``).
     """
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
+    from transformers.models.auto import modeling_auto as auto
 
     def names(mapping: Any) -> set[str]:
         found: set[str] = set()
@@ -288,8 +287,13 @@ def _refuse_masked_lm(architecture: str) -> None:
             found.update((value,) if isinstance(value, str) else value)
         return found
 
-    if architecture in names(MODEL_FOR_MASKED_LM_MAPPING_NAMES) - names(
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    other_kinds = (
+        auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+    if architecture in names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES).difference(
+        *(names(m) for m in other_kinds)
     ):
         raise ConfigError(
             f"{architecture!r} is a masked LM (an encoder whose attention reads both ways): "
