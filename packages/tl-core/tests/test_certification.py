@@ -25,7 +25,7 @@ from tl_core.certification import (
 )
 
 SETTINGS = settings(max_examples=30, deadline=None)
-Form = Literal["sequential", "parallel", "sandwich"]
+Form = Literal["sequential", "parallel", "sandwich", "post_ln"]
 
 # -- compare --------------------------------------------------------------------------
 
@@ -143,7 +143,7 @@ def _info(
         n_ctx=16, n_key_value_heads=N_KV, normalization_type=norm,
         positional_embedding_type="rotary" if rotary else "standard", gated_mlp=gated,
         parallel_attn_mlp=form == "parallel", sandwich_norm=form == "sandwich",
-        act_fn="silu" if gated else "gelu",
+        post_residual_norm=form == "post_ln", act_fn="silu" if gated else "gelu",
     )  # fmt: skip
 
 
@@ -186,7 +186,8 @@ def synthetic(
     for i in range(n):
         b = f"blocks.{i}."
         cache[b + "hook_in"] = resid
-        attn_in = _norm(cache, b + "ln1", resid, norm, gen)
+        # Post-LN (BERT): attention reads the block input; ln1 comes after its add.
+        attn_in = resid if info.post_residual_norm else _norm(cache, b + "ln1", resid, norm, gen)
         cache[b + "attn.hook_in"] = attn_in
         q, k, v = (
             rand(1, pos, N_HEADS, D_HEAD),
@@ -211,7 +212,9 @@ def synthetic(
         })  # fmt: skip
         if info.sandwich_norm:
             attn_out = _norm(cache, b + "ln1_post", attn_out, norm, gen)
-        if info.parallel_attn_mlp:
+        if info.post_residual_norm:
+            mid = mlp_in = _norm(cache, b + "ln1", resid + attn_out, norm, gen)
+        elif info.parallel_attn_mlp:
             mlp_in = _norm(cache, b + "ln2", resid, norm, gen)
         else:
             mid = resid + attn_out
@@ -232,7 +235,10 @@ def synthetic(
         )
         if info.sandwich_norm:
             mlp_out = _norm(cache, b + "ln2_post", mlp_out, norm, gen)
-        resid = (resid + attn_out + mlp_out) if info.parallel_attn_mlp else (mid + mlp_out)
+        if info.post_residual_norm:
+            resid = _norm(cache, b + "ln2", mid + mlp_out, norm, gen)
+        else:
+            resid = (resid + attn_out + mlp_out) if info.parallel_attn_mlp else (mid + mlp_out)
         cache[b + "hook_out"] = resid
     _norm(cache, "ln_final", resid, norm, gen)
     logits = rand(1, pos, 11)
@@ -249,7 +255,7 @@ def synthetic(
     return {k: v.float() for k, v in cache.items()}, extras
 
 
-forms = st.sampled_from(["sequential", "parallel", "sandwich"])
+forms = st.sampled_from(["sequential", "parallel", "sandwich", "post_ln"])
 infos = st.builds(
     _info,
     form=forms,
@@ -275,7 +281,15 @@ def test_a_capture_that_satisfies_its_form_passes_every_equation(
     assert f"blocks.{n - 1}.hook_out == ln_final.hook_in" in equations
     attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
     mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
-    if info.parallel_attn_mlp:
+    if info.post_residual_norm:
+        assert {
+            "blocks.0.attn.hook_in == blocks.0.hook_in",
+            "blocks.0.ln1.hook_in == blocks.0.hook_in + blocks.0.attn.hook_out",
+            "blocks.0.mlp.hook_in == blocks.0.ln1.hook_out",
+            "blocks.0.ln2.hook_in == blocks.0.ln1.hook_out + blocks.0.mlp.hook_out",
+            "blocks.0.hook_out == blocks.0.ln2.hook_out",
+        } <= equations
+    elif info.parallel_attn_mlp:
         assert (
             f"blocks.0.hook_out == blocks.0.hook_in + blocks.0.{attn_out} + blocks.0.{mlp_out}"
             in equations

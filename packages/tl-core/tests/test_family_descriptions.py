@@ -110,6 +110,30 @@ def test_the_sandwich_rule_needs_a_norm_after_each_sublayer() -> None:
     assert _toy(norm=None, norm_before_attn=False, norm_before_mlp=False).norm is None
 
 
+def test_a_post_ln_description_names_its_two_norms_and_nothing_else() -> None:
+    """BERT's blocks normalise each residual sum: ln1 and ln2 exist, no norm sits before a
+    sublayer, and the block form and ModelInfo say so."""
+    bert = _toy(
+        norm="layernorm", norm_before_attn=False, norm_before_mlp=False, norm_after_residual=True
+    )
+    assert bert.block_form() == "post_residual_norm"
+    assert not any(".ln1." in t or ".ln2." in t for t in bert.absent_templates())
+    config = SimpleNamespace(
+        num_hidden_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=11
+    )
+    assert bert.model_info(config).post_residual_norm
+    assert not _toy().model_info(config).post_residual_norm
+    for wrong in (
+        {"norm_before_attn": True},
+        {"norm_before_mlp": True},
+        {"norm_after_attn": True, "norm_after_mlp": True},
+        {"parallel": True},
+        {"norm": None},
+    ):
+        with pytest.raises(ValueError, match="norm_after_residual"):
+            dataclasses.replace(bert, **wrong)
+
+
 def test_absent_templates_follow_from_the_facts() -> None:
     assert family_named("llama").absent_templates() == {}
     olmo2 = family_named("olmo2").absent_templates()

@@ -67,6 +67,7 @@ DEEPSEEK = dataclasses.replace(
     QWEN2_MOE, d_q_latent=24, d_kv_latent=16, architecture="deepseek-style"
 )
 MAMBA = dataclasses.replace(LLAMA, mixer=True, architecture="mamba-style")
+BERT = dataclasses.replace(GPT2, post_residual_norm=True, architecture="bert-style")
 
 #: Every structural condition a template may name, each with its reason for absent sites.
 REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
@@ -511,6 +512,12 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         (NEOX, "blocks.1.ln2.hook_normalized", "canonical", "blocks.1.ln2.hook_normalized"),
         (NO_NORM, "blocks.1.ln1.hook_scale", "structurally_absent", "blocks.1.ln1.hook_scale"),
         (NO_NORM, "blocks.1.hook_resid_mid", "alias", "blocks.1.ln2.hook_in"),
+        # Post-LN (BERT): HookedEncoder's resid_mid is the sum ln1 normalises; the MLP's input
+        # is ln1's output, as TransformerLens 4.3 serves hook_mlp_in there.
+        (BERT, "blocks.1.hook_resid_mid", "alias", "blocks.1.ln1.hook_in"),
+        (BERT, "blocks.1.hook_mlp_in", "alias", "blocks.1.mlp.hook_in"),
+        (BERT, "blocks.1.hook_resid_post", "alias", "blocks.1.hook_out"),
+        (GPT2, "blocks.1.hook_mlp_in", "alias", "blocks.1.ln2.hook_in"),
         (NO_NORM, "unembed.hook_in", "alias", "blocks.2.hook_out"),
         (GEMMA2, "blocks.1.hook_attn_out", "alias", "blocks.1.ln1_post.hook_out"),
         (GEMMA2, "mlps_output[1]", "alias", "blocks.1.ln2_post.hook_out"),

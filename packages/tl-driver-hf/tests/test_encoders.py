@@ -117,12 +117,16 @@ def test_a_masked_lm_boots_as_itself_and_is_described_as_an_encoder(
     assert architecture.kind == "masked_lm"
     assert [s.attention for s in architecture.stacks] == ["bidirectional"]
     assert architecture.embed_norm  # word + position + token-type rows, then a LayerNorm
-    # Blocks read from outside: their norms' kind is not established (the embedding norm's
-    # says nothing of them), and embed_ln's scale is not served on a guess. Its output is
-    # the stream's start; its input (word + position + token-type rows) no equation checks.
-    assert architecture.norm.kind == "unknown"
-    assert "embed_ln.hook_out" in driver.hook_points
-    assert "embed_ln.hook_scale" in driver.absent_reasons
+    # Post-LN blocks: each residual sum normalised, the norms measured as LayerNorms.
+    assert architecture.block == "post_residual_norm"
+    assert architecture.norm.kind == "layernorm"
+    assert driver.info.post_residual_norm
+    assert driver.certification is not None and driver.certification.level == "full"
+    # The embedding norm's output is the stream's start; its input (word + position +
+    # token-type rows) is vouched for by the norm's own equation.
+    cert = driver.certification
+    assert {"embed_ln.hook_in", "embed_ln.hook_scale", "embed_ln.hook_out"} <= set(cert.served)
+    assert not cert.failed
     assert architecture.facts()["model"] == "masked lm: blocks (bidirectional attention)"
     cert = driver.certification
     assert cert is not None
@@ -174,6 +178,120 @@ def test_an_add_at_a_block_equals_the_same_add_by_a_plain_pre_hook(bert: Path) -
         )
     want = _with_layer_input(bert, ids, 1, lambda x: x + vector)
     torch.testing.assert_close(edited, want, rtol=1e-5, atol=1e-5)
+
+
+def _plain_sites(folder: Path, ids: list[int], layer: int) -> dict[str, torch.Tensor]:
+    """What transformers' own modules of encoder layer ``layer`` read and return, by the tl
+    name of each (forward hooks on the modules, patterns from ``output_attentions``)."""
+    _, _, model = _plain(folder, ids)
+    block = model.base_model.encoder.layer[layer]
+    seen: dict[str, torch.Tensor] = {}
+
+    def output_of(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            seen[name] = (output[0] if isinstance(output, tuple) else output).detach()
+
+        return hook
+
+    def input_of(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            seen[name] = args[0].detach()
+
+        return hook
+
+    handles = [
+        block.attention.output.dense.register_forward_hook(output_of("attn.hook_out")),
+        block.attention.output.dense.register_forward_pre_hook(input_of("attn.hook_z")),
+        block.attention.output.LayerNorm.register_forward_pre_hook(input_of("ln1.hook_in")),
+        block.attention.register_forward_hook(output_of("ln1.hook_out")),
+        block.intermediate.dense.register_forward_pre_hook(input_of("mlp.hook_in")),
+        block.intermediate.dense.register_forward_hook(output_of("mlp.hook_pre")),
+        block.output.dense.register_forward_pre_hook(input_of("mlp.hook_post")),
+        block.output.dense.register_forward_hook(output_of("mlp.hook_out")),
+        block.output.LayerNorm.register_forward_pre_hook(input_of("ln2.hook_in")),
+        block.register_forward_hook(output_of("hook_out")),
+    ]
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    seen["attn.hook_pattern"] = out.attentions[layer]
+    seen["attn.hook_z"] = seen["attn.hook_z"].unflatten(-1, (_SIZES["num_attention_heads"], -1))
+    return seen
+
+
+@pytest.mark.parametrize("which", ["bert", "roberta"])
+def test_every_site_inside_a_post_ln_block_is_what_transformers_modules_hold(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """BERT normalises each residual sum (``h = ln1(x + attn(x)); out = ln2(h + mlp(h))``):
+    attention's output is its projection's, ln1 reads the sum and feeds the MLP, ln2's
+    output is the block's."""
+    folder = request.getfixturevalue(which)
+    bridge = TransformerBridge(HFDriver.boot(str(folder)))
+    ids = _PROMPTS[0]
+    _, cache = bridge.run_with_cache(torch.tensor([ids]))
+    for layer in range(_SIZES["num_hidden_layers"]):
+        want = _plain_sites(folder, ids, layer)
+        for site, value in want.items():
+            torch.testing.assert_close(
+                cache[f"blocks.{layer}.{site}"], value, rtol=1e-5, atol=1e-5, msg=site
+            )
+    # HookedEncoder's resid_mid is the sum ln1 normalises; resid_post the block's output.
+    b = "blocks.1."
+    torch.testing.assert_close(
+        cache[b + "hook_resid_mid"], cache[b + "hook_in"] + cache[b + "attn.hook_out"]
+    )
+    torch.testing.assert_close(cache[b + "hook_resid_post"], cache["blocks.1.hook_out"])
+
+
+def test_a_head_ablation_and_an_add_before_a_norm_equal_plain_torch_hooks(bert: Path) -> None:
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    ids = _PROMPTS[0]
+    vector = torch.randn(_SIZES["hidden_size"], generator=torch.Generator().manual_seed(5))
+    _, _, model = _plain(bert, ids)
+    block = model.base_model.encoder.layer[0]
+    d_head = _SIZES["hidden_size"] // _SIZES["num_attention_heads"]
+    head_1 = list(range(d_head, 2 * d_head))  # head 1's slice of the flattened hook_z
+
+    def ablate_head_1(module: nn.Module, args: tuple[Any, ...]) -> Any:
+        z = args[0].clone()
+        z[..., d_head : 2 * d_head] = 0.0
+        return (z,)
+
+    def add(module: nn.Module, args: tuple[Any, ...]) -> Any:
+        return (args[0] + vector,)
+
+    for spec, module, hook in (
+        ({"blocks.0.attn.hook_z": {"op": "suppress", "features": head_1}}, block.attention.output.dense, ablate_head_1),
+        ({"blocks.0.ln2.hook_in": {"op": "add", "value": vector}}, block.output.LayerNorm, add),
+        ({"blocks.0.ln1.hook_in": {"op": "add", "value": vector}}, block.attention.output.LayerNorm, add),
+    ):  # fmt: skip
+        handle = module.register_forward_pre_hook(hook)
+        try:
+            with torch.no_grad():
+                want = model(input_ids=torch.tensor([ids])).logits
+        finally:
+            handle.remove()
+        with torch.no_grad():
+            got = bridge(torch.tensor([ids]), intervene=spec)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(spec))
+        assert (got - bridge(torch.tensor([ids]))).abs().max() > 1e-3  # the edit did something
+
+
+def test_analyses_of_a_running_residual_sum_are_refused_on_post_ln_blocks(bert: Path) -> None:
+    """BERT renormalises its stream after every sublayer: no block input is a sum of earlier
+    outputs, so decomposing it (or normalising a stack with a cached scale) would be wrong."""
+    bridge = TransformerBridge(HFDriver.boot(str(bert)))
+    _, cache = bridge.run_with_cache(torch.tensor([_PROMPTS[0]]))
+    with pytest.raises(UserError, match="normalises it after every sublayer"):
+        cache.decompose_resid(layer=1)
+    with pytest.raises(UserError, match="post-LN blocks"):
+        cache.apply_ln_to_stack(cache.accumulated_resid(layer=1), layer=1)
+    # Stacking the stream itself stays meaningful.
+    assert cache.accumulated_resid(layer=1).shape[0] == 2
 
 
 def test_generating_from_a_masked_lm_is_refused_with_the_reason(bert: Path) -> None:

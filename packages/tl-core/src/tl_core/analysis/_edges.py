@@ -69,9 +69,16 @@ def edge_graph(model: Any) -> EdgeGraph:
 
     Raises:
         UnsupportedFeatureError: Sublayer outputs normalised before the residual stream
-            (sandwich norms: writers are not additive), or no per-head output weights.
+            (sandwich norms) or the stream normalised after each sublayer (post-LN): writers
+            are not additive; or no per-head output weights.
     """
     info = model.namespace.info
+    if info.post_residual_norm:
+        raise UnsupportedFeatureError(
+            f"edge attribution on {info.architecture or 'this model'}: its blocks normalise the "
+            "residual stream after every sublayer (post-LN), so no reader sees a sum of the "
+            "writers' outputs. Use granularity='node'."
+        )
     if info.sandwich_norm:
         raise UnsupportedFeatureError(
             f"edge attribution on {info.architecture or 'this model'}: each sublayer's output goes "

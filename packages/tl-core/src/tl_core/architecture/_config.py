@@ -49,6 +49,7 @@ def model_info_from_config(
     gated_mlp: bool,
     parallel_attn_mlp: bool = False,
     sandwich_norm: bool = False,
+    post_residual_norm: bool = False,
     qk_norm: bool = False,
     embed_norm: bool = False,
     moe: bool = False,
@@ -68,6 +69,7 @@ def model_info_from_config(
         gated_mlp: Whether the MLP has a gate projection.
         parallel_attn_mlp: Whether attention and MLP read the same block input.
         sandwich_norm: Whether each sublayer output is normalised.
+        post_residual_norm: Whether each sublayer's residual sum is normalised (BERT).
         qk_norm: Whether queries and keys are normalised.
         embed_norm: Whether the embedding is normalised before the first block.
         moe: Whether the MLP is a mixture of experts (expert counts come from the config).
@@ -133,6 +135,7 @@ def model_info_from_config(
         gated_mlp=gated_mlp,
         parallel_attn_mlp=parallel_attn_mlp,
         sandwich_norm=sandwich_norm,
+        post_residual_norm=post_residual_norm,
         qk_norm=qk_norm,
         embed_norm=embed_norm,
         n_experts=_int_or_none(first_set(config, _N_EXPERTS)) if moe else None,

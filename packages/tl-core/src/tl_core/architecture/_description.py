@@ -295,6 +295,7 @@ def block_form(
     norms_after: bool,
     opaque: bool = False,
     mixer: bool = False,
+    residual_normed: bool = False,
 ) -> BlockForm:
     """The ``BlockForm`` of a block from where its norms sit.
 
@@ -306,11 +307,14 @@ def block_form(
         norms_after: Whether each sublayer's output is normalised before it is added.
         opaque: Whether tl reads the block only from outside.
         mixer: Whether the block is a state-space mixer behind a norm (Mamba).
+        residual_normed: Whether each sublayer's residual sum is normalised (BERT's post-LN).
     """
     if mixer:
         return "mixer"
     if opaque:
         return "opaque"
+    if residual_normed:
+        return "post_residual_norm"
     if parallel:
         return "parallel" if norm_before_mlp else "parallel_shared_norm"
     if norms_after:

@@ -81,6 +81,10 @@ class FamilyDescription:
         norm_after_mlp: Whether the MLP's output is normalised before it is added
             (``ln2_post``). The hook vocabulary names both post-norms or neither, so a
             description with only one is refused.
+        norm_after_residual: Whether each sublayer's output is added to its input and the
+            sum normalised, the original Transformer's post-LN (BERT): ``h = ln1(x +
+            attn(x)); out = ln2(h + mlp(h))``. ``ln1`` and ``ln2`` then name these two
+            norms, and no norm sits before a sublayer or on its output alone.
         norm_after_embed: Whether a norm sits between the embedding and the first block
             (BLOOM).
         norm_before_unembed: Whether a norm sits between the last block and the
@@ -117,6 +121,7 @@ class FamilyDescription:
     norm_before_mlp: bool = True
     norm_after_attn: bool = False
     norm_after_mlp: bool = False
+    norm_after_residual: bool = False
     norm_after_embed: bool = False
     norm_before_unembed: bool | Unknown = True
     parallel: bool = False
@@ -150,6 +155,18 @@ class FamilyDescription:
             self.norm_before_attn or self.norm_before_mlp or self.norm_after_attn
         ):
             problems.append("norm=None (no norms) but a norm sits in the block")
+        if self.norm_after_residual and (
+            self.norm is None
+            or self.parallel
+            or self.norm_before_attn
+            or self.norm_before_mlp
+            or self.sandwich
+        ):
+            problems.append(
+                "norm_after_residual (each residual sum normalised, BERT) with no norms, "
+                "parallel sublayers or another norm placement: its ln1 and ln2 are the two "
+                "norms after the residual adds, and a block has no others"
+            )
         if problems:
             raise ValueError(f"FamilyDescription {self.family!r}: {'; '.join(problems)}")
 
@@ -236,6 +253,7 @@ class FamilyDescription:
             norms_after=self.sandwich,
             opaque=self.blocks == "opaque",
             mixer=self.blocks == "mixer",
+            residual_normed=self.norm_after_residual,
         )
 
     def model_info(
@@ -265,6 +283,7 @@ class FamilyDescription:
             gated_mlp=self.gated,
             parallel_attn_mlp=self.is_parallel(config),
             sandwich_norm=self.sandwich,
+            post_residual_norm=self.norm_after_residual and self.blocks == "attention_mlp",
             qk_norm=self.qk_norm != "none",
             embed_norm=self.norm_after_embed,
             moe=self.moe,
@@ -307,13 +326,14 @@ class FamilyDescription:
         if self.blocks != "attention_mlp":
             return reasons
         suffixes: tuple[str, ...]
-        if not self.norm_before_attn:
+        # Post-LN blocks (BERT) have ln1 and ln2: the norms after the residual adds.
+        if not self.norm_before_attn and not self.norm_after_residual:
             why = (
                 f"{self.family} has no norm before attention (attention reads the residual "
                 "stream directly)"
             )
             reasons.update({f"blocks.{{i}}.ln1.{s}": why for s in _NORM_SUFFIXES})
-        if not self.norm_before_mlp:
+        if not self.norm_before_mlp and not self.norm_after_residual:
             suffixes = _NORM_SUFFIXES[1:]
             if self.parallel and self.norm_before_attn:
                 why = (

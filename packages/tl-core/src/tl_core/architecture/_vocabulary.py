@@ -44,10 +44,19 @@ NORM_KINDS: tuple[NormKind, ...] = ("layernorm", "rms", "rms_weight_first", "rms
 #: ``"parallel_shared_norm"``: ``out = x + attn(n(x)) + mlp(n(x))`` (GPT-J, Falcon-7B, Phi);
 #: ``"sandwich"``: sequential with a norm after each sublayer too (Gemma 2/3);
 #: ``"post_norm"``: ``h = x + n1(attn(x)); out = h + n2(mlp(h))`` (OLMo 2, EXAONE 4);
+#: ``"post_residual_norm"``: ``h = n1(x + attn(x)); out = n2(h + mlp(h))``, the original
+#: Transformer's post-LN (BERT, RoBERTa, ELECTRA);
 #: ``"mixer"``: ``out = x + mixer(n(x))``, a state-space mixer in place of attention and MLP (Mamba);
 #: ``"opaque"``: a block tl does not read inside (hybrids and recurrent blocks).
 BlockForm = Literal[
-    "sequential", "parallel", "parallel_shared_norm", "sandwich", "post_norm", "mixer", "opaque"
+    "sequential",
+    "parallel",
+    "parallel_shared_norm",
+    "sandwich",
+    "post_norm",
+    "post_residual_norm",
+    "mixer",
+    "opaque",
 ]
 
 #: How queries and keys are normalised: ``"none"``; ``"per_head"`` (one scale per head and

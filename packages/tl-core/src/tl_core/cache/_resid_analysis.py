@@ -121,6 +121,18 @@ class ResidualAnalysisMixin(ABC):
             "build the ActivationCache with info=ModelInfo(...) or readout=ModelReadout(...)."
         )
 
+    def _require_additive_blocks(self, purpose: str) -> None:
+        """Refuse an analysis that reads the residual stream as a running sum on a model
+        whose blocks renormalise it (post-LN, BERT)."""
+        if self.info is not None and self.info.post_residual_norm:
+            raise UserError(
+                f"{purpose} reads the residual stream as a sum of the outputs added to it, but "
+                f"{self.info.architecture or 'this model'!r} normalises it after every "
+                "sublayer (post-LN blocks: h = ln1(x + attn(x)), out = ln2(h + mlp(h))), so "
+                "no block's input is a sum of earlier outputs. Read the sites themselves "
+                "(blocks.{i}.attn.hook_out, blocks.{i}.ln1.hook_in, ...) instead"
+            )
+
     def _is_parallel(self) -> bool:
         return self.info is not None and self.info.parallel_attn_mlp
 
@@ -293,6 +305,7 @@ class ResidualAnalysisMixin(ABC):
         Raises:
             UserError: A bad argument, no component selected, or a needed hook is not cached.
         """
+        self._require_additive_blocks("decompose_resid")
         n_layers = self.n_layers
         index = normalize_layer(layer, n_layers, method="decompose_resid")
         if mlp_input and index == n_layers:
@@ -418,6 +431,7 @@ class ResidualAnalysisMixin(ABC):
                 message names the hook to capture), or its shape does not fit the stack.
         """
         purpose = "apply_ln_to_stack"
+        self._require_additive_blocks(purpose)
         index = normalize_layer(layer, self.n_layers, method=purpose)
         final = index == self.n_layers
         if mlp_input and final:

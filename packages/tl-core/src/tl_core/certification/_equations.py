@@ -235,6 +235,73 @@ def _block_checks(
             check("@ln1.hook_in == @hook_in", ("ln1.hook_in",), get("ln1.hook_in"), get("hook_in"))
         out.extend(_norm_checks(b + "ln1", cache, info, rtol))
         return out
+    if info.post_residual_norm:
+        _post_residual_norm_checks(check, get, add)
+    else:
+        _residual_checks(check, get, add, info, cache, b)
+    for qk in ("q", "k"):
+        if b + f"attn.{qk}_norm.hook_in" in cache:
+            # The QK-norm reads the projection (hook_q/hook_k are taken before it).
+            check(
+                f"@attn.{qk}_norm.hook_in == @attn.hook_{qk}",
+                (f"attn.{qk}_norm.hook_in",),
+                get(f"attn.{qk}_norm.hook_in"),
+                get(f"attn.hook_{qk}"),
+            )
+    for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
+        out.extend(_norm_checks(b + norm, cache, info, rtol))
+    out.extend(
+        attention_checks(
+            b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks
+        )
+    )
+    out.extend(_mlp_checks(b, cache, info, rtol))
+    out.extend(_router_checks(b, cache, info))
+    if info.d_shared_expert is not None:
+        out.extend(_shared_expert_checks(b, cache, info, rtol))
+    return out
+
+
+_Check = Callable[[str, Iterable[str], "torch.Tensor | None", "torch.Tensor | None"], None]
+_Get = Callable[[str], "torch.Tensor | None"]
+_Add = Callable[..., "torch.Tensor | None"]
+
+
+def _post_residual_norm_checks(check: _Check, get: _Get, add: _Add) -> None:
+    """Where a post-LN block (BERT) joins its sublayers: ``h = ln1(x + attn(x))``, ``out =
+    ln2(h + mlp(h))`` (``check`` records each equation)."""
+    check("@attn.hook_in == @hook_in", ("attn.hook_in",), get("attn.hook_in"), get("hook_in"))
+    check(
+        "@ln1.hook_in == @hook_in + @attn.hook_out",
+        ("ln1.hook_in", "attn.hook_out"),
+        add("hook_in", "attn.hook_out"),
+        get("ln1.hook_in"),
+    )
+    check(
+        "@mlp.hook_in == @ln1.hook_out",
+        ("mlp.hook_in", "ln1.hook_out"),
+        get("mlp.hook_in"),
+        get("ln1.hook_out"),
+    )
+    check(
+        "@ln2.hook_in == @ln1.hook_out + @mlp.hook_out",
+        ("ln2.hook_in", "mlp.hook_out"),
+        add("ln1.hook_out", "mlp.hook_out"),
+        get("ln2.hook_in"),
+    )
+    check("@hook_out == @ln2.hook_out", ("ln2.hook_out",), get("ln2.hook_out"), get("hook_out"))
+
+
+def _residual_checks(
+    check: _Check,
+    get: _Get,
+    add: _Add,
+    info: ModelInfo,
+    cache: Mapping[str, torch.Tensor],
+    b: str,
+) -> None:
+    """Where a pre-norm, sandwich or parallel block adds its sublayers to the residual
+    stream (``check`` records each equation)."""
     attn_out = "ln1_post.hook_out" if info.sandwich_norm else "attn.hook_out"
     mlp_out = "ln2_post.hook_out" if info.sandwich_norm else "mlp.hook_out"
     if info.sandwich_norm:
@@ -302,27 +369,6 @@ def _block_checks(
         check(
             "@mlp.hook_in == @ln2.hook_in", ("mlp.hook_in",), get("mlp.hook_in"), get("ln2.hook_in")
         )
-    for qk in ("q", "k"):
-        if b + f"attn.{qk}_norm.hook_in" in cache:
-            # The QK-norm reads the projection (hook_q/hook_k are taken before it).
-            check(
-                f"@attn.{qk}_norm.hook_in == @attn.hook_{qk}",
-                (f"attn.{qk}_norm.hook_in",),
-                get(f"attn.{qk}_norm.hook_in"),
-                get(f"attn.hook_{qk}"),
-            )
-    for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
-        out.extend(_norm_checks(b + norm, cache, info, rtol))
-    out.extend(
-        attention_checks(
-            b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks
-        )
-    )
-    out.extend(_mlp_checks(b, cache, info, rtol))
-    out.extend(_router_checks(b, cache, info))
-    if info.d_shared_expert is not None:
-        out.extend(_shared_expert_checks(b, cache, info, rtol))
-    return out
 
 
 def _shared_expert_checks(
@@ -453,7 +499,9 @@ def _norm_checks(
     return [
         compare(
             f"{prefix}.hook_normalized * {prefix}.hook_scale == {prefix}.{what}",
-            (f"{prefix}.hook_scale", f"{prefix}.hook_normalized"),
+            # The input too: a norm's input no other equation reaches (BERT's embedding
+            # norm, which sums word, position and token-type rows) is vouched for here.
+            (f"{prefix}.hook_scale", f"{prefix}.hook_normalized", f"{prefix}.hook_in"),
             rebuilt,
             centred,
             rtol=rtol,

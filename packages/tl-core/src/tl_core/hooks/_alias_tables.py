@@ -134,11 +134,19 @@ def _legacy(canonical: str, note: str = "") -> Rule:
     return Rule("legacy", _alias(canonical, note))
 
 
+def _post_residual_norm(info: ModelInfo) -> bool:
+    return info.post_residual_norm
+
+
 def _resid_mid(family: HookFamily) -> Rule:
     """The residual between attention and MLP, which parallel blocks do not have."""
     return Rule(
         family,
-        _alias("blocks.{i}.ln2.hook_in", "Absent in parallel attention/MLP blocks."),
+        _alias(
+            "blocks.{i}.ln2.hook_in",
+            "Absent in parallel attention/MLP blocks; on post-LN blocks (BERT) the sum "
+            "before the norm after attention, blocks.{i}.ln1.hook_in.",
+        ),
         (
             (
                 _parallel,
@@ -146,6 +154,14 @@ def _resid_mid(family: HookFamily) -> Rule:
                     "Attention and MLP read the same block input in this model (parallel "
                     "block), so no residual lies between them; the MLP norm's input is "
                     "blocks.{i}.ln2.hook_in."
+                ),
+            ),
+            (
+                _post_residual_norm,
+                _alias(
+                    "blocks.{i}.ln1.hook_in",
+                    "Post-LN block (BERT): the block input plus attention's output, before "
+                    "the norm after attention (whose output, ln1.hook_out, the MLP reads).",
                 ),
             ),
         ),
@@ -190,11 +206,21 @@ _LEGACY: dict[str, Rule] = {
     "blocks.{i}.hook_mlp_out": _contribution(
         "mlp", "ln2_post", "legacy", "What the MLP adds to the residual stream."
     ),
-    "blocks.{i}.hook_mlp_in": _legacy(
-        "blocks.{i}.ln2.hook_in",
-        "TransformerLens fires hook_mlp_in on the input of ln2 (the residual after attention; "
-        "the block input in a parallel block), not on the MLP module's input after ln2, "
-        "which is blocks.{i}.mlp.hook_in.",
+    "blocks.{i}.hook_mlp_in": Rule(
+        "legacy",
+        _alias(
+            "blocks.{i}.ln2.hook_in",
+            "TransformerLens fires hook_mlp_in on the input of ln2 (the residual after "
+            "attention; the block input in a parallel block), not on the MLP module's input "
+            "after ln2, which is blocks.{i}.mlp.hook_in. On post-LN blocks (BERT) it is the "
+            "MLP's input, as TransformerLens 4.3 serves it there.",
+        ),
+        (
+            (
+                _post_residual_norm,
+                _alias("blocks.{i}.mlp.hook_in", "Post-LN block (BERT): the MLP's input."),
+            ),
+        ),
     ),
     "blocks.{i}.hook_attn_in": Rule("legacy", _derived("blocks.{i}.hook_in", _PRE_LN1_COPY)),
     **{

@@ -34,6 +34,13 @@ class ModelInfo:
         parallel_attn_mlp: Whether attention and MLP read the same block input (GPT-J,
             NeoX): then ``ln2.hook_in`` / ``hook_resid_mid`` does not exist.
         sandwich_norm: Whether each sublayer is followed by its own norm (Gemma 2/3, OLMo 2).
+        post_residual_norm: Whether each sublayer's output is added to its input and the sum
+            normalised, the original Transformer's post-LN (BERT): ``h = ln1(x + attn(x));
+            out = ln2(h + mlp(h))``. Then ``ln1`` and ``ln2`` name those two norms:
+            ``ln1.hook_in`` is ``hook_in + attn.hook_out``, ``ln1.hook_out`` the MLP's
+            input, ``ln2.hook_in`` is ``ln1.hook_out + mlp.hook_out`` and ``ln2.hook_out``
+            the block's output. The residual stream is renormalised in every block, so
+            analyses that decompose it into a sum of components refuse such models.
         n_experts: Experts per mixture-of-experts layer (``None``: a dense MLP).
         experts_per_token: Experts each position is routed to (mixture of experts).
         d_shared_expert: Hidden width of the shared expert that a mixture of experts runs
@@ -77,6 +84,7 @@ class ModelInfo:
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
     sandwich_norm: bool = False
+    post_residual_norm: bool = False
     n_experts: int | None = None
     experts_per_token: int | None = None
     d_shared_expert: int | None = None

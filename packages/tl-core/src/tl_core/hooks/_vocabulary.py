@@ -20,6 +20,10 @@ Structural decisions (the ``requires`` column):
   which the name does not promise. ``ln1``'s four sites, every
   ``ln_final`` site and ``ln1.hook_in`` need a norm; ``ln1.hook_in`` always equals
   ``blocks.{i}.hook_in`` and is kept for symmetry with the other norms.
+* On post-LN blocks (BERT: ``h = ln1(x + attn(x)); out = ln2(h + mlp(h))``, see
+  ``ModelInfo.post_residual_norm``) ``ln1`` and ``ln2`` are the norms after the residual
+  adds: ``ln1.hook_in`` is ``hook_in + attn.hook_out``, ``ln1.hook_out`` the MLP's input,
+  ``ln2.hook_in`` is ``ln1.hook_out + mlp.hook_out`` and ``ln2.hook_out`` the block's output.
 * ``embed_ln.*`` is BLOOM's norm on the embedding (``word_embeddings_layernorm``):
   ``embed.hook_out`` is the raw lookup and ``embed_ln.hook_out`` what enters block 0.
 * ``attn.q_norm.*`` and ``attn.k_norm.*`` are the QK-norm of Qwen3, Gemma 3 and OLMo 2,
@@ -189,7 +193,12 @@ def _norm_family(
     )
 
 
-_LN1 = _norm_family("blocks.{i}.ln1", "the pre-attention norm", "norm", "= hook_in")
+_LN1 = _norm_family(
+    "blocks.{i}.ln1",
+    "the pre-attention norm (on post-LN blocks, BERT: the norm after attention's residual add)",
+    "norm",
+    "= hook_in; on post-LN blocks hook_in + attn.hook_out",
+)
 _LN1_POST = _norm_family(
     "blocks.{i}.ln1_post",
     "the post-attention norm (sandwich-norm models)",
@@ -197,7 +206,13 @@ _LN1_POST = _norm_family(
     "= attn.hook_out",
 )
 # ln2.hook_in has its own row: it is resid_mid on sequential blocks, which need no norm.
-_LN2_REST = _norm_family("blocks.{i}.ln2", "the pre-MLP norm", "norm", "")[1:]
+_LN2_REST = _norm_family(
+    "blocks.{i}.ln2",
+    "the pre-MLP norm (on post-LN blocks, BERT: the norm after the MLP's residual add, whose "
+    "output is the block's)",
+    "norm",
+    "",
+)[1:]
 _Q_NORM = _norm_family(
     "blocks.{i}.attn.q_norm",
     "the query norm (QK-norm models)",
@@ -303,7 +318,8 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
     HookTemplate(
         "blocks.{i}.attn.hook_in",
         "b p d",
-        "Input of the attention module (= ln1.hook_out; the block input when there is no norm).",
+        "Input of the attention module (= ln1.hook_out; the block input when there is no norm "
+        "before it, as on post-LN blocks).",
     ),
     HookTemplate(
         "blocks.{i}.attn.hook_q_latent",
@@ -406,7 +422,8 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "blocks.{i}.ln2.hook_in",
         "b p d",
         "Input of the pre-MLP norm: the residual stream between attention and MLP on "
-        "sequential blocks; on parallel blocks the block input as the MLP's norm reads it.",
+        "sequential blocks; on parallel blocks the block input as the MLP's norm reads it; on "
+        "post-LN blocks (BERT) the sum ln1.hook_out + mlp.hook_out that ln2 normalises.",
         "blocks.{i}.hook_resid_mid",
         "mlp_norm_input",
     ),
@@ -414,7 +431,8 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
     HookTemplate(
         "blocks.{i}.mlp.hook_in",
         "b p d",
-        "Input of the MLP module (= ln2.hook_out; after the pre-MLP norm).",
+        "Input of the MLP module (= ln2.hook_out; after the pre-MLP norm; on post-LN blocks "
+        "= ln1.hook_out).",
     ),
     HookTemplate(
         "blocks.{i}.mlp.hook_router_logits",

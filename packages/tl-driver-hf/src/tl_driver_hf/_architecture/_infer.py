@@ -266,6 +266,13 @@ class _Block:
     parallel: bool = False
     kinds: dict[str, NormKind | None] = field(default_factory=dict)
     why: str = ""
+    #: Post-LN (BERT): ``ln1``/``ln2`` normalise the residual sums; the projections below
+    #: are paths inside the layer (the MLP is no module of its own).
+    post_ln: bool = False
+    core: str | None = None
+    o: str | None = None
+    mlp_in: str | None = None
+    down: str | None = None
 
 
 def _find_child(layer: nn.Module, names: tuple[str, ...], classes: tuple[str, ...]) -> str | None:
@@ -277,10 +284,76 @@ def _find_child(layer: nn.Module, names: tuple[str, ...], classes: tuple[str, ..
     return found[0] if len(found) == 1 else None
 
 
+def _linears(
+    root: nn.Module, calls: Mapping[int, ModuleCall], prefix: str = ""
+) -> list[tuple[str, ModuleCall]]:
+    """Every ``nn.Linear`` under ``root`` that ran, with its path (``prefix`` prepended)."""
+    return [
+        (prefix + name, calls[id(m)])
+        for name, m in root.named_modules()
+        if isinstance(m, nn.Linear) and id(m) in calls
+    ]
+
+
+def _sum_is(a: torch.Tensor | None, b: torch.Tensor | None, total: torch.Tensor | None) -> bool:
+    """Whether ``a + b`` is ``total`` (up to the rounding of one addition)."""
+    if a is None or b is None or total is None or a.shape != b.shape or a.shape != total.shape:
+        return False
+    return bool(torch.allclose(a + b, total, rtol=1e-5, atol=1e-6))
+
+
+def _post_ln_block(layer: nn.Module, attn: str, calls: Mapping[int, ModuleCall]) -> _Block | None:
+    """A post-LN block (BERT: ``h = ln1(x + attn(x)); out = ln2(h + mlp(h))``) found by what
+    its modules read and return, or ``None``. Attention's module ends in ``ln1`` (its output
+    is ``ln1``'s), the MLP's projections sit anywhere else in the layer, and each norm reads
+    a projection's output plus the residual."""
+    layer_call, attn_module = calls.get(id(layer)), layer.get_submodule(attn)
+    a = calls.get(id(attn_module))
+    if layer_call is None or a is None or layer_call.input is None:
+        return None
+    x = layer_call.input
+    norms = {
+        name: (module, calls[id(module)])
+        for name, module in layer.named_modules()
+        if name and is_norm_module(module) and id(module) in calls
+    }
+    ln1 = next(
+        (
+            n
+            for n, (_, c) in norms.items()
+            if n.startswith(attn + ".") and same_tensor(c.output, a.output)
+        ),
+        None,
+    )
+    ln2 = next((n for n, (_, c) in norms.items() if same_tensor(c.output, layer_call.output)), None)
+    if ln1 is None or ln2 is None:
+        return None
+    ln1_call, ln2_call = norms[ln1][1], norms[ln2][1]
+    inside = _linears(attn_module, calls, attn + ".")
+    o = next((n for n, c in inside if _sum_is(c.output, x, ln1_call.input)), None)
+    outside = [(n, c) for n, c in _linears(layer, calls) if not n.startswith(attn + ".")]
+    mlp_in = next((n for n, c in outside if same_tensor(c.input, ln1_call.output)), None)
+    down = next((n for n, c in outside if _sum_is(c.output, ln1_call.output, ln2_call.input)), None)
+    readers = [n for n, c in inside if same_tensor(c.input, x)]  # q, k and v read the input
+    core = readers[0].rsplit(".", 1)[0] if readers else None
+    if o is None or mlp_in is None or down is None or core is None:
+        return None
+    if any(r.rsplit(".", 1)[0] != core for r in readers):
+        return None
+    block = _Block(attn=attn, mlp="", ln1=ln1, ln2=ln2, post_ln=True, o=o, mlp_in=mlp_in, down=down)
+    block.core = core.removeprefix(attn + ".") if core != attn else None
+    block.kinds = {name: norm_kind_of(*norms[name]) for name in (ln1, ln2)}
+    return block
+
+
 def _block(layer: nn.Module, calls: Mapping[int, ModuleCall]) -> _Block:
     block = _Block()
     attn = _find_child(layer, _ATTN_NAMES, ("Attention",))
     mlp = _find_child(layer, _MLP_NAMES, ("MLP", "MoE", "Moe", "FeedForward", "Experts"))
+    if attn is not None and mlp is None:
+        post_ln = _post_ln_block(layer, attn, calls)
+        if post_ln is not None:
+            return post_ln
     if attn is None or mlp is None:
         block.why = (
             f"no single attention ({attn}) and MLP ({mlp}) module among the layer's children"
@@ -328,6 +401,11 @@ def _signature(block: _Block) -> tuple[Any, ...]:
         block.ln1_post,
         block.ln2_post,
         block.parallel,
+        block.post_ln,
+        block.core,
+        block.o,
+        block.mlp_in,
+        block.down,
     )
 
 
@@ -584,11 +662,15 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     mlp_module = layer0.get_submodule(cast(str, first.mlp))
     if not _same_classes(layers, cast(str, first.attn)):
         attn_module = nn.Module()  # attention differs across layers: no projection sites
-    q, k, v = _child(attn_module, _Q), _child(attn_module, _K), _child(attn_module, _V)
-    qkv = None if q and k and v else _child(attn_module, _QKV)
+    # Post-LN attention (BERT) keeps q/k/v in a core module beside its output projection.
+    core = attn_module.get_submodule(first.core) if first.core else attn_module
+    q, k, v = _child(core, _Q), _child(core, _K), _child(core, _V)
+    qkv = None if q and k and v else _child(core, _QKV)
     if qkv is None and not (q and k and v):
         q = k = v = None
-    o = _child(attn_module, _O)
+    if first.core:
+        q, k, v, qkv = (f"{first.core}.{p}" if p else None for p in (q, k, v, qkv))
+    o = first.o.removeprefix(f"{first.attn}.") if first.o else _child(attn_module, _O)
     q_norm, k_norm = _child(attn_module, _Q_NORM), _child(attn_module, _K_NORM)
     latents = {
         key: (latent, proj)
@@ -624,7 +706,9 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     )
     gate = up = down = gate_up = mlp_in = router = None
     shared: tuple[str, tuple[str, str, str], str | None, int] | None = None
-    if not moe:
+    if first.post_ln:
+        mlp_in, down = first.mlp_in, first.down
+    elif not moe:
         gate_up = _child(mlp_module, _GATE_UP)
         gate = None if gate_up else _child(mlp_module, _GATE)
         up = _child(mlp_module, _UP) if gate else None
@@ -672,10 +756,11 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         model_types=(model_type,),
         architectures=(arch,),
         norm=norm,
-        norm_before_attn=first.ln1 is not None,
-        norm_before_mlp=first.ln2 is not None,
+        norm_before_attn=first.ln1 is not None and not first.post_ln,
+        norm_before_mlp=first.ln2 is not None and not first.post_ln,
         norm_after_attn=first.ln1_post is not None,
         norm_after_mlp=first.ln2_post is not None,
+        norm_after_residual=first.post_ln,
         norm_before_unembed=True
         if final_norm is not None
         else UNKNOWN
@@ -703,6 +788,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         ln1_post=first.ln1_post,
         ln2_post=first.ln2_post,
         attn=cast(str, first.attn),
+        attention_core=first.core,
         q=q,
         k=k,
         v=v,
@@ -728,6 +814,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         shared_parts=shared[1] if shared else None,
         shared_expert_gate=shared[2] if shared else None,
         rotary_in_attention=rotary_in_attention,
+        # Post-LN: the sublayers' outputs are their projections' (their modules go on to
+        # add the residual and normalise), and the MLP is no module of its own.
+        sublayers_add_residual=first.post_ln,
+        mlp_inline=first.post_ln,
         verified=False,
         pos_embed=pos_embed,
         embed_norm=embed_norm,
@@ -735,7 +825,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         readout_opaque=readout_opaque,
         position_ids_start=position_ids_start,
     )
-    form = "parallel" if first.parallel else "sequential"
+    form = "post-LN" if first.post_ln else "parallel" if first.parallel else "sequential"
     if description.sandwich:
         form += " with sandwich norms"
     facts["blocks"] = (

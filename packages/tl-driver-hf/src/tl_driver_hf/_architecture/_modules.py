@@ -23,6 +23,9 @@ class LayerModules:
     ln1_post: nn.Module | None
     ln2_post: nn.Module | None
     attn: nn.Module
+    #: The module that calls the attention function (``attn`` unless the adapter names an
+    #: ``attention_core`` inside it).
+    attn_core: nn.Module
     q: nn.Module | None
     k: nn.Module | None
     v: nn.Module | None
@@ -124,6 +127,7 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
                 ln1_post=_get(layer, adapter.ln1_post, where, adapter),
                 ln2_post=_get(layer, adapter.ln2_post, where, adapter),
                 attn=attn,
+                attn_core=_get(attn, adapter.attention_core, attn_where, adapter) or attn,
                 q=_get(attn, adapter.q, attn_where, adapter),
                 k=_get(attn, adapter.k, attn_where, adapter),
                 v=_get(attn, adapter.v, attn_where, adapter),

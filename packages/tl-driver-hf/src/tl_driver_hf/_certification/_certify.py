@@ -142,6 +142,15 @@ def _edit_checks(
             cast(torch.Tensor, lay.down.weight).shape[1 if adapter.linear == "linear" else 0]
         )
         sites.append(("blocks.0.mlp.hook_post", lay.down, "in", width))
+    if adapter.description.norm_after_residual:
+        # Post-LN (BERT): the sublayers' outputs are their projections', and each norm's
+        # input is a residual sum no other module reads.
+        sites.append(("blocks.0.attn.hook_out", lay.o, "out", d_model))
+        if lay.down is not None:
+            sites.append(("blocks.0.mlp.hook_out", lay.down, "out", d_model))
+        for norm, module in (("ln1", lay.ln1), ("ln2", lay.ln2)):
+            if module is not None:
+                sites.append((f"blocks.0.{norm}.hook_in", module, "in", d_model))
     if lay.mixer is not None:
         sites += [
             ("blocks.0.mixer.hook_in", lay.mixer, "in", d_model),

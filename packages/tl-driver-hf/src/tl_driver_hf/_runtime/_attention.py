@@ -97,10 +97,18 @@ def _fire_bhpd(point: HookPoint | None, x: torch.Tensor) -> torch.Tensor:
 
 
 def _allowed(
-    attention_mask: torch.Tensor | None, q_len: int, k_len: int, device: torch.device
+    attention_mask: torch.Tensor | None,
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+    *,
+    causal: bool = True,
 ) -> torch.Tensor:
     if attention_mask is not None:
         return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    if not causal:
+        # An encoder without padding: transformers skips the mask, every key is allowed.
+        return torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
     # No mask means plain causal, aligned at the end (queries are the last q_len keys).
     rows = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
     return (torch.arange(k_len, device=device)[None, :] <= rows)[None, None]
@@ -154,7 +162,12 @@ def hooked_attention(
         scores = scores + attention_mask
         allowed = None
     else:
-        allowed = _allowed(attention_mask, query.shape[2], key.shape[2], query.device)
+        # As transformers' SDPA reads it: the call's is_causal, else the module's.
+        declared = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if declared is None else declared)
+        allowed = _allowed(
+            attention_mask, query.shape[2], key.shape[2], query.device, causal=causal
+        )
         scores = scores.masked_fill_(~allowed, float("-inf"))
     if site is not None and site.scores.has_hooks:
         fired.append((scores, site.scores(scores)))

@@ -99,7 +99,7 @@ class Wiring:
         at_attention = self.adapter.description.rotary or not self.adapter.query_prescaled
         for i, layer in enumerate(self.modules.layers):
             p = f"blocks.{i}.attn."
-            sites[layer.attn] = AttentionSite(
+            sites[layer.attn_core] = AttentionSite(
                 q=self._point(p + qk[0]) if at_attention else None,
                 k=self._point(p + qk[1]) if at_attention else None,
                 # A site certification did not serve gets a point nothing attaches to.
@@ -233,29 +233,12 @@ class Wiring:
             )
             self.points = flat_points(points, i, state.shapes)
         resid_mid = b + "ln2.hook_in"
-        if self._active(resid_mid) and self.parallel and layer.ln2 is None:
-            # One norm feeds both sublayers (GPT-J, Falcon-7B): the MLP gets its own copy of
-            # that norm over ln2.hook_in, so an edit there reaches the MLP only.
-            assert layer.ln1 is not None
-            handles.append(
-                layer.layer.register_forward_pre_hook(_stash_input_hook(i, state), with_kwargs=True)
-            )
-            hook = _shared_norm_mlp_hook(i, layer.ln1, self.points[resid_mid], state)
-            handles.append(layer.mlp.register_forward_pre_hook(hook, with_kwargs=True))
-        elif self._active(resid_mid) and self.parallel:
-            # A parallel block's MLP norm reads the block input: an edit reaches the MLP only.
-            assert layer.ln2 is not None
-            handles.append(
-                layer.ln2.register_forward_pre_hook(
-                    _input_hook(self.points[resid_mid]), with_kwargs=True
-                )
-            )
-        elif self._active(resid_mid):
-            target = layer.ln2 if layer.ln2 is not None else layer.mlp
-            handles.append(
-                target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True)
-            )
-        self._install_norm(b + "ln2", layer.ln2, handles, with_input=False)
+        if self.adapter.description.norm_after_residual:
+            # A post-LN block (BERT) normalises the sum itself: nothing else reads it.
+            self._install_norm(b + "ln2", layer.ln2, handles)
+        else:
+            self._install_resid_mid(i, layer, state, handles)
+            self._install_norm(b + "ln2", layer.ln2, handles, with_input=False)
         if self._active(b + "mlp.hook_in"):
             # An inline MLP (OPT) is no module: mlp.hook_in/hook_out sit on its projections.
             mlp_in = (
@@ -285,8 +268,38 @@ class Wiring:
             )
         self._install_norm(b + "ln2_post", layer.ln2_post, handles)
         self.points = points
-        if self._active(b + "hook_out") or (self._active(resid_mid) and not self.parallel):
+        # The block's end adds an edit of resid_mid to the residual the layer holds.
+        adds_resid_mid = not self.parallel and not self.adapter.description.norm_after_residual
+        if self._active(b + "hook_out") or (self._active(resid_mid) and adds_resid_mid):
             handles.append(layer.layer.register_forward_hook(self._block_out_hook(i, state)))
+
+    def _install_resid_mid(
+        self, i: int, layer: LayerModules, state: ForwardBookkeeping, handles: list[RemovableHandle]
+    ) -> None:
+        """``ln2.hook_in`` of a block whose residual stream runs beside its sublayers."""
+        resid_mid = f"blocks.{i}.ln2.hook_in"
+        if self._active(resid_mid) and self.parallel and layer.ln2 is None:
+            # One norm feeds both sublayers (GPT-J, Falcon-7B): the MLP gets its own copy of
+            # that norm over ln2.hook_in, so an edit there reaches the MLP only.
+            assert layer.ln1 is not None
+            handles.append(
+                layer.layer.register_forward_pre_hook(_stash_input_hook(i, state), with_kwargs=True)
+            )
+            hook = _shared_norm_mlp_hook(i, layer.ln1, self.points[resid_mid], state)
+            handles.append(layer.mlp.register_forward_pre_hook(hook, with_kwargs=True))
+        elif self._active(resid_mid) and self.parallel:
+            # A parallel block's MLP norm reads the block input: an edit reaches the MLP only.
+            assert layer.ln2 is not None
+            handles.append(
+                layer.ln2.register_forward_pre_hook(
+                    _input_hook(self.points[resid_mid]), with_kwargs=True
+                )
+            )
+        elif self._active(resid_mid):
+            target = layer.ln2 if layer.ln2 is not None else layer.mlp
+            handles.append(
+                target.register_forward_pre_hook(self._resid_mid_hook(i, state), with_kwargs=True)
+            )
 
     def _install_qk(self, b: str, layer: LayerModules, handles: list[RemovableHandle]) -> None:
         if not self.adapter.description.rotary and not self.adapter.query_prescaled:

@@ -45,11 +45,15 @@ class ArchitectureAdapter:
         pos_embed: Path of the learned position embedding, or ``None``.
         embed_norm: Path of a norm applied to the embedding before the first block (BLOOM),
             or ``None``.
-        ln1: Pre-attention norm inside a layer, or ``None`` (OLMo 2 has none).
-        ln2: Pre-MLP norm, or ``None``.
+        ln1: Pre-attention norm inside a layer, or ``None`` (OLMo 2 has none). On post-LN
+            blocks (``norm_after_residual``, BERT) the norm after attention's residual add.
+        ln2: Pre-MLP norm, or ``None``; on post-LN blocks the norm after the MLP's add.
         ln1_post: Norm applied to the attention output (sandwich norms), or ``None``.
         ln2_post: Norm applied to the MLP output, or ``None``.
         attn: Attention module inside a layer.
+        attention_core: The module inside ``attn`` that calls transformers'
+            ``AttentionInterface``, where that is not ``attn`` itself (BERT's ``self``: its
+            ``attention`` also holds the output projection and the norm), or ``None``.
         q: Query projection inside ``attn`` (``None`` when fused into ``qkv``).
         k: Key projection inside ``attn``.
         v: Value projection inside ``attn``.
@@ -141,6 +145,7 @@ class ArchitectureAdapter:
     ln1_post: str | None = None
     ln2_post: str | None = None
     attn: str = "self_attn"
+    attention_core: str | None = None
     q: str | None = "q_proj"
     k: str | None = "k_proj"
     v: str | None = "v_proj"
@@ -235,8 +240,8 @@ def _disagreements(adapter: ArchitectureAdapter) -> list[str]:
         sublayers = {"mixer": d.blocks == "mixer"}
     else:
         sublayers = {
-            "ln1": d.norm_before_attn,
-            "ln2": d.norm_before_mlp,
+            "ln1": d.norm_before_attn or d.norm_after_residual,
+            "ln2": d.norm_before_mlp or d.norm_after_residual,
             "ln1_post": d.norm_after_attn,
             "ln2_post": d.norm_after_mlp,
             "q_norm": d.qk_norm != "none",
