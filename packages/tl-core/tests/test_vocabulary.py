@@ -67,7 +67,9 @@ DEEPSEEK = dataclasses.replace(
     QWEN2_MOE, d_q_latent=24, d_kv_latent=16, architecture="deepseek-style"
 )
 MAMBA = dataclasses.replace(LLAMA, mixer=True, architecture="mamba-style")
-BERT = dataclasses.replace(GPT2, post_residual_norm=True, architecture="bert-style")
+BERT = dataclasses.replace(
+    GPT2, post_residual_norm=True, token_type_embed=True, embed_norm=True, architecture="bert-style"
+)
 
 #: Every structural condition a template may name, each with its reason for absent sites.
 REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
@@ -94,6 +96,7 @@ def test_every_requirement_is_decided_by_structure_and_explained() -> None:
             MAMBA,
             BLOOM,
             PARALLEL_NO_NORM,
+            BERT,
         )
         met = {requirement_met(requirement, info) for info in infos}
         opt_in = requirement in ("attn_result", "split_qkv_input")
@@ -166,6 +169,8 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     expected |= {"blocks.{i}.attn.hook_q_latent", "blocks.{i}.attn.hook_kv_latent"}
     # A state-space mixer in place of attention and MLP (Mamba).
     expected |= {"blocks.{i}.mixer.hook_in", "blocks.{i}.mixer.hook_out"}
+    # BERT's token-type (segment) embedding, as TransformerLens 4.3 names it.
+    expected |= {"token_type_embed.hook_in", "token_type_embed.hook_out"}
     # Per-head q/k/v inputs (opt-in), HookedTransformer's use_split_qkv_input sites.
     expected |= {f"blocks.{{i}}.attn.hook_{x}_input" for x in "qkv"}
     # QK-norm sites, as TransformerLens 4.x names them.

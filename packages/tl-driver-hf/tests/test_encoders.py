@@ -424,7 +424,13 @@ def test_segment_ids_reach_the_model_as_transformers_takes_them(bert: Path) -> N
         want = model(input_ids=torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits
         got = bridge(torch.tensor([ids]), token_type_ids=torch.tensor([types]))
         listed, cache = bridge.run_with_cache(
-            _PROMPTS, token_type_ids=[types, [0, 1, 1]], names_filter="blocks.0.hook_in"
+            _PROMPTS,
+            token_type_ids=[types, [0, 1, 1]],
+            names_filter=[
+                "blocks.0.hook_in",
+                "token_type_embed.hook_in",
+                "token_type_embed.hook_out",
+            ],
         )
         plain = bridge(torch.tensor([ids]))
         alone = model(
@@ -438,6 +444,11 @@ def test_segment_ids_reach_the_model_as_transformers_takes_them(bert: Path) -> N
             input_ids=torch.tensor([_PROMPTS[1]]), token_type_ids=torch.tensor([[0, 1, 1]])
         )
     torch.testing.assert_close(cache["blocks.0.hook_in"][1, :3], embedded[0], rtol=1e-6, atol=1e-6)
+    # The segment sites hold the ids given and the rows the model adds for them.
+    assert cache["token_type_embed.hook_in"][0].tolist() == types
+    assert cache["token_type_embed.hook_in"][1, :3].tolist() == [0, 1, 1]
+    rows = model.bert.embeddings.token_type_embeddings.weight
+    torch.testing.assert_close(cache["token_type_embed.hook_out"][0], rows[types].detach())
     assert (plain - want).abs().max() > 1e-3  # the segments changed the forward
 
 

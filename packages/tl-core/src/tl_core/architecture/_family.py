@@ -87,6 +87,8 @@ class FamilyDescription:
             norms, and no norm sits before a sublayer or on its output alone.
         norm_after_embed: Whether a norm sits between the embedding and the first block
             (BLOOM).
+        token_types: Whether a token-type (segment) embedding adds a row per segment id to
+            the token embedding (BERT).
         norm_before_unembed: Whether a norm sits between the last block and the
             unembedding (the final norm), or ``"unknown"``.
         parallel: Whether attention and the MLP read the same block input.
@@ -123,6 +125,7 @@ class FamilyDescription:
     norm_after_mlp: bool = False
     norm_after_residual: bool = False
     norm_after_embed: bool = False
+    token_types: bool = False
     norm_before_unembed: bool | Unknown = True
     parallel: bool = False
     parallel_field: str | None = None
@@ -286,6 +289,7 @@ class FamilyDescription:
             post_residual_norm=self.norm_after_residual and self.blocks == "attention_mlp",
             qk_norm=self.qk_norm != "none",
             embed_norm=self.norm_after_embed,
+            token_type_embed=self.token_types,
             moe=self.moe,
             architecture=architecture or str(named[0]),
             n_ctx=n_ctx,

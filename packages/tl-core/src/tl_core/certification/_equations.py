@@ -145,6 +145,21 @@ def equation_checks(
             summed,
             get("blocks.0.hook_in"),
         )
+    if has("embed_ln.hook_in") and has("embed.hook_out"):
+        # BERT sums word, position and token-type rows, then normalises the sum.
+        terms = [
+            t
+            for t in ("embed.hook_out", "pos_embed.hook_out", "token_type_embed.hook_out")
+            if has(t)
+        ]
+        parts = [get(t) for t in terms]
+        shapes = {tuple(p.shape) for p in parts if p is not None}
+        total = (
+            sum((p.double() for p in parts[1:]), parts[0].double())  # type: ignore[union-attr]
+            if len(shapes) == 1 and None not in parts
+            else None
+        )
+        check(f"{' + '.join(terms)} == embed_ln.hook_in", terms, total, get("embed_ln.hook_in"))
     if has("embed_ln.hook_out") and n:
         check(
             "embed_ln.hook_out == blocks.0.hook_in",

@@ -56,6 +56,9 @@ class ModelInfo:
             layer, attention or an MLP by layer): then ``mixer.hook_in``/``hook_out`` exist.
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
             then ``embed_ln.*`` exist.
+        token_type_embed: Whether a token-type (segment) embedding adds a row per segment id
+            to the token embedding (BERT's sentence A and B): then ``token_type_embed.*``
+            exist.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
             (Qwen3, Gemma 3, OLMo 2): then ``attn.q_norm.*`` and ``attn.k_norm.*`` exist.
         rotary_dim: Width of the rotated part of each head (``None``: the whole head);
@@ -92,6 +95,7 @@ class ModelInfo:
     d_kv_latent: int | None = None
     mixer: bool = False
     embed_norm: bool = False
+    token_type_embed: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
     act_fn: str | None = None

@@ -28,6 +28,7 @@ HookRequirement = Literal[
     "gated_mlp",
     "mlp_norm_input",
     "embed_norm",
+    "token_types",
     "moe",
     "shared_expert",
     "q_latent",
@@ -49,6 +50,7 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "mlp_norm_input": "its blocks run attention and MLP in parallel without norms, so "
     "nothing lies between the block input and the MLP",
     "embed_norm": "it does not normalise the embedding before the first block",
+    "token_types": "it has no token-type (segment) embedding",
     "moe": "its MLP is not a mixture of experts",
     "shared_expert": "its MLP has no shared expert beside the routed ones",
     "q_latent": "its attention does not compress queries into a latent (no multi-head latent "
@@ -129,6 +131,8 @@ def requirement_met(
         return not info.parallel_attn_mlp or info.normalization_type is not None
     if requires == "embed_norm":
         return info.embed_norm
+    if requires == "token_types":
+        return info.token_type_embed
     if requires == "moe":
         return info.n_experts is not None
     if requires == "shared_expert":

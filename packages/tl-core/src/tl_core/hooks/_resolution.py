@@ -134,8 +134,6 @@ _NOT_DECODER_ONLY = frozenset(
         "hook_cross_attn_in",
         "hook_cross_attn_out",
         "hook_resid_mid_cross",
-        "hook_token_type_embed",
-        "token_type_embed",
         "hook_pooler_out",
         "pooler",
         "hook_nsp_out",

@@ -107,7 +107,7 @@ class HookTemplate:
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
             MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
-            embedding, BLOOM), ``"moe"`` (a mixture of experts), ``"shared_expert"`` (a mixture
+            embedding, BLOOM), ``"token_types"`` (a token-type embedding, BERT), ``"moe"`` (a mixture of experts), ``"shared_expert"`` (a mixture
             of experts with a shared expert), ``"q_latent"``/``"kv_latent"`` (multi-head latent
             attention with a compressed query / key-value latent), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
             ``"split_qkv_input"`` (opt-in) or ``"norm"``.
@@ -236,7 +236,12 @@ _LN2_POST = _norm_family(
     "= mlp.hook_out",
 )
 _LN_FINAL = _norm_family("ln_final", "the final norm", "norm", "= the last block's hook_out")
-_EMBED_LN = _norm_family("embed_ln", "the embedding norm (BLOOM)", "embed_norm", "= embed.hook_out")
+_EMBED_LN = _norm_family(
+    "embed_ln",
+    "the embedding norm (BLOOM, BERT)",
+    "embed_norm",
+    "= embed.hook_out, plus pos_embed.hook_out and token_type_embed.hook_out where they exist",
+)
 
 #: The vocabulary, in forward order: global hooks before the blocks, one block's hooks,
 #: global hooks after the blocks.
@@ -269,6 +274,21 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "Learned positional embedding.",
         "hook_pos_embed",
         "standard_pos",
+    ),
+    HookTemplate(
+        "token_type_embed.hook_in",
+        "b p",
+        "Segment ids entering the token-type embedding (integers; read-only; BERT's sentence "
+        "A is 0, B is 1).",
+        None,
+        "token_types",
+    ),
+    HookTemplate(
+        "token_type_embed.hook_out",
+        "b p d",
+        "Token-type (segment) embedding rows, added to the token embedding (BERT).",
+        "hook_token_type_embed",
+        "token_types",
     ),
     HookTemplate(
         "blocks.{i}.hook_in",

@@ -221,6 +221,27 @@ def _position_embedding(
     return None
 
 
+def _token_type_embedding(
+    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
+) -> str | None:
+    """An embedding table named for token types that runs before the first layer on integer
+    ids (BERT's segment rows); certification checks that it joins the token embedding."""
+    first = calls[id(layers[0])]
+    for name, module in model.named_modules():
+        call = calls.get(id(module))
+        if (
+            isinstance(module, nn.Embedding)
+            and module is not embed
+            and "token_type" in name
+            and call is not None
+            and call.start < first.start
+            and call.input is not None
+            and not call.input.dtype.is_floating_point
+        ):
+            return str(name)
+    return None
+
+
 def _embedding_norm(
     model: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
 ) -> str | None:
@@ -554,6 +575,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
     pos_embed = _position_embedding(model, embed, layers, calls)
     position_ids_start = _first_position(model, pos_embed, calls)
+    token_type_embed = _token_type_embedding(model, embed, layers, calls)
+    lm["token_types"] = token_type_embed is not None
     facts: dict[str, str] = {
         "embedding": embed_path + (f", then the norm {embed_norm}" if embed_norm else ""),
         "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
@@ -616,7 +639,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=mixer_norm, ln2=None,
             attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
             mixer="mixer" if mixer_norm else None,
-            verified=False, pos_embed=pos_embed, embed_norm=embed_norm, absent=absent,
+            verified=False, pos_embed=pos_embed, embed_norm=embed_norm, token_type_embed=token_type_embed, absent=absent,
             readout_opaque=readout_opaque, position_ids_start=position_ids_start,
         )  # fmt: skip
         return InferredArchitecture(adapter, facts, "opaque", info)
@@ -821,6 +844,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         verified=False,
         pos_embed=pos_embed,
         embed_norm=embed_norm,
+        token_type_embed=token_type_embed,
         absent=absent,
         readout_opaque=readout_opaque,
         position_ids_start=position_ids_start,

@@ -60,6 +60,7 @@ class ModelModules:
     embed: nn.Module
     embed_norm: nn.Module | None
     pos_embed: nn.Module | None
+    token_type_embed: nn.Module | None
     layers: tuple[LayerModules, ...]
     final_norm: nn.Module | None
     lm_head: nn.Module
@@ -156,6 +157,7 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
         embed=_need(model, adapter.embed, "", adapter),
         embed_norm=_get(model, adapter.embed_norm, "", adapter),
         pos_embed=_get(model, adapter.pos_embed, "", adapter),
+        token_type_embed=_get(model, adapter.token_type_embed, "", adapter),
         layers=tuple(layers),
         final_norm=_get(model, adapter.final_norm, "", adapter),
         lm_head=_need(model, adapter.lm_head, "", adapter),

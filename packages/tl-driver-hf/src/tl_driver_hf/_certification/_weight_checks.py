@@ -296,6 +296,17 @@ def readout_checks(
                 rtol=0.0,
             )
         )
+    if "token_type_embed.hook_in" in cache:
+        # Certification passes no segment ids: the model's default is sentence A (0).
+        checks.append(
+            compare(
+                "token_type_embed.hook_in == the segment ids (0: none given)",
+                ("token_type_embed.hook_in",),
+                cache["token_type_embed.hook_in"].double(),
+                torch.zeros_like(ids, dtype=torch.float64),
+                rtol=0.0,
+            )
+        )
     head, normed, out = (
         driver.hooked_model.parts.lm_head,
         cache.get("ln_final.hook_out"),

@@ -133,6 +133,12 @@ class Wiring:
             handles.append(
                 m.pos_embed.register_forward_hook(_output_hook(self.points["pos_embed.hook_out"]))
             )
+        if m.token_type_embed is not None and self._active("token_type_embed.hook_in"):
+            hook = _ids_hook(self.points["token_type_embed.hook_in"], "input_ids")
+            handles.append(m.token_type_embed.register_forward_pre_hook(hook, with_kwargs=True))
+        if m.token_type_embed is not None and self._active("token_type_embed.hook_out"):
+            point = self.points["token_type_embed.hook_out"]
+            handles.append(m.token_type_embed.register_forward_hook(_output_hook(point)))
         for i, layer in enumerate(m.layers):
             self._install_layer(i, layer, state, handles)
         self._install_norm("ln_final", m.final_norm, handles)

@@ -45,6 +45,8 @@ class ArchitectureAdapter:
         pos_embed: Path of the learned position embedding, or ``None``.
         embed_norm: Path of a norm applied to the embedding before the first block (BLOOM),
             or ``None``.
+        token_type_embed: Path of the token-type (segment) embedding whose rows are added to
+            the token embedding (BERT), or ``None``.
         ln1: Pre-attention norm inside a layer, or ``None`` (OLMo 2 has none). On post-LN
             blocks (``norm_after_residual``, BERT) the norm after attention's residual add.
         ln2: Pre-MLP norm, or ``None``; on post-LN blocks the norm after the MLP's add.
@@ -140,6 +142,7 @@ class ArchitectureAdapter:
     lm_head: str = "lm_head"
     pos_embed: str | None = None
     embed_norm: str | None = None
+    token_type_embed: str | None = None
     ln1: str | None = "input_layernorm"
     ln2: str | None = "post_attention_layernorm"
     ln1_post: str | None = None
@@ -251,6 +254,7 @@ def _disagreements(adapter: ArchitectureAdapter) -> list[str]:
         **sublayers,
         "pos_embed": d.positions == "learned",
         "embed_norm": d.norm_after_embed,
+        "token_type_embed": d.token_types,
     }
     problems = [
         f"{name}={getattr(adapter, name)!r} but the description says "

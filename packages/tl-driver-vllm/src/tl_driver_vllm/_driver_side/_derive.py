@@ -116,6 +116,11 @@ def layout_from_description(adapter: Any) -> Layout:
             "a mixture of experts runs vLLM's fused experts there, whose routing sites tl does "
             "not map"
         )
+    if description.norm_after_residual:
+        problems.append(
+            "its blocks normalise each residual sum (post-LN), where the vLLM sites read a "
+            "residual stream that sublayers add to"
+        )
     if description.embed_scaled:
         problems.append(
             "the embedding scale is applied inside transformers' embedding, which vLLM replaces"
