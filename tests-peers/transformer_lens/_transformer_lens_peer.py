@@ -72,6 +72,43 @@ INFERRED = [
 ]
 
 
+#: Masked LMs (encoders) tl infers and certifies, with TransformerLens 4.3's adapter for each:
+#: BERT-style post-LN blocks, compared as loaded (TransformerLens folds no norm of theirs,
+#: and tl refuses compatibility mode on an inferred architecture).
+MASKED = ["bert", "roberta"]
+
+
+def write_masked_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:
+    """A tiny random masked LM of ``model_type`` (``BertForMaskedLM``,
+    ``RobertaForMaskedLM``) with the tiny tokenizer of ``tokenizer_from``; weights widened
+    as ``write_inferred_checkpoint``'s are."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    sizes = {
+        "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 128, "max_position_embeddings": 64,
+    }  # fmt: skip
+    # RoBERTa numbers positions after its padding id (1), which the prompts never hold.
+    extra = {"pad_token_id": 1} if model_type == "roberta" else {}
+    config = AutoConfig.for_model(model_type, **sizes, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForMaskedLM.from_config(config).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.dim() >= 2:
+                param.copy_(noise * sizes["hidden_size"] ** -0.5)
+            else:
+                param.add_(noise * 0.1)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:
     """A tiny random checkpoint of ``model_type`` from its default config, with the tiny
     tokenizer of ``tokenizer_from`` (TransformerLens loads one); weights are widened from

@@ -20,11 +20,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
     """``checkpoints(name)`` -> the folder of a float32 tiny checkpoint (written once).
 
     ``name`` is a family, one of ``_transformer_lens_peer.VARIANTS`` or of its
-    ``INFERRED`` families.
+    ``INFERRED`` or ``MASKED`` families.
     """
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
+        if name not in made and name in _shared.MASKED:
+            made[name] = _shared.write_masked_checkpoint(
+                name, tmp_path_factory.mktemp(name), get("llama")
+            )
         if name not in made and name in _shared.INFERRED:
             made[name] = _shared.write_inferred_checkpoint(
                 name, tmp_path_factory.mktemp(name), get("llama")

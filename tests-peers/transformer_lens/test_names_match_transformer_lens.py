@@ -119,7 +119,7 @@ LAYOUTS = [
         "one scale per position ([b, p, 1] in TransformerLens), repeated per head in tl",
     ),
     Layout(
-        (*(f for f in FAMILIES if f not in ("opt", "bloom", "gptj")), *_shared.INFERRED),
+        (*(f for f in FAMILIES if f not in ("opt", "bloom", "gptj")), *_shared.INFERRED, "bert"),
         r"^pos_embed\.hook_in$|hook_(cos|sin)$",
         _one_row,
         "without padding transformers builds one row of position ids (and so one rotary "
@@ -217,12 +217,28 @@ DERIVED = [
 
 TL_SLIPS = [
     Slip(
-        ("opt", "gpt_neo", "gptj"),
+        ("opt", "gpt_neo", "gptj", *_shared.MASKED),
         r"attn\.hook_attn_scores$",
         lambda name, run: run.ours[_block(name) + "attn.hook_pattern"],
         "TransformerLens 4.3 serves the softmaxed pattern under hook_attn_scores on these "
         "families (their attention runs inside the module, not through an attention "
-        "function it can hook)",
+        "function it can hook; BERT's runs through one its bridge does not reach)",
+    ),
+    Slip(
+        tuple(_shared.MASKED),
+        r"(attn\.hook_out|hook_attn_out)$",
+        lambda name, run: run.ours[_block(name) + "ln1.hook_out"],
+        "TransformerLens 4.3 bridges BERT's whole attention module, which adds the residual "
+        "and normalises the sum, so its attn.hook_out (and hook_attn_out) is ln1's output; "
+        "attention's own output, the projection's, is its attn.o.hook_out (tl's attn.hook_out)",
+    ),
+    Slip(
+        tuple(_shared.MASKED),
+        r"hook_resid_mid$",
+        lambda name, run: run.ours[_block(name) + "ln2.hook_in"],
+        "TransformerLens 4.3 aliases hook_resid_mid to ln2's input, which on BERT's post-LN "
+        "blocks is ln1.hook_out + mlp.hook_out, after the MLP; tl's is HookedEncoder's, the sum "
+        "ln1 normalises (hook_in + attn.hook_out)",
     ),
     Slip(
         ("opt",),
@@ -352,6 +368,14 @@ def _difference(name: str, got: Any, want: Any, exact: Any) -> float:
         assert bool((want[masked] <= MASKED).all()), f"{name}: a masked score is not masked"
         got, want, exact = (t.masked_fill(masked, 0.0) for t in (got, want, exact))
     return check_rounding(got, want, exact, name=name, factor=FACTOR).ratio
+
+
+@pytest.mark.parametrize("checkpoint", _shared.MASKED)
+def test_every_transformer_lens_name_resolves_on_masked_lms(
+    checkpoint: str, checkpoints: Callable[[str], Path]
+) -> None:
+    """BERT and RoBERTa (post-LN encoders tl infers), as loaded."""
+    test_every_transformer_lens_name_resolves_to_an_equal_tensor(checkpoint, False, checkpoints)
 
 
 @pytest.mark.parametrize("checkpoint", _shared.INFERRED)

@@ -371,6 +371,23 @@ def test_a_hook_missing_from_the_drivers_own_forward_is_refused_by_name() -> Non
     assert silent_hook_checks(names, cache) == []
 
 
+def test_a_head_transform_reads_the_last_block_instead_of_the_final_norm() -> None:
+    """A masked LM's head (dense, activation, then the final norm): the last block's output
+    is the transform's input, and the final norm's input is no longer that output."""
+    info = dataclasses.replace(_info("post_ln", 2, "LN", False, False), head_transform=True)
+    cache, extras = synthetic(info, seed=1)
+    cache["mlm_head.hook_in"] = cache["blocks.1.hook_out"].clone()
+    cache["ln_final.hook_in"] = cache["ln_final.hook_in"] * 2.0  # what the transform hands on
+    _norm(cache, "ln_final", cache["ln_final.hook_in"].double(), "LN", torch.Generator())
+    cache = {k: v.float() for k, v in cache.items()}
+    checks = {c.equation: c for c in equation_checks(cache, info, **extras)}
+    assert checks["blocks.1.hook_out == mlm_head.hook_in"].passed
+    assert "blocks.1.hook_out == ln_final.hook_in" not in checks
+    cache["mlm_head.hook_in"] = cache["mlm_head.hook_in"] + 0.5
+    checks = {c.equation: c for c in equation_checks(cache, info, **extras)}
+    assert not checks["blocks.1.hook_out == mlm_head.hook_in"].passed
+
+
 def test_a_mixer_block_adds_its_mixer_output_and_reads_its_norm() -> None:
     info = dataclasses.replace(_info("sequential", 2, "RMS", False, False), mixer=True)
     gen = torch.Generator().manual_seed(0)

@@ -68,7 +68,12 @@ DEEPSEEK = dataclasses.replace(
 )
 MAMBA = dataclasses.replace(LLAMA, mixer=True, architecture="mamba-style")
 BERT = dataclasses.replace(
-    GPT2, post_residual_norm=True, token_type_embed=True, embed_norm=True, architecture="bert-style"
+    GPT2,
+    post_residual_norm=True,
+    token_type_embed=True,
+    embed_norm=True,
+    head_transform=True,
+    architecture="bert-style",
 )
 
 #: Every structural condition a template may name, each with its reason for absent sites.
@@ -171,6 +176,8 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
     expected |= {"blocks.{i}.mixer.hook_in", "blocks.{i}.mixer.hook_out"}
     # BERT's token-type (segment) embedding, as TransformerLens 4.3 names it.
     expected |= {"token_type_embed.hook_in", "token_type_embed.hook_out"}
+    # A masked LM's head transform before the final norm, as TransformerLens 4.3 names it.
+    expected |= {"mlm_head.hook_in", "mlm_head.hook_out"}
     # Per-head q/k/v inputs (opt-in), HookedTransformer's use_split_qkv_input sites.
     expected |= {f"blocks.{{i}}.attn.hook_{x}_input" for x in "qkv"}
     # QK-norm sites, as TransformerLens 4.x names them.

@@ -247,6 +247,47 @@ def test_every_site_inside_a_post_ln_block_is_what_transformers_modules_hold(
     torch.testing.assert_close(cache[b + "hook_resid_post"], cache["blocks.1.hook_out"])
 
 
+@pytest.mark.parametrize("which", ["bert", "roberta"])
+def test_the_mlm_head_transform_is_served_as_transformers_runs_it(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    """dense, activation, LayerNorm, then the unembedding: mlm_head.* and ln_final.* hold what
+    the head's modules read and return, and an edit at its input equals a plain pre-hook."""
+    folder = request.getfixturevalue(which)
+    bridge = TransformerBridge(HFDriver.boot(str(folder)))
+    ids = torch.tensor([_PROMPTS[0]])
+    _, _, model = _plain(folder, _PROMPTS[0])
+    dense, norm = (
+        (model.cls.predictions.transform.dense, model.cls.predictions.transform.LayerNorm)
+        if which == "bert"
+        else (model.lm_head.dense, model.lm_head.layer_norm)
+    )
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        dense.register_forward_pre_hook(lambda m, a: seen.setdefault("mlm_head.hook_in", a[0])),
+        dense.register_forward_hook(lambda m, a, o: seen.setdefault("mlm_head.hook_out", o)),
+        norm.register_forward_pre_hook(lambda m, a: seen.setdefault("ln_final.hook_in", a[0])),
+        norm.register_forward_hook(lambda m, a, o: seen.setdefault("ln_final.hook_out", o)),
+    ]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    _, cache = bridge.run_with_cache(ids)
+    for name, value in seen.items():
+        torch.testing.assert_close(cache[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(cache["mlm_head.hook_in"], cache["blocks.1.hook_out"])
+    assert bridge.namespace.lookup("unembed.hook_in") == "ln_final.hook_out"
+    vector = torch.randn(_SIZES["hidden_size"], generator=torch.Generator().manual_seed(7))
+    handle = dense.register_forward_pre_hook(lambda m, a: (a[0] + vector,))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    handle.remove()
+    with torch.no_grad():
+        got = bridge(ids, intervene={"mlm_head.hook_in": {"op": "add", "value": vector}})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_head_ablation_and_an_add_before_a_norm_equal_plain_torch_hooks(bert: Path) -> None:
     bridge = TransformerBridge(HFDriver.boot(str(bert)))
     ids = _PROMPTS[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -480,6 +481,14 @@ class HFDriver(LocalDriver):
             )
         return self._model.readout()
 
+    @functools.cached_property
+    def _numbers_positions_from_zero(self) -> bool:
+        """Whether the model has a learned position table whose ids start at 0 for each
+        prompt, and its forward takes ``position_ids``."""
+        if self._adapter.pos_embed is None or self._adapter.position_ids_start:
+            return False
+        return "position_ids" in inspect.signature(self.hf_model.forward).parameters
+
     @property
     def _token_types(self) -> int:
         """How many segment ids the model's token-type embedding has (0: none)."""
@@ -553,9 +562,14 @@ class HFDriver(LocalDriver):
             # Some families build their masks from it unconditionally (MPT).
             mask = torch.ones((batch, seq), dtype=torch.long, device=device)
         # An encoder's prompts are right-padded and it numbers positions its own way: its
-        # own numbering holds (position_ids stays None).
+        # own numbering holds. BERT's is 0, 1, ... for every row, padding included, read
+        # from a one-row buffer: passing the same ids with the batch axis makes its position
+        # sites fire per prompt like every other site. RoBERTa's (after its padding id)
+        # already has the batch axis, and stays None.
         encoder = self._adapter.description.kind == "masked_lm"
-        if position_ids is None and not encoder:
+        if position_ids is None and encoder and self._numbers_positions_from_zero:
+            position_ids = torch.arange(seq, device=device).expand(batch, seq)
+        elif position_ids is None and not encoder:
             # Explicit [batch, pos] ids: left padding needs them from the mask, and learned
             # position embeddings then fire with the batch axis like every other hook.
             if mask is not None:
@@ -707,8 +721,8 @@ class HFDriver(LocalDriver):
             if self._adapter.readout_opaque:
                 raise UnsupportedFeatureError(
                     f"start_at_layer runs on to the logits through {self._info.architecture!r}'s "
-                    f"head transform, which tl does not read; pass stop_at_layer to get the "
-                    f"residual stream instead"
+                    f"head transform, which tl does not run from a residual it is handed; pass "
+                    f"stop_at_layer to get the residual stream instead"
                 )
             logits = parts.lm_head(parts.final_norm(x) if parts.final_norm is not None else x)
         return self._softcap(logits)

@@ -53,6 +53,7 @@ def model_info_from_config(
     qk_norm: bool = False,
     embed_norm: bool = False,
     token_type_embed: bool = False,
+    head_transform: bool = False,
     moe: bool = False,
     architecture: str | None = None,
     n_ctx: int | None = None,
@@ -74,6 +75,7 @@ def model_info_from_config(
         qk_norm: Whether queries and keys are normalised.
         embed_norm: Whether the embedding is normalised before the first block.
         token_type_embed: Whether a token-type (segment) embedding is added (BERT).
+        head_transform: Whether a masked-LM head transform precedes the final norm (BERT).
         moe: Whether the MLP is a mixture of experts (expert counts come from the config).
         architecture: The class name to report (default: ``config.architectures[0]``).
         n_ctx: The longest input (default: the config's position limit, else 2048).
@@ -141,6 +143,7 @@ def model_info_from_config(
         qk_norm=qk_norm,
         embed_norm=embed_norm,
         token_type_embed=token_type_embed,
+        head_transform=head_transform,
         n_experts=_int_or_none(first_set(config, _N_EXPERTS)) if moe else None,
         experts_per_token=_int_or_none(first_set(config, _TOP_K)) if moe else None,
         rotary_dim=rotary_dim,

@@ -87,6 +87,8 @@ class FamilyDescription:
             norms, and no norm sits before a sublayer or on its output alone.
         norm_after_embed: Whether a norm sits between the embedding and the first block
             (BLOOM).
+        head_transform: Whether the unembedding reads a transform of the last block's output
+            (a masked LM's head: dense, activation, then the final norm).
         token_types: Whether a token-type (segment) embedding adds a row per segment id to
             the token embedding (BERT).
         norm_before_unembed: Whether a norm sits between the last block and the
@@ -126,6 +128,7 @@ class FamilyDescription:
     norm_after_residual: bool = False
     norm_after_embed: bool = False
     token_types: bool = False
+    head_transform: bool = False
     norm_before_unembed: bool | Unknown = True
     parallel: bool = False
     parallel_field: str | None = None
@@ -290,6 +293,7 @@ class FamilyDescription:
             qk_norm=self.qk_norm != "none",
             embed_norm=self.norm_after_embed,
             token_type_embed=self.token_types,
+            head_transform=self.head_transform,
             moe=self.moe,
             architecture=architecture or str(named[0]),
             n_ctx=n_ctx,

@@ -170,9 +170,11 @@ def equation_checks(
     for i in range(n - 1):
         a, b = f"blocks.{i}.hook_out", f"blocks.{i + 1}.hook_in"
         check(f"{a} == {b}", (a, b), get(a), get(b))
-    if n and has("ln_final.hook_in"):
+    # A masked LM's head transform reads the last block; its norm is the final one.
+    last_reader = "mlm_head.hook_in" if info.head_transform else "ln_final.hook_in"
+    if n and has(last_reader):
         a = f"blocks.{n - 1}.hook_out"
-        check(f"{a} == ln_final.hook_in", (a, "ln_final.hook_in"), get(a), get("ln_final.hook_in"))
+        check(f"{a} == {last_reader}", (a, last_reader), get(a), get(last_reader))
     for i in range(n):
         try:
             checks.extend(

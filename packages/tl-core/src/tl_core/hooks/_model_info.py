@@ -56,6 +56,10 @@ class ModelInfo:
             layer, attention or an MLP by layer): then ``mixer.hook_in``/``hook_out`` exist.
         embed_norm: Whether a norm sits between the embedding and the first block (BLOOM):
             then ``embed_ln.*`` exist.
+        head_transform: Whether the unembedding reads a transform of the last block's
+            output (a masked LM's head: dense, activation, norm): then ``mlm_head.*`` exist
+            and ``ln_final`` is the transform's norm, whose input is the activation of
+            ``mlm_head.hook_out``.
         token_type_embed: Whether a token-type (segment) embedding adds a row per segment id
             to the token embedding (BERT's sentence A and B): then ``token_type_embed.*``
             exist.
@@ -96,6 +100,7 @@ class ModelInfo:
     mixer: bool = False
     embed_norm: bool = False
     token_type_embed: bool = False
+    head_transform: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
     act_fn: str | None = None

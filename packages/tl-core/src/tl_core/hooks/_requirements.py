@@ -29,6 +29,7 @@ HookRequirement = Literal[
     "mlp_norm_input",
     "embed_norm",
     "token_types",
+    "head_transform",
     "moe",
     "shared_expert",
     "q_latent",
@@ -51,6 +52,8 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "nothing lies between the block input and the MLP",
     "embed_norm": "it does not normalise the embedding before the first block",
     "token_types": "it has no token-type (segment) embedding",
+    "head_transform": "its unembedding reads the final norm's output directly (no masked-LM "
+    "head transform before it)",
     "moe": "its MLP is not a mixture of experts",
     "shared_expert": "its MLP has no shared expert beside the routed ones",
     "q_latent": "its attention does not compress queries into a latent (no multi-head latent "
@@ -133,6 +136,8 @@ def requirement_met(
         return info.embed_norm
     if requires == "token_types":
         return info.token_type_embed
+    if requires == "head_transform":
+        return info.head_transform
     if requires == "moe":
         return info.n_experts is not None
     if requires == "shared_expert":

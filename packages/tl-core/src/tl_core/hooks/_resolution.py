@@ -138,7 +138,6 @@ _NOT_DECODER_ONLY = frozenset(
         "pooler",
         "hook_nsp_out",
         "nsp_head",
-        "mlm_head",
     }
 )
 

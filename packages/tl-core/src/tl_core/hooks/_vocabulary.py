@@ -107,7 +107,8 @@ class HookTemplate:
             when every decoder-only model has it: ``"standard_pos"`` (learned positional
             embedding), ``"rotary"``, ``"gated_mlp"``, ``"mlp_norm_input"`` (attention and
             MLP in sequence, or a norm before the MLP), ``"embed_norm"`` (a norm on the
-            embedding, BLOOM), ``"token_types"`` (a token-type embedding, BERT), ``"moe"`` (a mixture of experts), ``"shared_expert"`` (a mixture
+            embedding, BLOOM), ``"token_types"`` (a token-type embedding, BERT), ``"head_transform"`` (a masked-LM
+            head transform before the final norm), ``"moe"`` (a mixture of experts), ``"shared_expert"`` (a mixture
             of experts with a shared expert), ``"q_latent"``/``"kv_latent"`` (multi-head latent
             attention with a compressed query / key-value latent), ``"sandwich_norm"``, ``"qk_norm"``, ``"attn_result"`` (opt-in),
             ``"split_qkv_input"`` (opt-in) or ``"norm"``.
@@ -235,7 +236,12 @@ _LN2_POST = _norm_family(
     "sandwich_norm",
     "= mlp.hook_out",
 )
-_LN_FINAL = _norm_family("ln_final", "the final norm", "norm", "= the last block's hook_out")
+_LN_FINAL = _norm_family(
+    "ln_final",
+    "the final norm (with a masked-LM head transform, BERT: the transform's norm)",
+    "norm",
+    "= the last block's hook_out; with a head transform the activation of mlm_head.hook_out",
+)
 _EMBED_LN = _norm_family(
     "embed_ln",
     "the embedding norm (BLOOM, BERT)",
@@ -555,6 +561,22 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "b p d",
         "Residual stream leaving block i.",
         "blocks.{i}.hook_resid_post",
+    ),
+    HookTemplate(
+        "mlm_head.hook_in",
+        "b p d",
+        "Input of a masked-LM head's transform (= the last block's hook_out; BERT's "
+        "cls.predictions.transform), as TransformerLens 4.3 names it.",
+        None,
+        "head_transform",
+    ),
+    HookTemplate(
+        "mlm_head.hook_out",
+        "b p d",
+        "The head transform's dense projection, before its activation; ln_final reads the "
+        "activation of it.",
+        None,
+        "head_transform",
     ),
     *_LN_FINAL,
     HookTemplate(

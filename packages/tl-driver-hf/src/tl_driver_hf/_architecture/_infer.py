@@ -188,6 +188,61 @@ def _final_norm(
     return None, True
 
 
+@dataclass(frozen=True)
+class _HeadTransform:
+    """A masked LM's head transform: ``norm(act(dense(last block's output)))`` feeds the
+    unembedding (paths in the model; ``act`` ``None`` where it is no module)."""
+
+    dense: str
+    act: str | None
+    norm: str
+
+
+def _head_transform(
+    model: nn.Module, layers: nn.ModuleList, lm_head: nn.Module, calls: Mapping[int, ModuleCall]
+) -> _HeadTransform | None:
+    """BERT's ``cls.predictions.transform``, found by what its modules read and return: a
+    Linear reading the last block's output, a norm handing the unembedding its input, and
+    the activation between them where it is a module."""
+    last, head = calls[id(layers[len(layers) - 1])], calls.get(id(lm_head))
+    if head is None:
+        return None
+    inside = {id(m) for m in layers.modules()}
+    between = [
+        (str(name), module, call)
+        for name, module in model.named_modules()
+        if (call := calls.get(id(module))) is not None
+        and id(module) not in inside
+        and call.start > last.end
+        and call.end < head.start
+    ]
+    dense = next(
+        (
+            e
+            for e in between
+            if isinstance(e[1], nn.Linear) and same_tensor(e[2].input, last.output)
+        ),
+        None,
+    )
+    norm = next(
+        (e for e in between if is_norm_module(e[1]) and same_tensor(e[2].output, head.input)), None
+    )
+    if dense is None or norm is None or not dense[2].end <= norm[2].start:
+        return None
+    act = next(
+        (
+            name
+            for name, module, call in between
+            if module is not dense[1]
+            and not list(module.children())
+            and same_tensor(call.input, dense[2].output)
+            and same_tensor(call.output, norm[2].input)
+        ),
+        None,
+    )
+    return _HeadTransform(dense[0], act, norm[0])
+
+
 def _first_position(
     model: nn.Module, pos_embed: str | None, calls: Mapping[int, ModuleCall]
 ) -> int:
@@ -529,6 +584,11 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     layers_path = _layer_list(model, calls, d_model, ids.shape[1], n_declared)
     layers = cast(nn.ModuleList, model.get_submodule(layers_path))
     final_norm, readout_opaque = _final_norm(model, layers, lm_head, calls)
+    # A masked LM's head transform ends in the final norm; the readout stays opaque (the
+    # logit lens would have to run the transform).
+    head = _head_transform(model, layers, lm_head, calls) if readout_opaque else None
+    if head is not None:
+        final_norm = head.norm
     embed_norm = _embedding_norm(model, layers, calls)
     # A masked LM's encoder attends both ways; certification checks the direction claimed.
     masked = class_kind(type(model).__name__) == MASKED_LM
@@ -568,7 +628,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         else None
     )
     kinds = {k for b in blocks for k in b.kinds.values()} | {final_kind}
-    known = [k for k in (final_kind, *first.kinds.values()) if k is not None]
+    # The head transform's norm says nothing of the blocks' norms: theirs come first.
+    known = [k for k in (*first.kinds.values(), final_kind) if k is not None]
     # A norm whose weight rule is not the one wired (or none of tl's) keeps its input and
     # output hooks; tl cannot recompute its scale and pre-weight value.
     absent: dict[str, str] = {}
@@ -577,6 +638,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     position_ids_start = _first_position(model, pos_embed, calls)
     token_type_embed = _token_type_embedding(model, embed, layers, calls)
     lm["token_types"] = token_type_embed is not None
+    lm["head_transform"] = head is not None
     facts: dict[str, str] = {
         "embedding": embed_path + (f", then the norm {embed_norm}" if embed_norm else ""),
         "layers": f"{layers_path} ({len(layers)} x {type(layers[0]).__name__})",
@@ -591,7 +653,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             module = layers[0].get_submodule(mixer_norm)
             mixer_kind = norm_kind_of(module, calls.get(id(module)))
         # The embedding norm's kind says nothing of the blocks' norms (BART's decoder).
-        established = [k for k in (final_kind, mixer_kind) if k is not None]
+        established = [k for k in (None if head else final_kind, mixer_kind) if k is not None]
         norm = established[0] if established else UNKNOWN
         if mixer_norm is not None and mixer_kind != norm:
             absent.update(
@@ -639,7 +701,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
             layers=layers_path, final_norm=final_norm, lm_head=head_path, ln1=mixer_norm, ln2=None,
             attn="", q=None, k=None, v=None, o="", mlp="", gate=None, up=None, down=None,
             mixer="mixer" if mixer_norm else None,
-            verified=False, pos_embed=pos_embed, embed_norm=embed_norm, token_type_embed=token_type_embed, absent=absent,
+            verified=False, pos_embed=pos_embed, embed_norm=embed_norm, token_type_embed=token_type_embed,
+            head_dense=head.dense if head else None, head_act=head.act if head else None, absent=absent,
             readout_opaque=readout_opaque, position_ids_start=position_ids_start,
         )  # fmt: skip
         return InferredArchitecture(adapter, facts, "opaque", info)
@@ -845,6 +908,8 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         pos_embed=pos_embed,
         embed_norm=embed_norm,
         token_type_embed=token_type_embed,
+        head_dense=head.dense if head else None,
+        head_act=head.act if head else None,
         absent=absent,
         readout_opaque=readout_opaque,
         position_ids_start=position_ids_start,

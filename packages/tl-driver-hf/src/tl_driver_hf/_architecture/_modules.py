@@ -64,6 +64,8 @@ class ModelModules:
     layers: tuple[LayerModules, ...]
     final_norm: nn.Module | None
     lm_head: nn.Module
+    head_dense: nn.Module | None = None
+    head_act: nn.Module | None = None
 
 
 def has_attention_sinks(modules: ModelModules) -> bool:
@@ -161,4 +163,6 @@ def resolve_modules(model: nn.Module, adapter: ArchitectureAdapter) -> ModelModu
         layers=tuple(layers),
         final_norm=_get(model, adapter.final_norm, "", adapter),
         lm_head=_need(model, adapter.lm_head, "", adapter),
+        head_dense=_get(model, adapter.head_dense, "", adapter),
+        head_act=_get(model, adapter.head_act, "", adapter),
     )

@@ -126,7 +126,9 @@ def _edit_checks(
     after: nn.Module | None
     target = 1 if n > 1 else 0
     sites.append((f"blocks.{target}.hook_in", parts.layers[target].layer, "in", d_model))
-    after = parts.layers[1].layer if n > 1 else parts.final_norm
+    # One block: its output is what the head transform (a masked LM's) or final norm reads.
+    reader = parts.head_dense if parts.head_dense is not None else parts.final_norm
+    after = parts.layers[1].layer if n > 1 else reader
     if after is not None:
         sites.append(("blocks.0.hook_out", after, "in", d_model))
     lay = parts.layers[0]

@@ -307,6 +307,7 @@ def readout_checks(
                 rtol=0.0,
             )
         )
+    checks += _head_transform_checks(driver, cache, rtol)
     head, normed, out = (
         driver.hooked_model.parts.lm_head,
         cache.get("ln_final.hook_out"),
@@ -332,6 +333,43 @@ def readout_checks(
                 ("unembed.hook_out",),
                 capped,
                 logits,
+                rtol=rtol,
+            )
+        )
+    return checks
+
+
+def _head_transform_checks(
+    driver: CertifiableDriver, cache: dict[str, torch.Tensor], rtol: float
+) -> list[CertificationCheck]:
+    """A masked LM's head transform: its projection's output is the projection of its input,
+    and the final norm reads the activation of that output (where the activation is a
+    module)."""
+    parts = driver.hooked_model.parts
+    x, dense_out = cache.get("mlm_head.hook_in"), cache.get("mlm_head.hook_out")
+    if parts.head_dense is None or x is None or dense_out is None:
+        return []
+    with torch.no_grad():
+        projected = parts.head_dense(x)
+    checks = [
+        compare(
+            "mlm_head.hook_out == the head transform's projection of mlm_head.hook_in",
+            ("mlm_head.hook_out",),
+            dense_out,
+            projected,
+            rtol=rtol,
+        )
+    ]
+    normed_in = cache.get("ln_final.hook_in")
+    if parts.head_act is not None and normed_in is not None:
+        with torch.no_grad():
+            activated = parts.head_act(dense_out)
+        checks.append(
+            compare(
+                "ln_final.hook_in == the head transform's activation of mlm_head.hook_out",
+                ("mlm_head.hook_out", "ln_final.hook_in"),
+                normed_in,
+                activated,
                 rtol=rtol,
             )
         )

@@ -280,9 +280,10 @@ class HFHookedModel(nn.Module):
         norm = self.parts.final_norm
         if self.adapter.readout_opaque:
             raise UnsupportedFeatureError(
-                f"the unembedding of {self.info.architecture!r} reads a head transform tl does "
-                f"not read (not one final norm), so there is no readout of the residual stream "
-                f"to logits; unembed.hook_out holds the model's own logits"
+                f"the unembedding of {self.info.architecture!r} reads a head transform (a "
+                f"projection and an activation before the final norm, served as mlm_head.* "
+                f"where tl found them), not one final norm, so there is no linear readout of "
+                f"the residual stream to logits; unembed.hook_out holds the model's own logits"
             )
         kind = self.info.normalization_type
         if norm is not None and kind not in ("LN", "RMS"):

@@ -141,6 +141,14 @@ class Wiring:
             handles.append(m.token_type_embed.register_forward_hook(_output_hook(point)))
         for i, layer in enumerate(m.layers):
             self._install_layer(i, layer, state, handles)
+        if m.head_dense is not None and self._active("mlm_head.hook_in"):
+            point = self.points["mlm_head.hook_in"]
+            handles.append(
+                m.head_dense.register_forward_pre_hook(_input_hook(point), with_kwargs=True)
+            )
+        if m.head_dense is not None and self._active("mlm_head.hook_out"):
+            point = self.points["mlm_head.hook_out"]
+            handles.append(m.head_dense.register_forward_hook(_output_hook(point)))
         self._install_norm("ln_final", m.final_norm, handles)
         if self._active("unembed.hook_out"):
             handles.append(

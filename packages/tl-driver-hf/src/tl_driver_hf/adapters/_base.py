@@ -45,6 +45,12 @@ class ArchitectureAdapter:
         pos_embed: Path of the learned position embedding, or ``None``.
         embed_norm: Path of a norm applied to the embedding before the first block (BLOOM),
             or ``None``.
+        head_dense: Path of a masked-LM head transform's dense projection, which reads the
+            last block's output (BERT's ``cls.predictions.transform.dense``), or ``None``;
+            ``final_norm`` is then the transform's norm. Served as ``mlm_head.hook_in``/
+            ``hook_out``.
+        head_act: Path of the transform's activation module between ``head_dense`` and the
+            final norm (certification checks the norm reads it), or ``None``.
         token_type_embed: Path of the token-type (segment) embedding whose rows are added to
             the token embedding (BERT), or ``None``.
         ln1: Pre-attention norm inside a layer, or ``None`` (OLMo 2 has none). On post-LN
@@ -143,6 +149,8 @@ class ArchitectureAdapter:
     pos_embed: str | None = None
     embed_norm: str | None = None
     token_type_embed: str | None = None
+    head_dense: str | None = None
+    head_act: str | None = None
     ln1: str | None = "input_layernorm"
     ln2: str | None = "post_attention_layernorm"
     ln1_post: str | None = None
@@ -255,6 +263,7 @@ def _disagreements(adapter: ArchitectureAdapter) -> list[str]:
         "pos_embed": d.positions == "learned",
         "embed_norm": d.norm_after_embed,
         "token_type_embed": d.token_types,
+        "head_dense": d.head_transform,
     }
     problems = [
         f"{name}={getattr(adapter, name)!r} but the description says "
