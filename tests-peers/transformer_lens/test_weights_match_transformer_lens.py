@@ -145,6 +145,14 @@ def _read_ours(bridge: TransformerBridge, name: str) -> Any:
         return None
 
 
+@pytest.mark.parametrize("checkpoint", _shared.MASKED)
+def test_every_weight_of_a_masked_lm_reads_back_as_transformer_lens_reads_it(
+    checkpoint: str, checkpoints: Callable[[str], Path]
+) -> None:
+    """BERT and RoBERTa as loaded (neither tool folds a post-LN model's norms)."""
+    test_every_weight_reads_back_as_transformer_lens_reads_it(checkpoint, False, checkpoints)
+
+
 @pytest.mark.parametrize("compat", _shared.MODES.values(), ids=_shared.MODES.keys())
 @pytest.mark.parametrize("checkpoint", _shared.CHECKPOINTS)
 def test_every_weight_reads_back_as_transformer_lens_reads_it(
