@@ -256,24 +256,30 @@ def _first_position(
     return int(call.input.flatten()[0])
 
 
+def _id_tables(
+    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
+) -> list[tuple[str, torch.Tensor]]:
+    """Embedding tables other than the token embedding that run before the first layer on
+    integer ids, with the ids each received."""
+    first = calls[id(layers[0])]
+    return [
+        (str(name), call.input)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        and module is not embed
+        and (call := calls.get(id(module))) is not None
+        and call.start < first.start
+        and call.input is not None
+        and not call.input.dtype.is_floating_point
+    ]
+
+
 def _position_embedding(
     model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
 ) -> str | None:
     """A second embedding table that runs before the first layer: learned positions."""
-    first = calls[id(layers[0])]
-    for name, module in model.named_modules():
-        call = calls.get(id(module))
-        if (
-            isinstance(module, nn.Embedding)
-            and module is not embed
-            and call is not None
-            and call.start < first.start
-            and call.input is not None
-            and not call.input.dtype.is_floating_point
-            and _counts_positions(call.input)
-        ):
-            return str(name)
-    return None
+    tables = _id_tables(model, embed, layers, calls)
+    return next((name for name, ids in tables if _counts_positions(ids)), None)
 
 
 def _token_type_embedding(
@@ -281,20 +287,8 @@ def _token_type_embedding(
 ) -> str | None:
     """An embedding table named for token types that runs before the first layer on integer
     ids (BERT's segment rows); certification checks that it joins the token embedding."""
-    first = calls[id(layers[0])]
-    for name, module in model.named_modules():
-        call = calls.get(id(module))
-        if (
-            isinstance(module, nn.Embedding)
-            and module is not embed
-            and "token_type" in name
-            and call is not None
-            and call.start < first.start
-            and call.input is not None
-            and not call.input.dtype.is_floating_point
-        ):
-            return str(name)
-    return None
+    tables = _id_tables(model, embed, layers, calls)
+    return next((name for name, _ in tables if "token_type" in name), None)
 
 
 def _embedding_norm(

@@ -273,40 +273,20 @@ def readout_checks(
     rtol: float,
 ) -> list[CertificationCheck]:
     """The token ids, the final norm's output through the unembedding, and the logits."""
-    checks = []
-    if "embed.hook_in" in cache:
-        checks.append(
-            compare(
-                "embed.hook_in == the token ids",
-                ("embed.hook_in",),
-                cache["embed.hook_in"].double(),
-                ids.double(),
-                rtol=0.0,
-            )
-        )
-    if "pos_embed.hook_in" in cache:
-        start = driver.adapter.position_ids_start
-        positions = (torch.arange(ids.shape[1], device=ids.device) + start).expand_as(ids).double()
-        checks.append(
-            compare(
-                "pos_embed.hook_in == the positions",
-                ("pos_embed.hook_in",),
-                cache["pos_embed.hook_in"].double(),
-                positions,
-                rtol=0.0,
-            )
-        )
-    if "token_type_embed.hook_in" in cache:
-        # Certification passes no segment ids: the model's default is sentence A (0).
-        checks.append(
-            compare(
-                "token_type_embed.hook_in == the segment ids (0: none given)",
-                ("token_type_embed.hook_in",),
-                cache["token_type_embed.hook_in"].double(),
-                torch.zeros_like(ids, dtype=torch.float64),
-                rtol=0.0,
-            )
-        )
+    start = driver.adapter.position_ids_start
+    positions = torch.arange(ids.shape[1], device=ids.device) + start
+    # The integer inputs each embedding table must receive; certification passes no segment
+    # ids, so the model's default, sentence A (0), is the token-type table's.
+    expected = {
+        "embed.hook_in": ("the token ids", ids),
+        "pos_embed.hook_in": ("the positions", positions.expand_as(ids)),
+        "token_type_embed.hook_in": ("the segment ids (0: none given)", torch.zeros_like(ids)),
+    }
+    checks = [
+        compare(f"{name} == {what}", (name,), cache[name].double(), want.double(), rtol=0.0)
+        for name, (what, want) in expected.items()
+        if name in cache
+    ]
     checks += _head_transform_checks(driver, cache, rtol)
     head, normed, out = (
         driver.hooked_model.parts.lm_head,
