@@ -63,6 +63,8 @@ class BootDecision:
         hooked_attention: Whether tl's attention function runs (``False``: the model's own).
         readout_refused: Why the logit readout is refused (``None``: it held).
         refused_weights: Weights not served, each with why.
+        passed_over: Why each fuller configuration an inferred model was tried with first
+            was not chosen (its first failing check, or the error it raised).
     """
 
     certification: Certification
@@ -71,6 +73,16 @@ class BootDecision:
     hooked_attention: bool = True
     readout_refused: str | None = None
     refused_weights: dict[str, str] = field(default_factory=dict)
+    passed_over: list[str] = field(default_factory=list)
+
+
+#: The configurations an inferred model is tried with, fullest first: (tl's attention, the
+#: residual stream only, what the boot log calls it).
+_TRIALS = (
+    (True, False, "every hook with tl's attention"),
+    (False, False, "with the model's own attention"),
+    (False, True, "the residual stream alone"),
+)
 
 
 def _first_certifiable(trials: CertificationTrials, facts: BootFacts) -> BootDecision:
@@ -85,7 +97,8 @@ def _first_certifiable(trials: CertificationTrials, facts: BootFacts) -> BootDec
     """
     error: Exception | None = None
     tried: BootDecision | None = None
-    for hooked, residual_only in ((True, False), (False, False), (False, True)):
+    passed_over: list[str] = []
+    for hooked, residual_only, trial in _TRIALS:
         served: list[str] | None = None
         absent: dict[str, str] = {}
         if residual_only:
@@ -107,10 +120,16 @@ def _first_certifiable(trials: CertificationTrials, facts: BootFacts) -> BootDec
             )
         except Exception as exc:  # the family's code does not run with these hooks
             error = exc
+            passed_over.append(f"{trial}: {type(exc).__name__}: {exc}")
             continue
-        tried = BootDecision(cert, served=served, absent=absent, hooked_attention=hooked)
+        tried = BootDecision(
+            cert, served=served, absent=absent, hooked_attention=hooked,
+            passed_over=list(passed_over),
+        )  # fmt: skip
         if cert.residual_holds:
             return tried
+        wrong = [c for c in cert.failed if c.equation.startswith("logits") or c.on_residual]
+        passed_over.append(f"{trial}: {wrong[0].line() if wrong else 'its run did not hold'}")
     if tried is not None:
         return tried  # refused by the caller, with the failing equations
     raise ConfigError(
@@ -166,7 +185,9 @@ def certify_at_boot(trials: CertificationTrials, facts: BootFacts) -> BootDecisi
     if facts.inferred:
         _LOG.warning(
             "%s: architecture %s inferred from its modules (no hand-written description); "
-            "%d hooks certified and served at level %r (tl certify %s shows the report)",
-            facts.name, facts.architecture, len(cert.served), cert.level, facts.name,
+            "%d hooks certified and served at level %r%s (tl certify %s shows the report)",
+            facts.name, facts.architecture, len(cert.served), cert.level,
+            f", not {'; nor '.join(decision.passed_over)}" if decision.passed_over else "",
+            facts.name,
         )  # fmt: skip
     return decision
