@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -558,6 +559,44 @@ def test_a_description_naming_the_norm_as_the_mixer_fails_the_block_equation(
     assert "blocks.0.hook_out == blocks.0.hook_in + blocks.0.mixer.hook_out" in status.reason
 
 
+class _Trials:
+    """Boot trials whose outcomes are given: tl's attention raises, the model's own does not
+    reproduce the residual stream, the residual stream alone holds."""
+
+    def __init__(self) -> None:
+        self.candidate_hooks = ["blocks.0.hook_in", "blocks.0.attn.hook_out"]
+        self.tried: list[tuple[bool, Any]] = []
+
+    def certify_serving(self, names: Any, *, hooked_attention: bool, **_: Any) -> Any:
+        self.tried.append((hooked_attention, names))
+        if hooked_attention:
+            raise RuntimeError("a family's extra input")
+        if names is None:
+            wrong = SimpleNamespace(
+                equation="blocks.0.hook_in == the engine's hidden_states[0]",
+                on_residual=True,
+                line=lambda: "FAIL blocks.0.hook_in == the engine's hidden_states[0]",
+            )
+            return SimpleNamespace(residual_holds=False, failed=(wrong,))
+        return SimpleNamespace(residual_holds=True, failed=())
+
+
+def test_an_inferred_model_served_with_less_says_why_the_fuller_trials_failed() -> None:
+    """The boot tries tl's attention, then the model's, then the residual stream alone; the
+    decision keeps, for the boot log, why each fuller configuration was passed over."""
+    from tl_driver_hf._certification._boot_certification import BootFacts, _first_certifiable
+
+    trials = _Trials()
+    facts = BootFacts("m", "ToyForMaskedLM", "inferred", "model.layers", inferred=True)
+    decision = _first_certifiable(trials, facts)  # type: ignore[arg-type]
+    assert [hooked for hooked, _ in trials.tried] == [True, False, False]
+    assert decision.served == ["blocks.0.hook_in"] and not decision.hooked_attention
+    assert decision.passed_over == [
+        "every hook with tl's attention: RuntimeError: a family's extra input",
+        "with the model's own attention: FAIL blocks.0.hook_in == the engine's hidden_states[0]",
+    ]
+
+
 # -- wrong descriptions must fail certification --------------------------------------------
 
 
@@ -788,10 +827,12 @@ def test_state_space_and_hybrid_models_are_described_by_their_block_form(
     assert (mamba.norm.kind, mamba.final_norm, mamba.positions) == ("rms", True, "unknown")
 
 
-def test_an_opaque_block_states_no_fact_tl_did_not_establish(tmp_path: Path) -> None:
-    # BART's decoder as a causal LM: post-norm LayerNorm blocks with learned positions that
-    # tl reads from outside only. It used to be described with RMS norms, no positions and
-    # no final norm, none of which tl had established.
+def test_bart_s_decoder_is_described_by_what_tl_established(tmp_path: Path) -> None:
+    # BART's decoder as a causal LM: post-LN LayerNorm blocks with learned positions. It was
+    # once described with RMS norms, no positions and no final norm, none of which tl had
+    # established; then read from outside only, every such fact "unknown". Now its blocks
+    # are read inside and their norms measured; its position table takes the token ids and
+    # offsets its own positions, which tl does not read, so positions stay "unknown".
     from transformers import BartConfig, BartForCausalLM
 
     config = BartConfig(
@@ -805,18 +846,14 @@ def test_an_opaque_block_states_no_fact_tl_did_not_establish(tmp_path: Path) -> 
     layer = bridge.driver.hf_model.model.decoder.layers[0]
     assert isinstance(layer.self_attn_layer_norm, nn.LayerNorm)  # transformers: not RMS
     arch = bridge.architecture
-    assert arch is not None and arch.block == "opaque"
-    assert (arch.norm.kind, arch.positions, arch.final_norm) == ("unknown", "unknown", "unknown")
-    facts = arch.facts()
-    assert facts["block"].endswith("norms unknown") and facts["positions"] == "unknown"
-    assert "final norm unknown" in facts["unembedding"]
+    assert arch is not None and arch.block == "post_residual_norm"
+    assert (arch.norm.kind, arch.positions, arch.final_norm) == ("layernorm", "unknown", False)
     assert (bridge.cfg.normalization_type, bridge.cfg.positional_embedding_type) == (
-        "unknown", "unknown"
+        "LN", "unknown"
     )  # fmt: skip
-    served = set(bridge.driver.hook_points)
-    assert {"blocks.0.hook_in", "blocks.1.hook_out"} <= served
-    assert not any(n.endswith(("hook_scale", "hook_normalized")) for n in served)
-    assert not any(n.startswith("pos_embed.") or "hook_rot_" in n for n in served)
+    assert not any(n.startswith("pos_embed.") for n in bridge.driver.hook_points)
+    cert = bridge.certification
+    assert cert is not None and cert.level == "full" and not cert.failed
 
 
 # -- tl certify ---------------------------------------------------------------------------

@@ -145,8 +145,10 @@ def equation_checks(
             summed,
             get("blocks.0.hook_in"),
         )
-    if has("embed_ln.hook_in") and has("embed.hook_out"):
-        # BERT sums word, position and token-type rows, then normalises the sum.
+    positions_known = info.positional_embedding_type != "unknown"
+    if has("embed_ln.hook_in") and has("embed.hook_out") and positions_known:
+        # BERT sums word, position and token-type rows, then normalises the sum (a position
+        # scheme tl did not establish may add a term it does not see).
         terms = [
             t
             for t in ("embed.hook_out", "pos_embed.hook_out", "token_type_embed.hook_out")

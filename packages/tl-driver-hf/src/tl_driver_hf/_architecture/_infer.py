@@ -374,9 +374,10 @@ def _sum_is(a: torch.Tensor | None, b: torch.Tensor | None, total: torch.Tensor 
 
 def _post_ln_block(layer: nn.Module, attn: str, calls: Mapping[int, ModuleCall]) -> _Block | None:
     """A post-LN block (BERT: ``h = ln1(x + attn(x)); out = ln2(h + mlp(h))``) found by what
-    its modules read and return, or ``None``. Attention's module ends in ``ln1`` (its output
-    is ``ln1``'s), the MLP's projections sit anywhere else in the layer, and each norm reads
-    a projection's output plus the residual."""
+    its modules read and return, or ``None``. The layer's output is a norm's (``ln2``); ``ln1``
+    reads attention's output projection plus the block input (inside attention's module,
+    as BERT's, or beside it, as DistilBERT's); the MLP's projections sit anywhere else in
+    the layer."""
     layer_call, attn_module = calls.get(id(layer)), layer.get_submodule(attn)
     a = calls.get(id(attn_module))
     if layer_call is None or a is None or layer_call.input is None:
@@ -387,26 +388,26 @@ def _post_ln_block(layer: nn.Module, attn: str, calls: Mapping[int, ModuleCall])
         for name, module in layer.named_modules()
         if name and is_norm_module(module) and id(module) in calls
     }
-    ln1 = next(
-        (
-            n
-            for n, (_, c) in norms.items()
-            if n.startswith(attn + ".") and same_tensor(c.output, a.output)
-        ),
-        None,
-    )
     ln2 = next((n for n, (_, c) in norms.items() if same_tensor(c.output, layer_call.output)), None)
-    if ln1 is None or ln2 is None:
-        return None
-    ln1_call, ln2_call = norms[ln1][1], norms[ln2][1]
     inside = _linears(attn_module, calls, attn + ".")
-    o = next((n for n, c in inside if _sum_is(c.output, x, ln1_call.input)), None)
+    # The output projection: a Linear inside attention whose output plus the block input is
+    # a norm's input (that norm is ln1).
+    found = [
+        (o, n)
+        for o, c in inside
+        for n, (_, norm) in norms.items()
+        if n != ln2 and _sum_is(c.output, x, norm.input)
+    ]
+    if ln2 is None or len(found) != 1:
+        return None
+    o, ln1 = found[0]
+    ln1_call, ln2_call = norms[ln1][1], norms[ln2][1]
     outside = [(n, c) for n, c in _linears(layer, calls) if not n.startswith(attn + ".")]
     mlp_in = next((n for n, c in outside if same_tensor(c.input, ln1_call.output)), None)
     down = next((n for n, c in outside if _sum_is(c.output, ln1_call.output, ln2_call.input)), None)
     readers = [n for n, c in inside if same_tensor(c.input, x)]  # q, k and v read the input
     core = readers[0].rsplit(".", 1)[0] if readers else None
-    if o is None or mlp_in is None or down is None or core is None:
+    if mlp_in is None or down is None or core is None:
         return None
     if any(r.rsplit(".", 1)[0] != core for r in readers):
         return None
@@ -420,7 +421,7 @@ def _block(layer: nn.Module, calls: Mapping[int, ModuleCall]) -> _Block:
     block = _Block()
     attn = _find_child(layer, _ATTN_NAMES, ("Attention",))
     mlp = _find_child(layer, _MLP_NAMES, ("MLP", "MoE", "Moe", "FeedForward", "Experts"))
-    if attn is not None and mlp is None:
+    if attn is not None:
         post_ln = _post_ln_block(layer, attn, calls)
         if post_ln is not None:
             return post_ln
@@ -827,9 +828,18 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     qk_norm: QKNorm = "none"
     if q_norm is not None:
         qk_norm = "across_heads" if layout == "flat" else "per_head"
-    positions: PositionScheme = (
-        "learned" if pos_embed else "rotary" if rotary else "alibi" if uses_alibi(text) else "none"
+    # A position table tl could not read (BART's takes the token ids and offsets its own
+    # positions): the scheme is not established, so it is not called "none".
+    unread_positions = pos_embed is None and any(
+        "pos" in name for name, _ in _id_tables(model, embed, layers, calls)
     )
+    positions: PositionScheme = (
+        "learned" if pos_embed
+        else "rotary" if rotary
+        else UNKNOWN if unread_positions
+        else "alibi" if uses_alibi(text)
+        else "none"
+    )  # fmt: skip
     mlp_variant: MLPVariant = "moe" if moe else "gated" if (gate or gate_up) else "dense"
     description = FamilyDescription(
         family=f"{model_type} (inferred)",
