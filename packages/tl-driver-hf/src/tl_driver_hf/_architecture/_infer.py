@@ -274,20 +274,14 @@ def _id_tables(
     ]
 
 
-def _position_embedding(
-    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
-) -> str | None:
-    """A second embedding table that runs before the first layer: learned positions."""
-    tables = _id_tables(model, embed, layers, calls)
+def _position_embedding(tables: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Of the id tables (``_id_tables``), the one that reads positions: learned positions."""
     return next((name for name, ids in tables if _counts_positions(ids)), None)
 
 
-def _token_type_embedding(
-    model: nn.Module, embed: nn.Module, layers: nn.ModuleList, calls: Mapping[int, ModuleCall]
-) -> str | None:
-    """An embedding table named for token types that runs before the first layer on integer
-    ids (BERT's segment rows); certification checks that it joins the token embedding."""
-    tables = _id_tables(model, embed, layers, calls)
+def _token_type_embedding(tables: list[tuple[str, torch.Tensor]]) -> str | None:
+    """Of the id tables, the one named for token types (BERT's segment rows); certification
+    checks that it joins the token embedding."""
     return next((name for name, _ in tables if "token_type" in name), None)
 
 
@@ -629,9 +623,10 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
     # output hooks; tl cannot recompute its scale and pre-weight value.
     absent: dict[str, str] = {}
     unknown = "tl cannot recompute this norm's scale and pre-weight value (its weight rule or epsilon is not one tl knows)"
-    pos_embed = _position_embedding(model, embed, layers, calls)
+    id_tables = _id_tables(model, embed, layers, calls)
+    pos_embed = _position_embedding(id_tables)
     position_ids_start = _first_position(model, pos_embed, calls)
-    token_type_embed = _token_type_embedding(model, embed, layers, calls)
+    token_type_embed = _token_type_embedding(id_tables)
     lm["token_types"] = token_type_embed is not None
     lm["head_transform"] = head is not None
     facts: dict[str, str] = {
@@ -830,9 +825,7 @@ def infer_architecture(model: nn.Module) -> InferredArchitecture:
         qk_norm = "across_heads" if layout == "flat" else "per_head"
     # A position table tl could not read (BART's takes the token ids and offsets its own
     # positions): the scheme is not established, so it is not called "none".
-    unread_positions = pos_embed is None and any(
-        "pos" in name for name, _ in _id_tables(model, embed, layers, calls)
-    )
+    unread_positions = pos_embed is None and any("pos" in name for name, _ in id_tables)
     positions: PositionScheme = (
         "learned" if pos_embed
         else "rotary" if rotary
