@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         MLPDescription as MLPDescription,
         NormDescription as NormDescription,
         StackDescription as StackDescription,
+        VisionDescription as VisionDescription,
         block_form as block_form,
         describe_model as describe_model,
         uses_alibi as uses_alibi,

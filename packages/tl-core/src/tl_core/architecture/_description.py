@@ -37,6 +37,7 @@ __all__ = [
     "MLPDescription",
     "NormDescription",
     "StackDescription",
+    "VisionDescription",
     "block_form",
     "describe_model",
     "uses_alibi",
@@ -93,6 +94,30 @@ class StackDescription:
 
     name: str = "blocks"
     attention: AttentionDirection = "causal"
+
+
+@dataclass(frozen=True)
+class VisionDescription:
+    """How images reach the language stack of a vision-language model.
+
+    A vision tower reads the pixels, a projector maps its features to ``d_model``, and the
+    projected features replace the embeddings at the positions of the image token: one image
+    fills ``tokens_per_image`` consecutive positions of the prompt.
+
+    Attributes:
+        tower: The vision tower's model type (``"clip_vision_model"``).
+        image_size: ``(height, width)`` of the pixels the tower takes.
+        channels: Colour channels of the pixels.
+        image_token_id: The token id whose positions receive the image features.
+        tokens_per_image: Positions one image fills, or ``"unknown"`` where tl did not
+            measure it (a model booted without weights).
+    """
+
+    tower: str
+    image_size: tuple[int, int]
+    channels: int
+    image_token_id: int
+    tokens_per_image: int | Unknown
 
 
 @dataclass(frozen=True)
@@ -178,6 +203,8 @@ class Architecture:
             (``("embedding_multiplier", 12.0)``, Granite), as ``(field, value)`` pairs.
         kind: What the model is for (``ModelKind``: ``"causal_lm"``).
         stacks: Its stacks of blocks (one ``"blocks"`` stack, causal, for a causal LM).
+        vision: How images reach the language stack (``VisionDescription``), or ``None``
+            for a model that reads no images.
     """
 
     name: str
@@ -197,6 +224,7 @@ class Architecture:
     multipliers: tuple[tuple[str, float], ...] = ()
     kind: ModelKind = "causal_lm"
     stacks: tuple[StackDescription, ...] = (StackDescription(),)
+    vision: VisionDescription | None = None
 
     def facts(self) -> dict[str, str]:
         """The description as report lines (``{"block": "sequential, rms norms (eps 1e-05)"}``)."""
@@ -231,6 +259,8 @@ class Architecture:
         if self.mlp is not None:
             out["mlp"] = _mlp_fact(self.mlp)
         out["unembedding"] = unembed
+        if self.vision is not None:
+            out["images"] = _vision_fact(self.vision)
         if self.multipliers:
             out["multipliers"] = ", ".join(f"{k} {v:g}" for k, v in self.multipliers)
         return out
@@ -254,6 +284,15 @@ def _attention_fact(a: AttentionDescription) -> str:
     if a.softcap is not None:
         out += f", soft-cap {a.softcap:g}"
     return out
+
+
+def _vision_fact(v: VisionDescription) -> str:
+    height, width = v.image_size
+    tokens = "an unmeasured number of" if v.tokens_per_image == UNKNOWN else str(v.tokens_per_image)
+    return (
+        f"{v.tower} tower on {v.channels} x {height} x {width} pixels; each image fills "
+        f"{tokens} positions of token {v.image_token_id}"
+    )
 
 
 def _mlp_fact(m: MLPDescription) -> str:

@@ -26,6 +26,7 @@ from tl_core.certification._report import Certification
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
 from tl_core.driver_api._capabilities import CertifyingDriver, DescribingDriver, ReadoutDriver
 from tl_core.driver_api._discovery import get_driver_entry
+from tl_core.driver_api._images import ImageInput, vision_of, with_image_tokens
 from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._protocol import validate_driver
 from tl_core.driver_api._request import (
@@ -176,6 +177,7 @@ class Bridge:
         residual: torch.Tensor | None = None,
         capture_device: torch.device | str | None = None,
         token_type_ids: Any = None,
+        images: Any = None,
     ) -> ForwardRequest:
         """The one request of a bridge call: names canonical, layers resolved, specs planned."""
         return planned_request(
@@ -192,7 +194,15 @@ class Bridge:
             residual=residual,
             capture_device=capture_device,
             token_type_ids=token_type_ids,
+            images=images,
         )
+
+    def _image_batch(self, batch: TokenBatch, images: Any) -> TokenBatch:
+        """``batch`` with each lone image token widened to one image's run, when images come."""
+        if images is None:
+            return batch
+        vision = vision_of(self.driver)
+        return with_image_tokens(batch, vision, padding_id(self.tokenizer))
 
     def _check_next_token_loss(self, what: str) -> None:
         """Refuse a next-token loss on a model that predicts no next token (a masked LM).
@@ -421,6 +431,7 @@ class Bridge:
         residual: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
         token_type_ids: Any = None,
+        images: ImageInput | None = None,
     ) -> Any:
         """Run the model.
 
@@ -443,6 +454,10 @@ class Bridge:
             token_type_ids: Segment ids of an encoder's prompts (BERT's sentence A and B):
                 a ``[batch, pos]`` tensor of the padded ids' shape, or one list per prompt
                 as long as the prompt; drivers and models without them refuse it.
+            images: A vision-language model's images, as pixel tensors ``[n, channels,
+                height, width]`` (or a list of ``[channels, height, width]``), one per image
+                token of the prompts in order. A lone image token is widened to the
+                positions one image fills (``architecture.vision.tokens_per_image``).
 
         Returns:
             Logits ``[batch, pos, d_vocab]``, the loss, both, the residual stream when
@@ -469,7 +484,7 @@ class Bridge:
             assert residual is not None
             batch = pad_batch(torch.zeros(residual.shape[:2], dtype=torch.long), pad_id=0)
         else:
-            batch = self._token_batch(source, prepend_bos=prepend_bos)
+            batch = self._image_batch(self._token_batch(source, prepend_bos=prepend_bos), images)
         self._check_context(batch)
         wants_loss = stop is None and return_type in ("loss", "both")
         if wants_loss and source is None:
@@ -484,6 +499,7 @@ class Bridge:
             stop_at_layer=stop,
             residual=residual,
             token_type_ids=token_type_ids,
+            images=images,
         )
         result = self._execute(request)
         return self._output(result, batch, return_type, loss_per_token, stop)
@@ -518,6 +534,7 @@ class Bridge:
         stop_at_layer: int | None = None,
         incl_bwd: bool = False,
         token_type_ids: Any = None,
+        images: ImageInput | None = None,
     ) -> tuple[Any, ActivationCache]:
         """Run and cache activations.
 
@@ -540,6 +557,7 @@ class Bridge:
                 calls ``backward()`` and stores each selected hook's gradient in
                 ``cache.grads``.
             token_type_ids: As in ``forward``.
+            images: As in ``forward``; the cache's positions are the widened prompts'.
 
         Returns:
             ``(output, cache)``.
@@ -555,7 +573,7 @@ class Bridge:
         _, stop = partial_layers(None, stop_at_layer, None, n_layers=self.driver.info.n_layers)
         if stop is not None:
             names = self._reached_names(names_filter, names, stop)
-        batch = self._token_batch(input, prepend_bos=prepend_bos)
+        batch = self._image_batch(self._token_batch(input, prepend_bos=prepend_bos), images)
         self._check_context(batch)
         grads: dict[str, torch.Tensor] = {}
         bwd: list[HookSpec] = []
@@ -576,6 +594,7 @@ class Bridge:
                 capture_device=device,
                 stop_at_layer=stop,
                 token_type_ids=token_type_ids,
+                images=images,
             )
             result = self._execute(request)
             if incl_bwd:
@@ -613,8 +632,11 @@ class Bridge:
         intervene: Any = None,
         prepend_bos: bool = True,
         return_type: Literal["str", "tokens"] | None = None,
+        images: ImageInput | None = None,
     ) -> str | list[str] | torch.Tensor:
         """Continue the prompt(s) with hooks (``hooks()``) and specs active at every step.
+
+        ``images`` are a vision-language model's images, as in ``forward``.
 
         Returns:
             Text for text input, else ``[batch, n]`` new token ids (``return_type``
@@ -631,7 +653,7 @@ class Bridge:
             or max_new_tokens < 1
         ):
             raise UserError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        batch = self._token_batch(input, prepend_bos=prepend_bos)
+        batch = self._image_batch(self._token_batch(input, prepend_bos=prepend_bos), images)
         self._check_context(batch, max_new_tokens)
         sampling = SamplingOptions(
             do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed
@@ -645,6 +667,7 @@ class Bridge:
             logits="none",
             sampling=sampling,
             stop_at_eos=stop_at_eos,
+            images=images,
         )
         with torch.no_grad():
             result = self._execute(request)

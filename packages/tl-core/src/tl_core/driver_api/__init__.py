@@ -52,6 +52,12 @@ if TYPE_CHECKING:
         get_driver_entry as get_driver_entry,
         load_driver_class as load_driver_class,
     )
+    from tl_core.driver_api._images import (
+        ImageInput as ImageInput,
+        checked_images as checked_images,
+        vision_of as vision_of,
+        with_image_tokens as with_image_tokens,
+    )
     from tl_core.driver_api._layers import block_index as block_index
     from tl_core.driver_api._local import LocalDriver as LocalDriver
     from tl_core.driver_api._norms import (

@@ -57,8 +57,9 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
     #: Local drivers return logits at every position.
     provides_sequence_logits: bool = True
     #: Features this driver has; local drivers have all of them unless they say otherwise,
-    #: but ``token_type_ids`` (a model with a token-type embedding says so itself).
-    features: ClassVar[frozenset[str]] = FEATURES - {"token_type_ids"}
+    #: but ``token_type_ids`` and ``images`` (a model with a token-type embedding or a vision
+    #: tower says so itself).
+    features: ClassVar[frozenset[str]] = FEATURES - {"token_type_ids", "images"}
     #: ``forward`` also takes capture_device and the partial-forward options.
     forward_options: ClassVar[frozenset[str]] = LOCAL_OPTIONS
 
@@ -348,6 +349,8 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         extra: dict[str, Any] = {}
         if request.token_type_ids is not None:
             extra["token_type_ids"] = request.token_type_ids.to(batch.ids.device)
+        if request.images is not None:
+            extra["images"] = request.images
         with self.attached(request.plan, batch, capture=request.capture, store=store):
             out = self.run_model(
                 None if start is not None else batch.ids,
@@ -457,11 +460,13 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         generated: list[torch.Tensor] = []
         store: dict[str, torch.Tensor] = {}
         first_logits: torch.Tensor | None = None
+        # Every step recomputes the whole sequence, its image positions included.
+        images: dict[str, Any] = {} if request.images is None else {"images": request.images}
         for step in range(request.max_new_tokens):
             step_batch = TokenBatch(ids, left.lengths, left.offsets)
             capture = request.capture if step == 0 else ()
             with self.attached(request.plan, step_batch, capture=capture, store=store):
-                logits = self.run_model(ids, attention_mask=mask)
+                logits = self.run_model(ids, attention_mask=mask, **images)
             if first_logits is None:
                 first_logits = logits
             token = next_tokens(logits[:, -1], request.sampling)

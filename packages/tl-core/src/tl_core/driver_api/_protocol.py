@@ -33,6 +33,8 @@ FEATURES: frozenset[str] = frozenset(
         "position_interventions",
         # Segment ids beside the prompts (an encoder's sentence A/B, ForwardRequest.token_type_ids).
         "token_type_ids",
+        # Pixels beside the prompts (a vision-language model's images, ForwardRequest.images).
+        "images",
     }
 )
 

@@ -17,6 +17,7 @@ import torch
 
 from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
+from tl_core.driver_api._images import checked_images, vision_of, with_image_tokens
 from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._sampling import SamplingOptions
 from tl_core.driver_api._tokenizers import padding_id
@@ -45,7 +46,7 @@ LOCAL_OPTIONS: frozenset[str] = frozenset(
 )
 
 _COMMON = (
-    "capture, intervene, max_new_tokens, return_logits, stop_at_eos, token_type_ids and the "
+    "capture, images, intervene, max_new_tokens, return_logits, stop_at_eos, token_type_ids and the "
     "sampling options " + ", ".join(SamplingOptions.KEYS)
 )
 
@@ -97,6 +98,9 @@ class ForwardRequest:
         token_type_ids: ``[batch, pos]`` segment ids of the prompts (an encoder's sentence
             A/B), right-padded with 0 like ``batch``; ``None`` leaves them to the model
             (all 0). Only drivers that support ``"token_type_ids"`` get one.
+        images: ``[n, channels, height, width]`` pixels of a vision-language model's images,
+            one per run of image tokens in prompt order (``checked_images``); ``None`` for
+            text alone. Only drivers that support ``"images"`` get them.
     """
 
     batch: TokenBatch
@@ -111,6 +115,7 @@ class ForwardRequest:
     residual: torch.Tensor | None = None
     capture_device: torch.device | str | None = None
     token_type_ids: torch.Tensor | None = None
+    images: torch.Tensor | None = None
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -144,6 +149,7 @@ def build_request(
     """
     sampling = SamplingOptions.pop_from(options)
     token_type_ids = options.pop("token_type_ids", None)
+    images = options.pop("images", None)
     stop_at_eos = options.pop("stop_at_eos", True)
     if not isinstance(stop_at_eos, bool):
         raise UserError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
@@ -169,6 +175,8 @@ def build_request(
     ):
         raise UserError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     batch = pad_batch(input_ids, pad_id=padding_id(driver.tokenizer))
+    if images is not None:
+        batch = with_image_tokens(batch, vision_of(driver), padding_id(driver.tokenizer))
     check_token_range(batch, driver.info.d_vocab)
     namespace = driver.namespace
     start, stop = partial_layers(
@@ -198,6 +206,7 @@ def build_request(
         residual=options.get("residual"),
         capture_device=options.get("capture_device"),
         token_type_ids=token_type_ids,
+        images=images,
     )
 
 
@@ -220,6 +229,13 @@ def planned_request(
     """
     if fields.get("token_type_ids") is not None:
         fields["token_type_ids"] = checked_token_types(driver, fields["token_type_ids"], batch)
+    if fields.get("images") is not None:
+        fields["images"] = checked_images(driver, fields["images"], batch)
+        if fields.get("start_at_layer") is not None:
+            raise UserError(
+                "images reach the model through its embeddings, which a forward from "
+                "start_at_layer skips (its residual already holds them); drop images="
+            )
     namespace = driver.namespace
     plan = build_plan(
         intervene,

@@ -22,7 +22,7 @@ ENTRY = DriverEntry(
     name="native",
     distribution="tl-core",
     loader="tl_core.native._driver:NativeDriver",
-    features=FEATURES - {"token_type_ids"},
+    features=FEATURES - {"token_type_ids", "images"},
     kind="local",
     description="small random GPT-2- or Llama-style transformer in plain torch",
 )
