@@ -23,6 +23,7 @@ import _tiny_checkpoints as tiny
 __all__ = [
     "RTOL",
     "Checked",
+    "image_check",
     "independent_check",
     "names_every_module",
     "weights_a_causal_lm_drops",
@@ -159,6 +160,32 @@ def independent_check(driver: Any, ids: Any) -> Checked:
     if problem:
         problems.append(problem)
     return Checked(tuple(problems), tuple(remarks))
+
+
+def image_check(driver: Any, inputs: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """Whether tl gives the model its image, and what differs from transformers when it does.
+
+    ``inputs`` is the recorded batch (``input_ids`` holding one image's tokens and
+    ``pixel_values``, see ``_tiny_builds``): tl's logits with ``images=`` must be the plain
+    model's on the same ids and pixels.
+
+    Returns:
+        ``(taken, problem)``: ``taken`` is whether the driver takes images; ``problem`` is
+        ``None`` or what differs.
+    """
+    import _tiny_builds as builds
+    import torch
+
+    from tl_core import TransformerBridge
+
+    if "pixel_values" not in inputs or not driver.supports("images"):
+        return False, None
+    tensors = builds.tensors(inputs)
+    ids, pixels = tensors["input_ids"], tensors["pixel_values"]
+    with torch.no_grad():
+        want = driver.hf_model(input_ids=ids, pixel_values=pixels, use_cache=False).logits
+        got = TransformerBridge(driver)(ids, images=pixels)
+    return True, _difference(got, want, "logits with an image")
 
 
 # -- the weights ----------------------------------------------------------------------------

@@ -179,6 +179,17 @@ def _section(kind: builds.Kind, verdicts: Sequence[Verdict]) -> list[str]:
             "this mapping lists that is of another kind (BART's sequence-to-sequence class) "
             "is refused naming it."
         )
+    elif kind.inputs == "image-text":
+        refused = (
+            " tl's hf driver boots a vision-language checkpoint as the class its config names, "
+            "whole (vision tower, projector, language model), serves its language stack's "
+            "hooks, and takes its images (`images=`) where its tower runs on pixels alone and "
+            "the image checks of its certification pass: tl's logits with the image must then "
+            "equal the plain model's on the same ids and pixels. Most types here need inputs "
+            "their processor computes (image sizes, patch grids) that a random image of the "
+            "config's size does not give: transformers itself does not run them with one, "
+            "and the note gives its error."
+        )
     else:
         refused = (
             " tl's hf driver serves decoder-only causal LMs and masked LMs: a model of this "
@@ -238,7 +249,7 @@ def render(verdicts: Sequence[Verdict], transformers_version: str, generated: st
         f"- **{RESIDUAL}**: served at the residual-stream level (`blocks.{{i}}.hook_in`, "
         "`hook_out`, ...) only.",
         f"- **{TEXT_ONLY}**: a vision-language or speech model booted and checked on token "
-        "ids, whose image or audio input tl does not serve yet (not counted as served).",
+        "ids, whose image or audio input tl does not serve (not counted as served).",
         f"- **{REFUSED}**: the driver refuses it at boot; the note is its reason.",
         f"- **{NOT_RUNNABLE}**: transformers itself cannot build or run it from the inputs "
         "of its section (default config, `use_cache=False`); the note is its error.",

@@ -310,6 +310,28 @@ def _spec(config: Any, k: Kind, model: Any) -> tuple[dict[str, Any], str]:
     return _ids_spec(config, k, model), ""
 
 
+def _image_token_in_vocabulary(config: Any) -> None:
+    """Move an image token id the tiny vocabulary cut off (LLaVA's 32000) inside it, on an
+    id no other special token holds: an image cannot reach a token the embedding lacks."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    taken = {
+        v
+        for holder in (config, text)
+        for k, v in vars(holder).items()
+        if isinstance(v, int) and (k.endswith("_token_id") or k.endswith("_token_index"))
+    }
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+            free = next(i for i in range(vocab - 1, 0, -1) if i not in taken)
+            with contextlib.suppress(AttributeError, TypeError, ValueError):
+                setattr(config, name, free)
+                taken.add(free)
+
+
 def _try_build(model_type: str, folder: Path, k: Kind) -> tuple[str | None, dict[str, Any], str]:
     import torch
     import transformers
@@ -320,6 +342,8 @@ def _try_build(model_type: str, folder: Path, k: Kind) -> tuple[str | None, dict
     try:
         with tiny.quiet():
             config = tiny.tiny_config(model_type, causal=k.causal_config)
+            if k.inputs == "image-text":
+                _image_token_in_vocabulary(config)
             if not isinstance(_mapping(k)[model_type], str):
                 # The auto class picks among several classes by the config's architectures.
                 config.architectures = [class_name(model_type, k)]

@@ -13,7 +13,8 @@ width 64), runs it in transformers on the kind's inputs, boots the saved folder 
 * **sublayers**: tl serves attention and MLP outputs but not their insides;
 * **residual**: tl serves it at the residual-stream level only;
 * **text only**: a vision-language or speech model tl booted and that passes the checks on
-  token ids, whose image or audio input tl does not serve (not counted as served);
+  token ids, whose image or audio input tl does not serve (not counted as served; a
+  vision-language model whose image tl takes gets one of the levels above);
 * **refused**: tl refuses it at boot (a ``UserError``; the note is its first sentence);
 * **not runnable in transformers**: transformers itself cannot build, run or reload it
   from the kind's inputs (the note is transformers' error);
@@ -27,7 +28,9 @@ claims: every ``blocks.{i}.hook_in`` equals what a plain forward passes to the i
 decoder layer (recorded by a forward pre-hook), tl's logits equal transformers', and adding
 a vector at ``blocks.1.hook_in`` (an ``add`` spec) gives the logits of a plain forward
 whose second decoder layer gets the same vector added to its input by a forward pre-hook;
-all within 1e-4 relative. The weights: every tensor of the checkpoint, as the class that
+all within 1e-4 relative. A vision-language model that ran with an image in transformers
+and whose image tl takes (``images=``) must give the plain model's logits on the same ids
+and pixels. The weights: every tensor of the checkpoint, as the class that
 wrote it loads it in plain transformers, equals a tensor of the model tl booted, and every
 tensor of that model equals one of the checkpoint's. A causal, masked or
 sequence-to-sequence checkpoint tl refuses is loaded with ``AutoModelForCausalLM`` too;
@@ -265,6 +268,7 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
         return row(NOT_RUNNABLE, built.error or "")
     driver = None
     step = "boot"
+    took_image, image_problem, refused_images = False, None, None
     try:
         with tiny.time_limit(time_limit_s), tiny.quiet(), _quiet_tl():
             try:
@@ -285,17 +289,25 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
             step = "the checks"
             checked = independent_check(driver, torch.tensor(built.ids))
             level, note = _level(driver)
+            step = "the image check"
+            took_image, image_problem = checks.image_check(driver, built.inputs)
+            refused_images = getattr(driver, "images_refused", None)
     except Exception as error:  # a crash inside tl is no refusal
         return row(WRONG, f"tl raised in {step}: {tiny.describe(error)}")
     finally:
         if driver is not None:
             with contextlib.suppress(Exception):
                 driver.close()
-    if checked.problems:
-        return row(WRONG, "; ".join(checked.problems + checked.remarks))
+    if checked.problems or image_problem:
+        problems = (*checked.problems, *([image_problem] if image_problem else []))
+        return row(WRONG, "; ".join(problems + checked.remarks))
+    if took_image:
+        return row(LEVELS[level], "; ".join((note, *checked.remarks, "images served")))
     if built.kind.key not in ("", "masked-lm"):
         # A vision-language or speech model read from token ids: its other input is not served.
         other = built.remark or "tl gives it no image or audio"
+        if refused_images and "pixel_values" in built.inputs:
+            other = f"tl takes no image from it: {refused_images}"
         return row(
             TEXT_ONLY, "; ".join((f"{LEVELS[level]} on token ids", note, *checked.remarks, other))
         )

@@ -106,7 +106,9 @@ def test_a_config_transformers_refuses_for_the_causal_class_is_a_config_error(
 
 def test_a_vision_language_checkpoint_is_not_booted_as_its_language_model(tmp_path: Path) -> None:
     """Qwen3_5ForCausalLM declares the vision tower of a Qwen3_5ForConditionalGeneration
-    checkpoint never loaded, so transformers reports nothing; the tower is still dropped."""
+    checkpoint never loaded, so transformers reports nothing; the tower is still dropped. tl
+    builds the class the config names, whole (``tests/test_vision_language.py`` runs
+    images through a LLaVA)."""
     text = {
         "vocab_size": 200, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
@@ -123,8 +125,11 @@ def test_a_vision_language_checkpoint_is_not_booted_as_its_language_model(tmp_pa
     assert not info["unexpected_keys"] and not info["missing_keys"]
     assert any(k.startswith("model.visual.") for k in _file_keys(folder))
     assert not any("visual" in k for k in plain.state_dict())
-    with pytest.raises(ConfigError) as refused:
-        HFDriver.boot(str(folder))
-    message = str(refused.value)
-    assert "is a vision-language model" in message and "Qwen3_5ForConditionalGeneration" in message
-    assert "transformers builds Qwen3_5ForCausalLM from it" in message
+    driver = HFDriver.boot(str(folder))
+    assert type(driver.hf_model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert any(k.startswith("model.visual.") for k in driver.hf_model.state_dict())
+    # Its processor decides the pixels' size and grid (image_grid_thw): no images from tl,
+    # and the reason says so.
+    assert not driver.supports("images")
+    assert driver.images_refused is not None
+    assert "states no image size" in driver.images_refused

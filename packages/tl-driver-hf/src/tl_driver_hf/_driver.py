@@ -26,8 +26,10 @@ from tl_core.driver_api import (
 )
 from tl_driver_hf._architecture._infer import InferredArchitecture, infer_architecture
 from tl_driver_hf._architecture._modules import resolve_modules
+from tl_driver_hf._architecture._vision import read_vision
 from tl_driver_hf._certification._boot_certification import BootDecision, BootFacts, certify_at_boot
 from tl_driver_hf._certification._certify import certify_driver
+from tl_driver_hf._certification._image_checks import IMAGE_EQUATIONS
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._runtime._arena import CaptureArena, head_into_arena
 from tl_driver_hf._runtime._attention import ATTN_IMPLEMENTATION, attention_sites
@@ -132,6 +134,10 @@ class HFDriver(LocalDriver):
         self._meta = any(p.is_meta for p in hf_model.parameters()) and not any(
             hasattr(m, "_hf_hook") for m in hf_model.modules()
         )
+        #: How images reach the language stack (``None``: the model takes none, and why).
+        self._vision, self._no_images = read_vision(
+            hf_model, hf_model.config, measure=not self._meta
+        )
 
     def _build(self, names: list[str]) -> None:
         """The HookPoint tree and its wiring for ``names`` (rebuilt after certification)."""
@@ -193,7 +199,10 @@ class HFDriver(LocalDriver):
         description (or the inferred one) read against its config."""
         config: Any = self._hf_model.config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return self._adapter.description.architecture(config, self._info)
+        described = self._adapter.description.architecture(config, self._info)
+        if self._vision is None:
+            return described
+        return dataclasses.replace(described, vision=self._vision)
 
     @classmethod
     def boot(cls, model_name: Any = None, **options: Any) -> HFDriver:
@@ -501,10 +510,29 @@ class HFDriver(LocalDriver):
 
     def supports(self, feature: str) -> bool:
         """As ``LocalDriver.supports``; ``"token_type_ids"`` where the model has a token-type
-        embedding (BERT-style encoders)."""
+        embedding (BERT-style encoders), ``"images"`` where it reads images and no image
+        check of its certification failed (vision-language models)."""
         if feature == "token_type_ids":
             return self._token_types > 0
+        if feature == "images":
+            return self.images_refused is None
         return super().supports(feature)
+
+    @property
+    def images_refused(self) -> str | None:
+        """Why this model takes no images from tl, or ``None`` when it takes them."""
+        if self._vision is None:
+            return self._no_images
+        if not isinstance(self._vision.tokens_per_image, int):
+            return "it was booted without weights, so tl did not measure an image's positions"
+        failed = [
+            c
+            for c in (self._certification.checks if self._certification is not None else ())
+            if c.equation in IMAGE_EQUATIONS and not c.passed
+        ]
+        if failed:
+            return f"its certification failed {failed[0].line()}"
+        return None
 
     @property
     def masks_padding(self) -> bool:
@@ -541,11 +569,13 @@ class HFDriver(LocalDriver):
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of the transformers model with the attached hooks.
 
         Block indices come checked (``LocalDriver.run_model``); ``residual`` with them.
-        ``token_type_ids`` (checked by ``ForwardRequest``) go to models that take them.
+        ``token_type_ids`` and ``images`` (pixels, checked by ``ForwardRequest``) go to
+        models that take them.
         """
         self._check_runnable()
         start, stop = start_at_layer, stop_at_layer
@@ -595,7 +625,12 @@ class HFDriver(LocalDriver):
                     )
                 else:  # no final norm: the stream ends at the last block's output
                     handle = parts.layers[-1].layer.register_forward_hook(stop_after)
-            extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids.to(device)}
+            extra: dict[str, Any] = {}
+            if token_type_ids is not None:
+                extra["token_type_ids"] = token_type_ids.to(device)
+            if images is not None:
+                dtype = next(self.hf_model.parameters()).dtype
+                extra["pixel_values"] = images.to(device, dtype)
             try:
                 out = self.hf_model(
                     input_ids=ids,

@@ -44,7 +44,8 @@ def built_class_name(
     Args:
         config: The checkpoint's config.
         model_class: The class the caller chose (``None``: ``AutoModelForCausalLM``), or
-            the auto class of the config's kind (``AutoModelForMaskedLM``).
+            the auto class of the config's kind (``AutoModelForMaskedLM``,
+            ``AutoModelForImageTextToText``).
         trust_remote_code: Whether the checkpoint's own code may run (its class is then
             unknown until loaded).
         name: The checkpoint, for the message.
@@ -57,18 +58,28 @@ def built_class_name(
         ConfigError: ``architectures`` names a causal LM other than the one ``model_type``
             builds (both named, with how to make them agree).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForMaskedLM,
+    )
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
         MODEL_FOR_MASKED_LM_MAPPING,
     )
 
-    if model_class is AutoModelForMaskedLM:
+    by_kind = {
+        AutoModelForMaskedLM: MODEL_FOR_MASKED_LM_MAPPING,
+        AutoModelForImageTextToText: MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    }
+    if model_class in by_kind:
         try:
-            masked: Any = MODEL_FOR_MASKED_LM_MAPPING[type(config)]
+            found_other: Any = by_kind[model_class][type(config)]
         except (KeyError, ValueError):
             return None
-        return str((masked[0] if isinstance(masked, (list, tuple)) else masked).__name__)
+        first = found_other[0] if isinstance(found_other, (list, tuple)) else found_other
+        return str(first.__name__)
     if model_class is not None and model_class is not AutoModelForCausalLM:
         return str(model_class.__name__)
     auto_map = getattr(config, "auto_map", None) or {}

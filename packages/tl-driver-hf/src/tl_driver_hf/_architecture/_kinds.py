@@ -1,9 +1,10 @@
 """What kind of model a transformers class is: which the hf driver builds, which it refuses.
 
-The hf driver serves decoder-only causal LMs and masked LMs (encoders with a head that
-predicts each position's token: BERT, RoBERTa, ...). A checkpoint of another kind (a
-sequence-to-sequence model, a vision-language model) is refused, and the refusal names the
-kind by the task mapping transformers files the class under.
+The hf driver serves decoder-only causal LMs, masked LMs (encoders with a head that
+predicts each position's token: BERT, RoBERTa, ...) and vision-language models (a causal
+language stack that reads images through a vision tower: LLaVA, Gemma 3, ...). A checkpoint
+of another kind (a sequence-to-sequence model, an image classifier) is refused, and the
+refusal names the kind by the task mapping transformers files the class under.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal
 from tl_core import ConfigError
 
 __all__ = [
+    "LMKind",
     "class_kind",
     "is_causal_lm_class",
     "lm_kind",
@@ -25,6 +27,8 @@ __all__ = [
 
 #: The kind of a masked LM's class, as ``_KINDS`` names it.
 MASKED_LM = "masked language model"
+#: The kind of a vision-language model's class, as ``_KINDS`` names it.
+VISION_LANGUAGE = "vision-language model"
 
 #: transformers' task mappings, most specific first (BART's ``ForConditionalGeneration``
 #: is filed under both sequence-to-sequence and masked LM), with what their classes are.
@@ -113,28 +117,33 @@ def _checkpoint_kind(config: Any) -> tuple[str | None, str]:
     return _kind_by_type().get(model_type), f"model_type {model_type!r}"
 
 
-def lm_kind(config: Any) -> Literal["causal_lm", "masked_lm"]:
+LMKind = Literal["causal_lm", "masked_lm", "vision_language"]
+
+_BY_KIND: dict[str, LMKind] = {MASKED_LM: "masked_lm", VISION_LANGUAGE: "vision_language"}
+
+
+def lm_kind(config: Any) -> LMKind:
     """Which kind of language model the hf driver builds for ``config``.
 
     A masked LM where the config's first architecture is a masked-LM class (a
     ``BertForMaskedLM`` checkpoint, though transformers also maps ``bert`` to the causal
     ``BertLMHeadModel``), or where it names none and transformers maps the model type to a
-    masked LM only (``distilbert``); otherwise a causal LM (which ``refuse_without_causal_lm``
-    refuses for the other kinds).
+    masked LM only (``distilbert``); a vision-language model likewise (a
+    ``LlavaForConditionalGeneration`` checkpoint); otherwise a causal LM (which
+    ``refuse_without_causal_lm`` refuses for the other kinds). A vision-language class that
+    transformers also maps as a causal LM (``Gemma3ForConditionalGeneration``) is a causal
+    LM here: ``AutoModelForCausalLM`` builds it whole.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    # class_kind and _kind_by_type name a masked LM only from the masked-LM mapping, and
-    # only where no earlier (more specific) mapping lists the class or type.
+    # class_kind and _kind_by_type name a kind only where no earlier (more specific)
+    # mapping lists the class or type.
     architectures = [str(a) for a in getattr(config, "architectures", None) or ()]
     if architectures:
-        return "masked_lm" if class_kind(architectures[0]) == MASKED_LM else "causal_lm"
+        return _BY_KIND.get(class_kind(architectures[0]) or "", "causal_lm")
     model_type = str(getattr(config, "model_type", None))
-    if (
-        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and _kind_by_type().get(model_type) == MASKED_LM
-    ):
-        return "masked_lm"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return _BY_KIND.get(_kind_by_type().get(model_type) or "", "causal_lm")
     return "causal_lm"
 
 
@@ -156,7 +165,7 @@ def refuse_without_causal_lm(config: Any, *, name: str) -> None:
     raise ConfigError(
         f"the checkpoint {name!r} is {what}: transformers has no causal-LM class for model "
         f"type {model_type!r} (AutoModelForCausalLM cannot build it), and the hf driver "
-        f"serves decoder-only causal LMs and masked LMs; {served}."
+        f"serves decoder-only causal LMs, masked LMs and vision-language models; {served}."
     )
 
 
@@ -191,7 +200,8 @@ def refuse_other_kind(model: Any, config: Any, *, name: str) -> None:
         f"the checkpoint {name!r} is {with_article(kind)}: its config's architectures name "
         f"{other}, and transformers builds {built} from it, a causal LM the checkpoint was "
         f"not written for (another model over its weights, or a part of them). The hf "
-        f"driver serves decoder-only causal LMs and masked LMs; {kind}s are not served yet."
+        f"driver serves decoder-only causal LMs, masked LMs and vision-language models; "
+        f"{kind}s are not served yet."
     )
 
 

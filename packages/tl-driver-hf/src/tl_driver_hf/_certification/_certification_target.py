@@ -69,6 +69,7 @@ class CertifiableDriver(Protocol):
         start_at_layer: int | None = None,
         stop_at_layer: int | None = None,
         residual: torch.Tensor | None = None,
+        images: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward with the attached hooks."""
 

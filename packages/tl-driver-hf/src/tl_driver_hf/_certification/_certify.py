@@ -33,6 +33,7 @@ from tl_core.certification import (
 )
 from tl_driver_hf._architecture._modules import has_attention_sinks
 from tl_driver_hf._architecture._probe import probe_ids
+from tl_driver_hf._certification._image_checks import image_checks
 from tl_driver_hf._certification._weight_checks import (
     exported_weight_checks,
     latent_checks,
@@ -294,6 +295,9 @@ def certify_driver(
     if logits is not None:
         checks += readout_checks(driver, cache, ids, logits, rtol)
     checks += silent_hook_checks([n for n in names if not _opt_in(n)], cache)
+    vision = driver.architecture.vision
+    if vision is not None and isinstance(vision.tokens_per_image, int):
+        checks += image_checks(driver, vision, rtol)
     weight_checks: dict[str, CertificationCheck] = {}
     unchecked_weights: dict[str, HookCertificate] = {}
     if thorough:

@@ -9,7 +9,7 @@ import os
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import torch
 import transformers
@@ -17,6 +17,7 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForMaskedLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -193,12 +194,19 @@ def apply_n_ctx(config: PretrainedConfig, adapter: ArchitectureAdapter, n_ctx: i
         config.max_position_embeddings = n_ctx
 
 
+_AUTO_CLASSES: Final = {
+    "causal_lm": AutoModelForCausalLM,
+    "masked_lm": AutoModelForMaskedLM,
+    "vision_language": AutoModelForImageTextToText,
+}
+
+
 def _model_class(opts: BootOptions, config: Any) -> Any:
     """The class ``from_pretrained`` is called on: ``model_class``, else the auto class of
     the config's kind (a masked LM's checkpoint builds its masked LM, ``lm_kind``)."""
     cls = opts.model_class
     if cls is None:
-        return AutoModelForMaskedLM if lm_kind(config) == "masked_lm" else AutoModelForCausalLM
+        return _AUTO_CLASSES[lm_kind(config)]
     if isinstance(cls, str):
         found = getattr(transformers, cls, None)
         if found is None:
@@ -245,7 +253,7 @@ def load_model(
     cls = _model_class(opts, config)
     if not opts.load_weights:
         with torch.device("meta"):
-            auto = cls in (AutoModelForCausalLM, AutoModelForMaskedLM)
+            auto = cls in _AUTO_CLASSES.values()
             build = cls.from_config if auto else cls._from_config
             return cast(nn.Module, build(config, dtype=opts.dtype, attn_implementation="eager"))
     kwargs: dict[str, Any] = {
@@ -308,17 +316,15 @@ def load_model(
 
 def built_name(config: Any, cls: Any) -> str:
     """The name of the class ``cls`` (an auto class: the class it picks) builds for ``config``."""
-    if cls in (AutoModelForCausalLM, AutoModelForMaskedLM):
-        from transformers.models.auto.modeling_auto import (
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-        )
+    if cls in _AUTO_CLASSES.values():
+        from transformers.models.auto import modeling_auto
 
-        names = (
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            if cls is AutoModelForCausalLM
-            else MODEL_FOR_MASKED_LM_MAPPING_NAMES
-        )
+        mapping = {
+            AutoModelForCausalLM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            AutoModelForMaskedLM: "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            AutoModelForImageTextToText: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+        }[cls]
+        names = getattr(modeling_auto, mapping)
         found = names.get(str(getattr(config, "model_type", "")))
         if found:
             return found if isinstance(found, str) else str(found[0])
