@@ -50,9 +50,10 @@ PACKAGES: dict[str, list[str]] = {
         "matplotlib>=3.6",  # the plots extra: figures are drawn and opened in the tests
         "hypothesis",  # property tests (check_rounding, the input surface)
     ],
-    # The accelerate and gguf extras; installing them runs the device_map and GGUF tests
+    # The accelerate, gguf and images extras; installing them runs the device_map, GGUF and
+    # image-file tests
     # (the GGUF tests also need the real model file, installed by _install_smollm2).
-    "tl-driver-hf": ["accelerate>=1.1", "gguf>=0.10", "hypothesis"],
+    "tl-driver-hf": ["accelerate>=1.1", "gguf>=0.10", "hypothesis", "pillow>=10"],
     # inspect evals on the hf driver; pandas and pyarrow are the `analysis` extra.
     "tl-driver-inspect": [str(ROOT / "packages" / "tl-driver-hf"), "pandas", "pyarrow"],
     # Alone with tl-core: the tests that need a driver skip (the parity session runs them all).

@@ -15,9 +15,15 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tl_core import UnsupportedFeatureError, UserError
+from tl_core import InterventionSpec, SpecError, UnsupportedFeatureError, UserError, parse_spec
 from tl_core.architecture import VisionDescription
-from tl_core.driver_api import TokenBatch, checked_images, pad_batch, with_image_tokens
+from tl_core.driver_api import (
+    TokenBatch,
+    checked_images,
+    image_positions,
+    pad_batch,
+    with_image_tokens,
+)
 
 _TOKEN = 9
 _VISION = VisionDescription("clip_vision_model", (4, 4), 3, _TOKEN, 5)
@@ -76,8 +82,8 @@ def test_images_in_a_list_are_stacked_in_order() -> None:
         ([[1, *[_TOKEN] * 3]], torch.rand(1, 3, 4, 4), UserError, "a run of 3 image tokens"),
         ([[1, *[_TOKEN] * 5]], torch.rand(1, 1, 4, 4), UserError, r"takes \(3, 4, 4\)"),
         ([[1, *[_TOKEN] * 5]], torch.ones(1, 3, 4, 4, dtype=torch.int64), UserError, "float"),
-        ([[1, *[_TOKEN] * 5]], "cat.png", UserError, "got str"),
-        ([[1, *[_TOKEN] * 5]], [], UserError, "got list"),
+        ([[1, *[_TOKEN] * 5]], "cat.png", UserError, "takes images as pixel tensors"),
+        ([[1, *[_TOKEN] * 5]], [], UserError, "empty list"),
         ([[1, 2]], torch.rand(1, 3, 4, 4), UserError, "tokens of 0 images"),
     ],
 )
@@ -97,3 +103,16 @@ def test_a_model_that_reads_no_images_refuses_them() -> None:
     unmeasured = VisionDescription("clip_vision_model", (4, 4), 3, _TOKEN, "unknown")
     with pytest.raises(UnsupportedFeatureError, match="booted without weights"):
         checked_images(_driver(vision=unmeasured), torch.rand(1, 3, 4, 4), batch)
+
+
+def test_a_spec_names_the_image_positions_and_round_trips() -> None:
+    spec = parse_spec({"op": "add", "value": [1.0, 2.0], "pos": "image"}, hook="blocks.0.hook_in")
+    assert spec.pos == "image"
+    assert parse_spec(spec.to_dict(), hook="blocks.0.hook_in") == spec
+    assert InterventionSpec.suppress(pos="image").pos == "image"
+    with pytest.raises(SpecError, match="the one named position is 'image'"):
+        parse_spec({"op": "suppress", "pos": "images"}, hook="blocks.0.hook_in")
+    with pytest.raises(SpecError, match="lists no positions until the prompt is known"):
+        parse_spec({"op": "add", "value": [[1.0], [2.0]], "pos": "image"}, hook="h")
+    widened = with_image_tokens(_batch([[1, _TOKEN, 2], [3, 4]]), _VISION, pad_id=0)
+    assert image_positions(_VISION, widened) == ((1, 2, 3, 4, 5), ())

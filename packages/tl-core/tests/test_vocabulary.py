@@ -453,6 +453,23 @@ def test_structurally_absent_names(name: str, family: str) -> None:
         layout_of(name)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vision_projector.hook_out",
+        "vision_encoder.encoder_layers.0.attn.hook_pattern",
+        "vision_encoder.hook_out",
+        "vision_blocks.3.hook_in",
+    ],
+)
+def test_vision_tower_names_say_the_tower_is_not_served_yet(name: str) -> None:
+    """TransformerLens 4.3's names of a vision-language model's tower and projector are not
+    unknown names: the error says what they are and where the image features are."""
+    with pytest.raises(HookNameError, match="vision tower or projector") as refused:
+        resolve_hook_name(name)
+    assert "blocks.0.hook_in at the image positions" in str(refused.value)
+
+
 # --- resolution against a model -----------------------------------------------------------
 
 

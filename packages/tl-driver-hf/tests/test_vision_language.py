@@ -16,11 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForImageTextToText, LlavaConfig, LlavaForConditionalGeneration
+from transformers import (
+    AutoModelForImageTextToText,
+    CLIPImageProcessor,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+)
 
-from tl_core import TransformerBridge, UnsupportedFeatureError, UserError
+from tl_core import SpecError, TransformerBridge, UnsupportedFeatureError, UserError
 from tl_driver_hf import HFDriver
 from tl_driver_hf.testing import write_tiny_checkpoint
 from tl_driver_hf.testing._tokenizer import train_tiny_tokenizer
@@ -54,7 +60,13 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("llava") / "llava"
     model.save_pretrained(folder)
     train_tiny_tokenizer(512).save_pretrained(folder)
+    _processor().save_pretrained(folder)
     return folder
+
+
+def _processor() -> CLIPImageProcessor:
+    """The image processor LLaVA checkpoints ship, for the tower's 32 x 32 pixels."""
+    return CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +156,54 @@ def test_a_prompt_with_images_gets_what_transformers_gives_it(
     torch.testing.assert_close(
         cache["blocks.0.hook_in"][0, at_image], features.reshape(-1, 64), rtol=1e-4, atol=1e-5
     )
+    # The rotary module reads the merged embeddings (TransformerLens 4.3's rotary_emb.hook_in):
+    # on a model that reads images that is the stream entering block 0, not embed.hook_out.
+    assert bridge.namespace.lookup("rotary_emb.hook_in") == "blocks.0.hook_in"
+    assert not torch.allclose(
+        cache["embed.hook_out"][0, at_image], cache["blocks.0.hook_in"][0, at_image]
+    )
     # Ids already holding a whole run per image are taken as they are.
     again, _ = bridge.run_with_cache(torch.tensor([full]), images=pixels)
     torch.testing.assert_close(again, logits)
+
+
+def test_images_as_pil_arrays_or_files_go_through_the_checkpoints_processor(
+    bridge: TransformerBridge, plain: nn.Module, tmp_path: Path
+) -> None:
+    generator = torch.Generator().manual_seed(6)
+    array = torch.randint(0, 256, (40, 48, 3), generator=generator, dtype=torch.uint8).numpy()
+    picture = Image.fromarray(array)
+    path = tmp_path / "picture.png"
+    picture.save(path)
+    pixels = _processor()(images=[picture], return_tensors="pt")["pixel_values"]
+    ids = torch.tensor([[1, 40, _IMAGE, 77]])
+    want = bridge(ids, images=pixels)
+    for given in (picture, [array], [str(path)], path):
+        torch.testing.assert_close(bridge(ids, images=given), want)
+    with torch.no_grad():
+        theirs = plain(input_ids=torch.tensor([_widened(ids[0].tolist())]), pixel_values=pixels)
+    torch.testing.assert_close(want, theirs.logits, rtol=1e-4, atol=1e-5)
+    with pytest.raises(UserError, match="does not exist"):
+        bridge(ids, images=[str(tmp_path / "missing.png")])
+    (tmp_path / "notes.txt").write_text("not an image")
+    with pytest.raises(UserError, match="no image PIL can read"):
+        bridge(ids, images=[tmp_path / "notes.txt"])
+
+
+def test_images_that_are_not_pixels_need_the_checkpoints_processor(
+    llava: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    bare = tmp_path / "llava-without-processor"
+    shutil.copytree(llava, bare)
+    (bare / "preprocessor_config.json").unlink()
+    bridge = TransformerBridge(HFDriver.boot(str(bare)))
+    picture = Image.new("RGB", (32, 32))
+    with pytest.raises(UserError, match="holds no image processor"):
+        bridge(torch.tensor([[1, _IMAGE]]), images=[picture])
+    # Pixel tensors need no processor.
+    assert bridge(torch.tensor([[1, _IMAGE]]), images=_pixels(1)).shape[1] == 1 + _PER_IMAGE
 
 
 def test_a_ragged_batch_with_images_gets_each_prompt_alone(bridge: TransformerBridge) -> None:
@@ -174,30 +231,71 @@ def test_generation_with_an_image_equals_transformers_greedy_generate(
     assert ours.tolist() == theirs[:, full.shape[1] :].tolist()
 
 
+@pytest.mark.parametrize(
+    ("edit", "rows"),
+    [
+        ({"op": "add", "pos": [3, 5]}, [3, 5]),
+        ({"op": "suppress", "pos": "image"}, list(range(1, 1 + _PER_IMAGE))),
+    ],
+    ids=["add-at-positions", "ablate-the-image"],
+)
 def test_an_edit_with_an_image_equals_a_plain_pre_hook(
-    bridge: TransformerBridge, plain: nn.Module
+    bridge: TransformerBridge, plain: nn.Module, edit: dict[str, Any], rows: list[int]
 ) -> None:
+    """An add at listed positions, and the image ablated at one layer (``"pos": "image"``),
+    against the same edit by a plain pre-hook on the language layer."""
     ids = _widened([1, _IMAGE, 40, 41])
     pixels = _pixels(1, seed=3)
     delta = torch.randn(64, generator=torch.Generator().manual_seed(4))
-    spec = {"blocks.1.hook_in": [{"op": "add", "value": delta.tolist(), "pos": [3, 5]}]}
-    ours = bridge(torch.tensor([ids]), images=pixels, intervene=spec)
+    spec = {**edit, "value": delta.tolist()} if edit["op"] == "add" else edit
+    ours = bridge(torch.tensor([ids]), images=pixels, intervene={"blocks.1.hook_in": spec})
 
-    def add(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def change(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         hidden = (args[0] if args else kwargs["hidden_states"]).clone()
-        hidden[:, [3, 5]] += delta
+        if edit["op"] == "add":
+            hidden[:, rows] += delta
+        else:
+            hidden[:, rows] = 0.0
         if args:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
 
     layer = plain.model.language_model.layers[1]
-    handle = layer.register_forward_pre_hook(add, with_kwargs=True)
+    handle = layer.register_forward_pre_hook(change, with_kwargs=True)
     try:
         with torch.no_grad():
             theirs = plain(input_ids=torch.tensor([ids]), pixel_values=pixels).logits
     finally:
         handle.remove()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_a_spec_on_the_image_positions_edits_each_prompts_own(bridge: TransformerBridge) -> None:
+    """``"pos": "image"`` is each prompt's image positions, wherever its image sits."""
+    prompts = [[1, _IMAGE, 40, 41], [1, 8, 9, _IMAGE, 5, 6]]
+    pixels = _pixels(2, seed=5)
+    named = bridge(
+        prompts, images=pixels, intervene={"blocks.1.hook_in": {"op": "suppress", "pos": "image"}}
+    )
+    listed = bridge(
+        prompts,
+        images=pixels,
+        intervene=[
+            {"blocks.1.hook_in": {"op": "suppress", "pos": list(range(1, 1 + _PER_IMAGE))}},
+            {"blocks.1.hook_in": {"op": "suppress", "pos": list(range(3, 3 + _PER_IMAGE))}},
+        ],
+    )
+    torch.testing.assert_close(named, listed)
+    assert not torch.allclose(named, bridge(prompts, images=pixels))
+    # A prompt without an image is left as it is; a run without images refuses the spec.
+    mixed = bridge(
+        [prompts[0], [1, 2, 3]],
+        images=pixels[:1],
+        intervene={"blocks.1.hook_in": {"op": "suppress", "pos": "image"}},
+    )
+    torch.testing.assert_close(mixed[1, :3], bridge([[1, 2, 3]])[0])
+    with pytest.raises(SpecError, match="this run has no images"):
+        bridge([[1, 2, 3]], intervene={"blocks.1.hook_in": {"op": "suppress", "pos": "image"}})
 
 
 @pytest.mark.parametrize(
@@ -231,6 +329,7 @@ def test_a_model_without_a_vision_tower_refuses_images(tmp_path: Path) -> None:
     folder = write_tiny_checkpoint("llama", tmp_path / "llama")
     bridge = TransformerBridge(HFDriver.boot(str(folder)))
     assert bridge.architecture is not None and bridge.architecture.vision is None
+    assert bridge.namespace.lookup("rotary_emb.hook_in") == "embed.hook_out"
     with pytest.raises(UnsupportedFeatureError, match="takes no images"):
         bridge(torch.tensor([[1, 2, 3]]), images=_pixels(1))
 

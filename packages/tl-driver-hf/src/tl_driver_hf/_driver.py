@@ -43,6 +43,7 @@ from tl_driver_hf._runtime._torch_hooks import (
 )
 from tl_driver_hf._runtime._wiring import Wiring
 from tl_driver_hf._weights._compat import CompatState, enable_compatibility
+from tl_driver_hf._weights._image_processor import load_image_processor, processed_pixels
 from tl_driver_hf._weights._loading import (
     adapter_or_none,
     apply_n_ctx,
@@ -102,6 +103,15 @@ class HFDriver(LocalDriver):
         info = info if info is not None else adapter.description.model_info(config)
         if n_ctx is not None:
             info = dataclasses.replace(info, n_ctx=n_ctx)
+        # Meta parameters without accelerate's offload hooks mean load_weights=False; with
+        # them (disk offload) the weights are brought in module by module as it runs.
+        self._meta = any(p.is_meta for p in hf_model.parameters()) and not any(
+            hasattr(m, "_hf_hook") for m in hf_model.modules()
+        )
+        #: How images reach the language stack (``None``: the model takes none, and why).
+        self._vision, self._no_images = read_vision(hf_model, config, measure=not self._meta)
+        if self._vision is not None:
+            info = dataclasses.replace(info, reads_images=True)
         self._hf_model = hf_model
         self._info = info
         self._modules = resolve_modules(hf_model, adapter)
@@ -129,15 +139,6 @@ class HFDriver(LocalDriver):
         self._arena = CaptureArena()
         self._build(names)
         self._configs = configs_of(hf_model)
-        # Meta parameters without accelerate's offload hooks mean load_weights=False; with
-        # them (disk offload) the weights are brought in module by module as it runs.
-        self._meta = any(p.is_meta for p in hf_model.parameters()) and not any(
-            hasattr(m, "_hf_hook") for m in hf_model.modules()
-        )
-        #: How images reach the language stack (``None``: the model takes none, and why).
-        self._vision, self._no_images = read_vision(
-            hf_model, hf_model.config, measure=not self._meta
-        )
 
     def _build(self, names: list[str]) -> None:
         """The HookPoint tree and its wiring for ``names`` (rebuilt after certification)."""
@@ -517,6 +518,28 @@ class HFDriver(LocalDriver):
         if feature == "images":
             return self.images_refused is None
         return super().supports(feature)
+
+    def pixel_values(self, images: Sequence[Any]) -> torch.Tensor:
+        """``[n, channels, height, width]`` pixels of images given as PIL images, arrays or
+        file paths, as the checkpoint's own image processor prepares them.
+
+        Raises:
+            UserError: The checkpoint holds no image processor (pass pixel tensors then), a
+                path that is no image, or images the processor refuses.
+        """
+        processor, why = self._image_processor
+        if processor is None:
+            raise UserError(
+                f"images= holds images that are not pixel tensors, and {why}: pass "
+                "[channels, height, width] pixel tensors as the model's processor makes them, "
+                "or save its image processor in the checkpoint folder"
+            )
+        return processed_pixels(processor, images)
+
+    @functools.cached_property
+    def _image_processor(self) -> tuple[Any | None, str]:
+        source = getattr(self._hf_model, "name_or_path", None) or self._name
+        return load_image_processor(str(source))
 
     @property
     def images_refused(self) -> str | None:

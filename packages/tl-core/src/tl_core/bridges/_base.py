@@ -454,10 +454,13 @@ class Bridge:
             token_type_ids: Segment ids of an encoder's prompts (BERT's sentence A and B):
                 a ``[batch, pos]`` tensor of the padded ids' shape, or one list per prompt
                 as long as the prompt; drivers and models without them refuse it.
-            images: A vision-language model's images, as pixel tensors ``[n, channels,
-                height, width]`` (or a list of ``[channels, height, width]``), one per image
-                token of the prompts in order. A lone image token is widened to the
-                positions one image fills (``architecture.vision.tokens_per_image``).
+            images: A vision-language model's images, one per image token of the prompts
+                in order: pixel tensors ``[n, channels, height, width]`` (or a list of
+                ``[channels, height, width]``), or PIL images, arrays or file paths, which
+                the driver reads with the checkpoint's image processor. A lone image token
+                is widened to the positions one image fills
+                (``architecture.vision.tokens_per_image``); ``"pos": "image"`` in a spec
+                edits those positions.
 
         Returns:
             Logits ``[batch, pos, d_vocab]``, the loss, both, the residual stream when

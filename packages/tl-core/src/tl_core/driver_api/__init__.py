@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from tl_core.driver_api._images import (
         ImageInput as ImageInput,
         checked_images as checked_images,
+        image_positions as image_positions,
         vision_of as vision_of,
         with_image_tokens as with_image_tokens,
     )

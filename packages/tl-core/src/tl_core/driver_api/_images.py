@@ -9,7 +9,6 @@ one to the image's run, as the model's processor does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,11 +18,13 @@ from tl_core.architecture._description import VisionDescription
 from tl_core.architecture._vocabulary import UNKNOWN
 from tl_core.driver_api._batching import TokenBatch, pad_batch
 
-__all__ = ["ImageInput", "checked_images", "vision_of", "with_image_tokens"]
+__all__ = ["ImageInput", "checked_images", "image_positions", "vision_of", "with_image_tokens"]
 
 #: What ``images=`` takes: a ``[n, channels, height, width]`` tensor, one image
-#: ``[channels, height, width]``, or a sequence of such images.
-ImageInput = torch.Tensor | Sequence[torch.Tensor]
+#: ``[channels, height, width]``, a sequence of such images, or images in another form the
+#: driver reads with the checkpoint's image processor (PIL images, arrays, file paths), one
+#: or a sequence.
+ImageInput = Any
 
 
 def vision_of(driver: Any) -> VisionDescription:
@@ -77,40 +78,63 @@ def with_image_tokens(batch: TokenBatch, vision: VisionDescription, pad_id: int)
     return pad_batch(widened, pad_id=pad_id)
 
 
-def _stacked(value: object) -> torch.Tensor:
+def image_positions(vision: VisionDescription, batch: TokenBatch) -> tuple[tuple[int, ...], ...]:
+    """Each prompt's image positions (in the prompt, from 0): what ``"pos": "image"`` edits."""
+    token = vision.image_token_id
+    return tuple(tuple(i for i, t in enumerate(row) if t == token) for row in batch.rows())
+
+
+def _pixels(driver: Any, value: object) -> torch.Tensor:
+    """Pixel tensors as they are; images in another form (PIL images, arrays, file paths)
+    through the driver's ``pixel_values`` (the checkpoint's own image processor)."""
     if isinstance(value, torch.Tensor):
         return value[None] if value.ndim == 3 else value
-    if isinstance(value, (list, tuple)) and value:
-        images = []
-        for n, image in enumerate(value):
-            if not isinstance(image, torch.Tensor) or image.ndim not in (3, 4):
-                got = (
-                    tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
-                )
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise UserError(
+            "images= is an empty list; give one image per image token of the prompts, or "
+            "leave images= out for text alone"
+        )
+    if all(isinstance(item, torch.Tensor) for item in items):
+        tensors: list[torch.Tensor] = []
+        for n, image in enumerate(items):
+            assert isinstance(image, torch.Tensor)
+            if image.ndim not in (3, 4):
                 raise UserError(
-                    f"image {n} of images= is {got}; give each image as a [channels, height, "
-                    "width] tensor of pixel values (the model's processor normalises them)"
+                    f"image {n} of images= is {tuple(image.shape)}; give each image as a "
+                    "[channels, height, width] tensor of pixel values (the model's processor "
+                    "normalises them)"
                 )
-            images.append(image if image.ndim == 4 else image[None])
-        return torch.cat(images)
-    raise UserError(
-        f"images= must be a [n, channels, height, width] tensor or a list of [channels, "
-        f"height, width] tensors, got {type(value).__name__}"
-    )
+            tensors.append(image if image.ndim == 4 else image[None])
+        return torch.cat(tensors)
+    prepare = getattr(driver, "pixel_values", None)
+    if not callable(prepare):
+        kinds = sorted({type(item).__name__ for item in items})
+        raise UserError(
+            f"images= holds {', '.join(kinds)}; driver {driver.name!r} takes images as pixel "
+            "tensors [n, channels, height, width] only"
+        )
+    pixels = prepare(items)
+    assert isinstance(pixels, torch.Tensor)
+    return pixels
 
 
 def checked_images(driver: Any, value: object, batch: TokenBatch) -> torch.Tensor:
     """``images=`` as one ``[n, channels, height, width]`` float tensor on the CPU, checked
     against the model and against the image tokens of ``batch``.
 
+    Images that are not tensors go through the driver's ``pixel_values`` (the hf driver
+    runs the checkpoint's own image processor on PIL images, arrays and file paths).
+
     Raises:
         UnsupportedFeatureError: The driver or its model takes no images.
-        UserError: Not pixel tensors, a size or channel count the tower does not take, or
+        UserError: Images the driver cannot read, a size or channel count the tower does not
+            take, or
             image tokens that do not fill exactly one run of ``tokens_per_image`` per image
             (the prompt at fault named), all before the engine runs.
     """
     vision = vision_of(driver)
-    pixels = _stacked(value)
+    pixels = _pixels(driver, value)
     if pixels.ndim != 4:
         raise UserError(
             f"images= has shape {tuple(pixels.shape)}; give [n, channels, height, width] pixels"

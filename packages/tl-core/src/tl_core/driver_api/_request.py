@@ -17,7 +17,12 @@ import torch
 
 from tl_core._errors import UnsupportedFeatureError, UserError
 from tl_core.driver_api._batching import TokenBatch, check_token_range, pad_batch
-from tl_core.driver_api._images import checked_images, vision_of, with_image_tokens
+from tl_core.driver_api._images import (
+    checked_images,
+    image_positions,
+    vision_of,
+    with_image_tokens,
+)
 from tl_core.driver_api._layers import block_index, outside_partial, partial_refusal
 from tl_core.driver_api._sampling import SamplingOptions
 from tl_core.driver_api._tokenizers import padding_id
@@ -242,6 +247,9 @@ def planned_request(
         lengths=batch.lengths,
         namespace=namespace,
         allow_callables=driver.supports("intervention_callbacks"),
+        image_positions=(
+            None if fields.get("images") is None else image_positions(vision_of(driver), batch)
+        ),
     )
     start, stop = fields.get("start_at_layer"), fields.get("stop_at_layer")
     if start is not None or stop is not None:

@@ -102,6 +102,10 @@ def _not_rotary(info: ModelInfo) -> bool:
     return info.positional_embedding_type in ("standard", "none")
 
 
+def _reads_images(info: ModelInfo) -> bool:
+    return info.reads_images
+
+
 def _no_norm(info: ModelInfo) -> bool:
     return info.normalization_type is None and info.n_layers > 0
 
@@ -244,7 +248,19 @@ _TL_BRIDGE: dict[str, Rule] = {
             "The rotary module is called on the embeddings only to learn their dtype and "
             "device; its table depends on the positions alone.",
         ),
-        ((_not_rotary, _absent("This model has no rotary embedding module.")),),
+        (
+            (_not_rotary, _absent("This model has no rotary embedding module.")),
+            (
+                _reads_images,
+                _alias(
+                    "blocks.0.hook_in",
+                    "The rotary module reads the embeddings after the image features replace "
+                    "the image tokens' rows: the stream entering block 0. It reads them only "
+                    "to learn their dtype and device; its table depends on the positions "
+                    "alone.",
+                ),
+            ),
+        ),
     ),
     **{
         f"rotary_emb.hook_{x}": Rule(

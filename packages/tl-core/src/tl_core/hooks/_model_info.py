@@ -63,6 +63,10 @@ class ModelInfo:
         token_type_embed: Whether a token-type (segment) embedding adds a row per segment id
             to the token embedding (BERT's sentence A and B): then ``token_type_embed.*``
             exist.
+        reads_images: Whether image features replace the embeddings at an image token's
+            positions (a vision-language model): then the tensor the rotary module reads
+            (TransformerLens's ``rotary_emb.hook_in``) is the stream entering block 0, not the
+            token embedding.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
             (Qwen3, Gemma 3, OLMo 2): then ``attn.q_norm.*`` and ``attn.k_norm.*`` exist.
         rotary_dim: Width of the rotated part of each head (``None``: the whole head);
@@ -101,6 +105,7 @@ class ModelInfo:
     embed_norm: bool = False
     token_type_embed: bool = False
     head_transform: bool = False
+    reads_images: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
     act_fn: str | None = None

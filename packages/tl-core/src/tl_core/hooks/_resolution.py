@@ -142,6 +142,10 @@ _NOT_DECODER_ONLY = frozenset(
 )
 
 
+# First segments of TransformerLens 4.3's (and DESIGN's) vision-tower and projector names.
+_VISION_TOWER = frozenset({"vision_encoder", "vision_projector", "vision_blocks"})
+
+
 def _index(digits: str, name: str) -> int:
     if len(digits) > 1 and digits[0] == "0":
         raise HookNameError(
@@ -220,6 +224,14 @@ def _unlisted(name: str, key: str, layer: int | None) -> HookResolution:
             + MULTI_STREAM
         )
         return HookResolution(name, None, "structurally_absent", "interp_engine", note)
+    if name.split(".", 1)[0] in _VISION_TOWER:
+        raise HookNameError(
+            f"{name!r} names a site of a vision-language model's vision tower or projector "
+            "(TransformerLens 4.3's names); tl serves such models' language stack "
+            "(blocks.{i}.*), not yet their vision tower's sites: the projected image features "
+            "are blocks.0.hook_in at the image positions (bridge.architecture.vision names the "
+            "image token)."
+        )
     if _NOT_DECODER_ONLY.intersection(name.split(".")):
         note = (
             "An encoder, encoder-decoder or masked-LM site; decoder-only language models have "

@@ -15,7 +15,7 @@ import torch
 
 from tl_core._errors import SpecError, TLError
 from tl_core.specs._plan import InterventionPlan
-from tl_core.specs._specs import InterventionSpec, absolute_positions
+from tl_core.specs._specs import InterventionSpec, absolute_positions, listed_positions
 
 __all__ = ["AffineEdit", "compile_plan", "compile_specs"]
 
@@ -101,7 +101,9 @@ def compile_specs(
             bias = bias * factor + value
             scale = scale * factor
             continue
-        rows = torch.tensor(absolute_positions(spec.pos, seq_len), dtype=torch.long, device=device)
+        rows = torch.tensor(
+            absolute_positions(listed_positions(spec.pos), seq_len), dtype=torch.long, device=device
+        )
         bias[rows] = bias[rows] * factor + value
         scale[rows] = scale[rows] * factor
     return AffineEdit(scale.to(dtype), bias.to(dtype), scale == 0 if _zeroes_scale(specs) else None)
@@ -132,7 +134,9 @@ def _edit_features(
     rows = (
         torch.arange(s2.shape[0], device=device)
         if spec.pos is None
-        else torch.tensor(absolute_positions(spec.pos, seq_len), dtype=torch.long, device=device)
+        else torch.tensor(
+            absolute_positions(listed_positions(spec.pos), seq_len), dtype=torch.long, device=device
+        )
     )
     grid = (rows[:, None], cols[None, :])
     b2[grid] = b2[grid] * factor + value

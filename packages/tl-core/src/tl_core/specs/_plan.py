@@ -12,12 +12,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from tl_core.specs._specs import (
+    IMAGE_POSITIONS,
     SPEC_OPS,
     InterventionSpec,
     _describe,
     _error,
     _parse,
     absolute_positions,
+    listed_positions,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ def build_plan(
     lengths: Sequence[int],
     namespace: HookNamespace,
     allow_callables: bool,
+    image_positions: Sequence[tuple[int, ...]] | None = None,
 ) -> InterventionPlan:
     """Validate a whole ``intervene=`` argument against a driver and a batch.
 
@@ -86,6 +89,8 @@ def build_plan(
             gives each hook's feature shape (``None`` for attention scores and patterns,
             whose width is the prompt's length).
         allow_callables: Whether the driver accepts Python hook functions.
+        image_positions: Each prompt's image positions, where the run has images: what
+            ``"pos": "image"`` edits (``None``: such a spec is refused).
 
     Returns:
         The plan, with canonical names and absolute positions.
@@ -103,7 +108,7 @@ def build_plan(
     if isinstance(intervene, Mapping):
         shared, callables = _read_mapping(intervene, None, namespace, allow_callables)
         per_prompt = tuple(
-            _resolve_for_prompt(shared, index, length, namespace)
+            _resolve_for_prompt(shared, index, length, namespace, image_positions)
             for index, length in enumerate(lengths)
         )
         return InterventionPlan(per_prompt, callables, lengths)
@@ -136,7 +141,7 @@ def build_plan(
                 "to the whole batch; pass them in a single mapping for all prompts, not in "
                 "the per-prompt list"
             )
-        plans.append(_resolve_for_prompt(specs, index, length, namespace))
+        plans.append(_resolve_for_prompt(specs, index, length, namespace, image_positions))
     return InterventionPlan(tuple(plans), {}, lengths)
 
 
@@ -232,6 +237,7 @@ def _resolve_for_prompt(
     index: int,
     length: int,
     namespace: HookNamespace,
+    images: Sequence[tuple[int, ...]] | None = None,
 ) -> dict[str, tuple[InterventionSpec, ...]]:
     out: dict[str, tuple[InterventionSpec, ...]] = {}
     for canonical, entries in specs.items():
@@ -250,8 +256,11 @@ def _resolve_for_prompt(
                 length,
                 where,
             )
-            resolved.append(_resolve_positions(spec, index, length, where))
-        out[canonical] = tuple(resolved)
+            placed = _resolve_positions(spec, index, length, where, images)
+            if placed is not None:
+                resolved.append(placed)
+        if resolved:
+            out[canonical] = tuple(resolved)
     return out
 
 
@@ -299,11 +308,27 @@ def _check_width(
 
 
 def _resolve_positions(
-    spec: InterventionSpec, index: int, length: int, where: str
-) -> InterventionSpec:
+    spec: InterventionSpec,
+    index: int,
+    length: int,
+    where: str,
+    images: Sequence[tuple[int, ...]] | None,
+) -> InterventionSpec | None:
+    """``spec`` with absolute positions for prompt ``index`` (``None``: a spec on the image
+    positions of a prompt that holds none, which edits nothing there)."""
     if spec.pos is None:
         return spec
+    if spec.pos == IMAGE_POSITIONS:
+        if images is None:
+            raise _error(
+                f"{where}: 'pos': 'image' edits the prompts' image positions, and this run "
+                "has no images; pass images= (a vision-language model), or list positions"
+            )
+        return replace(spec, pos=images[index]) if images[index] else None
     resolved = absolute_positions(
-        spec.pos, length, where=f"{where} for prompt {index}", span=f"a prompt of length {length}"
+        listed_positions(spec.pos),
+        length,
+        where=f"{where} for prompt {index}",
+        span=f"a prompt of length {length}",
     )
     return spec if resolved == spec.pos else replace(spec, pos=resolved)

@@ -30,11 +30,14 @@ __all__ = [
     "SpecLike",
     "SpecValue",
     "SpecValueLike",
+    "IMAGE_POSITIONS",
     "absolute_positions",
+    "listed_positions",
     "parse_spec",
 ]
 
 SpecOp: TypeAlias = Literal["suppress", "scale", "add", "set"]
+_Pos: TypeAlias = 'int | Sequence[int] | Literal["image"] | None'
 SPEC_OPS: tuple[SpecOp, ...] = ("suppress", "scale", "add", "set")
 """The spec operations, in documentation order."""
 
@@ -72,10 +75,15 @@ _POS = {
     "oneOf": [
         {"type": "integer"},
         {"type": "array", "items": {"type": "integer"}, "minItems": 1, "uniqueItems": True},
+        {"const": "image"},
     ],
-    "description": "Sequence positions to edit (negative counts from the prompt's end); "
-    "absent means every position.",
+    "description": "Sequence positions to edit (negative counts from the prompt's end), or "
+    "'image': the positions of the prompt's image tokens (a vision-language model run with "
+    "images); absent means every position.",
 }
+
+#: The named position selector of ``pos``: the prompt's image positions.
+IMAGE_POSITIONS: Literal["image"] = "image"
 _FEATURES = {
     "oneOf": [
         {"type": "integer", "minimum": 0},
@@ -158,8 +166,9 @@ class InterventionSpec:
         factor: The multiplier; ``scale`` only.
         value: ``add``/``set`` only: a scalar, a flat vector of the hook's feature width,
             or one such vector per position listed in ``pos``.
-        pos: Sequence positions to edit (negative ones count from the prompt's end);
-            ``None`` edits every position.
+        pos: Sequence positions to edit (negative ones count from the prompt's end),
+            ``"image"`` for the positions of the prompt's image tokens (a vision-language
+            model run with ``images=``), or ``None`` for every position.
         features: Indices into the hook's flattened feature axis to edit (an SAE's features
             on ``hook_sae_acts_post``, neurons on ``mlp.hook_post``); ``None`` edits all.
             Vector values then hold one number per listed feature.
@@ -168,7 +177,7 @@ class InterventionSpec:
     op: SpecOp
     factor: float | None = None
     value: SpecValue | None = None
-    pos: tuple[int, ...] | None = None
+    pos: tuple[int, ...] | Literal["image"] | None = None
     features: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -186,22 +195,22 @@ class InterventionSpec:
             object.__setattr__(self, name, getattr(normalised, name))
 
     @classmethod
-    def suppress(cls, pos: int | Sequence[int] | None = None) -> InterventionSpec:
+    def suppress(cls, pos: _Pos = None) -> InterventionSpec:
         """``x -> 0`` at ``pos`` (every position when ``None``)."""
         return cls("suppress", pos=cast(Any, pos))
 
     @classmethod
-    def scale(cls, factor: float, pos: int | Sequence[int] | None = None) -> InterventionSpec:
+    def scale(cls, factor: float, pos: _Pos = None) -> InterventionSpec:
         """``x -> factor * x`` at ``pos`` (every position when ``None``)."""
         return cls("scale", factor=factor, pos=cast(Any, pos))
 
     @classmethod
-    def add(cls, value: SpecValueLike, pos: int | Sequence[int] | None = None) -> InterventionSpec:
+    def add(cls, value: SpecValueLike, pos: _Pos = None) -> InterventionSpec:
         """``x -> x + value`` at ``pos`` (every position when ``None``)."""
         return cls("add", value=cast(Any, value), pos=cast(Any, pos))
 
     @classmethod
-    def set(cls, value: SpecValueLike, pos: int | Sequence[int] | None = None) -> InterventionSpec:
+    def set(cls, value: SpecValueLike, pos: _Pos = None) -> InterventionSpec:
         """``x -> value`` at ``pos`` (every position when ``None``)."""
         return cls("set", value=cast(Any, value), pos=cast(Any, pos))
 
@@ -224,7 +233,7 @@ class InterventionSpec:
         if self.value is not None:
             out["value"] = _to_lists(self.value)
         if self.pos is not None:
-            out["pos"] = list(self.pos)
+            out["pos"] = self.pos if self.pos == IMAGE_POSITIONS else list(self.pos)
         if self.features is not None:
             out["features"] = list(self.features)
         return out
@@ -332,6 +341,12 @@ def _normalise(raw: Mapping[Any, Any], where: str) -> InterventionSpec:
     if "features" in raw:
         features = _features(raw["features"], where)
     if isinstance(value, tuple) and isinstance(value[0], tuple):
+        if pos == IMAGE_POSITIONS:
+            raise _error(
+                f"{where}: key 'value' is a list of {len(value)} vectors (one per position), "
+                "but 'pos': 'image' lists no positions until the prompt is known; pass one "
+                "flat vector (or a scalar) for every image position, or list the positions"
+            )
         if pos is None:
             raise _error(
                 f"{where}: key 'value' is a list of {len(value)} vectors (one per position) "
@@ -488,11 +503,28 @@ def _distinct_ints(
     return tuple(out)
 
 
-def _positions(raw: object, where: str) -> tuple[int, ...]:
+def _positions(raw: object, where: str) -> tuple[int, ...] | Literal["image"]:
+    if isinstance(raw, str):
+        if raw == IMAGE_POSITIONS:
+            return IMAGE_POSITIONS
+        raise _error(
+            f"{where}: key 'pos' is {raw!r}; the one named position is 'image' (the prompt's "
+            "image tokens), else give an int or a non-empty list of distinct ints"
+        )
     return _distinct_ints(
         raw, where, "pos", expected="an int or a non-empty list of distinct ints",
         omit="omit 'pos' to edit every position", noun="position", distinct="distinct positions",
     )  # fmt: skip
+
+
+def listed_positions(pos: tuple[int, ...] | Literal["image"]) -> tuple[int, ...]:
+    """A placed spec's positions (``build_plan`` replaces ``"image"`` by the prompt's)."""
+    if pos == IMAGE_POSITIONS:
+        raise SpecError(
+            "'pos': 'image' reached an engine unresolved: build the plan with the prompts' "
+            "image positions (build_plan(..., image_positions=...))"
+        )
+    return pos
 
 
 def absolute_positions(
