@@ -82,7 +82,6 @@ def write_masked_checkpoint(model_type: str, folder: Path, tokenizer_from: Path)
     """A tiny random masked LM of ``model_type`` (``BertForMaskedLM``,
     ``RobertaForMaskedLM``) with the tiny tokenizer of ``tokenizer_from``; weights widened
     as ``write_inferred_checkpoint``'s are."""
-    import shutil
 
     from transformers import AutoConfig, AutoModelForMaskedLM
 
@@ -95,18 +94,57 @@ def write_masked_checkpoint(model_type: str, folder: Path, tokenizer_from: Path)
     config = AutoConfig.for_model(model_type, **sizes, **extra)
     torch.manual_seed(0)
     model = AutoModelForMaskedLM.from_config(config).eval()
+    return _save_widened(model, folder, tokenizer_from, width=sizes["hidden_size"])
+
+
+def _save_widened(model: Any, folder: Path, tokenizer_from: Path, *, width: int) -> Path:
+    """Save ``model`` with its matrices drawn with std ``width ** -0.5`` and its vectors
+    (norm weights, biases) jittered by 0.1 (a wrong tensor shows), beside the tiny tokenizer
+    of ``tokenizer_from``."""
+    import shutil
+
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator)
             if param.dim() >= 2:
-                param.copy_(noise * sizes["hidden_size"] ** -0.5)
+                param.copy_(noise * width**-0.5)
             else:
                 param.add_(noise * 0.1)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_from / name, folder / name)
     return folder
+
+
+#: Vision-language models TransformerLens 4.3 boots: tl serves their language stack and
+#: takes their images. Their language model is the family in parentheses.
+VISION_LANGUAGE = {"llava": "llama"}
+#: The image token of the tiny vision-language checkpoints, and the pixels one image has.
+IMAGE_TOKEN = 500
+IMAGE_SHAPE = (3, 32, 32)
+
+
+def write_llava_checkpoint(folder: Path, tokenizer_from: Path) -> Path:
+    """A tiny random LLaVA (a CLIP tower on 32 x 32 pixels, a Llama of width 64) with the
+    tiny tokenizer of ``tokenizer_from``; weights widened as ``write_masked_checkpoint``'s."""
+
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    text = {
+        "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    }  # fmt: skip
+    vision = {
+        "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": IMAGE_SHAPE[1],
+        "patch_size": 8,
+    }  # fmt: skip
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    return _save_widened(model, folder, tokenizer_from, width=text["hidden_size"])
 
 
 def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Path) -> Path:
@@ -125,7 +163,10 @@ def write_inferred_checkpoint(model_type: str, folder: Path, tokenizer_from: Pat
 
 
 def family_of(checkpoint: str) -> str:
-    """The family a checkpoint (or variant) name belongs to."""
+    """The family a checkpoint (or variant) name belongs to (a vision-language model's: its
+    language model's)."""
+    if checkpoint in VISION_LANGUAGE:
+        return VISION_LANGUAGE[checkpoint]
     return VARIANTS[checkpoint][0] if checkpoint in VARIANTS else checkpoint
 
 

@@ -20,11 +20,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pat
     """``checkpoints(name)`` -> the folder of a float32 tiny checkpoint (written once).
 
     ``name`` is a family, one of ``_transformer_lens_peer.VARIANTS`` or of its
-    ``INFERRED`` or ``MASKED`` families.
+    ``INFERRED``, ``MASKED`` or ``VISION_LANGUAGE`` families.
     """
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
+        if name not in made and name in _shared.VISION_LANGUAGE:
+            made[name] = _shared.write_llava_checkpoint(tmp_path_factory.mktemp(name), get("llama"))
         if name not in made and name in _shared.MASKED:
             made[name] = _shared.write_masked_checkpoint(
                 name, tmp_path_factory.mktemp(name), get("llama")

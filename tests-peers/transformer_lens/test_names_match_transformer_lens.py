@@ -370,32 +370,16 @@ def _difference(name: str, got: Any, want: Any, exact: Any) -> float:
     return check_rounding(got, want, exact, name=name, factor=FACTOR).ratio
 
 
-@pytest.mark.parametrize("checkpoint", _shared.MASKED)
-def test_every_transformer_lens_name_resolves_on_masked_lms(
-    checkpoint: str, checkpoints: Callable[[str], Path]
-) -> None:
-    """BERT and RoBERTa (post-LN encoders tl infers), as loaded."""
-    test_every_transformer_lens_name_resolves_to_an_equal_tensor(checkpoint, False, checkpoints)
-
-
-@pytest.mark.parametrize("checkpoint", _shared.INFERRED)
-def test_every_transformer_lens_name_resolves_on_inferred_families(
-    checkpoint: str, checkpoints: Callable[[str], Path]
-) -> None:
-    """Families tl infers and certifies (no adapter), as loaded."""
-    test_every_transformer_lens_name_resolves_to_an_equal_tensor(checkpoint, False, checkpoints)
-
-
-@pytest.mark.parametrize("compat", MODES.values(), ids=MODES.keys())
-@pytest.mark.parametrize("checkpoint", _shared.CHECKPOINTS)
-def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
-    checkpoint: str, compat: bool, checkpoints: Callable[[str], Path]
-) -> None:
-    """Plain, and after each tool's enable_compatibility_mode() (folded, centred weights)."""
-    ids = torch.randint(4, 500, (2, 7), generator=torch.Generator().manual_seed(3))
-    family = _shared.family_of(checkpoint)
-    theirs, bridge, run, exact = _caches(checkpoints(checkpoint), ids, compat)
-    assert len(theirs) > 70, f"TransformerLens answered to only {len(theirs)} names"
+def _compare(
+    theirs: dict[str, Any],
+    bridge: TransformerBridge,
+    run: Run,
+    exact: dict[str, Any],
+    family: str,
+    compat: bool,
+) -> tuple[list[str], list[str], int]:
+    """Each of TransformerLens's names looked up in tl and compared: ``(failures, slips
+    confirmed, names equal to tl's derivation rule)``."""
     failures: list[str] = []
     slips: list[str] = []
     derived = 0
@@ -433,6 +417,77 @@ def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
                 f"{name} -> {canonical}: tl {tuple(got.shape)} vs TL {tuple(want.shape)}, "
                 f"error {diff:.3g}x the allowed {FACTOR:g}x TransformerLens's own float32 error"
             )
+    return failures, slips, derived
+
+
+@pytest.mark.parametrize("checkpoint", _shared.MASKED)
+def test_every_transformer_lens_name_resolves_on_masked_lms(
+    checkpoint: str, checkpoints: Callable[[str], Path]
+) -> None:
+    """BERT and RoBERTa (post-LN encoders tl infers), as loaded."""
+    test_every_transformer_lens_name_resolves_to_an_equal_tensor(checkpoint, False, checkpoints)
+
+
+@pytest.mark.parametrize("checkpoint", sorted(_shared.VISION_LANGUAGE))
+def test_every_language_stack_name_resolves_with_images_on_a_vision_language_model(
+    checkpoint: str, checkpoints: Callable[[str], Path]
+) -> None:
+    """LLaVA, two prompts with one image each: TransformerLens 4.3 given ``pixel_values``, tl
+    given ``images``. Every name of the language stack resolves to an equal tensor; the
+    vision tower's and projector's names are refused with what they are."""
+    folder = checkpoints(checkpoint)
+    ours = _shared.boot_ours(folder, False)
+    assert ours.architecture is not None and ours.architecture.vision is not None
+    per_image = ours.architecture.vision.tokens_per_image
+    assert isinstance(per_image, int)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 400, (2, 7 + per_image), generator=generator)
+    ids[:, 2 : 2 + per_image] = _shared.IMAGE_TOKEN
+    pixels = torch.randn((2, *_shared.IMAGE_SHAPE), generator=generator)
+    theirs = _shared.boot_theirs(folder, False)
+    exact = _shared.boot_theirs(folder, False, dtype=torch.float64)
+    with torch.no_grad():
+        their_cache = dict(theirs.run_with_cache(ids, pixel_values=pixels)[1].items())
+        exact_cache = dict(exact.run_with_cache(ids, pixel_values=pixels.double())[1].items())
+        logits, our_cache = ours.run_with_cache(ids, images=pixels)
+    tower = {n for n in their_cache if n.split(".")[0] in ("vision_encoder", "vision_projector")}
+    assert len(tower) > 40, f"TransformerLens answered to only {len(tower)} vision names"
+    for name in tower:
+        with pytest.raises(HookNameError, match="vision tower or projector"):
+            ours.namespace.lookup(name)
+    stack = {n: t for n, t in their_cache.items() if n not in tower}
+    run = Run(our_cache, our_cache, ids, logits, transformers.AutoConfig.from_pretrained(folder))
+    family = _shared.family_of(checkpoint)
+    failures, slips, derived = _compare(stack, ours, run, exact_cache, family, False)
+    assert not failures, (
+        f"{checkpoint}: {len(failures)} of {len(stack)} names differ:\n" + "\n".join(failures)
+    )
+    print(
+        f"{checkpoint} with images: {len(stack) - len(slips) - derived} of {len(stack)} "
+        f"language-stack names equal, {derived} by tl's derivation rule, {len(slips)} "
+        f"TransformerLens slips confirmed; {len(tower)} vision-tower names refused as not served yet"
+    )
+
+
+@pytest.mark.parametrize("checkpoint", _shared.INFERRED)
+def test_every_transformer_lens_name_resolves_on_inferred_families(
+    checkpoint: str, checkpoints: Callable[[str], Path]
+) -> None:
+    """Families tl infers and certifies (no adapter), as loaded."""
+    test_every_transformer_lens_name_resolves_to_an_equal_tensor(checkpoint, False, checkpoints)
+
+
+@pytest.mark.parametrize("compat", MODES.values(), ids=MODES.keys())
+@pytest.mark.parametrize("checkpoint", _shared.CHECKPOINTS)
+def test_every_transformer_lens_name_resolves_to_an_equal_tensor(
+    checkpoint: str, compat: bool, checkpoints: Callable[[str], Path]
+) -> None:
+    """Plain, and after each tool's enable_compatibility_mode() (folded, centred weights)."""
+    ids = torch.randint(4, 500, (2, 7), generator=torch.Generator().manual_seed(3))
+    family = _shared.family_of(checkpoint)
+    theirs, bridge, run, exact = _caches(checkpoints(checkpoint), ids, compat)
+    assert len(theirs) > 70, f"TransformerLens answered to only {len(theirs)} names"
+    failures, slips, derived = _compare(theirs, bridge, run, exact, family, compat)
     assert not failures, (
         f"{checkpoint}: {len(failures)} of {len(theirs)} names differ:\n" + "\n".join(failures)
     )
