@@ -192,7 +192,8 @@ def _section(kind: builds.Kind, verdicts: Sequence[Verdict]) -> list[str]:
         )
     else:
         refused = (
-            " tl's hf driver serves decoder-only causal LMs and masked LMs: a model of this "
+            " tl's hf driver serves decoder-only causal LMs, masked LMs and vision-language "
+            "models: a model of this "
             "kind is refused with a `ConfigError` naming its kind, or, where transformers' "
             "causal-LM class of the same model type reads the checkpoint whole, booted as "
             "that class."

@@ -1,7 +1,7 @@
 """Checkpoints of a kind tl does not serve are refused with what they are, never booted as a part.
 
-The hf driver serves decoder-only causal LMs and masked LMs. A sequence-to-sequence model, a
-vision-language model, an image classifier or a speech recogniser is refused with a
+The hf driver serves decoder-only causal LMs, masked LMs and vision-language models. A
+sequence-to-sequence model, an image classifier or a speech recogniser is refused with a
 ``ConfigError`` naming its kind. The references are plain transformers: what
 ``AutoModelForCausalLM`` does with the same folder, and which weights the file holds.
 """

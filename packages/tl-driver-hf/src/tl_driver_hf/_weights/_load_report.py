@@ -310,8 +310,8 @@ def _unplaced_message(
             + (f", {with_article(kind)}" if kind else "")
             + f", and {dropped} "
             + (
-                f"The hf driver serves decoder-only causal LMs and masked LMs; {kind}s are not "
-                f"served yet."
+                f"The hf driver serves decoder-only causal LMs, masked LMs and vision-language "
+                f"models; {kind}s are not served yet."
                 if kind is not None
                 else f"Boot a checkpoint of {built} itself, or pair the config with the "
                 f"weights it was written for."
