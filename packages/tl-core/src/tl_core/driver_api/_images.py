@@ -153,10 +153,9 @@ def checked_images(driver: Any, value: object, batch: TokenBatch) -> torch.Tenso
     per_image = vision.tokens_per_image
     assert isinstance(per_image, int)
     token = vision.image_token_id
-    rows = batch.rows()
-    counts = [sum(1 for t in row if t == token) for row in rows]
-    for b, row in enumerate(rows):
-        runs = _runs(row, token)
+    runs_per_prompt = [_runs(row, token) for row in batch.rows()]
+    counts = [sum(runs) for runs in runs_per_prompt]
+    for b, runs in enumerate(runs_per_prompt):
         odd = [r for r in runs if r % per_image]
         if odd:
             raise UserError(
