@@ -75,6 +75,14 @@ BERT = dataclasses.replace(
     head_transform=True,
     architecture="bert-style",
 )
+T5 = dataclasses.replace(
+    GPT2,
+    normalization_type="RMS",
+    positional_embedding_type="none",
+    encoder_layers=3,
+    cross_attention=True,
+    architecture="t5-style",
+)
 
 #: Every structural condition a template may name, each with its reason for absent sites.
 REQUIREMENTS = {None, *typing.get_args(HookRequirement)}
@@ -102,6 +110,7 @@ def test_every_requirement_is_decided_by_structure_and_explained() -> None:
             BLOOM,
             PARALLEL_NO_NORM,
             BERT,
+            T5,
         )
         met = {requirement_met(requirement, info) for info in infos}
         opt_in = requirement in ("attn_result", "split_qkv_input")
@@ -186,6 +195,12 @@ def test_design_table_and_lead_additions_are_all_canonical() -> None:
         for x in "qk"
         for s in ("in", "scale", "normalized", "out")
     }
+    # An encoder-decoder's cross-attention and the decoder's third norm, as TransformerLens 4.3
+    # names them.
+    expected |= {
+        f"blocks.{{i}}.cross_attn.hook_{s}" for s in ("in", "q", "k", "v", "pattern", "z", "out")
+    }
+    expected |= {f"blocks.{{i}}.ln3.hook_{s}" for s in ("in", "scale", "normalized", "out")}
     assert names == expected
 
 
@@ -431,7 +446,6 @@ def test_reconstructed_read_only_names(name: str, source: str) -> None:
 @pytest.mark.parametrize(
     ("name", "family"),
     [
-        ("blocks.2.cross_attn.hook_q", "legacy"),
         ("blocks.2.hook_cross_attn_out", "legacy"),
         ("decoder.0.hook_resid_pre", "legacy"),
         ("encoder.1.attn.hook_pattern", "legacy"),

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from tl_core import ConfigError, TransformerBridge
+from tl_core.driver_api import ByteTokenizer
 from tl_driver_hf import HFDriver
 from tl_driver_hf._architecture._describe import shrunk_model
 from tl_driver_hf.testing import TINY_FAMILIES, write_tiny_default_checkpoint
@@ -133,7 +134,7 @@ def test_a_sequence_to_sequence_checkpoint_read_as_a_causal_lm_is_refused_naming
     encoder = {k for k in placeless if k.startswith("model.encoder.")}
     assert encoder and placeless - encoder == {"model.shared.weight", "final_logits_bias"}
     with pytest.raises(ConfigError) as refused:
-        HFDriver.boot(str(folder))
+        HFDriver.boot(str(folder), model_class="BartForCausalLM")
     message = str(refused.value)
     assert (
         "architectures name BartForConditionalGeneration, a sequence-to-sequence model" in message
@@ -145,7 +146,11 @@ def test_a_sequence_to_sequence_checkpoint_read_as_a_causal_lm_is_refused_naming
     assert f"model.encoder ({len(encoder)} weights)" in message
     assert "model.shared.weight" in message and "final_logits_bias" in message
     assert "model.decoder.embed_tokens.weight" in message and "lm_head.weight" in message
-    assert "sequence-to-sequence models are not served yet" in message
+    assert "serves sequence-to-sequence models whole: boot it without model_class=" in message
+    # Booted plainly, it is the whole encoder-decoder, every weight in place.
+    whole = HFDriver.boot(str(folder), tokenizer=ByteTokenizer())
+    assert type(whole.hf_model).__name__ == "BartForConditionalGeneration"
+    assert (whole.info.encoder_layers, whole.info.n_layers) == (1, 1)
 
 
 def test_a_checkpoint_that_loads_but_would_drop_its_encoder_is_refused(tmp_path: Path) -> None:
@@ -163,11 +168,15 @@ def test_a_checkpoint_that_loads_but_would_drop_its_encoder_is_refused(tmp_path:
     placeless = in_file - needed
     assert placeless and all(k.startswith("prophetnet.encoder.") for k in placeless)
     with pytest.raises(ConfigError) as refused:
-        HFDriver.boot(str(folder))
+        HFDriver.boot(str(folder), model_class="ProphetNetForCausalLM")
     message = str(refused.value)
     assert f"no place for {len(placeless)} of its weights, its encoder among them" in message
     assert f"prophetnet.encoder ({len(placeless)} weights)" in message
     assert "ProphetNetForConditionalGeneration, a sequence-to-sequence model" in message
+    # Booted plainly it is built whole, and its blocks, of a form tl does not know yet, are
+    # refused by name rather than read as a decoder alone.
+    with pytest.raises(ConfigError, match="tl does not know the blocks of the encoder"):
+        HFDriver.boot(str(folder), tokenizer=ByteTokenizer())
 
 
 def test_weights_of_layers_past_the_config_are_refused_naming_the_layer_count(

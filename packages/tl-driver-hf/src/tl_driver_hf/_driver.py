@@ -25,6 +25,7 @@ from tl_core.driver_api import (
     canonical_hook_names,
 )
 from tl_driver_hf._architecture._infer import InferredArchitecture, infer_architecture
+from tl_driver_hf._architecture._kinds import lm_kind
 from tl_driver_hf._architecture._modules import resolve_modules
 from tl_driver_hf._architecture._vision import read_vision
 from tl_driver_hf._certification._boot_certification import BootDecision, BootFacts, certify_at_boot
@@ -42,6 +43,7 @@ from tl_driver_hf._runtime._torch_hooks import (
     _with_input,
 )
 from tl_driver_hf._runtime._wiring import Wiring
+from tl_driver_hf._seq2seq._boot import boot_seq2seq, is_encoder_decoder
 from tl_driver_hf._weights._compat import CompatState, enable_compatibility
 from tl_driver_hf._weights._image_processor import load_image_processor, processed_pixels
 from tl_driver_hf._weights._loading import (
@@ -251,6 +253,9 @@ class HFDriver(LocalDriver):
                 naming them).
         """
         opts = BootOptions.parse(model_name, options)
+        if opts.hf_model is not None and is_encoder_decoder(opts.hf_model):
+            name = str(getattr(opts.hf_model, "name_or_path", "") or type(opts.hf_model).__name__)
+            return boot_seq2seq(opts, model=opts.hf_model, name=name)  # type: ignore[return-value]
         if opts.hf_model is not None:
             model = opts.hf_model
             adapter = adapter_or_none(getattr(model, "config", None), opts, type(model).__name__)
@@ -264,6 +269,8 @@ class HFDriver(LocalDriver):
             return cls._assemble(model, adapter, tokenizer, opts, name)
         opts = gguf_folder(opts)
         config = load_config(opts)
+        if opts.model_class is None and lm_kind(config) == "seq2seq":
+            return boot_seq2seq(opts, config)  # type: ignore[return-value]
         adapter = adapter_or_none(config, opts, built_class(config, opts))
         if opts.n_ctx is not None and adapter is not None:
             apply_n_ctx(config, adapter, opts.n_ctx)

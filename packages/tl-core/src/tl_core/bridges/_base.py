@@ -33,6 +33,7 @@ from tl_core.driver_api._request import (
     ForwardRequest,
     ForwardResult,
     LogitsWanted,
+    decoder_batch,
     partial_layers,
     planned_request,
 )
@@ -178,6 +179,7 @@ class Bridge:
         capture_device: torch.device | str | None = None,
         token_type_ids: Any = None,
         images: Any = None,
+        decoder_input: Any = None,
     ) -> ForwardRequest:
         """The one request of a bridge call: names canonical, layers resolved, specs planned."""
         return planned_request(
@@ -195,7 +197,26 @@ class Bridge:
             capture_device=capture_device,
             token_type_ids=token_type_ids,
             images=images,
+            decoder_batch=decoder_batch(
+                self.driver, self._decoder_ids(decoder_input), len(batch.lengths)
+            ),
         )
+
+    def _decoder_ids(self, decoder_input: Any) -> Any:
+        """An encoder-decoder's decoder input as ids: text (one or a list) is tokenized
+        without special tokens after the decoder start token; ids are taken as they are."""
+        start = getattr(self.driver, "decoder_start_ids", None)
+        if start is None or decoder_input is None:
+            return decoder_input
+        if isinstance(decoder_input, str):
+            return [*start, *self.tokenizer.encode(decoder_input)]
+        if (
+            isinstance(decoder_input, list)
+            and decoder_input
+            and all(isinstance(t, str) for t in decoder_input)
+        ):
+            return [[*start, *self.tokenizer.encode(t)] for t in decoder_input]
+        return decoder_input
 
     def _image_batch(self, batch: TokenBatch, images: Any) -> TokenBatch:
         """``batch`` with each lone image token widened to one image's run, when images come."""
@@ -432,6 +453,7 @@ class Bridge:
         tokens: torch.Tensor | None = None,
         token_type_ids: Any = None,
         images: ImageInput | None = None,
+        decoder_input: Any = None,
     ) -> Any:
         """Run the model.
 
@@ -461,6 +483,10 @@ class Bridge:
                 is widened to the positions one image fills
                 (``architecture.vision.tokens_per_image``); ``"pos": "image"`` in a spec
                 edits those positions.
+            decoder_input: An encoder-decoder's (T5, BART) decoder input: text (tokenized
+                after the decoder start token), one sequence of ids for every prompt, or
+                one per prompt. ``None``: the decoder start token alone. The logits and the
+                loss are the decoder's (each position predicts the next decoder token).
 
         Returns:
             Logits ``[batch, pos, d_vocab]``, the loss, both, the residual stream when
@@ -503,9 +529,11 @@ class Bridge:
             residual=residual,
             token_type_ids=token_type_ids,
             images=images,
+            decoder_input=decoder_input,
         )
         result = self._execute(request)
-        return self._output(result, batch, return_type, loss_per_token, stop)
+        targets = batch if request.decoder_batch is None else request.decoder_batch
+        return self._output(result, targets, return_type, loss_per_token, stop)
 
     def loss(
         self,
@@ -538,6 +566,7 @@ class Bridge:
         incl_bwd: bool = False,
         token_type_ids: Any = None,
         images: ImageInput | None = None,
+        decoder_input: Any = None,
     ) -> tuple[Any, ActivationCache]:
         """Run and cache activations.
 
@@ -561,6 +590,9 @@ class Bridge:
                 ``cache.grads``.
             token_type_ids: As in ``forward``.
             images: As in ``forward``; the cache's positions are the widened prompts'.
+            decoder_input: As in ``forward``. The decoder's sites (``decoder_blocks.*``
+                but cross-attention's keys and values) lie over the decoder's positions;
+                ``cache.lengths`` are the prompts'.
 
         Returns:
             ``(output, cache)``.
@@ -598,18 +630,20 @@ class Bridge:
                 stop_at_layer=stop,
                 token_type_ids=token_type_ids,
                 images=images,
+                decoder_input=decoder_input,
             )
             result = self._execute(request)
+            targets = batch if request.decoder_batch is None else request.decoder_batch
             if incl_bwd:
                 assert result.logits is not None
-                loss = next_token_loss(result.logits, batch.ids, batch.lengths)
+                loss = next_token_loss(result.logits, targets.ids, targets.lengths)
                 loss.backward()  # type: ignore[no-untyped-call]
                 both = (result.logits, loss)
                 out: Any = {"logits": result.logits, "loss": loss, "both": both}[
                     return_type or "loss"
                 ]
             else:
-                out = self._output(result, batch, return_type, False, stop)
+                out = self._output(result, targets, return_type, False, stop)
         captured = {n: result.captured[n] for n in names if n in result.captured}
         cache = ActivationCache(
             captured,
@@ -636,10 +670,13 @@ class Bridge:
         prepend_bos: bool = True,
         return_type: Literal["str", "tokens"] | None = None,
         images: ImageInput | None = None,
+        decoder_input: Any = None,
     ) -> str | list[str] | torch.Tensor:
         """Continue the prompt(s) with hooks (``hooks()``) and specs active at every step.
 
-        ``images`` are a vision-language model's images, as in ``forward``.
+        ``images`` are a vision-language model's images, as in ``forward``. An
+        encoder-decoder's decoder continues ``decoder_input`` (as in ``forward``; by default
+        its start token), and the new tokens are the decoder's.
 
         Returns:
             Text for text input, else ``[batch, n]`` new token ids (``return_type``
@@ -671,6 +708,7 @@ class Bridge:
             sampling=sampling,
             stop_at_eos=stop_at_eos,
             images=images,
+            decoder_input=decoder_input,
         )
         with torch.no_grad():
             result = self._execute(request)

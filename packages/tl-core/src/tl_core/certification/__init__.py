@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 from tl_core._lazy import attach
 
 if TYPE_CHECKING:
-    from tl_core.certification._equations import equation_checks as equation_checks
+    from tl_core.certification._equations import (
+        equation_checks as equation_checks,
+        stacked_equation_checks as stacked_equation_checks,
+    )
     from tl_core.certification._report import (
         CERTIFIED_STATUSES as CERTIFIED_STATUSES,
         Certification as Certification,

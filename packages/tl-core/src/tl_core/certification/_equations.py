@@ -9,19 +9,22 @@ own logits and hidden states when given. Pure tensor arithmetic: any driver can 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from tl_core.certification._attention_equations import attention_checks
 from tl_core.certification._report import CertificationCheck, compare
+from tl_core.hooks._vocabulary import STACK_PREFIXES
 
 if TYPE_CHECKING:
     import torch
 
     from tl_core.hooks._model_info import ModelInfo
 
-__all__ = ["equation_checks"]
+__all__ = ["equation_checks", "stacked_equation_checks"]
 
 
 #: Activations whose name in a model config tl can evaluate (``act_fn`` of ``ModelInfo``).
@@ -255,7 +258,7 @@ def _block_checks(
         out.extend(_norm_checks(b + "ln1", cache, info, rtol))
         return out
     if info.post_residual_norm:
-        _post_residual_norm_checks(check, get, add)
+        _post_residual_norm_checks(check, get, add, info.cross_attention)
     else:
         _residual_checks(check, get, add, info, cache, b)
     for qk in ("q", "k"):
@@ -267,13 +270,17 @@ def _block_checks(
                 get(f"attn.{qk}_norm.hook_in"),
                 get(f"attn.hook_{qk}"),
             )
-    for norm in ("ln1", "ln2", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
+    for norm in ("ln1", "ln2", "ln3", "ln1_post", "ln2_post", "attn.q_norm", "attn.k_norm"):
         out.extend(_norm_checks(b + norm, cache, info, rtol))
     out.extend(
         attention_checks(
             b, cache, info, rtol, W_O, b_O, attn_softcap, i, score_bias, attention_sinks
         )
     )
+    if info.cross_attention:
+        # Cross-attention's own equations (z from pattern and values; its keys and values
+        # come from the encoder, its projection is the driver's to check).
+        out.extend(attention_checks(b + "cross_", cache, info, rtol, None, None, None, i, True))
     out.extend(_mlp_checks(b, cache, info, rtol))
     out.extend(_router_checks(b, cache, info))
     if info.d_shared_expert is not None:
@@ -286,9 +293,10 @@ _Get = Callable[[str], "torch.Tensor | None"]
 _Add = Callable[..., "torch.Tensor | None"]
 
 
-def _post_residual_norm_checks(check: _Check, get: _Get, add: _Add) -> None:
+def _post_residual_norm_checks(check: _Check, get: _Get, add: _Add, cross: bool) -> None:
     """Where a post-LN block (BERT) joins its sublayers: ``h = ln1(x + attn(x))``, ``out =
-    ln2(h + mlp(h))`` (``check`` records each equation)."""
+    ln2(h + mlp(h))``; with cross-attention (BART's decoder) ``h2 = ln2(h + cross(h))``
+    comes between and ``ln3`` is the last norm (``check`` records each equation)."""
     check("@attn.hook_in == @hook_in", ("attn.hook_in",), get("attn.hook_in"), get("hook_in"))
     check(
         "@ln1.hook_in == @hook_in + @attn.hook_out",
@@ -296,19 +304,39 @@ def _post_residual_norm_checks(check: _Check, get: _Get, add: _Add) -> None:
         add("hook_in", "attn.hook_out"),
         get("ln1.hook_in"),
     )
+    before_mlp, last = "ln1", "ln2"
+    if cross:
+        check(
+            "@cross_attn.hook_in == @ln1.hook_out",
+            ("cross_attn.hook_in", "ln1.hook_out"),
+            get("cross_attn.hook_in"),
+            get("ln1.hook_out"),
+        )
+        check(
+            "@ln2.hook_in == @ln1.hook_out + @cross_attn.hook_out",
+            ("ln2.hook_in", "cross_attn.hook_out"),
+            add("ln1.hook_out", "cross_attn.hook_out"),
+            get("ln2.hook_in"),
+        )
+        before_mlp, last = "ln2", "ln3"
     check(
-        "@mlp.hook_in == @ln1.hook_out",
-        ("mlp.hook_in", "ln1.hook_out"),
+        f"@mlp.hook_in == @{before_mlp}.hook_out",
+        ("mlp.hook_in", f"{before_mlp}.hook_out"),
         get("mlp.hook_in"),
-        get("ln1.hook_out"),
+        get(f"{before_mlp}.hook_out"),
     )
     check(
-        "@ln2.hook_in == @ln1.hook_out + @mlp.hook_out",
-        ("ln2.hook_in", "mlp.hook_out"),
-        add("ln1.hook_out", "mlp.hook_out"),
-        get("ln2.hook_in"),
+        f"@{last}.hook_in == @{before_mlp}.hook_out + @mlp.hook_out",
+        (f"{last}.hook_in", "mlp.hook_out"),
+        add(f"{before_mlp}.hook_out", "mlp.hook_out"),
+        get(f"{last}.hook_in"),
     )
-    check("@hook_out == @ln2.hook_out", ("ln2.hook_out",), get("ln2.hook_out"), get("hook_out"))
+    check(
+        f"@hook_out == @{last}.hook_out",
+        (f"{last}.hook_out",),
+        get(f"{last}.hook_out"),
+        get("hook_out"),
+    )
 
 
 def _residual_checks(
@@ -350,10 +378,19 @@ def _residual_checks(
             add("hook_in", attn_out),
             get("ln2.hook_in"),
         )
+        if info.cross_attention:
+            # A decoder block of an encoder-decoder (T5): cross-attention between the two.
+            check(
+                "@ln3.hook_in == @ln2.hook_in + @cross_attn.hook_out",
+                ("ln3.hook_in", "cross_attn.hook_out"),
+                add("ln2.hook_in", "cross_attn.hook_out"),
+                get("ln3.hook_in"),
+            )
+        before_mlp = "ln3" if info.cross_attention else "ln2"
         check(
-            f"@hook_out == @ln2.hook_in + @{mlp_out}",
-            ("ln2.hook_in", mlp_out),
-            add("ln2.hook_in", mlp_out),
+            f"@hook_out == @{before_mlp}.hook_in + @{mlp_out}",
+            (f"{before_mlp}.hook_in", mlp_out),
+            add(f"{before_mlp}.hook_in", mlp_out),
             get("hook_out"),
         )
     if b + "ln1.hook_in" in cache:
@@ -368,7 +405,15 @@ def _residual_checks(
     elif b + "ln1.hook_in" not in cache and b + "attn.hook_in" in cache:
         # No norm before attention (OLMo 2 and 3, EXAONE 4): it reads the block input.
         check("@attn.hook_in == @hook_in", ("attn.hook_in",), get("attn.hook_in"), get("hook_in"))
-    if b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
+    if info.cross_attention:
+        for reader, norm in (("cross_attn", "ln2"), ("mlp", "ln3")):
+            check(
+                f"@{reader}.hook_in == @{norm}.hook_out",
+                (f"{reader}.hook_in", f"{norm}.hook_out"),
+                get(f"{reader}.hook_in"),
+                get(f"{norm}.hook_out"),
+            )
+    elif b + "ln2.hook_out" in cache and b + "mlp.hook_in" in cache:
         check(
             "@mlp.hook_in == @ln2.hook_out",
             ("mlp.hook_in", "ln2.hook_out"),
@@ -562,3 +607,73 @@ def _mlp_checks(
             )
         ]
     return [compare(f"{m}hook_post == act({m}hook_pre)", hooks, rebuilt, post, rtol=rtol)]
+
+
+_BARE_BLOCKS = re.compile(r"(?<![A-Za-z0-9_])blocks\.")
+
+
+def stacked_equation_checks(
+    cache: Mapping[str, torch.Tensor],
+    info: ModelInfo,
+    *,
+    rtol: float = 1e-4,
+    hidden_states: Mapping[str, Iterable[torch.Tensor]] | None = None,
+    logits: torch.Tensor | None = None,
+    reference_logits: torch.Tensor | None = None,
+    W_O: Mapping[str, torch.Tensor] | None = None,
+    b_O: Mapping[str, torch.Tensor | None] | None = None,
+    score_bias: bool = False,
+) -> list[CertificationCheck]:
+    """``equation_checks`` on each stack of a model (``ModelInfo.stacks``), in its names.
+
+    Each stack is checked as a one-stack model with its own view of the facts (a decoder
+    block's cross-attention and third norm included); the last stack (an encoder-decoder's
+    decoder) also takes the model-level sites (``ln_final.*``, ``unembed.*``) and the
+    logits.
+
+    Args:
+        cache: Canonical name -> captured tensor (one forward).
+        info: The model's structure.
+        rtol: As ``equation_checks``.
+        hidden_states: Stack prefix -> the engine's own input of each of its blocks.
+        logits: The driver's logits.
+        reference_logits: The engine's own logits without tl.
+        W_O: Stack prefix -> its blocks' output projections (``[n_layers, n_heads, d_head,
+            d_model]``).
+        b_O: Stack prefix -> their biases, or ``None``.
+        score_bias: Whether attention scores hold an additive position bias (T5's relative
+            bias): then they are not checked against ``q . k``.
+
+    Returns:
+        The checks, stack by stack, with the stacks' names in equations and hooks.
+    """
+    checks: list[CertificationCheck] = []
+    last = info.stacks[-1][0]
+    for prefix, stack in info.stacks:
+        inner: dict[str, torch.Tensor] = {}
+        for name, value in cache.items():
+            head = name.split(".", 1)[0]
+            if head == prefix:
+                inner["blocks" + name[len(prefix) :]] = value
+            elif prefix == last and head not in STACK_PREFIXES:
+                inner[name] = value
+        found = equation_checks(
+            inner,
+            stack,
+            rtol=rtol,
+            hidden_states=(hidden_states or {}).get(prefix),
+            logits=logits if prefix == last else None,
+            reference_logits=reference_logits if prefix == last else None,
+            W_O=(W_O or {}).get(prefix),
+            b_O=(b_O or {}).get(prefix),
+            score_bias=score_bias,
+        )
+        checks += [
+            dataclasses.replace(
+                c,
+                equation=_BARE_BLOCKS.sub(f"{prefix}.", c.equation),
+                hooks=tuple(_BARE_BLOCKS.sub(f"{prefix}.", h) for h in c.hooks),
+            )
+            for c in found
+        ]
+    return checks

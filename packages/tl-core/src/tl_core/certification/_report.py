@@ -22,6 +22,8 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from tl_core.hooks._vocabulary import STACK_PREFIXES
+
 if TYPE_CHECKING:
     import torch
 
@@ -213,7 +215,7 @@ class Certification:
 
 def _template(name: str) -> str:
     parts = name.split(".")
-    if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit():
+    if len(parts) > 1 and parts[0] in STACK_PREFIXES and parts[1].isdigit():
         parts[1] = "{i}"
     return ".".join(parts)
 

@@ -28,6 +28,7 @@ from tl_core.hooks._hook_point import HookHandle, HookPoint
 from tl_core.hooks._model_info import ModelInfo
 from tl_core.hooks._namespace import HookNamespace
 from tl_core.hooks._order import forward_order
+from tl_core.hooks._vocabulary import on_decoder_positions
 from tl_core.specs._affine import AffineEdit, compile_plan
 from tl_core.specs._plan import InterventionPlan
 
@@ -418,8 +419,12 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
         *,
         capture: Sequence[str] = (),
         store: dict[str, torch.Tensor] | None = None,
+        decoder_batch: TokenBatch | None = None,
     ) -> Iterator[None]:
         """Attach the plan's edits, then capture hooks; remove them all on exit.
+
+        On an encoder-decoder, edits at sites over the decoder's positions
+        (``on_decoder_positions``) follow ``decoder_batch``, the others ``batch``.
 
         This is one forward's scope: spliced dictionaries start it with no state and keep
         none after it (a transcoder's input read by a forward that stopped before its
@@ -433,7 +438,12 @@ class LocalDriver(RequestForward, NamespaceFacts, ABC):
             for hook in forward_order(plan.hooks):
                 point = self.hook_points[hook]
                 if any(plan.specs_for(hook)):
-                    edit = _SpecEdit(plan, hook, self.namespace, batch)
+                    rows = (
+                        decoder_batch
+                        if decoder_batch is not None and on_decoder_positions(hook)
+                        else batch
+                    )
+                    edit = _SpecEdit(plan, hook, self.namespace, rows)
                     handles.append(point.add_hook(edit))
                 for fn in plan.callables.get(hook, ()):
                     handles.append(point.add_hook(fn))

@@ -51,7 +51,8 @@ LOCAL_OPTIONS: frozenset[str] = frozenset(
 )
 
 _COMMON = (
-    "capture, images, intervene, max_new_tokens, return_logits, stop_at_eos, token_type_ids and the "
+    "capture, decoder_input, images, intervene, max_new_tokens, return_logits, stop_at_eos, "
+    "token_type_ids and the "
     "sampling options " + ", ".join(SamplingOptions.KEYS)
 )
 
@@ -106,6 +107,9 @@ class ForwardRequest:
         images: ``[n, channels, height, width]`` pixels of a vision-language model's images,
             one per run of image tokens in prompt order (``checked_images``); ``None`` for
             text alone. Only drivers that support ``"images"`` get them.
+        decoder_batch: An encoder-decoder's decoder inputs, right-padded, one per prompt
+            (``batch`` is then what the encoder reads); ``None`` for other models. Logits,
+            generation and the sites over the decoder's positions follow it.
     """
 
     batch: TokenBatch
@@ -121,6 +125,7 @@ class ForwardRequest:
     capture_device: torch.device | str | None = None
     token_type_ids: torch.Tensor | None = None
     images: torch.Tensor | None = None
+    decoder_batch: TokenBatch | None = None
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -155,6 +160,7 @@ def build_request(
     sampling = SamplingOptions.pop_from(options)
     token_type_ids = options.pop("token_type_ids", None)
     images = options.pop("images", None)
+    decoder_input = options.pop("decoder_input", None)
     stop_at_eos = options.pop("stop_at_eos", True)
     if not isinstance(stop_at_eos, bool):
         raise UserError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
@@ -212,7 +218,46 @@ def build_request(
         capture_device=options.get("capture_device"),
         token_type_ids=token_type_ids,
         images=images,
+        decoder_batch=decoder_batch(driver, decoder_input, len(batch.lengths)),
     )
+
+
+def decoder_batch(driver: Any, decoder_input: Any, prompts: int) -> TokenBatch | None:
+    """The decoder's inputs of an encoder-decoder, checked and right-padded.
+
+    Args:
+        driver: The driver that will run them (``driver.decoder_start_ids`` says it runs an
+            encoder-decoder: the ids a decoder input starts from).
+        decoder_input: ``None`` (each prompt's decoder reads ``decoder_start_ids`` alone),
+            or ids as for prompts: one sequence for every prompt, or one per prompt.
+        prompts: How many prompts the encoder reads.
+
+    Returns:
+        ``None`` for a driver of another model (``decoder_input`` must then be ``None``).
+
+    Raises:
+        UserError: Decoder inputs for a model without a decoder stack, ids out of range, or
+            a count of sequences that is neither 1 nor the number of prompts.
+    """
+    start = getattr(driver, "decoder_start_ids", None)
+    if start is None:
+        if decoder_input is not None:
+            raise UserError(
+                f"driver {driver.name!r} runs {driver.info.architecture or 'a model'} with one "
+                "stack: decoder_input feeds an encoder-decoder's decoder (T5, BART); drop it"
+            )
+        return None
+    ids = [list(start)] if decoder_input is None else decoder_input
+    batch = pad_batch(ids, pad_id=padding_id(driver.tokenizer))
+    if len(batch.lengths) == 1 and prompts > 1:
+        batch = pad_batch([batch.ids[0, : batch.lengths[0]].tolist()] * prompts, pad_id=0)
+    if len(batch.lengths) != prompts:
+        raise UserError(
+            f"decoder_input holds {len(batch.lengths)} sequences for {prompts} prompts: give "
+            "one sequence for every prompt, or one per prompt"
+        )
+    check_token_range(batch, driver.info.d_vocab)
+    return batch
 
 
 def planned_request(
@@ -249,6 +294,9 @@ def planned_request(
         allow_callables=driver.supports("intervention_callbacks"),
         image_positions=(
             None if fields.get("images") is None else image_positions(vision_of(driver), batch)
+        ),
+        decoder_lengths=(
+            None if fields.get("decoder_batch") is None else fields["decoder_batch"].lengths
         ),
     )
     start, stop = fields.get("start_at_layer"), fields.get("stop_at_layer")

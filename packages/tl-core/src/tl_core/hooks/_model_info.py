@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -67,6 +67,16 @@ class ModelInfo:
             positions (a vision-language model): then the tensor the rotary module reads
             (TransformerLens's ``rotary_emb.hook_in``) is the stream entering block 0, not the
             token embedding.
+        encoder_layers: Blocks in the encoder stack of an encoder-decoder model (T5, BART),
+            ``None`` for a model with one stack. Then ``n_layers`` counts the decoder's blocks,
+            the two stacks' sites are named ``encoder_blocks.{i}.*`` and
+            ``decoder_blocks.{i}.*`` (TransformerLens 4.3's prefixes; ``blocks.{i}.*`` names
+            nothing), and the other facts hold for both stacks. ``stacks`` gives each stack's
+            own view.
+        cross_attention: Whether the blocks attend to another stack's output besides their
+            own stream (an encoder-decoder's decoder blocks): then ``cross_attn.*`` and ``ln3.*``
+            exist, and, as in TransformerLens, ``ln2`` is the norm before cross-attention and
+            ``ln3`` the MLP's.
         qk_norm: Whether queries and keys are normalised before the rotary embedding
             (Qwen3, Gemma 3, OLMo 2): then ``attn.q_norm.*`` and ``attn.k_norm.*`` exist.
         rotary_dim: Width of the rotated part of each head (``None``: the whole head);
@@ -106,11 +116,41 @@ class ModelInfo:
     token_type_embed: bool = False
     head_transform: bool = False
     reads_images: bool = False
+    encoder_layers: int | None = None
+    cross_attention: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
     act_fn: str | None = None
     architecture: str = ""
     device: str | torch.device = field(default="cpu", compare=False)
+
+    @property
+    def stacks(self) -> tuple[tuple[str, ModelInfo], ...]:
+        """Each stack's name prefix and its own view of the model, in forward order.
+
+        ``(("blocks", self),)`` for a one-stack model; for an encoder-decoder
+        ``(("encoder_blocks", encoder), ("decoder_blocks", decoder))``, where the encoder's
+        view has ``encoder_layers`` blocks and no cross-attention, and the decoder's has
+        ``n_layers`` blocks and cross-attention.
+        """
+        if self.encoder_layers is None:
+            return (("blocks", self),)
+        encoder = replace(
+            self, n_layers=self.encoder_layers, encoder_layers=None, cross_attention=False
+        )
+        decoder = replace(self, encoder_layers=None, cross_attention=True)
+        return (("encoder_blocks", encoder), ("decoder_blocks", decoder))
+
+    def stack(self, prefix: str) -> ModelInfo:
+        """The view of the stack named ``prefix`` (``"encoder_blocks"``; see ``stacks``).
+
+        Raises:
+            KeyError: The model has no such stack.
+        """
+        for name, info in self.stacks:
+            if name == prefix:
+                return info
+        raise KeyError(prefix)
 
     @property
     def kv_heads(self) -> int:

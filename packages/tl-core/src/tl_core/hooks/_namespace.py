@@ -43,6 +43,16 @@ _IDS_REASON = (
 )
 
 
+def _sites(info: ModelInfo) -> Iterator[tuple[HookTemplate, list[str], ModelInfo]]:
+    """Every template with its concrete names on ``info``, per stack for per-block ones."""
+    for template in CANONICAL_TEMPLATES:
+        if not template.per_block:
+            yield template, [template.template], info
+            continue
+        for prefix, stack in info.stacks:
+            yield template, [template.format(i, prefix) for i in range(stack.n_layers)], stack
+
+
 @dataclass(frozen=True, eq=False)
 class HookNamespace:
     """What each hook name means on one model, and what its driver can do there.
@@ -132,20 +142,15 @@ class HookNamespace:
         given = {**(reasons or {}), **(read_only or {})}
         model = info.architecture or "model"
         table: dict[str, str] = {}
-        for template in CANONICAL_TEMPLATES:
-            names = (
-                [template.format(i) for i in range(info.n_layers)]
-                if template.per_block
-                else [template.template]
-            )
+        for template, names, stack in _sites(info):
             present = requirement_met(
                 template.requires,
-                info,
+                stack,
                 include_attn_result=False,
                 include_split_qkv_input=False,
                 statistic=template.statistic,
             )
-            unknown = requirement_unknown(template.requires, info, statistic=template.statistic)
+            unknown = requirement_unknown(template.requires, stack, statistic=template.statistic)
             for name in names:
                 if name in served_set and name in editable_set:
                     continue
@@ -374,7 +379,17 @@ def _check_canonical(names: frozenset[str], info: ModelInfo, label: str, verb: s
                 f"names (tl_core.canonical_hook_names(info))."
             )
         layer = split[1]
-        if layer is not None and layer >= info.n_layers:
+        if layer is None:
+            continue
+        prefix = name.split(".", 1)[0]
+        stacks = dict(info.stacks)
+        if prefix not in stacks:
             raise DriverContractError(
-                f"{label} {verb} {name!r}, but the model has {info.n_layers} blocks."
+                f"{label} {verb} {name!r}, but the model's blocks are named "
+                f"{' and '.join(f'{p}.{{i}}' for p in stacks)}."
+            )
+        if layer >= stacks[prefix].n_layers:
+            raise DriverContractError(
+                f"{label} {verb} {name!r}, but the model has {stacks[prefix].n_layers} blocks "
+                f"in {prefix}."
             )

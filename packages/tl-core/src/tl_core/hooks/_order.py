@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tl_core.hooks._dictionary_sites import DICTIONARY_SITES, split_dictionary_name
-from tl_core.hooks._vocabulary import BEFORE_BLOCKS, CANONICAL_TEMPLATES, split_canonical
+from tl_core.hooks._vocabulary import (
+    BEFORE_BLOCKS,
+    CANONICAL_TEMPLATES,
+    STACK_PREFIXES,
+    split_canonical,
+)
 
 __all__ = ["forward_order"]
 
@@ -23,9 +28,10 @@ def _key(name: str) -> tuple[int, int, int, int]:
     template, layer = split
     rank = _RANK[template.template]
     if layer is not None:
-        return (1, layer, rank, 0)
+        # An encoder's blocks all run before a decoder's first.
+        return (1 + STACK_PREFIXES.index(name.split(".", 1)[0]), layer, rank, 0)
     # Global hooks: inputs and embeddings before the blocks, final norm and unembed after.
-    return (0 if name in BEFORE_BLOCKS else 2, 0, rank, 0)
+    return (0 if name in BEFORE_BLOCKS else 1 + len(STACK_PREFIXES), 0, rank, 0)
 
 
 def forward_order(names: Iterable[str]) -> list[str]:

@@ -39,6 +39,7 @@ HookRequirement = Literal[
     "qk_norm",
     "attn_result",
     "split_qkv_input",
+    "cross_attention",
     "norm",
 ]
 
@@ -66,6 +67,8 @@ MISSING_BECAUSE: dict[HookRequirement, str] = {
     "attn_result": "per-head results are opt-in: boot with use_attn_result=True",
     "split_qkv_input": "per-head q/k/v inputs are opt-in on local drivers (native, hf): call "
     "model.set_use_split_qkv_input(True) (attribution patching turns them on for its sweep)",
+    "cross_attention": "its blocks attend to their own stream only (cross-attention to an "
+    "encoder's output exists in the decoder blocks of encoder-decoder models)",
     "norm": "it has no normalisation layers",
 }
 
@@ -156,4 +159,6 @@ def requirement_met(
         return include_attn_result
     if requires == "split_qkv_input":
         return include_split_qkv_input
+    if requires == "cross_attention":
+        return info.cross_attention
     return info.normalization_type is not None

@@ -119,6 +119,11 @@ def known_alias_templates() -> dict[str, tuple[HookFamily, HookStatus, str | Non
 
 
 _BLOCK = re.compile(r"blocks\.([0-9]+)\.(.+)")
+_STACKED = re.compile(r"(encoder_blocks|decoder_blocks)\.([0-9]+)\.(.+)")
+_BARE_BLOCKS = re.compile(r"(?<![A-Za-z0-9_])blocks\.")
+# TransformerLens 4.3 names a decoder block's self-attention ``self_attn`` (its ``attn`` is
+# tl's); its ln1/ln2/ln3 numbering is tl's too.
+_STACK_SEGMENTS = {"self_attn": "attn"}
 _BRACKET = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\[([0-9]+)\]")
 _DOTTED = re.compile(r"([a-z_]+)\.([0-9]+)")
 _STREAM = re.compile(r"([a-z_]+)\.([0-9]+)\.stream-([0-9]+)")
@@ -189,10 +194,16 @@ def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
             f"hook name {name!r} holds a placeholder in braces, so it names no hook: write "
             f"a block index in its place (e.g. {example!r})."
         )
+    stacked = _STACKED.fullmatch(name)
+    if stacked is not None:
+        prefix, digits, rest = stacked.groups()
+        return _resolve_stacked(name, prefix, digits, rest, info)
     key, layer = _parse(name)
     rule = _TABLE.get(key)
     if rule is None:
         return _unlisted(name, key, layer)
+    if info is not None and info.encoder_layers is not None and layer is not None:
+        raise HookNameError(_unstacked_message(name, info))
     if info is not None and layer is not None and layer >= info.n_layers:
         raise HookNameError(
             f"hook {name!r} names block {layer}, but this {info.architecture or 'model'} has "
@@ -213,6 +224,46 @@ def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
             model = info.architecture or "model"
             note = f"This {model} has no {canonical!r}: {MISSING_BECAUSE[requires]}."
     return HookResolution(name, canonical, status, rule.family, note)
+
+
+def _restacked(text: str, prefix: str) -> str:
+    return _BARE_BLOCKS.sub(f"{prefix}.", text)
+
+
+def _resolve_stacked(
+    name: str, prefix: str, digits: str, rest: str, info: ModelInfo | None
+) -> HookResolution:
+    """A name in one stack of an encoder-decoder (``decoder_blocks.1.cross_attn.hook_z``):
+    resolved as the same name in a one-stack model with that stack's facts, then put back
+    in its stack."""
+    head, dot, tail = rest.partition(".")
+    inner_name = f"blocks.{digits}.{_STACK_SEGMENTS.get(head, head)}{dot}{tail}"
+    if info is not None and info.encoder_layers is None:
+        note = (
+            f"{prefix}.{{i}} names a stack of an encoder-decoder model; this "
+            f"{info.architecture or 'model'} has one stack, whose blocks are blocks.{{i}}."
+        )
+        return HookResolution(name, None, "structurally_absent", "tl_bridge", note)
+    try:
+        inner = _resolve(inner_name, None if info is None else info.stack(prefix))
+    except HookNameError as error:
+        raise HookNameError(_restacked(str(error), prefix)) from None
+    canonical = None if inner.canonical is None else _restacked(inner.canonical, prefix)
+    family, status = inner.family, inner.status
+    if canonical != name and family == "canonical":
+        # Only TransformerLens 4.3's stack names (``self_attn``) differ from tl's here.
+        family, status = "tl_bridge", "alias"
+    return HookResolution(name, canonical, status, family, _restacked(inner.note, prefix))
+
+
+def _unstacked_message(name: str, info: ModelInfo) -> str:
+    model = info.architecture or "model"
+    return (
+        f"hook name {name!r} names a block, but this {model} is an encoder-decoder: its blocks "
+        f"are encoder_blocks.{{i}} ({info.encoder_layers} blocks) and decoder_blocks.{{i}} "
+        f"({info.n_layers} blocks), e.g. 'encoder_blocks.0.hook_out' or "
+        f"'decoder_blocks.0.cross_attn.hook_z'."
+    )
 
 
 def _unlisted(name: str, key: str, layer: int | None) -> HookResolution:

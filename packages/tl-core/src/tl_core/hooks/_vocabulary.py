@@ -53,11 +53,14 @@ __all__ = [
     "BEFORE_BLOCKS",
     "CANONICAL_TEMPLATES",
     "LAYOUTS",
+    "STACK_PREFIXES",
     "MISSING_BECAUSE",
     "HookRequirement",
     "HookTemplate",
     "canonical_hook_names",
     "is_canonical",
+    "on_decoder_positions",
+    "stack_of",
     "requirement_met",
     "split_canonical",
 ]
@@ -90,6 +93,9 @@ LAYOUTS: frozenset[str] = frozenset(
 )
 
 _BLOCK_PREFIX = "blocks.{i}."
+#: The name prefixes of the stacks a model's blocks sit in (``ModelInfo.stacks``):
+#: ``blocks`` for one-stack models, the encoder's and decoder's of an encoder-decoder.
+STACK_PREFIXES: tuple[str, ...] = ("blocks", "encoder_blocks", "decoder_blocks")
 
 
 @dataclass(frozen=True)
@@ -136,11 +142,12 @@ class HookTemplate:
         """The part after ``blocks.{i}.`` (the whole name for global hooks)."""
         return self.template[len(_BLOCK_PREFIX) :] if self.per_block else self.template
 
-    def format(self, layer: int | None = None) -> str:
+    def format(self, layer: int | None = None, stack: str = "blocks") -> str:
         """The concrete name for block ``layer``.
 
         Args:
             layer: The block index; ignored for global hooks.
+            stack: The stack the block sits in (one of ``STACK_PREFIXES``).
 
         Returns:
             ``"blocks.3.attn.hook_q"`` for ``format(3)`` of ``"blocks.{i}.attn.hook_q"``.
@@ -155,7 +162,7 @@ class HookTemplate:
                 f"{self.template!r} needs a block index >= 0, got {layer!r}: write e.g. "
                 f"{self.template.format(i=0)!r}."
             )
-        return f"blocks.{layer}.{self.suffix}"
+        return f"{stack}.{layer}.{self.suffix}"
 
 
 def _norm_family(
@@ -210,7 +217,8 @@ _LN1_POST = _norm_family(
 _LN2_REST = _norm_family(
     "blocks.{i}.ln2",
     "the pre-MLP norm (on post-LN blocks, BERT: the norm after the MLP's residual add, whose "
-    "output is the block's)",
+    "output is the block's; on an encoder-decoder's decoder blocks the norm before "
+    "cross-attention, as in TransformerLens)",
     "norm",
     "",
 )[1:]
@@ -235,6 +243,67 @@ _LN2_POST = _norm_family(
     "the post-MLP norm (sandwich-norm models)",
     "sandwich_norm",
     "= mlp.hook_out",
+)
+_LN3 = _norm_family(
+    "blocks.{i}.ln3",
+    "the pre-MLP norm of an encoder-decoder's decoder blocks, after cross-attention (ln2 is "
+    "then the norm before cross-attention, as in TransformerLens; on post-LN blocks, BART: the "
+    "norm after the MLP's residual add, whose output is the block's)",
+    "cross_attention",
+    "the residual stream after cross-attention; on post-LN blocks ln2.hook_out + mlp.hook_out",
+)
+_CROSS_ATTN = (
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_in",
+        "b p d",
+        "Input of cross-attention's queries (= ln2.hook_out; ln1.hook_out on post-LN blocks).",
+        None,
+        "cross_attention",
+    ),
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_q",
+        "b p h dh",
+        "Cross-attention's queries per head, from the decoder's stream.",
+        None,
+        "cross_attention",
+    ),
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_k",
+        "b p h dh",
+        "Cross-attention's keys per head, from the encoder's output (p counts encoder positions).",
+        None,
+        "cross_attention",
+    ),
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_v",
+        "b p h dh",
+        "Cross-attention's values per head, from the encoder's output (p counts encoder "
+        "positions).",
+        None,
+        "cross_attention",
+    ),
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_pattern",
+        "b h q k",
+        "Cross-attention's probabilities (after softmax): decoder positions q over encoder "
+        "positions k.",
+        None,
+        "cross_attention",
+    ),
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_z",
+        "b p h dh",
+        "Cross-attention's per-head mix of values, its output projection's input.",
+        None,
+        "cross_attention",
+    ),
+    HookTemplate(
+        "blocks.{i}.cross_attn.hook_out",
+        "b p d",
+        "Cross-attention's output, before its residual add.",
+        None,
+        "cross_attention",
+    ),
 )
 _LN_FINAL = _norm_family(
     "ln_final",
@@ -449,16 +518,20 @@ CANONICAL_TEMPLATES: tuple[HookTemplate, ...] = (
         "b p d",
         "Input of the pre-MLP norm: the residual stream between attention and MLP on "
         "sequential blocks; on parallel blocks the block input as the MLP's norm reads it; on "
-        "post-LN blocks (BERT) the sum ln1.hook_out + mlp.hook_out that ln2 normalises.",
+        "post-LN blocks (BERT) the sum ln1.hook_out + mlp.hook_out that ln2 normalises; on "
+        "decoder blocks with cross-attention the stream between self- and cross-attention.",
         "blocks.{i}.hook_resid_mid",
         "mlp_norm_input",
     ),
     *_LN2_REST,
+    *_CROSS_ATTN,
+    *_LN3,
     HookTemplate(
         "blocks.{i}.mlp.hook_in",
         "b p d",
         "Input of the MLP module (= ln2.hook_out; after the pre-MLP norm; on post-LN blocks "
-        "= ln1.hook_out).",
+        "= ln1.hook_out; on decoder blocks with cross-attention ln3.hook_out, or ln2.hook_out "
+        "on post-LN ones).",
     ),
     HookTemplate(
         "blocks.{i}.mlp.hook_router_logits",
@@ -597,11 +670,13 @@ _GLOBAL_NAMES: dict[str, HookTemplate] = {
     t.template: t for t in CANONICAL_TEMPLATES if not t.per_block
 }
 # Canonical indices have no sign and no leading zero, so each site has exactly one name.
-_BLOCK_RE = re.compile(r"blocks\.(0|[1-9][0-9]*)\.(.+)")
+_BLOCK_RE = re.compile(r"(blocks|encoder_blocks|decoder_blocks)\.(0|[1-9][0-9]*)\.(.+)")
 
 
 def split_canonical(name: str) -> tuple[HookTemplate, int | None] | None:
     """``(template, layer)`` of a concrete canonical name; ``None`` for anything else.
+
+    The stack a block sits in (``encoder_blocks.2.hook_out``) is ``stack_of``'s answer.
 
     Args:
         name: A canonical name (``"blocks.3.attn.hook_q"`` -> (its row, 3)).
@@ -609,13 +684,32 @@ def split_canonical(name: str) -> tuple[HookTemplate, int | None] | None:
     template = _GLOBAL_NAMES.get(name)
     if template is not None:
         return template, None
-    if not name.startswith("blocks."):
+    if "blocks." not in name:
         return None
     match = _BLOCK_RE.fullmatch(name)
     if match is None:
         return None
-    template = _BLOCK_SUFFIXES.get(match.group(2))
-    return None if template is None else (template, int(match.group(1)))
+    template = _BLOCK_SUFFIXES.get(match.group(3))
+    return None if template is None else (template, int(match.group(2)))
+
+
+def stack_of(name: str) -> str | None:
+    """The stack prefix of a per-block canonical name (``"encoder_blocks"``), else ``None``."""
+    head = name.split(".", 1)[0]
+    return head if head in STACK_PREFIXES and split_canonical(name) is not None else None
+
+
+def on_decoder_positions(name: str) -> bool:
+    """Whether a canonical site of an encoder-decoder lies over the decoder's positions.
+
+    Decoder blocks' sites do, except cross-attention's keys and values (they are computed
+    from the encoder's output, one row per encoder position); so do ``ln_final.*`` and
+    ``unembed.*``, which read the decoder's last block. Every other site lies over the
+    prompt's (the encoder's) positions.
+    """
+    if name.startswith("decoder_blocks."):
+        return not name.endswith((".cross_attn.hook_k", ".cross_attn.hook_v"))
+    return name.startswith(("ln_final.", "unembed."))
 
 
 def is_canonical(name: object) -> bool:
@@ -630,26 +724,29 @@ def is_canonical(name: object) -> bool:
 def _names_for(
     info: ModelInfo, include_attn_result: bool, include_split_qkv_input: bool
 ) -> tuple[str, ...]:
-    head: list[str] = []
-    block: list[HookTemplate] = []
-    tail: list[str] = []
-    for template in CANONICAL_TEMPLATES:
-        met = requirement_met(
+    def met(template: HookTemplate, model: ModelInfo) -> bool:
+        return requirement_met(
             template.requires,
-            info,
+            model,
             include_attn_result=include_attn_result,
             include_split_qkv_input=include_split_qkv_input,
             statistic=template.statistic,
         )
-        if not met:
-            continue
-        if template.per_block:
-            block.append(template)
-        elif template.template in BEFORE_BLOCKS:
-            head.append(template.template)
-        else:
-            tail.append(template.template)
-    blocks = [t.format(layer) for layer in range(info.n_layers) for t in block]
+
+    per_block = [t for t in CANONICAL_TEMPLATES if t.per_block]
+    head = [t.template for t in CANONICAL_TEMPLATES if t.template in BEFORE_BLOCKS and met(t, info)]
+    tail = [
+        t.template
+        for t in CANONICAL_TEMPLATES
+        if not t.per_block and t.template not in BEFORE_BLOCKS and met(t, info)
+    ]
+    blocks = [
+        t.format(layer, prefix)
+        for prefix, stack in info.stacks
+        for layer in range(stack.n_layers)
+        for t in per_block
+        if met(t, stack)
+    ]
     return (*head, *blocks, *tail)
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from tl_core.hooks._vocabulary import on_decoder_positions
 from tl_core.specs._specs import (
     IMAGE_POSITIONS,
     SPEC_OPS,
@@ -76,6 +77,7 @@ def build_plan(
     namespace: HookNamespace,
     allow_callables: bool,
     image_positions: Sequence[tuple[int, ...]] | None = None,
+    decoder_lengths: Sequence[int] | None = None,
 ) -> InterventionPlan:
     """Validate a whole ``intervene=`` argument against a driver and a batch.
 
@@ -91,6 +93,9 @@ def build_plan(
         allow_callables: Whether the driver accepts Python hook functions.
         image_positions: Each prompt's image positions, where the run has images: what
             ``"pos": "image"`` edits (``None``: such a spec is refused).
+        decoder_lengths: An encoder-decoder's decoder inputs' lengths, per prompt: the
+            positions of specs on sites over the decoder's positions
+            (``on_decoder_positions``) are checked against these.
 
     Returns:
         The plan, with canonical names and absolute positions.
@@ -108,7 +113,9 @@ def build_plan(
     if isinstance(intervene, Mapping):
         shared, callables = _read_mapping(intervene, None, namespace, allow_callables)
         per_prompt = tuple(
-            _resolve_for_prompt(shared, index, length, namespace, image_positions)
+            _resolve_for_prompt(
+                shared, index, length, namespace, image_positions, _nth(decoder_lengths, index)
+            )
             for index, length in enumerate(lengths)
         )
         return InterventionPlan(per_prompt, callables, lengths)
@@ -141,7 +148,11 @@ def build_plan(
                 "to the whole batch; pass them in a single mapping for all prompts, not in "
                 "the per-prompt list"
             )
-        plans.append(_resolve_for_prompt(specs, index, length, namespace, image_positions))
+        plans.append(
+            _resolve_for_prompt(
+                specs, index, length, namespace, image_positions, _nth(decoder_lengths, index)
+            )
+        )
     return InterventionPlan(tuple(plans), {}, lengths)
 
 
@@ -232,15 +243,22 @@ def _is_callable(entry: object) -> bool:
     return callable(entry) and not isinstance(entry, InterventionSpec | Mapping | type)
 
 
+def _nth(lengths: Sequence[int] | None, index: int) -> int | None:
+    return None if lengths is None else lengths[index]
+
+
 def _resolve_for_prompt(
     specs: Mapping[str, list[tuple[str, InterventionSpec]]],
     index: int,
-    length: int,
+    prompt_length: int,
     namespace: HookNamespace,
     images: Sequence[tuple[int, ...]] | None = None,
+    decoder_length: int | None = None,
 ) -> dict[str, tuple[InterventionSpec, ...]]:
     out: dict[str, tuple[InterventionSpec, ...]] = {}
     for canonical, entries in specs.items():
+        on_decoder = decoder_length is not None and on_decoder_positions(canonical)
+        length = decoder_length if on_decoder and decoder_length is not None else prompt_length
         shape = namespace.feature_shape(canonical)
         width = length if shape is None else math.prod(shape)
         resolved = []
@@ -256,7 +274,7 @@ def _resolve_for_prompt(
                 length,
                 where,
             )
-            placed = _resolve_positions(spec, index, length, where, images)
+            placed = _resolve_positions(spec, index, length, where, None if on_decoder else images)
             if placed is not None:
                 resolved.append(placed)
         if resolved:

@@ -1,9 +1,10 @@
 """What kind of model a transformers class is: which the hf driver builds, which it refuses.
 
 The hf driver serves decoder-only causal LMs, masked LMs (encoders with a head that
-predicts each position's token: BERT, RoBERTa, ...) and vision-language models (a causal
-language stack that reads images through a vision tower: LLaVA, Gemma 3, ...). A checkpoint
-of another kind (a sequence-to-sequence model, an image classifier) is refused, and the
+predicts each position's token: BERT, RoBERTa, ...), vision-language models (a causal
+language stack that reads images through a vision tower: LLaVA, Gemma 3, ...) and
+encoder-decoders (T5, BART, ...). A checkpoint of another kind (a speech-to-text model, an
+image classifier) is refused, and the
 refusal names the kind by the task mapping transformers files the class under.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from tl_core import ConfigError
 
 __all__ = [
+    "SERVED_KINDS",
     "LMKind",
     "class_kind",
     "is_causal_lm_class",
@@ -29,11 +31,15 @@ __all__ = [
 MASKED_LM = "masked language model"
 #: The kind of a vision-language model's class, as ``_KINDS`` names it.
 VISION_LANGUAGE = "vision-language model"
+#: The kind of an encoder-decoder's class, as ``_KINDS`` names it.
+SEQ2SEQ = "sequence-to-sequence model"
+#: The kinds besides causal LMs that the hf driver builds whole (``lm_kind``).
+SERVED_KINDS: frozenset[str] = frozenset({MASKED_LM, VISION_LANGUAGE, SEQ2SEQ})
 
 #: transformers' task mappings, most specific first (BART's ``ForConditionalGeneration``
 #: is filed under both sequence-to-sequence and masked LM), with what their classes are.
 _KINDS: tuple[tuple[str, str, str], ...] = (
-    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "a", "sequence-to-sequence model"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "a", SEQ2SEQ),
     ("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "a", "speech-to-text model"),
     ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "a", "vision-language model"),
     ("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "a", "multimodal model"),
@@ -117,9 +123,13 @@ def _checkpoint_kind(config: Any) -> tuple[str | None, str]:
     return _kind_by_type().get(model_type), f"model_type {model_type!r}"
 
 
-LMKind = Literal["causal_lm", "masked_lm", "vision_language"]
+LMKind = Literal["causal_lm", "masked_lm", "vision_language", "seq2seq"]
 
-_BY_KIND: dict[str, LMKind] = {MASKED_LM: "masked_lm", VISION_LANGUAGE: "vision_language"}
+_BY_KIND: dict[str, LMKind] = {
+    MASKED_LM: "masked_lm",
+    VISION_LANGUAGE: "vision_language",
+    SEQ2SEQ: "seq2seq",
+}
 
 
 def lm_kind(config: Any) -> LMKind:
@@ -165,7 +175,8 @@ def refuse_without_causal_lm(config: Any, *, name: str) -> None:
     raise ConfigError(
         f"the checkpoint {name!r} is {what}: transformers has no causal-LM class for model "
         f"type {model_type!r} (AutoModelForCausalLM cannot build it), and the hf driver "
-        f"serves decoder-only causal LMs, masked LMs and vision-language models; {served}."
+        f"serves decoder-only causal LMs, masked LMs, vision-language models and "
+        f"encoder-decoders; {served}."
     )
 
 
@@ -200,7 +211,7 @@ def refuse_other_kind(model: Any, config: Any, *, name: str) -> None:
         f"the checkpoint {name!r} is {with_article(kind)}: its config's architectures name "
         f"{other}, and transformers builds {built} from it, a causal LM the checkpoint was "
         f"not written for (another model over its weights, or a part of them). The hf "
-        f"driver serves decoder-only causal LMs, masked LMs and vision-language models; "
+        f"driver serves decoder-only causal LMs, masked LMs, vision-language models and encoder-decoders; "
         f"{kind}s are not served yet."
     )
 

@@ -34,7 +34,7 @@ from typing import Any
 from torch import nn
 
 from tl_core import ConfigError
-from tl_driver_hf._architecture._kinds import class_kind, with_article
+from tl_driver_hf._architecture._kinds import SERVED_KINDS, class_kind, with_article
 
 __all__ = ["check_loading_info", "held_load_report", "release"]
 
@@ -310,8 +310,11 @@ def _unplaced_message(
             + (f", {with_article(kind)}" if kind else "")
             + f", and {dropped} "
             + (
-                f"The hf driver serves decoder-only causal LMs, masked LMs and vision-language "
-                f"models; {kind}s are not served yet."
+                f"The hf driver serves {kind}s whole: boot it without model_class= (tl then "
+                f"builds {other})."
+                if kind in SERVED_KINDS
+                else f"The hf driver serves decoder-only causal LMs, masked LMs, "
+                f"vision-language models and encoder-decoders; {kind}s are not served yet."
                 if kind is not None
                 else f"Boot a checkpoint of {built} itself, or pair the config with the "
                 f"weights it was written for."

@@ -19,6 +19,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoModelForMaskedLM,
+    AutoModelForSeq2SeqLM,
     AutoTokenizer,
     PretrainedConfig,
 )
@@ -198,6 +199,7 @@ _AUTO_CLASSES: Final = {
     "causal_lm": AutoModelForCausalLM,
     "masked_lm": AutoModelForMaskedLM,
     "vision_language": AutoModelForImageTextToText,
+    "seq2seq": AutoModelForSeq2SeqLM,
 }
 
 
@@ -323,6 +325,7 @@ def built_name(config: Any, cls: Any) -> str:
             AutoModelForCausalLM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
             AutoModelForMaskedLM: "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
             AutoModelForImageTextToText: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+            AutoModelForSeq2SeqLM: "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
         }[cls]
         names = getattr(modeling_auto, mapping)
         found = names.get(str(getattr(config, "model_type", "")))

@@ -1,0 +1,1 @@
+"""Encoder-decoders (T5, BART and their descendants) on the hf driver."""

@@ -1,0 +1,78 @@
+"""Booting an encoder-decoder checkpoint: the whole model, its tokenizer, certification."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from tl_core import UserError
+from tl_core.driver_api import HFTokenizer, Tokenizer
+from tl_driver_hf._options import BootOptions
+from tl_driver_hf._seq2seq._certify import certify_seq2seq
+from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
+from tl_driver_hf._weights._loading import load_model, load_tokenizer
+
+__all__ = ["boot_seq2seq", "is_encoder_decoder"]
+
+
+def is_encoder_decoder(model: Any) -> bool:
+    """Whether ``model`` is a transformers encoder-decoder (two stacks, cross-attention)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "is_encoder_decoder", False)) and callable(
+        getattr(model, "get_encoder", None)
+    )
+
+
+def _refuse_options(opts: BootOptions) -> None:
+    unsupported = {
+        "load_weights=False": not opts.load_weights,
+        "use_attn_result=True": opts.use_attn_result,
+        "n_devices": opts.n_devices is not None,
+        "n_ctx": opts.n_ctx is not None,
+        "certify=False": not opts.certify,
+        "a GGUF file": opts.gguf_path is not None,
+    }
+    named = [k for k, v in unsupported.items() if v]
+    if named:
+        raise UserError(
+            f"{', '.join(named)}: not served on encoder-decoders yet (tl boots them whole and "
+            "certifies every site it serves); drop the option"
+        )
+
+
+def boot_seq2seq(
+    opts: BootOptions, config: Any = None, model: nn.Module | None = None, name: str = ""
+) -> Seq2SeqDriver:
+    """The driver of an encoder-decoder checkpoint (or of a loaded ``model``), certified.
+
+    Raises:
+        UserError: Options not served on encoder-decoders.
+        ConfigError: Weights that do not fit, a block form tl does not know, or a run that
+            does not reproduce the model.
+    """
+    _refuse_options(opts)
+    tokenizer: Tokenizer
+    if model is None:
+        model = load_model(opts, config, None)
+        tokenizer = load_tokenizer(
+            opts.tokenizer if opts.tokenizer is not None else opts.model_name,
+            config,
+            revision=opts.revision if opts.tokenizer is None else None,
+            trust_remote_code=opts.trust_remote_code,
+            required=opts.tokenizer is not None,
+        )
+        name = str(opts.model_name)
+    else:
+        source = opts.tokenizer if opts.tokenizer is not None else (
+            getattr(model, "name_or_path", None) or None
+        )  # fmt: skip
+        tokenizer = load_tokenizer(
+            source, model.config, local_only=True, required=isinstance(opts.tokenizer, str)
+        )
+    if isinstance(tokenizer, HFTokenizer):
+        # The encoder reads a prompt as the tokenizer's template closes it (T5's </s>).
+        tokenizer = HFTokenizer(tokenizer.hf_tokenizer, close_prompts=True)
+    driver = Seq2SeqDriver(model, tokenizer, name=name)
+    driver.set_certification(certify_seq2seq(driver, name=name or type(model).__name__))
+    return driver

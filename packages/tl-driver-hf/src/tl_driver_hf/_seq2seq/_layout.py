@@ -1,0 +1,198 @@
+"""Where each canonical site of an encoder-decoder sits among transformers' modules.
+
+An encoder-decoder's blocks are found by what they hold, not by family: T5's blocks keep
+their sublayers in a ``layer`` list (``T5LayerSelfAttention``, ``T5LayerCrossAttention``,
+``T5LayerFF``), BART's and its descendants' (mBART, Marian, Pegasus, M2M100, ...) hold
+``self_attn``, ``encoder_attn``, ``fc1``/``fc2`` and a norm per sublayer. Each site is
+one module's input or output (``Site``). As in TransformerLens, ``ln1`` is the norm of
+self-attention, ``ln2`` that of cross-attention on a decoder block (the MLP's on an encoder
+block) and ``ln3`` the MLP's on a decoder block, whether it sits before its sublayer
+(pre-LN: T5, mBART) or after the residual add (post-LN: BART, Marian).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from tl_core import ConfigError
+
+__all__ = ["Site", "StackLayout", "find_stacks"]
+
+#: A module's input or output, per head (``heads_*``), or the last element of the tuple it
+#: returns (``weights``: the attention probabilities an eager attention module hands out).
+SiteKind = Literal["in", "out", "heads_in", "heads_out", "weights"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One canonical site: a module's input or output, per head where ``kind`` says so."""
+
+    module: nn.Module
+    kind: SiteKind
+
+
+@dataclass(frozen=True)
+class StackLayout:
+    """One stack's blocks and the sites of each, by canonical suffix (``attn.hook_z``)."""
+
+    prefix: str
+    blocks: tuple[nn.Module, ...]
+    sites: tuple[dict[str, Site], ...]
+    #: Sites whose module boundary shows the value but cannot carry an edit of it (a
+    #: pre-LN BART block's residual between sublayers is a local variable of its forward).
+    capture_only: frozenset[str]
+
+
+def _layers(stack: nn.Module, where: str) -> tuple[nn.Module, ...]:
+    for name in ("block", "layers"):
+        found = getattr(stack, name, None)
+        if isinstance(found, nn.ModuleList) and len(found):
+            return tuple(found)
+    raise ConfigError(
+        f"tl found no list of blocks in the {where} ({type(stack).__name__}): it knows "
+        "encoder-decoders whose stacks keep their blocks in `block` (T5) or `layers` (BART "
+        "and its descendants)"
+    )
+
+
+def _attention(attn: nn.Module, prefix: str) -> dict[str, Site]:
+    names = next(
+        (n for n in (("q", "k", "v", "o"), ("q_proj", "k_proj", "v_proj", "out_proj")) if
+         all(isinstance(getattr(attn, p, None), nn.Linear) for p in n)),
+        None,
+    )  # fmt: skip
+    sites = {
+        f"{prefix}.hook_in": Site(attn, "in"),
+        f"{prefix}.hook_pattern": Site(attn, "weights"),
+        f"{prefix}.hook_out": Site(attn, "out"),
+    }
+    if names is None:
+        return sites
+    q, k, v, o = (getattr(attn, n) for n in names)
+    sites.update(
+        {
+            f"{prefix}.hook_q": Site(q, "heads_out"),
+            f"{prefix}.hook_k": Site(k, "heads_out"),
+            f"{prefix}.hook_v": Site(v, "heads_out"),
+            f"{prefix}.hook_z": Site(o, "heads_in"),
+        }
+    )
+    return sites
+
+
+def _norm(module: nn.Module, prefix: str) -> dict[str, Site]:
+    return {f"{prefix}.hook_in": Site(module, "in"), f"{prefix}.hook_out": Site(module, "out")}
+
+
+def _t5_mlp(ff: Any) -> dict[str, Site]:
+    dense = ff.DenseReluDense
+    sites = {"mlp.hook_in": Site(dense, "in"), "mlp.hook_out": Site(dense, "out")}
+    if isinstance(getattr(dense, "wi", None), nn.Linear):
+        sites["mlp.hook_pre"] = Site(dense.wi, "out")
+    elif isinstance(getattr(dense, "wi_0", None), nn.Linear):
+        sites["mlp.hook_pre"] = Site(dense.wi_0, "out")
+        sites["mlp.hook_pre_linear"] = Site(dense.wi_1, "out")
+    sites["mlp.hook_post"] = Site(dense.wo, "in")
+    return sites
+
+
+def _t5_block(block: Any, decoder: bool) -> dict[str, Site]:
+    parts = list(block.layer)
+    attn_layer, ff_layer = parts[0], parts[-1]
+    sites = {"hook_in": Site(block, "in")}
+    sites.update(_norm(attn_layer.layer_norm, "ln1"))
+    sites.update(_attention(attn_layer.SelfAttention, "attn"))
+    # Each T5 sublayer adds its own output to its input: the module after it reads the
+    # residual stream, so an edit of its input is an edit of the stream.
+    sites["ln2.hook_in"] = Site(parts[1], "in")
+    if decoder:
+        cross = parts[1]
+        sites["ln2.hook_out"] = Site(cross.layer_norm, "out")
+        sites.update(_attention(cross.EncDecAttention, "cross_attn"))
+        sites["ln3.hook_in"] = Site(ff_layer, "in")
+        sites["ln3.hook_out"] = Site(ff_layer.layer_norm, "out")
+    else:
+        sites["ln2.hook_out"] = Site(ff_layer.layer_norm, "out")
+    sites.update(_t5_mlp(ff_layer))
+    sites["hook_out"] = Site(block, "out")
+    return sites
+
+
+def _bart_block(block: Any, decoder: bool) -> dict[str, Site]:
+    sites = {"hook_in": Site(block, "in")}
+    sites.update(_norm(block.self_attn_layer_norm, "ln1"))
+    sites.update(_attention(block.self_attn, "attn"))
+    if decoder:
+        sites.update(_norm(block.encoder_attn_layer_norm, "ln2"))
+        sites.update(_attention(block.encoder_attn, "cross_attn"))
+        sites.update(_norm(block.final_layer_norm, "ln3"))
+    else:
+        sites.update(_norm(block.final_layer_norm, "ln2"))
+    sites.update(
+        {
+            "mlp.hook_in": Site(block.fc1, "in"),
+            "mlp.hook_pre": Site(block.fc1, "out"),
+            "mlp.hook_post": Site(block.fc2, "in"),
+            "mlp.hook_out": Site(block.fc2, "out"),
+            "hook_out": Site(block, "out"),
+        }
+    )
+    return sites
+
+
+def _block_sites(block: nn.Module, decoder: bool, where: str) -> dict[str, Site]:
+    if isinstance(getattr(block, "layer", None), nn.ModuleList):
+        return _t5_block(block, decoder)
+    needed = ["self_attn", "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm"]
+    if decoder:
+        needed += ["encoder_attn", "encoder_attn_layer_norm"]
+    if all(isinstance(getattr(block, n, None), nn.Module) for n in needed):
+        return _bart_block(block, decoder)
+    raise ConfigError(
+        f"tl does not know the blocks of the {where} ({type(block).__name__}): it serves "
+        "encoder-decoders built like T5 (a `layer` list of sublayers) or like BART "
+        "(`self_attn`, `encoder_attn`, `fc1`/`fc2` and a norm per sublayer)"
+    )
+
+
+def find_stacks(model: nn.Module, *, post_norm: bool) -> tuple[StackLayout, StackLayout]:
+    """The encoder's and the decoder's blocks and sites.
+
+    Args:
+        model: A transformers encoder-decoder (``get_encoder``/``get_decoder``).
+        post_norm: Whether each norm follows its sublayer's residual add (BART), measured
+            on the model (``measure_post_norm``).
+
+    Raises:
+        ConfigError: Stacks or blocks of a form tl does not know (named).
+    """
+    found: list[StackLayout] = []
+    for prefix, getter, decoder in (
+        ("encoder_blocks", "get_encoder", False),
+        ("decoder_blocks", "get_decoder", True),
+    ):
+        stack = getattr(model, getter)()
+        where = "decoder" if decoder else "encoder"
+        blocks = _layers(stack, where)
+        sites = tuple(_block_sites(b, decoder, where) for b in blocks)
+        capture_only: frozenset[str] = frozenset()
+        if post_norm is False and not isinstance(getattr(blocks[0], "layer", None), nn.ModuleList):
+            # Pre-LN BART-style: a norm's input is the residual, but editing what the norm
+            # reads would not edit the stream the block carries on.
+            capture_only = frozenset({"ln2.hook_in", "ln3.hook_in"})
+        found.append(StackLayout(prefix, blocks, sites, capture_only))
+    return found[0], found[1]
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The decoder's norm after its last block (T5's ``final_layer_norm``, mBART's
+    ``layer_norm``), or ``None`` (BART has none)."""
+    decoder: Any = model.get_decoder()  # type: ignore[operator]
+    for name in ("final_layer_norm", "layer_norm"):
+        module = getattr(decoder, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None
