@@ -54,13 +54,19 @@ def _reference(driver: Seq2SeqDriver, encoder: torch.Tensor, decoder: torch.Tens
     handles = []
     for stack in driver.stacks:
         seen: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
         inputs[stack.prefix] = seen
+        inputs[stack.prefix + ".out"] = outputs
         for block in stack.blocks:
 
             def keep(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], s: Any = seen) -> None:
                 s.append(_first_input(a, k).detach().clone())
 
+            def keep_out(m: nn.Module, a: tuple[Any, ...], out: Any, s: Any = outputs) -> None:
+                s.append((out[0] if isinstance(out, tuple) else out).detach().clone())
+
             handles.append(block.register_forward_pre_hook(keep, with_kwargs=True))
+            handles.append(block.register_forward_hook(keep_out))
     try:
         with torch.no_grad():
             out = driver.hf_model(input_ids=encoder, decoder_input_ids=decoder, use_cache=False)
@@ -240,6 +246,18 @@ def certify_seq2seq(driver: Seq2SeqDriver, *, name: str) -> Certification:
         score_bias=True,
     )
     checks += _projection_checks(driver, store, reference.encoder_last_hidden_state)
+    for stack in driver.stacks:
+        for i, want in enumerate(block_inputs[stack.prefix + ".out"]):
+            name_out = f"{stack.prefix}.{i}.hook_out"
+            checks.append(
+                compare(
+                    f"{name_out} == the engine's output of that block",
+                    (name_out,),
+                    store.get(name_out),
+                    want,
+                    rtol=_RTOL,
+                )
+            )
     if "unembed.hook_out" in store:
         # BART adds final_logits_bias after its lm_head: the head's output is not the logits.
         checks.append(

@@ -332,6 +332,13 @@ class Seq2SeqDriver(LocalDriver):
     def run(self, request: ForwardRequest) -> ForwardResult:
         """Run one validated request: the encoder reads ``request.batch``, the decoder
         ``request.decoder_batch``; logits and generation follow the decoder."""
+        partial = (request.start_at_layer, request.stop_at_layer, request.residual)
+        if any(x is not None for x in partial):
+            raise UnsupportedFeatureError(
+                "partial forwards (start_at_layer/stop_at_layer/residual) are not served on "
+                "encoder-decoders yet: run the whole model and capture the block you need "
+                "(e.g. decoder_blocks.1.hook_in)"
+            )
         batch = request.batch.to(self.device)
         if request.decoder_batch is None:
             raise UnsupportedFeatureError(

@@ -1,0 +1,281 @@
+"""Encoder-decoders (T5, BART and descendants) on the hf driver, against plain transformers.
+
+The references are transformers alone: forward pre-hooks record what each of its blocks
+receives, ``output_attentions`` gives its attention probabilities, its own ``generate``
+and label loss, and plain torch hooks make the same edits tl's specs make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForSeq2SeqLM
+
+from tl_core import HookNameError, SpecError, TransformerBridge, UnsupportedFeatureError, UserError
+from tl_driver_hf import HFDriver
+from tl_driver_hf._seq2seq._certify import certify_seq2seq
+from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
+from tl_driver_hf._seq2seq._layout import Site
+from tl_driver_hf.testing import write_seq2seq_checkpoint
+
+#: model type -> config overrides: T5 (pre-LN RMS, relative bias), T5 v1.1 (gated MLP),
+#: BART and Marian (post-LN, learned positions), mBART (pre-LN with a final norm).
+TYPES: dict[str, dict[str, Any]] = {
+    "t5": {},
+    "t5-gated": {"feed_forward_proj": "gated-gelu"},
+    "bart": {},
+    "marian": {},
+    "mbart": {},
+}
+PROMPTS = ["the cat sat", "a b"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("seq2seq")
+    return {
+        name: write_seq2seq_checkpoint(name.split("-")[0], root / name, overrides=overrides)
+        for name, overrides in TYPES.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def bridges(folders: dict[str, Path]) -> dict[str, TransformerBridge]:
+    return {name: TransformerBridge.boot_transformers(str(f)) for name, f in folders.items()}
+
+
+def _plain_inputs(bridge: TransformerBridge, decoder: str) -> dict[str, torch.Tensor]:
+    rows = [bridge.to_tokens(p)[0] for p in PROMPTS]
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = row, 1
+    start = bridge.driver.decoder_start_ids
+    dec = torch.tensor([[*start, *bridge.tokenizer.encode(decoder)]] * len(rows))
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec}
+
+
+def _layers(model: nn.Module, getter: str) -> list[nn.Module]:
+    stack = getattr(model, getter)()
+    return list(getattr(stack, "block", None) or stack.layers)
+
+
+@contextmanager
+def _recorded(layers: list[nn.Module], seen: list[torch.Tensor]) -> Iterator[None]:
+    def record(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
+        seen.append((a[0] if a else k["hidden_states"]).detach().clone())
+
+    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_boots_whole_with_every_weight_and_every_site_certified(
+    name: str, folders: dict[str, Path], bridges: dict[str, TransformerBridge]
+) -> None:
+    driver = bridges[name].driver
+    assert isinstance(driver, Seq2SeqDriver)
+    certification = driver.certification
+    assert certification is not None and not certification.failed
+    assert certification.level == "full"
+    plain = AutoModelForSeq2SeqLM.from_pretrained(folders[name])
+    ours = driver.hf_model.state_dict()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(ours[key], value), key
+    names = list(bridges[name].hook_dict)
+    assert not any(n.startswith("blocks.") for n in names)
+    assert {"encoder_blocks.2.hook_out", "decoder_blocks.1.cross_attn.hook_z"} <= set(names)
+    assert "encoder_blocks.0.cross_attn.hook_z" not in names
+    assert driver.info.post_residual_norm == (name in ("bart", "marian"))
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+def test_block_inputs_patterns_and_logits_equal_plain_transformers(
+    name: str, bridges: dict[str, TransformerBridge]
+) -> None:
+    bridge = bridges[name]
+    model = bridge.driver.hf_model
+    inputs = _plain_inputs(bridge, "hi there")
+    encoder_in: list[torch.Tensor] = []
+    decoder_in: list[torch.Tensor] = []
+    with torch.no_grad():
+        with _recorded(_layers(model, "get_encoder"), encoder_in):
+            with _recorded(_layers(model, "get_decoder"), decoder_in):
+                plain = model(**inputs, output_attentions=True)
+        logits, cache = bridge.run_with_cache(PROMPTS, decoder_input="hi there")
+    torch.testing.assert_close(logits, plain.logits, rtol=1e-4, atol=1e-5)
+    for i, want in enumerate(encoder_in):
+        # Padded positions differ only where the mask hides them: compare real ones.
+        got = cache[f"encoder_blocks.{i}.hook_in"]
+        mask = inputs["attention_mask"].bool()
+        torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-5)
+    for i, want in enumerate(decoder_in):
+        torch.testing.assert_close(cache[f"decoder_blocks.{i}.hook_in"], want, rtol=1e-4, atol=1e-5)
+    for i, want in enumerate(plain.cross_attentions):
+        torch.testing.assert_close(cache[f"decoder_blocks.{i}.cross_attn.hook_pattern"], want)
+    for i, want in enumerate(plain.encoder_attentions):
+        torch.testing.assert_close(cache[f"encoder_blocks.{i}.attn.hook_pattern"], want)
+
+
+@pytest.mark.parametrize("name", sorted(TYPES))
+@pytest.mark.parametrize("stack", ["encoder", "decoder"])
+def test_an_add_at_block_1_equals_a_plain_pre_hook(
+    name: str, stack: str, bridges: dict[str, TransformerBridge]
+) -> None:
+    bridge = bridges[name]
+    model = bridge.driver.hf_model
+    inputs = _plain_inputs(bridge, "hi")
+    vector = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(3))
+    layer = _layers(model, f"get_{stack}")[1]
+
+    def add(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        if a:
+            return (a[0] + vector, *a[1:]), k
+        return a, {**k, "hidden_states": k["hidden_states"] + vector}
+
+    handle = layer.register_forward_pre_hook(add, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = model(**inputs).logits
+    finally:
+        handle.remove()
+    spec = {f"{stack}_blocks.1.hook_in": {"op": "add", "value": vector}}
+    got = bridge.forward(PROMPTS, decoder_input="hi", intervene=spec)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (got - bridge.forward(PROMPTS, decoder_input="hi")).abs().max() > 1e-3
+
+
+def test_a_decoder_position_edit_follows_the_decoder_s_positions(
+    bridges: dict[str, TransformerBridge],
+) -> None:
+    bridge = bridges["t5"]
+    model = bridge.driver.hf_model
+    inputs = _plain_inputs(bridge, "hi")  # decoder: start + 2 tokens = 3 positions
+    site = bridge.driver.stacks[1].sites[0]["cross_attn.hook_out"].module
+
+    def zero_position_1(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
+        edited = out[0].clone()
+        edited[:, 1] = 0
+        return (edited, *out[1:])
+
+    handle = site.register_forward_hook(zero_position_1)
+    try:
+        with torch.no_grad():
+            want = model(**inputs).logits
+    finally:
+        handle.remove()
+    spec = {"decoder_blocks.0.cross_attn.hook_out": {"op": "suppress", "pos": 1}}
+    got = bridge.forward(PROMPTS, decoder_input="hi", intervene=spec)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # Position 3 exists in the prompts (the encoder's), not in the 3-token decoder input.
+    prompts = ["the cat sat", "a b c"]
+    edit = {"op": "suppress", "pos": 3}
+    bridge.forward(prompts, decoder_input="hi", intervene={"encoder_blocks.0.hook_out": edit})
+    with pytest.raises(SpecError, match="position 3, out of range for a prompt of length 3"):
+        bridge.forward(prompts, decoder_input="hi", intervene={"decoder_blocks.0.hook_out": edit})
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "mbart"])
+def test_generation_equals_transformers_greedy_decoding(
+    name: str, bridges: dict[str, TransformerBridge]
+) -> None:
+    bridge = bridges[name]
+    model = bridge.driver.hf_model
+    ids = bridge.to_tokens(PROMPTS[0])
+    with torch.no_grad():
+        # Plain greedy decoding: no forced EOS at the length limit (BART's default).
+        want = model.generate(
+            input_ids=ids, max_new_tokens=6, do_sample=False, forced_eos_token_id=None
+        )
+    got = bridge.generate(ids, max_new_tokens=6, stop_at_eos=True)
+    assert isinstance(got, torch.Tensor)
+    n = min(got.shape[1], want.shape[1] - 1)
+    assert got[0, :n].tolist() == want[0, 1 : n + 1].tolist()
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_the_loss_is_the_decoder_s_and_equals_the_label_loss(
+    name: str, bridges: dict[str, TransformerBridge]
+) -> None:
+    bridge = bridges[name]
+    model = bridge.driver.hf_model
+    ids = bridge.to_tokens(PROMPTS[0])
+    labels = torch.tensor([bridge.tokenizer.encode("hi there")])
+    start = list(bridge.driver.decoder_start_ids)
+    with torch.no_grad():
+        want = model(
+            input_ids=ids,
+            decoder_input_ids=torch.tensor([start + labels[0, :-1].tolist()]),
+            labels=labels,
+        ).loss
+    got = bridge.forward(ids, "loss", decoder_input=[start + labels[0].tolist()])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_flow_through_cross_attention_as_finite_differences_say(
+    folders: dict[str, Path],
+) -> None:
+    bridge = TransformerBridge.boot_transformers(str(folders["t5"]), dtype=torch.float64)
+    name = "decoder_blocks.0.cross_attn.hook_out"
+    _, cache = bridge.run_with_cache(
+        PROMPTS[0], decoder_input="hi there", names_filter=[name], incl_bwd=True, return_type="loss"
+    )
+    grad = cache.grads[name]
+    direction = torch.randn(
+        grad.shape, generator=torch.Generator().manual_seed(4), dtype=grad.dtype
+    )
+    targets = torch.tensor(bridge.tokenizer.encode("hi there"))
+    eps = 1e-3  # T5 takes its norms' variance in float32: smaller steps drown in rounding
+
+    def loss(sign: float) -> float:
+        # The label loss in float64 (the bridge's loss is taken in float32).
+        rows = (sign * eps * direction[0]).tolist()
+        spec = {name: {"op": "add", "value": rows, "pos": list(range(len(rows)))}}
+        with torch.no_grad():
+            logits = bridge.forward(PROMPTS[0], decoder_input="hi there", intervene=spec)
+        log_probs = torch.log_softmax(logits[0, :-1], dim=-1)
+        return float(-log_probs[torch.arange(len(targets)), targets].mean())
+
+    numeric = (loss(1.0) - loss(-1.0)) / (2 * eps)
+    assert float((grad * direction).sum()) == pytest.approx(numeric, rel=1e-4)
+    assert abs(numeric) > 1e-4
+
+
+def test_a_site_read_from_the_wrong_module_is_not_served(folders: dict[str, Path]) -> None:
+    """Fault injection: certification must catch a site wired to the wrong tensor."""
+    driver = HFDriver.boot(str(folders["t5"]))
+    assert isinstance(driver, Seq2SeqDriver)
+    wrong = "encoder_blocks.1.attn.hook_out"
+    norm = driver.stacks[0].sites[1]["ln1.hook_out"].module
+    driver._sites[wrong] = Site(norm, "out")  # attention's output read at its norm
+    certification = certify_seq2seq(driver, name="faulty")
+    assert any(wrong in c.hooks for c in certification.failed)
+    assert wrong not in driver.hook_points
+    assert certification.statuses[wrong].status == "uncertified"
+
+
+def test_bad_inputs_are_refused_with_what_to_do(
+    bridges: dict[str, TransformerBridge], checkpoint: Callable[[str], Path]
+) -> None:
+    bridge = bridges["bart"]
+    with pytest.raises(HookNameError, match=r"encoder_blocks\.\{i\} \(3 blocks\)"):
+        bridge.run_with_cache(PROMPTS, names_filter=["blocks.0.hook_out"])
+    with pytest.raises(UnsupportedFeatureError, match="different lengths"):
+        bridge.generate(PROMPTS, max_new_tokens=2, decoder_input=[[2], [2, 5]])
+    with pytest.raises(UserError, match="decoder_input holds 3 sequences for 2 prompts"):
+        bridge.forward(PROMPTS, decoder_input=[[2], [2], [2]])
+    with pytest.raises(UserError, match="start_at_layer"):
+        bridge.forward(PROMPTS, stop_at_layer=1)
+    causal = TransformerBridge.boot_transformers(str(checkpoint("llama")))
+    with pytest.raises(UserError, match="decoder_input feeds an encoder-decoder"):
+        causal.forward("hello", decoder_input="hi")
