@@ -162,6 +162,81 @@ def independent_check(driver: Any, ids: Any) -> Checked:
     return Checked(tuple(problems), tuple(remarks))
 
 
+def _stack_layers(stack: Any) -> list[Any]:
+    """A stack's block list, found without tl: its first ``nn.ModuleList`` child."""
+    from torch import nn
+
+    for _, child in stack.named_children():
+        if isinstance(child, nn.ModuleList) and len(child):
+            return list(child)
+    return []
+
+
+def independent_seq2seq_check(driver: Any, ids: Any, decoder_ids: Any) -> Checked:
+    """Compare tl on an encoder-decoder with transformers alone.
+
+    The references: what a plain forward passes to each block of each stack (forward
+    pre-hooks on ``get_encoder()``'s and ``get_decoder()``'s block lists), the plain logits,
+    and adds at block 1 of each stack made by a plain pre-hook.
+    """
+    import torch
+
+    from tl_core import TransformerBridge
+
+    model = driver.hf_model
+    stacks = {
+        "encoder_blocks": _stack_layers(model.get_encoder()),
+        "decoder_blocks": _stack_layers(model.get_decoder()),
+    }
+    if not all(stacks.values()):
+        return Checked(("no block list found in the encoder or the decoder",))
+    seen = {prefix: [[] for _ in layers] for prefix, layers in stacks.items()}
+
+    def plain() -> Any:
+        with torch.no_grad():
+            return model(input_ids=ids, decoder_input_ids=decoder_ids, use_cache=False)
+
+    with contextlib.ExitStack() as hooks:
+        for prefix, layers in stacks.items():
+            hooks.enter_context(_layer_inputs(layers, seen[prefix]))
+        reference = plain()
+    names = [f"{p}.{i}.hook_in" for p, layers in stacks.items() for i in range(len(layers))]
+    missing = [n for n in names if n not in driver.hook_points]
+    if missing:
+        return Checked((f"not served: {', '.join(missing)}",))
+    bridge = TransformerBridge(driver)
+    problems: list[str] = []
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(ids, decoder_input=decoder_ids, names_filter=names)
+    for prefix, calls in seen.items():
+        for i, call in enumerate(calls):
+            name = f"{prefix}.{i}.hook_in"
+            if len(call) != 1:
+                problems.append(f"{prefix} block {i} ran {len(call)} times in one forward")
+                continue
+            problem = _difference(cache[name], call[0], f"{name} vs that block's input")
+            if problem:
+                problems.append(problem)
+    problem = _difference(logits, reference.logits, "logits")
+    if problem:
+        problems.append(problem)
+    for prefix, layers in stacks.items():
+        block = min(1, len(layers) - 1)
+        width = seen[prefix][block][0].shape[-1]
+        vector = torch.randn(width, generator=torch.Generator().manual_seed(2))
+        name = f"{prefix}.{block}.hook_in"
+        with torch.no_grad():
+            edited = bridge(
+                ids, decoder_input=decoder_ids, intervene={name: {"op": "add", "value": vector}}
+            )
+            with _add_to_layer_input(layers[block], vector):
+                want = plain().logits
+        problem = _difference(edited, want, f"logits with {name} += v")
+        if problem:
+            problems.append(problem)
+    return Checked(tuple(problems))
+
+
 def image_check(driver: Any, inputs: Mapping[str, Any]) -> tuple[bool, str | None]:
     """Whether tl gives the model its image, and what differs from transformers when it does.
 

@@ -176,8 +176,19 @@ def _section(kind: builds.Kind, verdicts: Sequence[Verdict]) -> list[str]:
         refused = (
             " tl's hf driver boots a masked LM's checkpoint as its masked-LM class, with one "
             "bidirectional stack (its ragged batches carry the padding mask); a checkpoint "
-            "this mapping lists that is of another kind (BART's sequence-to-sequence class) "
-            "is refused naming it."
+            "this mapping lists that is an encoder-decoder (BART's sequence-to-sequence "
+            "class) boots whole as one (see the sequence-to-sequence kind)."
+        )
+    elif kind.key == "seq2seq":
+        refused = (
+            " tl's hf driver boots an encoder-decoder checkpoint whole as its "
+            "`AutoModelForSeq2SeqLM` class and serves both stacks (`encoder_blocks.{i}.*`, "
+            "`decoder_blocks.{i}.*` with `cross_attn.*`): each block's input in both stacks "
+            "must equal what a plain forward passes it, the logits on the same ids and "
+            "decoder ids must be equal, and an `add` at block 1 of each stack must equal the "
+            "same add by a forward pre-hook. Blocks of a form tl does not know, and models "
+            "filed here that read audio into a decoder-only LM (they take no decoder ids), "
+            "are refused by name."
         )
     elif kind.inputs == "image-text":
         refused = (
@@ -192,8 +203,8 @@ def _section(kind: builds.Kind, verdicts: Sequence[Verdict]) -> list[str]:
         )
     else:
         refused = (
-            " tl's hf driver serves decoder-only causal LMs, masked LMs and vision-language "
-            "models: a model of this "
+            " tl's hf driver serves decoder-only causal LMs, masked LMs, vision-language "
+            "models and encoder-decoders: a model of this "
             "kind is refused with a `ConfigError` naming its kind, or, where transformers' "
             "causal-LM class of the same model type reads the checkpoint whole, booted as "
             "that class."
@@ -240,9 +251,9 @@ def render(verdicts: Sequence[Verdict], transformers_version: str, generated: st
         "",
         "No checkpoint boots with weights dropped: every tensor of the checkpoint, as the "
         "class that wrote it loads it in plain transformers, equals a tensor of the model tl "
-        "booted, and every tensor of that model equals one of the checkpoint's. A causal, "
-        "masked or sequence-to-sequence checkpoint from which transformers' causal-LM class "
-        "would drop weights is refused, and the refusal names their modules. Any other "
+        "booted, and every tensor of that model equals one of the checkpoint's. A causal or "
+        "masked checkpoint from which transformers' causal-LM class would drop weights is "
+        "refused, and the refusal names their modules. Any other "
         "outcome is WRONG.",
         "",
         f"- **{FULL}**: served, with certified attention and MLP sites.",

@@ -32,9 +32,13 @@ all within 1e-4 relative. A vision-language model that ran with an image in tran
 and whose image tl takes (``images=``) must give the plain model's logits on the same ids
 and pixels. The weights: every tensor of the checkpoint, as the class that
 wrote it loads it in plain transformers, equals a tensor of the model tl booted, and every
-tensor of that model equals one of the checkpoint's. A causal, masked or
-sequence-to-sequence checkpoint tl refuses is loaded with ``AutoModelForCausalLM`` too;
-the modules of the weights that class would drop must be named by the refusal. The level
+tensor of that model equals one of the checkpoint's. A causal or masked
+checkpoint tl refuses is loaded with ``AutoModelForCausalLM`` too; the modules of the
+weights that class would drop must be named by the refusal (a sequence-to-sequence one is
+built whole, ``AutoModelForSeq2SeqLM``, and refused for its blocks' form). An
+encoder-decoder's checks are the same per stack: ``encoder_blocks.{i}.hook_in`` and
+``decoder_blocks.{i}.hook_in`` against each block's input, the logits on the build's decoder
+ids, and an add at block 1 of each stack. The level
 (full, sublayers, residual) is the driver's ``certification``.
 
 The tiny checkpoints are cached, one folder per model type and kind, under
@@ -121,7 +125,7 @@ TIME_LIMIT_S = 120.0
 _FULL_SITES = ("blocks.{i}.attn.hook_pattern", "blocks.{i}.mlp.hook_out")
 #: Kinds whose refusals must name the weights transformers' causal-LM class would drop
 #: (issue #43: every causal, masked and sequence-to-sequence type).
-_NAMING_KINDS = ("", "masked-lm", "seq2seq")
+_NAMING_KINDS = ("", "masked-lm")
 
 
 def default_cache() -> Path:
@@ -269,6 +273,7 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
     driver = None
     step = "boot"
     took_image, image_problem, refused_images = False, None, None
+    encoder_decoder = False
     try:
         with tiny.time_limit(time_limit_s), tiny.quiet(), _quiet_tl():
             try:
@@ -287,7 +292,17 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
             if not built.kind.takes_ids:
                 return row(WRONG, f"tl booted {built.class_name}, whose inputs it cannot give")
             step = "the checks"
-            checked = independent_check(driver, torch.tensor(built.ids))
+            encoder_decoder = bool(getattr(driver, "encoder_decoder", False))
+            if encoder_decoder:
+                ids = torch.tensor(built.ids)
+                decoder_ids = built.inputs.get("decoder_input_ids")
+                checked = checks.independent_seq2seq_check(
+                    driver,
+                    ids,
+                    ids[:, :4] if decoder_ids is None else torch.tensor(decoder_ids),
+                )
+            else:
+                checked = independent_check(driver, torch.tensor(built.ids))
             level, note = _level(driver)
             step = "the image check"
             took_image, image_problem = checks.image_check(driver, built.inputs)
@@ -303,7 +318,7 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
         return row(WRONG, "; ".join(problems + checked.remarks))
     if took_image:
         return row(LEVELS[level], "; ".join((note, *checked.remarks, "images served")))
-    if built.kind.key not in ("", "masked-lm"):
+    if built.kind.key not in ("", "masked-lm") and not encoder_decoder:
         # A vision-language or speech model read from token ids: its other input is not served.
         other = built.remark or "tl gives it no image or audio"
         if refused_images and "pixel_values" in built.inputs:

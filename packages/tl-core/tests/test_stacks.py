@@ -80,11 +80,33 @@ def test_forward_order_runs_the_encoder_before_the_decoder() -> None:
         ("encoder_blocks.2.hook_resid_post", "encoder_blocks.2.hook_out", "alias"),
         ("encoder_blocks.0.cross_attn.hook_q", "encoder_blocks.0.cross_attn.hook_q",
          "structurally_absent"),
+        # TransformerLens 4.3's module-level and block-level names of cross-attention.
+        ("decoder_blocks.1.cross_attn.q.hook_out", "decoder_blocks.1.cross_attn.hook_q", "alias"),
+        ("decoder_blocks.1.cross_attn.o.hook_in", "decoder_blocks.1.cross_attn.hook_z", "alias"),
+        ("decoder_blocks.0.hook_cross_attn_out", "decoder_blocks.0.cross_attn.hook_out", "alias"),
+        ("decoder_blocks.0.hook_resid_mid2", "decoder_blocks.0.ln3.hook_in", "alias"),
+        # Their keys and values read the encoder's output, which no site holds yet.
+        ("decoder_blocks.0.cross_attn.k.hook_in", None, "structurally_absent"),
+        ("decoder_ln_final.hook_out", "ln_final.hook_out", "alias"),
+        ("encoder_ln_final.hook_in", "encoder_blocks.2.hook_out", "alias"),
+        # T5 rescales the final norm's output before its head: not an alias of it.
+        ("unembed.hook_in", "ln_final.hook_out", "reconstructed_read_only"),
     ],
 )  # fmt: skip
-def test_stack_names_resolve_with_their_stack(name: str, canonical: str, status: str) -> None:
+def test_stack_names_resolve_with_their_stack(
+    name: str, canonical: str | None, status: str
+) -> None:
     resolution = resolve_hook_name(name, info=T5)
     assert (resolution.canonical, resolution.status) == (canonical, status)
+
+
+def test_resid_mid_of_a_post_ln_encoder_decoder_is_the_first_norm_s_input_as_on_bert() -> None:
+    """One rule for post-LN blocks: HookedEncoder's resid_mid, the sum ln1 normalises
+    (TransformerLens 4.3 serves ln2's input under that name on BERT and BART alike)."""
+    bart = dataclasses.replace(T5, post_residual_norm=True, normalization_type="LN")
+    for stack in ("encoder_blocks", "decoder_blocks"):
+        resolution = resolve_hook_name(f"{stack}.0.hook_resid_mid", info=bart)
+        assert resolution.canonical == f"{stack}.0.ln1.hook_in"
 
 
 def test_a_bare_block_name_on_an_encoder_decoder_says_which_stacks_exist() -> None:

@@ -205,9 +205,12 @@ class Bridge:
     def _decoder_ids(self, decoder_input: Any) -> Any:
         """An encoder-decoder's decoder input as ids: text (one or a list) is tokenized
         without special tokens after the decoder start token; ids are taken as they are."""
-        start = getattr(self.driver, "decoder_start_ids", None)
-        if start is None or decoder_input is None:
+        if not getattr(self.driver, "encoder_decoder", False) or decoder_input is None:
             return decoder_input
+        text = isinstance(decoder_input, str) or (
+            isinstance(decoder_input, list) and any(isinstance(t, str) for t in decoder_input)
+        )
+        start = self.driver.decoder_start_ids if text else ()
         if isinstance(decoder_input, str):
             return [*start, *self.tokenizer.encode(decoder_input)]
         if (

@@ -226,8 +226,8 @@ def decoder_batch(driver: Any, decoder_input: Any, prompts: int) -> TokenBatch |
     """The decoder's inputs of an encoder-decoder, checked and right-padded.
 
     Args:
-        driver: The driver that will run them (``driver.decoder_start_ids`` says it runs an
-            encoder-decoder: the ids a decoder input starts from).
+        driver: The driver that will run them (``driver.encoder_decoder`` says it runs an
+            encoder-decoder, ``driver.decoder_start_ids`` the ids a decoder input starts from).
         decoder_input: ``None`` (each prompt's decoder reads ``decoder_start_ids`` alone),
             or ids as for prompts: one sequence for every prompt, or one per prompt.
         prompts: How many prompts the encoder reads.
@@ -239,15 +239,14 @@ def decoder_batch(driver: Any, decoder_input: Any, prompts: int) -> TokenBatch |
         UserError: Decoder inputs for a model without a decoder stack, ids out of range, or
             a count of sequences that is neither 1 nor the number of prompts.
     """
-    start = getattr(driver, "decoder_start_ids", None)
-    if start is None:
+    if not getattr(driver, "encoder_decoder", False):
         if decoder_input is not None:
             raise UserError(
                 f"driver {driver.name!r} runs {driver.info.architecture or 'a model'} with one "
                 "stack: decoder_input feeds an encoder-decoder's decoder (T5, BART); drop it"
             )
         return None
-    ids = [list(start)] if decoder_input is None else decoder_input
+    ids = [list(driver.decoder_start_ids)] if decoder_input is None else decoder_input
     batch = pad_batch(ids, pad_id=padding_id(driver.tokenizer))
     if len(batch.lengths) == 1 and prompts > 1:
         batch = pad_batch([batch.ids[0, : batch.lengths[0]].tolist()] * prompts, pad_id=0)

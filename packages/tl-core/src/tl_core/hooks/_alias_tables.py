@@ -106,6 +106,10 @@ def _reads_images(info: ModelInfo) -> bool:
     return info.reads_images
 
 
+def _encoder_decoder(info: ModelInfo) -> bool:
+    return info.encoder_layers is not None
+
+
 def _no_norm(info: ModelInfo) -> bool:
     return info.normalization_type is None and info.n_layers > 0
 
@@ -289,7 +293,18 @@ _TL_BRIDGE: dict[str, Rule] = {
     "unembed.hook_in": Rule(
         "tl_bridge",
         _alias("ln_final.hook_out"),
-        ((_no_norm, _alias("blocks.{last}.hook_out", "No final norm: the last block's output.")),),
+        (
+            (
+                _encoder_decoder,
+                _rebuilt(
+                    "ln_final.hook_out",
+                    "An encoder-decoder's head may rescale the final norm's output before the "
+                    "unembedding (T5 multiplies it by d_model ** -0.5 where its embeddings are "
+                    "tied): read ln_final.hook_out and apply the model's scale.",
+                ),
+            ),
+            (_no_norm, _alias("blocks.{last}.hook_out", "No final norm: the last block's output.")),
+        ),
     ),
     **{
         f"blocks.{{i}}.attn.{p}.hook_in": Rule("tl_bridge", _alias("blocks.{i}.attn.hook_in"))

@@ -136,7 +136,10 @@ class ModelInfo:
         if self.encoder_layers is None:
             return (("blocks", self),)
         encoder = replace(
-            self, n_layers=self.encoder_layers, encoder_layers=None, cross_attention=False
+            self,
+            n_layers=self.encoder_layers,
+            encoder_layers=None,
+            cross_attention=False,
         )
         decoder = replace(self, encoder_layers=None, cross_attention=True)
         return (("encoder_blocks", encoder), ("decoder_blocks", decoder))

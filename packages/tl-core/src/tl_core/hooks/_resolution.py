@@ -124,6 +124,10 @@ _BARE_BLOCKS = re.compile(r"(?<![A-Za-z0-9_])blocks\.")
 # TransformerLens 4.3 names a decoder block's self-attention ``self_attn`` (its ``attn`` is
 # tl's); its ln1/ln2/ln3 numbering is tl's too.
 _STACK_SEGMENTS = {"self_attn": "attn"}
+# TransformerLens 4.3's block-level names for cross-attention's output and the stream after it.
+_STACK_ALIASES = {"hook_cross_attn_out": "cross_attn.hook_out", "hook_resid_mid2": "ln3.hook_in"}
+# TransformerLens 4.3's name of an encoder-decoder's final norm (tl's ``ln_final``).
+_DECODER_FINAL = "decoder_ln_final."
 _BRACKET = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\[([0-9]+)\]")
 _DOTTED = re.compile(r"([a-z_]+)\.([0-9]+)")
 _STREAM = re.compile(r"([a-z_]+)\.([0-9]+)\.stream-([0-9]+)")
@@ -194,6 +198,14 @@ def _resolve(name: str, info: ModelInfo | None) -> HookResolution:
             f"hook name {name!r} holds a placeholder in braces, so it names no hook: write "
             f"a block index in its place (e.g. {example!r})."
         )
+    if name == "encoder_ln_final.hook_in" and info is not None and info.encoder_layers:
+        # TransformerLens 4.3's encoder final norm reads the encoder's last block output.
+        last = f"encoder_blocks.{info.encoder_layers - 1}.hook_out"
+        return HookResolution(name, last, "alias", "tl_bridge", "")
+    if name.startswith(_DECODER_FINAL) and (info is None or info.encoder_layers is not None):
+        inner = _resolve("ln_final." + name[len(_DECODER_FINAL) :], info)
+        renamed: HookStatus = "alias" if inner.status == "canonical" else inner.status
+        return HookResolution(name, inner.canonical, renamed, "tl_bridge", inner.note)
     stacked = _STACKED.fullmatch(name)
     if stacked is not None:
         prefix, digits, rest = stacked.groups()
@@ -236,8 +248,14 @@ def _resolve_stacked(
     """A name in one stack of an encoder-decoder (``decoder_blocks.1.cross_attn.hook_z``):
     resolved as the same name in a one-stack model with that stack's facts, then put back
     in its stack."""
+    rest = _STACK_ALIASES.get(rest, rest)
     head, dot, tail = rest.partition(".")
     inner_name = f"blocks.{digits}.{_STACK_SEGMENTS.get(head, head)}{dot}{tail}"
+    cross = head == "cross_attn" and split_canonical(inner_name) is None
+    if cross:
+        # TransformerLens's module-level names (cross_attn.q.hook_out, cross_attn.o.hook_in)
+        # mean for cross-attention what the same names mean for attention.
+        inner_name = f"blocks.{digits}.attn{dot}{tail}"
     if info is not None and info.encoder_layers is None:
         note = (
             f"{prefix}.{{i}} names a stack of an encoder-decoder model; this "
@@ -249,6 +267,18 @@ def _resolve_stacked(
     except HookNameError as error:
         raise HookNameError(_restacked(str(error), prefix)) from None
     canonical = None if inner.canonical is None else _restacked(inner.canonical, prefix)
+    if cross and canonical is not None:
+        canonical = canonical.replace(".attn.", ".cross_attn.", 1)
+        if canonical.endswith(".cross_attn.hook_in") and tail.startswith(("k.", "v.")):
+            note = (
+                "cross-attention's keys and values read the encoder's output (after its final "
+                "norm), which tl does not serve as a site yet; cross_attn.hook_k and hook_v are "
+                "their projections"
+            )
+            return HookResolution(name, None, "structurally_absent", inner.family, note)
+        if split_canonical(canonical) is None:
+            note = f"cross-attention has no site {canonical.split('.', 2)[2]!r} in tl's vocabulary"
+            return HookResolution(name, None, "structurally_absent", inner.family, note)
     family, status = inner.family, inner.status
     if canonical != name and family == "canonical":
         # Only TransformerLens 4.3's stack names (``self_attn``) differ from tl's here.

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from tl_core import UserError
+from tl_core import ConfigError, UserError
 from tl_core.driver_api import HFTokenizer, Tokenizer
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._seq2seq._certify import certify_seq2seq
@@ -74,5 +74,15 @@ def boot_seq2seq(
         # The encoder reads a prompt as the tokenizer's template closes it (T5's </s>).
         tokenizer = HFTokenizer(tokenizer.hf_tokenizer, close_prompts=True)
     driver = Seq2SeqDriver(model, tokenizer, name=name)
-    driver.set_certification(certify_seq2seq(driver, name=name or type(model).__name__))
+    try:
+        certification = certify_seq2seq(driver, name=name or type(model).__name__)
+    except KeyError as error:
+        # A block that takes its stream under another name than hidden_states (FSMT,
+        # Pegasus-X): tl cannot read it, so the model is refused, not served unchecked.
+        raise ConfigError(
+            f"tl cannot certify {name or type(model).__name__!r}: running it with tl's hooks "
+            f"failed ({type(error).__name__}: {error}); its blocks are of a form tl does not "
+            "serve yet"
+        ) from error
+    driver.set_certification(certification)
     return driver

@@ -69,7 +69,12 @@ def _reference(driver: Seq2SeqDriver, encoder: torch.Tensor, decoder: torch.Tens
             handles.append(block.register_forward_hook(keep_out))
     try:
         with torch.no_grad():
-            out = driver.hf_model(input_ids=encoder, decoder_input_ids=decoder, use_cache=False)
+            out = driver.hf_model(
+                input_ids=encoder,
+                decoder_input_ids=decoder,
+                use_cache=False,
+                output_hidden_states=True,
+            )
     finally:
         for handle in handles:
             handle.remove()
@@ -258,6 +263,18 @@ def certify_seq2seq(driver: Seq2SeqDriver, *, name: str) -> Certification:
                     rtol=_RTOL,
                 )
             )
+    decoder_states = getattr(reference, "decoder_hidden_states", None)
+    if "ln_final.hook_out" in store and decoder_states:
+        # The decoder's last hidden state is its final norm's output.
+        checks.append(
+            compare(
+                "ln_final.hook_out == the engine's decoder output",
+                ("ln_final.hook_out",),
+                store["ln_final.hook_out"],
+                decoder_states[-1],
+                rtol=_RTOL,
+            )
+        )
     if "unembed.hook_out" in store:
         # BART adds final_logits_bias after its lm_head: the head's output is not the logits.
         checks.append(

@@ -11,6 +11,7 @@ certification (``certify_seq2seq``) decides which are served.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, ClassVar
@@ -31,6 +32,7 @@ from tl_core.driver_api import (
     Tokenizer,
     next_tokens,
 )
+from tl_core.hooks import forward_order
 from tl_driver_hf._runtime._torch_hooks import (
     HeadView,
     _heads_hook,
@@ -38,7 +40,13 @@ from tl_driver_hf._runtime._torch_hooks import (
     _output_hook,
     _viewed_input_hook,
 )
-from tl_driver_hf._seq2seq._layout import Site, StackLayout, final_norm, find_stacks
+from tl_driver_hf._seq2seq._layout import (
+    Site,
+    StackLayout,
+    final_norm,
+    find_stacks,
+    first_norm,
+)
 
 __all__ = ["Seq2SeqDriver"]
 
@@ -68,13 +76,14 @@ def measure_post_norm(model: nn.Module) -> bool:
     attention's output (post-LN: BART, Marian) rather than the block input (pre-LN: T5,
     mBART), measured on one forward of the encoder."""
     encoder = model.get_encoder()  # type: ignore[operator]
-    block = next(m for m in (getattr(encoder, n, None) for n in ("block", "layers")) if m)[0]
-    norm = block.layer[0].layer_norm if hasattr(block, "layer") else block.self_attn_layer_norm
+    block, norm = first_norm(model)
     seen: dict[str, torch.Tensor] = {}
 
     def keep(key: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            seen.setdefault(key, args[0] if args else kwargs["hidden_states"])
+            x = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor):
+                seen.setdefault(key, x)
 
         return hook
 
@@ -85,9 +94,19 @@ def measure_post_norm(model: nn.Module) -> bool:
     try:
         with torch.no_grad():
             encoder(input_ids=torch.tensor([[3, 4, 5, 6]], device=_device(model)))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise ConfigError(
+            f"tl cannot read the blocks of {type(model).__name__}'s encoder on token ids: "
+            f"{type(error).__name__}: {error}"
+        ) from error
     finally:
         for handle in handles:
             handle.remove()
+    if set(seen) != {"block", "norm"}:
+        raise ConfigError(
+            f"{type(model).__name__}'s encoder ran without its first block or its norm "
+            "receiving the stream: tl cannot tell where its sites are"
+        )
     return not torch.equal(seen["block"], seen["norm"])
 
 
@@ -130,6 +149,8 @@ class Seq2SeqDriver(LocalDriver):
     name = "hf"
     features: ClassVar[frozenset[str]] = FEATURES - {"token_type_ids", "images", "weight_access"}
     forward_options: ClassVar[frozenset[str]] = frozenset({"capture_device"})
+    #: Requests carry a decoder input (``ForwardRequest.decoder_batch``).
+    encoder_decoder: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, *, name: str = "") -> None:
         """Wrap a loaded encoder-decoder (``HFDriver.boot`` builds it for such checkpoints).
@@ -138,6 +159,11 @@ class Seq2SeqDriver(LocalDriver):
             ConfigError: Stacks or blocks of a form tl does not know.
         """
         self._model_name = name or type(model).__name__
+        if "decoder_input_ids" not in inspect.signature(model.forward).parameters:
+            raise ConfigError(
+                f"{type(model).__name__} takes no decoder_input_ids: tl serves encoder-decoders "
+                "that read token ids in both stacks"
+            )
         self._hf_model = model
         self._tokenizer = tokenizer
         self._post_norm = measure_post_norm(model)
@@ -153,7 +179,7 @@ class Seq2SeqDriver(LocalDriver):
             self._sites["ln_final.hook_in"] = Site(norm, "in")
             self._sites["ln_final.hook_out"] = Site(norm, "out")
         self._sites["unembed.hook_out"] = Site(model.get_output_embeddings(), "out")  # type: ignore[operator]
-        self._points = {name: HookPoint(name) for name in self._sites}
+        self._points = {name: HookPoint(name) for name in forward_order(self._sites)}
         self._refused: dict[str, str] = {}
         self._certification: Certification | None = None
 

@@ -99,12 +99,26 @@ def _t5_mlp(ff: Any) -> dict[str, Site]:
     return sites
 
 
-def _t5_block(block: Any, decoder: bool) -> dict[str, Site]:
+#: The self-attention of a T5 block's first sublayer, by the name each variant gives it.
+_T5_SELF_ATTENTION = ("SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention")
+
+
+def _t5_block(block: Any, decoder: bool, where: str) -> dict[str, Site]:
     parts = list(block.layer)
     attn_layer, ff_layer = parts[0], parts[-1]
+    attention = next(
+        (getattr(attn_layer, n) for n in _T5_SELF_ATTENTION if hasattr(attn_layer, n)), None
+    )
+    if attention is None or not hasattr(ff_layer, "DenseReluDense"):
+        raise ConfigError(
+            f"tl does not know the blocks of the {where} ({type(block).__name__}): a T5-style "
+            f"block whose sublayers ({', '.join(type(p).__name__ for p in parts)}) hold no "
+            "self-attention or no dense MLP (DenseReluDense) it knows (a mixture of experts "
+            "is not served on encoder-decoders yet)"
+        )
     sites = {"hook_in": Site(block, "in")}
     sites.update(_norm(attn_layer.layer_norm, "ln1"))
-    sites.update(_attention(attn_layer.SelfAttention, "attn"))
+    sites.update(_attention(attention, "attn"))
     # Each T5 sublayer adds its own output to its input: the module after it reads the
     # residual stream, so an edit of its input is an edit of the stream.
     sites["ln2.hook_in"] = Site(parts[1], "in")
@@ -145,7 +159,7 @@ def _bart_block(block: Any, decoder: bool) -> dict[str, Site]:
 
 def _block_sites(block: nn.Module, decoder: bool, where: str) -> dict[str, Site]:
     if isinstance(getattr(block, "layer", None), nn.ModuleList):
-        return _t5_block(block, decoder)
+        return _t5_block(block, decoder, where)
     needed = ["self_attn", "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm"]
     if decoder:
         needed += ["encoder_attn", "encoder_attn_layer_norm"]
@@ -156,6 +170,18 @@ def _block_sites(block: nn.Module, decoder: bool, where: str) -> dict[str, Site]
         "encoder-decoders built like T5 (a `layer` list of sublayers) or like BART "
         "(`self_attn`, `encoder_attn`, `fc1`/`fc2` and a norm per sublayer)"
     )
+
+
+def first_norm(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The encoder's first block and the norm of its self-attention (for
+    ``measure_post_norm``).
+
+    Raises:
+        ConfigError: Stacks or blocks of a form tl does not know.
+    """
+    encoder, _ = find_stacks(model, post_norm=True)
+    block = encoder.blocks[0]
+    return block, encoder.sites[0]["ln1.hook_in"].module
 
 
 def find_stacks(model: nn.Module, *, post_norm: bool) -> tuple[StackLayout, StackLayout]:
@@ -169,6 +195,13 @@ def find_stacks(model: nn.Module, *, post_norm: bool) -> tuple[StackLayout, Stac
     Raises:
         ConfigError: Stacks or blocks of a form tl does not know (named).
     """
+    if not callable(getattr(model, "get_encoder", None)) or not callable(
+        getattr(model, "get_decoder", None)
+    ):
+        raise ConfigError(
+            f"{type(model).__name__} gives no encoder and decoder stack (get_encoder and "
+            "get_decoder): tl serves encoder-decoders whose two stacks it can find"
+        )
     found: list[StackLayout] = []
     for prefix, getter, decoder in (
         ("encoder_blocks", "get_encoder", False),
