@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytest.importorskip("transformers")
 pytest.importorskip("tl_driver_hf")
 
+import _report_checks as checks
 import _tiny_builds as builds
 import _tiny_checkpoints as tiny
 import architecture_report as report
@@ -165,27 +166,43 @@ def test_an_encoder_config_keeps_its_attention() -> None:
     assert tiny.tiny_config("bert", causal=False).is_decoder is False
 
 
-def test_a_sequence_to_sequence_checkpoint_is_refused_naming_its_encoder(cache: Path) -> None:
+def test_a_sequence_to_sequence_checkpoint_is_served_whole_and_checked_per_stack(
+    cache: Path,
+) -> None:
     built = builds.build("bart", cache, builds.kind("seq2seq"))
     assert built.class_name == "BartForConditionalGeneration" and built.folder is not None
     assert set(built.inputs) == {"input_ids", "decoder_input_ids"}
     verdict = report.judge(built, cache)
-    assert verdict.verdict == report.REFUSED, verdict
-    assert "a sequence-to-sequence model" in verdict.note and "model.encoder (" in verdict.note
+    assert verdict.verdict == report.LEVELS["full"], verdict
 
 
-def test_a_refusal_that_does_not_name_the_weights_a_causal_lm_drops_is_wrong(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
+def test_the_per_stack_check_fails_on_a_site_read_from_the_wrong_block(cache: Path) -> None:
+    """Fault injection: decoder block 1's input read at block 0 must be caught."""
+    import torch
+
+    from tl_driver_hf import HFDriver
+    from tl_driver_hf._seq2seq._layout import Site
+
+    built = builds.build("bart", cache, builds.kind("seq2seq"))
+    assert built.folder is not None
+    driver = HFDriver.boot(str(built.folder))
+    block_0 = driver.stacks[1].blocks[0]
+    driver._sites["decoder_blocks.1.hook_in"] = Site(block_0, "in")
+    ids = torch.tensor(built.ids)
+    found = checks.independent_seq2seq_check(
+        driver, ids, torch.tensor(built.inputs["decoder_input_ids"])
+    )
+    assert any("decoder_blocks.1.hook_in" in p for p in found.problems), found
+
+
+def test_a_sequence_to_sequence_checkpoint_of_unknown_blocks_is_refused_not_read_as_a_decoder(
+    cache: Path,
 ) -> None:
-    """Without the load report's check, ProphetNet's sequence-to-sequence checkpoint is
-    refused for another reason (its decoder layers cannot be inferred), which names none of
-    the encoder weights transformers' causal-LM class drops."""
-    import tl_driver_hf._weights._loading as loading
-
-    monkeypatch.setattr(loading, "check_loading_info", lambda *args, **kwargs: None)
+    """ProphetNet is built whole (no weight dropped) and refused for its blocks' form; it
+    was booted as its decoder alone before tl built encoder-decoders whole."""
     verdict = report.judge(builds.build("prophetnet", cache, builds.kind("seq2seq")), cache)
-    assert verdict.verdict == report.WRONG, verdict
-    assert "refused without naming the" in verdict.note and "prophetnet.encoder" in verdict.note
+    assert verdict.verdict == report.REFUSED, verdict
+    assert "tl does not know the blocks of the encoder" in verdict.note
 
 
 def test_a_model_booted_with_weights_that_are_not_the_checkpoints_is_wrong(

@@ -16,12 +16,19 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tl_core.certification import Certification
 from tl_driver_hf.adapters import ArchitectureAdapter, find_adapter
 
-__all__ = ["ArchitectureDescription", "SHRUNK_SIZES", "describe_architecture", "shrunk_model"]
+__all__ = [
+    "SHRUNK_SIZES",
+    "ArchitectureDescription",
+    "describe_architecture",
+    "shrunk_model",
+    "widen_weights",
+]
 
 #: The sizes a shrunk copy takes, where its config has the field (others stay as they are).
 SHRUNK_SIZES: Final[dict[str, int]] = {
@@ -81,11 +88,18 @@ def shrunk_model(
     if isinstance(layer_types, list) and isinstance(n_layers, int):
         with contextlib.suppress(AttributeError, TypeError, ValueError):
             config.layer_types = layer_types[:n_layers]
-    generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     build: Any = AutoModelForCausalLM.from_config  # untyped in transformers
     model: PreTrainedModel = build(config, dtype=torch.float32).eval()
-    width = int(getattr(config, "hidden_size", 64))
+    widen_weights(model, int(getattr(config, "hidden_size", 64)), seed)
+    return model
+
+
+def widen_weights(model: nn.Module, width: int, seed: int) -> None:
+    """Redraw ``model``'s matrices with std ``width ** -0.5`` and jitter its vectors (norm
+    weights, biases) by 0.1, from a generator seeded with ``seed``: with transformers' std
+    0.02 attention stays near uniform and logits near 0, so a wrong tensor would not show."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
@@ -93,7 +107,6 @@ def shrunk_model(
                 param.copy_(noise * width**-0.5)
             else:
                 param.add_(noise * 0.1)
-    return model
 
 
 def _rope_is_head_dim(config: Any) -> bool:

@@ -11,6 +11,7 @@ from typing import Any, Final
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
 
+from tl_driver_hf._architecture._describe import widen_weights
 from tl_driver_hf.testing._checkpoint import save_with_tokenizer
 
 __all__ = ["SEQ2SEQ_SIZES", "tiny_seq2seq_model", "write_seq2seq_checkpoint"]
@@ -60,15 +61,7 @@ def tiny_seq2seq_model(
     torch.manual_seed(seed)
     build: Any = AutoModelForSeq2SeqLM.from_config  # untyped in transformers
     model: PreTrainedModel = build(config, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(seed)
-    width = int(getattr(config, "d_model", 64))
-    with torch.no_grad():
-        for param in model.parameters():
-            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
-            if param.dim() >= 2:
-                param.copy_(noise * width**-0.5)
-            else:
-                param.add_(noise * 0.1)
+    widen_weights(model, int(getattr(config, "d_model", 64)), seed)
     return model
 
 
