@@ -88,6 +88,7 @@ def test_boots_whole_with_every_weight_and_every_site_certified(
     certification = driver.certification
     assert certification is not None and not certification.failed
     assert certification.level == "full"
+    assert driver.certify() is certification  # tl certify: every check ran at boot
     plain = AutoModelForSeq2SeqLM.from_pretrained(folders[name])
     ours = driver.hf_model.state_dict()
     for key, value in plain.state_dict().items():

@@ -274,6 +274,20 @@ class Seq2SeqDriver(LocalDriver):
         """Every site served now (before certification: every one the blocks offer)."""
         return dict(self._points)
 
+    def certify(self) -> Certification:
+        """The certification report (``tl certify``): every check already runs at boot.
+
+        Raises:
+            UnsupportedFeatureError: The driver was built without certifying (not by
+                ``HFDriver.boot``).
+        """
+        if self._certification is None:
+            raise UnsupportedFeatureError(
+                "this encoder-decoder driver was built without certification; boot it with "
+                "HFDriver.boot, which certifies every site it serves"
+            )
+        return self._certification
+
     def set_certification(self, certification: Certification) -> None:
         """Keep the boot's certification report (``certify_seq2seq`` served its verdict)."""
         self._certification = certification
