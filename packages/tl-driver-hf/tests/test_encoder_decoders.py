@@ -7,8 +7,8 @@ and label loss, and plain torch hooks make the same edits tl's specs make.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,15 @@ from tl_driver_hf._seq2seq._certify import certify_seq2seq
 from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
 from tl_driver_hf._seq2seq._layout import Site
 from tl_driver_hf.testing import write_seq2seq_checkpoint
+
+# The plain-hook references, loaded by path (tests are imported in importlib mode).
+_hooks_spec = importlib.util.spec_from_file_location(
+    "_hf_plain_hooks", Path(__file__).with_name("_plain_hooks.py")
+)
+assert _hooks_spec is not None and _hooks_spec.loader is not None
+_plain_hooks = importlib.util.module_from_spec(_hooks_spec)
+_hooks_spec.loader.exec_module(_plain_hooks)
+layer_inputs = _plain_hooks.layer_inputs
 
 #: model type -> config overrides: T5 (pre-LN RMS, relative bias), T5 v1.1 (gated MLP),
 #: BART and Marian (post-LN, learned positions), mBART (pre-LN with a final norm).
@@ -66,19 +75,6 @@ def _layers(model: nn.Module, getter: str) -> list[nn.Module]:
     return list(getattr(stack, "block", None) or stack.layers)
 
 
-@contextmanager
-def _recorded(layers: list[nn.Module], seen: list[torch.Tensor]) -> Iterator[None]:
-    def record(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
-        seen.append((a[0] if a else k["hidden_states"]).detach().clone())
-
-    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @pytest.mark.parametrize("name", sorted(TYPES))
 def test_boots_whole_with_every_weight_and_every_site_certified(
     name: str, folders: dict[str, Path], bridges: dict[str, TransformerBridge]
@@ -110,8 +106,8 @@ def test_block_inputs_patterns_and_logits_equal_plain_transformers(
     encoder_in: list[torch.Tensor] = []
     decoder_in: list[torch.Tensor] = []
     with torch.no_grad():
-        with _recorded(_layers(model, "get_encoder"), encoder_in):
-            with _recorded(_layers(model, "get_decoder"), decoder_in):
+        with layer_inputs(_layers(model, "get_encoder"), encoder_in):
+            with layer_inputs(_layers(model, "get_decoder"), decoder_in):
                 plain = model(**inputs, output_attentions=True)
         logits, cache = bridge.run_with_cache(PROMPTS, decoder_input="hi there")
     torch.testing.assert_close(logits, plain.logits, rtol=1e-4, atol=1e-5)

@@ -9,8 +9,8 @@ pre-hook, and a prompt in a ragged batch gets what it gets alone (its padding is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,15 @@ from tl_core import TransformerBridge, UnsupportedFeatureError, UserError
 from tl_core.capture import CaptureConfig, CaptureStore, capture
 from tl_core.sae import random_dictionary, splice
 from tl_driver_hf import HFDriver
+
+# The plain-hook references, loaded by path (tests are imported in importlib mode).
+_hooks_spec = importlib.util.spec_from_file_location(
+    "_hf_plain_hooks", Path(__file__).with_name("_plain_hooks.py")
+)
+assert _hooks_spec is not None and _hooks_spec.loader is not None
+_plain_hooks = importlib.util.module_from_spec(_hooks_spec)
+_hooks_spec.loader.exec_module(_plain_hooks)
+layer_inputs = _plain_hooks.layer_inputs
 
 _SIZES: dict[str, Any] = {
     "vocab_size": 200, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -65,24 +74,11 @@ def roberta(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write(model, tmp_path_factory.mktemp("roberta") / "roberta")
 
 
-@contextmanager
-def _layer_inputs(layers: nn.ModuleList, seen: list[torch.Tensor]) -> Iterator[None]:
-    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        seen.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
-
-    handles = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 def _plain(folder: Path, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor], nn.Module]:
     model = AutoModelForMaskedLM.from_pretrained(folder, attn_implementation="eager").eval()
     layers = model.base_model.encoder.layer
     seen: list[torch.Tensor] = []
-    with _layer_inputs(layers, seen), torch.no_grad():
+    with layer_inputs(layers, seen), torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits
     return logits, seen, model
 

@@ -12,7 +12,6 @@ a model whose logits or residual stream fail is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -27,6 +26,7 @@ from tl_core.certification import (
     statuses_from_checks,
 )
 from tl_core.driver_api import canonical_hook_names
+from tl_driver_hf._runtime._torch_hooks import _input_of, _with_input
 
 if TYPE_CHECKING:
     from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
@@ -44,23 +44,26 @@ def _inputs(driver: Seq2SeqDriver) -> tuple[torch.Tensor, torch.Tensor]:
     return encoder.to(driver.device), decoder.to(driver.device)
 
 
-def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]  # type: ignore[no-any-return]
+_Blocks = dict[str, list[torch.Tensor]]
 
 
-def _reference(driver: Seq2SeqDriver, encoder: torch.Tensor, decoder: torch.Tensor) -> Any:
-    """The plain forward, with each block's input as transformers hands it over."""
-    inputs: dict[str, list[torch.Tensor]] = {}
+def _reference(
+    driver: Seq2SeqDriver, encoder: torch.Tensor, decoder: torch.Tensor
+) -> tuple[Any, _Blocks, _Blocks]:
+    """The plain forward, with each block's input as transformers hands it over and its
+    output as the block returns it, per stack."""
+    inputs: _Blocks = {}
+    block_outputs: _Blocks = {}
     handles = []
     for stack in driver.stacks:
         seen: list[torch.Tensor] = []
         outputs: list[torch.Tensor] = []
         inputs[stack.prefix] = seen
-        inputs[stack.prefix + ".out"] = outputs
+        block_outputs[stack.prefix] = outputs
         for block in stack.blocks:
 
             def keep(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], s: Any = seen) -> None:
-                s.append(_first_input(a, k).detach().clone())
+                s.append(_input_of(a, k).detach().clone())
 
             def keep_out(m: nn.Module, a: tuple[Any, ...], out: Any, s: Any = outputs) -> None:
                 s.append((out[0] if isinstance(out, tuple) else out).detach().clone())
@@ -78,7 +81,7 @@ def _reference(driver: Seq2SeqDriver, encoder: torch.Tensor, decoder: torch.Tens
     finally:
         for handle in handles:
             handle.remove()
-    return out, inputs
+    return out, inputs, block_outputs
 
 
 def _captured(
@@ -168,9 +171,11 @@ def _edit_check(
     encoder: torch.Tensor,
     decoder: torch.Tensor,
     name: str,
-    plain: Callable[[torch.Tensor], tuple[nn.Module, bool]],
+    module: nn.Module,
+    pre: bool,
 ) -> CertificationCheck | None:
-    """``add`` at ``name`` through tl == the same add by a plain torch hook (logits)."""
+    """``add`` at ``name`` through tl == the same add by a plain torch hook on ``module``'s
+    input (``pre``) or output (logits)."""
     point = driver.candidate_points.get(name)
     if point is None:
         return None
@@ -182,12 +187,9 @@ def _edit_check(
             got = driver.run_model(encoder, decoder_input_ids=decoder)
     finally:
         handle.remove()
-    module, pre = plain(delta)
 
     def add_in(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        if a:
-            return (a[0] + delta, *a[1:]), k
-        return a, {**k, "hidden_states": k["hidden_states"] + delta}
+        return _with_input(a, k, _input_of(a, k) + delta)
 
     def add_out(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
         return (out[0] + delta, *out[1:]) if isinstance(out, tuple) else out + delta
@@ -236,7 +238,7 @@ def certify_seq2seq(driver: Seq2SeqDriver, *, name: str) -> Certification:
             differ from what transformers hands each block.
     """
     encoder, decoder = _inputs(driver)
-    reference, block_inputs = _reference(driver, encoder, decoder)
+    reference, block_inputs, block_outputs = _reference(driver, encoder, decoder)
     logits, store = _captured(driver, encoder, decoder)
     W_O, b_O = _weights(driver)
     checks = stacked_equation_checks(
@@ -252,7 +254,7 @@ def certify_seq2seq(driver: Seq2SeqDriver, *, name: str) -> Certification:
     )
     checks += _projection_checks(driver, store, reference.encoder_last_hidden_state)
     for stack in driver.stacks:
-        for i, want in enumerate(block_inputs[stack.prefix + ".out"]):
+        for i, want in enumerate(block_outputs[stack.prefix]):
             name_out = f"{stack.prefix}.{i}.hook_out"
             checks.append(
                 compare(
@@ -287,14 +289,14 @@ def certify_seq2seq(driver: Seq2SeqDriver, *, name: str) -> Certification:
             )
         )
     enc, dec = driver.stacks
-    last = min(1, len(dec.blocks) - 1)
+    first, last = min(1, len(enc.blocks) - 1), min(1, len(dec.blocks) - 1)
     edits = [
-        _edit_check(driver, encoder, decoder, f"encoder_blocks.{min(1, len(enc.blocks) - 1)}.hook_in",
-                    lambda d: (enc.blocks[min(1, len(enc.blocks) - 1)], True)),
+        _edit_check(driver, encoder, decoder, f"encoder_blocks.{first}.hook_in",
+                    enc.blocks[first], True),
         _edit_check(driver, encoder, decoder, f"decoder_blocks.{last}.hook_in",
-                    lambda d: (dec.blocks[last], True)),
+                    dec.blocks[last], True),
         _edit_check(driver, encoder, decoder, "decoder_blocks.0.cross_attn.hook_out",
-                    lambda d: (dec.sites[0]["cross_attn.hook_out"].module, False)),
+                    dec.sites[0]["cross_attn.hook_out"].module, False),
     ]  # fmt: skip
     checks += [c for c in edits if c is not None]
     fatal = [

@@ -45,7 +45,6 @@ from tl_driver_hf._seq2seq._layout import (
     StackLayout,
     final_norm,
     find_stacks,
-    first_norm,
 )
 
 __all__ = ["Seq2SeqDriver"]
@@ -71,16 +70,17 @@ def _weights_hook(point: HookPoint) -> Any:
     return hook
 
 
-def measure_post_norm(model: nn.Module) -> bool:
+def measure_post_norm(model: nn.Module, encoder: StackLayout) -> bool:
     """Whether the encoder's first norm reads the sum of a block's input and its
     attention's output (post-LN: BART, Marian) rather than the block input (pre-LN: T5,
     mBART), measured on one forward of the encoder."""
-    encoder = model.get_encoder()  # type: ignore[operator]
-    block, norm = first_norm(model)
+    block, norm = encoder.blocks[0], encoder.sites[0]["ln1.hook_in"].module
     seen: dict[str, torch.Tensor] = {}
 
     def keep(key: str) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            # A block that takes its stream under another name is refused later, by
+            # certification, with what it lacked.
             x = args[0] if args else kwargs.get("hidden_states")
             if isinstance(x, torch.Tensor):
                 seen.setdefault(key, x)
@@ -93,7 +93,7 @@ def measure_post_norm(model: nn.Module) -> bool:
     ]
     try:
         with torch.no_grad():
-            encoder(input_ids=torch.tensor([[3, 4, 5, 6]], device=_device(model)))
+            model.get_encoder()(input_ids=torch.tensor([[3, 4, 5, 6]], device=_device(model)))  # type: ignore[operator]
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise ConfigError(
             f"tl cannot read the blocks of {type(model).__name__}'s encoder on token ids: "
@@ -166,8 +166,8 @@ class Seq2SeqDriver(LocalDriver):
             )
         self._hf_model = model
         self._tokenizer = tokenizer
-        self._post_norm = measure_post_norm(model)
-        self._stacks = find_stacks(model, post_norm=self._post_norm)
+        self._stacks = find_stacks(model)
+        self._post_norm = measure_post_norm(model, self._stacks[0])
         encoder, decoder = self._stacks
         self._info = seq2seq_info(model, self._post_norm, len(encoder.blocks), len(decoder.blocks))
         self._sites: dict[str, Site] = {}
@@ -247,9 +247,9 @@ class Seq2SeqDriver(LocalDriver):
             for name in self._points
             if name.endswith(".hook_pattern")
         }
-        for stack in self._stacks:
+        for stack in self._stacks if not self._post_norm else ():
             for i in range(len(stack.blocks)):
-                for suffix in stack.capture_only:
+                for suffix in stack.at_norm_input:
                     name = f"{stack.prefix}.{i}.{suffix}"
                     if name in self._points:
                         out[name] = (

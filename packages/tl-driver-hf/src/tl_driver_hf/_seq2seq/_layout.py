@@ -41,9 +41,10 @@ class StackLayout:
     prefix: str
     blocks: tuple[nn.Module, ...]
     sites: tuple[dict[str, Site], ...]
-    #: Sites whose module boundary shows the value but cannot carry an edit of it (a
-    #: pre-LN BART block's residual between sublayers is a local variable of its forward).
-    capture_only: frozenset[str]
+    #: Sites read at a norm's input, where the norm takes the stream between two sublayers
+    #: (BART-style blocks). On a pre-LN block that stream is a local variable of the
+    #: block's forward, so such a site shows the value but cannot carry an edit of it.
+    at_norm_input: frozenset[str]
 
 
 def _layers(stack: nn.Module, where: str) -> tuple[nn.Module, ...]:
@@ -172,25 +173,11 @@ def _block_sites(block: nn.Module, decoder: bool, where: str) -> dict[str, Site]
     )
 
 
-def first_norm(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    """The encoder's first block and the norm of its self-attention (for
-    ``measure_post_norm``).
-
-    Raises:
-        ConfigError: Stacks or blocks of a form tl does not know.
-    """
-    encoder, _ = find_stacks(model, post_norm=True)
-    block = encoder.blocks[0]
-    return block, encoder.sites[0]["ln1.hook_in"].module
-
-
-def find_stacks(model: nn.Module, *, post_norm: bool) -> tuple[StackLayout, StackLayout]:
+def find_stacks(model: nn.Module) -> tuple[StackLayout, StackLayout]:
     """The encoder's and the decoder's blocks and sites.
 
     Args:
         model: A transformers encoder-decoder (``get_encoder``/``get_decoder``).
-        post_norm: Whether each norm follows its sublayer's residual add (BART), measured
-            on the model (``measure_post_norm``).
 
     Raises:
         ConfigError: Stacks or blocks of a form tl does not know (named).
@@ -211,12 +198,10 @@ def find_stacks(model: nn.Module, *, post_norm: bool) -> tuple[StackLayout, Stac
         where = "decoder" if decoder else "encoder"
         blocks = _layers(stack, where)
         sites = tuple(_block_sites(b, decoder, where) for b in blocks)
-        capture_only: frozenset[str] = frozenset()
-        if post_norm is False and not isinstance(getattr(blocks[0], "layer", None), nn.ModuleList):
-            # Pre-LN BART-style: a norm's input is the residual, but editing what the norm
-            # reads would not edit the stream the block carries on.
-            capture_only = frozenset({"ln2.hook_in", "ln3.hook_in"})
-        found.append(StackLayout(prefix, blocks, sites, capture_only))
+        # T5's sublayers are modules whose input is the stream itself.
+        t5_style = isinstance(getattr(blocks[0], "layer", None), nn.ModuleList)
+        at_norm = frozenset() if t5_style else frozenset({"ln2.hook_in", "ln3.hook_in"})
+        found.append(StackLayout(prefix, blocks, sites, at_norm))
     return found[0], found[1]
 
 
