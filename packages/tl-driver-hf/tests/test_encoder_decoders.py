@@ -18,6 +18,8 @@ from torch import nn
 from transformers import AutoModelForSeq2SeqLM
 
 from tl_core import HookNameError, SpecError, TransformerBridge, UnsupportedFeatureError, UserError
+from tl_core.analysis import attribution_patch, logit_diff_metric
+from tl_core.analysis._attribution import default_node_sites
 from tl_driver_hf import HFDriver
 from tl_driver_hf._seq2seq._certify import certify_seq2seq
 from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
@@ -276,3 +278,71 @@ def test_bad_inputs_are_refused_with_what_to_do(
     causal = TransformerBridge.boot_transformers(str(checkpoint("llama")))
     with pytest.raises(UserError, match="decoder_input feeds an encoder-decoder"):
         causal.forward("hello", decoder_input="hi")
+
+
+#: Attribution nodes in each stack, cross-attention's heads and its keys (which lie over
+#: the encoder's positions although they sit in a decoder block).
+AP_SITES = [
+    "encoder_blocks.1.hook_in",
+    "encoder_blocks.0.attn.hook_z",
+    "decoder_blocks.1.hook_in",
+    "decoder_blocks.1.cross_attn.hook_z",
+    "decoder_blocks.0.cross_attn.hook_k",
+    "decoder_blocks.1.mlp.hook_out",
+]
+
+
+@pytest.mark.parametrize("site", AP_SITES)
+def test_attribution_patching_through_cross_attention_equals_finite_differences(
+    site: str, folders: dict[str, Path]
+) -> None:
+    # The gated-GELU MLP of T5 v1.1: ReLU's kinks would make finite differences jump.
+    bridge = TransformerBridge.boot_transformers(str(folders["t5-gated"]), dtype=torch.float64)
+    clean = [bridge.to_tokens(p)[0].tolist() for p in PROMPTS]
+    corrupt = [[(t * 7 + 3) % 200 + 4 for t in row] for row in clean]
+    # Ragged on both sides: the metric must read each decoder row at its own last token.
+    decoder = ["hi there", "yo"]
+    metric = logit_diff_metric(5, 9)
+    result = attribution_patch(bridge, clean, corrupt, metric, sites=[site], decoder_input=decoder)
+
+    def values(prompts: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            _, cache = bridge.run_with_cache(prompts, names_filter=[site], decoder_input=decoder)
+        return cache[site]
+
+    a_clean, a_corrupt = values(clean), values(corrupt)
+    lengths = [len(bridge.tokenizer.encode(d)) + 1 for d in decoder]
+
+    def central(step: float) -> torch.Tensor:
+        def shifted(sign: float) -> torch.Tensor:
+            value = a_corrupt + sign * step * (a_clean - a_corrupt)
+            with torch.no_grad():
+                logits = bridge.run_with_hooks(
+                    corrupt, fwd_hooks=[(site, lambda x, hook: value)], decoder_input=decoder
+                )
+            return metric(logits, lengths=lengths)
+
+        return (shifted(1.0) - shifted(-1.0)) / (2 * step)
+
+    # T5 takes its norms' variance in float32, so steps small enough to hide the softmax's
+    # curvature drown in rounding: Richardson's extrapolation of two steps cancels the
+    # curvature instead.
+    directional = (4 * central(1e-3) - central(2e-3)) / 3
+    got = result.nodes_per_pair[site].flatten(1).sum(1)
+    torch.testing.assert_close(got, directional, rtol=1e-3, atol=1e-5)
+    assert directional.abs().max() > 1e-5
+
+
+def test_attribution_defaults_cover_both_stacks_and_edges_are_refused(
+    bridges: dict[str, TransformerBridge],
+) -> None:
+    bridge = bridges["bart"]
+    sites = default_node_sites(bridge)
+    assert {s.split(".")[0] for s in sites} == {"encoder_blocks", "decoder_blocks"}
+    assert "decoder_blocks.1.cross_attn.hook_z" in sites
+    assert "encoder_blocks.0.cross_attn.hook_z" not in sites
+    ids = bridge.to_tokens(PROMPTS[0])
+    result = attribution_patch(bridge, ids, ids.flip(1), logit_diff_metric(5, 9))
+    assert set(result.nodes) == set(sites)
+    with pytest.raises(UnsupportedFeatureError, match="two joined by cross-attention"):
+        attribution_patch(bridge, ids, ids, logit_diff_metric(5, 9), granularity="edge")

@@ -12,6 +12,9 @@ gradient at the reader's own input. Per-head readers need per-head inputs, so th
 runs with split q/k/v inputs on (restored afterwards, also on error). An MLP's own input
 gradient is what remains of the residual's gradient once the skip path (and, on parallel
 blocks, attention's per-head copies) is taken out.
+
+On an encoder-decoder (T5, BART) the pairs are the encoder's prompts and both runs read one
+decoder input; nodes lie in both stacks, each masked by its own stack's positions.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from tl_core.analysis._attribution_result import AttributionResult
 from tl_core.analysis._edges import edge_graph, edge_scores
 from tl_core.analysis._metrics import call_metric, describe_metric, non_finite
 from tl_core.driver_api._batching import TokenBatch
+from tl_core.driver_api._request import decoder_batch
+from tl_core.hooks._vocabulary import on_decoder_positions
 
 __all__ = ["AttributionResult", "attribution_patch", "default_node_sites"]
 
@@ -37,23 +42,30 @@ Metric = Callable[..., torch.Tensor]
 _KEPT_AXES = ("b", "p", "q", "h")
 
 
+#: A block's node sites, in forward order (those a model does not serve are skipped).
+_NODE_SUFFIXES = (
+    "hook_in",
+    "attn.hook_z",
+    "attn.hook_result",
+    "attn.hook_out",
+    "cross_attn.hook_z",
+    "cross_attn.hook_out",
+    "mlp.hook_out",
+)
+
+
 def default_node_sites(model: Any) -> list[str]:
-    """Residual, attention and MLP nodes of every block: the block input, each head's
-    ``hook_z`` (and ``hook_result`` where served), the attention output, the MLP output."""
+    """Residual, attention and MLP nodes of every block of every stack: the block input,
+    each head's ``hook_z`` (and ``hook_result`` where served), the attention output (and
+    cross-attention's, in an encoder-decoder's decoder), the MLP output."""
     namespace = model.namespace
-    sites = []
-    for layer in range(namespace.info.n_layers):
-        for suffix in (
-            "hook_in",
-            "attn.hook_z",
-            "attn.hook_result",
-            "attn.hook_out",
-            "mlp.hook_out",
-        ):
-            name = f"blocks.{layer}.{suffix}"
-            if name in namespace.served:
-                sites.append(name)
-    return sites
+    return [
+        name
+        for prefix, stack in namespace.info.stacks
+        for layer in range(stack.n_layers)
+        for suffix in _NODE_SUFFIXES
+        if (name := f"{prefix}.{layer}.{suffix}") in namespace.served
+    ]
 
 
 def attribution_patch(
@@ -66,6 +78,7 @@ def attribution_patch(
     sites: Sequence[str] | None = None,
     clean_cache: Mapping[str, torch.Tensor] | None = None,
     prepend_bos: bool = True,
+    decoder_input: Any = None,
 ) -> AttributionResult:
     """Score every node (and/or edge) by attribution patching clean into corrupt.
 
@@ -83,13 +96,18 @@ def attribution_patch(
         clean_cache: Clean activations to reuse (an ``ActivationCache`` or a mapping);
             every site this call needs must be there. Skips the clean forward.
         prepend_bos: Put BOS before text input.
+        decoder_input: An encoder-decoder's decoder input, the same for the clean and the
+            corrupt run (as in ``forward``: text, one id sequence, or one per pair; ``None``:
+            the decoder start token alone). The metric reads the decoder's logits, and its
+            ``lengths`` keyword gets the decoder's lengths.
 
     Returns:
         An ``AttributionResult``.
 
     Raises:
         UnsupportedFeatureError: The driver has no gradients, or cannot split attention
-            inputs (edges), or the model normalises each sublayer's output (edges).
+            inputs (edges), or the model normalises each sublayer's output (edges), or
+            has two stacks (edges of an encoder-decoder).
         UserError: Mismatched pairs, unknown or no sites, a metric of the wrong shape,
             one that is not finite (NaN, inf) or whose gradient is not, or one that reads
             padded positions; all before any score is returned.
@@ -104,9 +122,20 @@ def attribution_patch(
         raise UserError(f"granularity must be 'node', 'edge' or 'both', got {granularity!r}.")
     if not callable(metric):
         raise UserError(f"metric must be a callable on logits, got {type(metric).__name__}.")
-    clean_batch, corrupt_batch = _pairs(model, clean, corrupt, prepend_bos)
     want_nodes = granularity in ("node", "both")
     want_edges = granularity in ("edge", "both")
+    if want_edges and model.namespace.info.encoder_layers is not None:
+        raise UnsupportedFeatureError(
+            "edge attribution follows one residual stream, and an encoder-decoder has two "
+            "joined by cross-attention; score nodes instead (granularity='node'), which "
+            "covers both stacks and cross-attention's heads."
+        )
+    clean_batch, corrupt_batch = _pairs(model, clean, corrupt, prepend_bos)
+    runs = _Runs(
+        model,
+        decoder_input,
+        decoder_batch(model.driver, model._decoder_ids(decoder_input), len(corrupt_batch.lengths)),
+    )
     node_sites = _node_sites(model, sites) if want_nodes else []
     graph = edge_graph(model) if want_edges else None
 
@@ -117,9 +146,9 @@ def attribution_patch(
         together = [s for s in node_sites if s not in separate]
         needed = [*together, *(graph.value_sites if graph else ())]
         gradient_sites = [*together, *(graph.gradient_sites if graph else ())]
-        clean_values = _clean_values(model, clean_batch, needed, clean_cache)
-        values, grads, m_corrupt = _gradient_pass(model, corrupt_batch, metric, gradient_sites)
-        _node_scores(model, result, together, clean_values, values, grads, corrupt_batch, m_corrupt)
+        clean_values = _clean_values(runs, clean_batch, needed, clean_cache)
+        values, grads, m_corrupt = _gradient_pass(runs, corrupt_batch, metric, gradient_sites)
+        _node_scores(runs, result, together, clean_values, values, grads, corrupt_batch, m_corrupt)
         if graph is not None:
             result.writers, result.readers = graph.writers, graph.readers
             per_pair, result.edge_mask = edge_scores(
@@ -128,17 +157,42 @@ def attribution_patch(
             result.edges_per_pair = per_pair
             result.edges = _combine(per_pair, m_corrupt)
     if separate:
-        clean_values = _clean_values(model, clean_batch, separate, clean_cache)
-        values, grads, _ = _gradient_pass(model, corrupt_batch, metric, separate)
-        _node_scores(model, result, separate, clean_values, values, grads, corrupt_batch, m_corrupt)
+        clean_values = _clean_values(runs, clean_batch, separate, clean_cache)
+        values, grads, _ = _gradient_pass(runs, corrupt_batch, metric, separate)
+        _node_scores(runs, result, separate, clean_values, values, grads, corrupt_batch, m_corrupt)
     result.nodes = {s: result.nodes[s] for s in node_sites}
     result.metric_corrupt = m_corrupt.detach()
-    result.metric_clean = _metric_of(model, clean_batch, metric)
+    result.metric_clean = _metric_of(runs, clean_batch, metric)
     _check_scores(result, metric)
     return result
 
 
 # -- inputs ---------------------------------------------------------------------------
+
+
+class _Runs:
+    """How one run of the sweep is made: the model, and an encoder-decoder's decoder input
+    (the same for both runs), whose batch holds the positions of the decoder's sites."""
+
+    def __init__(self, model: Any, decoder_input: Any, decoder: TokenBatch | None) -> None:
+        self.model = model
+        self.decoder_input = decoder_input
+        self.decoder = decoder
+
+    def forward(self, batch: TokenBatch, return_type: str | None) -> Any:
+        return self.model.forward(
+            batch.rows(), return_type, prepend_bos=False, decoder_input=self.decoder_input
+        )
+
+    def positions(self, site: str, batch: TokenBatch) -> TokenBatch:
+        """The batch whose positions ``site`` lies over."""
+        if self.decoder is not None and on_decoder_positions(site):
+            return self.decoder
+        return batch
+
+    def logits_batch(self, batch: TokenBatch) -> TokenBatch:
+        """The batch whose positions the logits lie over."""
+        return self.decoder if self.decoder is not None else batch
 
 
 def _pairs(
@@ -214,7 +268,7 @@ def _frozen_parameters(module: torch.nn.Module) -> Iterator[None]:
 
 
 def _clean_values(
-    model: Any, batch: TokenBatch, sites: Sequence[str], cache: Mapping[str, torch.Tensor] | None
+    runs: _Runs, batch: TokenBatch, sites: Sequence[str], cache: Mapping[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
     if cache is not None:
         missing = [s for s in sites if s not in cache]
@@ -239,13 +293,13 @@ def _clean_values(
 
         return hook
 
-    with torch.no_grad(), model.hooks([(s, keep(s)) for s in sites]):
-        model.forward(batch.rows(), None, prepend_bos=False)
+    with torch.no_grad(), runs.model.hooks([(s, keep(s)) for s in sites]):
+        runs.forward(batch, None)
     return values
 
 
 def _gradient_pass(
-    model: Any, batch: TokenBatch, metric: Metric, sites: Sequence[str]
+    runs: _Runs, batch: TokenBatch, metric: Metric, sites: Sequence[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
     """The corrupt run: each site's value, the metric's gradient at it, and the metric."""
     values: dict[str, torch.Tensor] = {}
@@ -262,11 +316,11 @@ def _gradient_pass(
 
     with (
         torch.enable_grad(),
-        _frozen_parameters(model.driver.module),
-        model.hooks([(s, probe(s)) for s in sites]),
+        _frozen_parameters(runs.model.driver.module),
+        runs.model.hooks([(s, probe(s)) for s in sites]),
     ):
-        logits = model.forward(batch.rows(), "logits", prepend_bos=False)
-        value = _checked_metric(metric, logits, batch, "corrupt")
+        logits = runs.forward(batch, "logits")
+        value = _checked_metric(metric, logits, runs.logits_batch(batch), "corrupt")
         missing = [s for s in sites if s not in zeros]
         if missing:
             raise UserError(f"these sites did not fire in the forward pass: {missing[:4]}")
@@ -277,7 +331,7 @@ def _gradient_pass(
             )
         value.sum().backward()  # type: ignore[no-untyped-call]
     grads = {s: z.grad if z.grad is not None else torch.zeros_like(z) for s, z in zeros.items()}
-    _check_gradients(model, grads, batch, metric)
+    _check_gradients(runs, grads, batch, metric)
     return values, grads, value.detach()
 
 
@@ -309,17 +363,16 @@ def _checked_metric(
     return value
 
 
-def _metric_of(model: Any, batch: TokenBatch, metric: Metric) -> torch.Tensor:
+def _metric_of(runs: _Runs, batch: TokenBatch, metric: Metric) -> torch.Tensor:
     with torch.no_grad():
-        logits = model.forward(batch.rows(), "logits", prepend_bos=False)
-        return _checked_metric(metric, logits, batch, "clean").detach()
+        logits = runs.forward(batch, "logits")
+        return _checked_metric(metric, logits, runs.logits_batch(batch), "clean").detach()
 
 
 def _check_gradients(
-    model: Any, grads: Mapping[str, torch.Tensor], batch: TokenBatch, metric: Metric
+    runs: _Runs, grads: Mapping[str, torch.Tensor], batch: TokenBatch, metric: Metric
 ) -> None:
     """Refuse gradients that are not finite, or that reach padding (the metric read it)."""
-    real = batch.attention_mask().bool()
     for site, grad in grads.items():
         found = non_finite(grad)
         if found is not None:
@@ -328,9 +381,11 @@ def _check_gradients(
                 f"(it holds {found}), so the scores would be NaN or inf; nothing was scored. "
                 "Avoid operations with infinite slopes in the metric (sqrt or log at 0)."
             )
-        if not batch.is_ragged:
+        positions = runs.positions(site, batch)
+        if not positions.is_ragged:
             continue
-        axes = model.namespace.layout(site).split()
+        real = positions.attention_mask().bool()
+        axes = runs.model.namespace.layout(site).split()
         # Only the site's own position axis: a real query's gradient may reach the
         # (masked) padded keys of a pattern without the metric reading them.
         axis = next((i for i, a in enumerate(axes) if a in ("p", "q")), None)
@@ -346,7 +401,7 @@ def _check_gradients(
             raise UserError(
                 f"metric {describe_metric(metric)} reads padded positions: its gradient "
                 f"reaches the padding of pair(s) {leaked.tolist()} at {site!r} (pair lengths "
-                f"{list(batch.lengths)}, padded to {real.shape[1]}). Read each prompt at its "
+                f"{list(positions.lengths)}, padded to {real.shape[1]}). Read each prompt at its "
                 "own positions: use logit_diff_metric, or give the metric a lengths keyword "
                 "(attribution_patch passes each pair's real length), or pass equal-length pairs."
             )
@@ -371,7 +426,7 @@ def _check_scores(result: AttributionResult, metric: Metric) -> None:
 
 
 def _node_scores(
-    model: Any,
+    runs: _Runs,
     result: AttributionResult,
     sites: Sequence[str],
     clean: Mapping[str, torch.Tensor],
@@ -381,7 +436,7 @@ def _node_scores(
     metric_value: torch.Tensor,
 ) -> None:
     for site in sites:
-        axes = model.namespace.layout(site).split()
+        axes = runs.model.namespace.layout(site).split()
         before, after = clean[site], corrupt[site]
         if before.shape != after.shape:
             raise UserError(
@@ -396,7 +451,7 @@ def _node_scores(
             if len(kept) < len(axes)
             else product
         )
-        mask = batch.attention_mask().to(reduced.device, torch.float32)
+        mask = runs.positions(site, batch).attention_mask().to(reduced.device, torch.float32)
         reduced = reduced * mask.reshape(
             [mask.shape[0] if a == "b" else mask.shape[1] if a in ("p", "q") else 1 for a in kept]
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,11 +44,11 @@ def tiny_seq2seq_model(
     Matrices are drawn with std ``d_model ** -0.5`` and vectors (norm weights, biases)
     jittered by 0.1, from a generator seeded with ``seed``, so every weight visibly matters.
     """
-    config = AutoConfig.for_model(model_type)
-    for key, value in {**SEQ2SEQ_SIZES, **(overrides or {})}.items():
-        if hasattr(config, key) or key in (overrides or {}):
-            with contextlib.suppress(AttributeError, TypeError, ValueError):
-                setattr(config, key, value)
+    default = AutoConfig.for_model(model_type)
+    sizes = {k: v for k, v in SEQ2SEQ_SIZES.items() if hasattr(default, k)}
+    # Through the constructor, not setattr: configs derive fields there (T5's
+    # feed_forward_proj sets is_gated_act and dense_act_fn).
+    config = AutoConfig.for_model(model_type, **{**sizes, **(overrides or {})})
     vocab = int(config.vocab_size)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab:
