@@ -25,6 +25,7 @@ __all__ = [
     "Checked",
     "image_check",
     "independent_check",
+    "independent_signal_check",
     "names_every_module",
     "weights_a_causal_lm_drops",
     "weights_not_held",
@@ -234,6 +235,78 @@ def independent_seq2seq_check(driver: Any, ids: Any, decoder_ids: Any) -> Checke
         problem = _difference(edited, want, f"logits with {name} += v")
         if problem:
             problems.append(problem)
+    return Checked(tuple(problems))
+
+
+def _signal_layers(model: Any, inputs: Mapping[str, Any]) -> list[Any]:
+    """The block list of a pixel or audio model, found without tl: the ``nn.ModuleList`` of
+    the config's layer count whose blocks each receive one ``[batch, pos, width]`` tensor."""
+    import torch
+    from torch import nn
+
+    config = model.config
+    holders = (
+        config,
+        *(getattr(config, n, None) for n in ("vision_config", "audio_config", "encoder_config")),
+    )
+    count = next(
+        (h.num_hidden_layers for h in holders if getattr(h, "num_hidden_layers", None)),
+        None,
+    )
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == count]
+    seen = [[[] for _ in layers] for layers in lists]
+    with contextlib.ExitStack() as hooks:
+        for layers, calls in zip(lists, seen, strict=True):
+            hooks.enter_context(_layer_inputs(list(layers), calls))
+        with torch.no_grad():
+            model(**inputs)
+    for layers, calls in zip(lists, seen, strict=True):
+        if all(len(c) == 1 and c[0].ndim == 3 for c in calls):
+            return list(layers)
+    return []
+
+
+def independent_signal_check(driver: Any, inputs: Mapping[str, Any]) -> Checked:
+    """Compare tl on a model that reads pixels or audio with transformers alone: what a
+    plain forward passes to each block (forward pre-hooks), the logits, and an add at
+    ``blocks.1.hook_in`` made by a plain pre-hook."""
+    import torch
+
+    from tl_core import TransformerBridge
+
+    model = driver.hf_model
+    ((_, signal),) = inputs.items()
+    layers = _signal_layers(model, inputs)
+    if not layers:
+        return Checked(("no block list of the config's layer count runs once per block",))
+    seen: list[list[Any]] = [[] for _ in layers]
+    with _layer_inputs(layers, seen), torch.no_grad():
+        reference = model(**inputs)
+    names = [f"blocks.{i}.hook_in" for i in range(len(layers))]
+    missing = [n for n in names if n not in driver.hook_points]
+    if missing:
+        return Checked((f"not served: {', '.join(missing)}",))
+    bridge = TransformerBridge(driver)
+    problems: list[str] = []
+    with torch.no_grad():
+        logits, cache = bridge.run_with_cache(signal, names_filter=names)
+    for i, name in enumerate(names):
+        problem = _difference(cache[name], seen[i][0], f"{name} vs layer {i}'s input")
+        if problem:
+            problems.append(problem)
+    problem = _difference(logits, reference.logits, "logits")
+    if problem:
+        problems.append(problem)
+    block = min(1, len(layers) - 1)
+    vector = torch.randn(seen[block][0].shape[-1], generator=torch.Generator().manual_seed(2))
+    name = f"blocks.{block}.hook_in"
+    with torch.no_grad():
+        edited = bridge(signal, intervene={name: {"op": "add", "value": vector}})
+        with _add_to_layer_input(layers[block], vector):
+            want = model(**inputs).logits
+    problem = _difference(edited, want, f"logits with {name} += v")
+    if problem:
+        problems.append(problem)
     return Checked(tuple(problems))
 
 

@@ -274,6 +274,7 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
     step = "boot"
     took_image, image_problem, refused_images = False, None, None
     encoder_decoder = False
+    reads = None
     try:
         with tiny.time_limit(time_limit_s), tiny.quiet(), _quiet_tl():
             try:
@@ -289,11 +290,14 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
             weights = _weights_problem(driver, built)
             if weights:
                 return row(WRONG, weights)
-            if not built.kind.takes_ids:
-                return row(WRONG, f"tl booted {built.class_name}, whose inputs it cannot give")
             step = "the checks"
             encoder_decoder = bool(getattr(driver, "encoder_decoder", False))
-            if encoder_decoder:
+            reads = getattr(driver, "signal_input", None)
+            if not built.kind.takes_ids and reads is None:
+                return row(WRONG, f"tl booted {built.class_name}, whose inputs it cannot give")
+            if reads is not None:
+                checked = checks.independent_signal_check(driver, builds.tensors(built.inputs))
+            elif encoder_decoder:
                 ids = torch.tensor(built.ids)
                 decoder_ids = built.inputs.get("decoder_input_ids")
                 checked = checks.independent_seq2seq_check(
@@ -318,7 +322,7 @@ def judge(built: builds.Built, cache: Path, time_limit_s: float = TIME_LIMIT_S) 
         return row(WRONG, "; ".join(problems + checked.remarks))
     if took_image:
         return row(LEVELS[level], "; ".join((note, *checked.remarks, "images served")))
-    if built.kind.key not in ("", "masked-lm") and not encoder_decoder:
+    if built.kind.key not in ("", "masked-lm") and not encoder_decoder and reads is None:
         # A vision-language or speech model read from token ids: its other input is not served.
         other = built.remark or "tl gives it no image or audio"
         if refused_images and "pixel_values" in built.inputs:

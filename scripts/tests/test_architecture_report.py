@@ -237,7 +237,25 @@ def test_pixel_and_audio_kinds_run_on_inputs_of_their_configs_sizes(cache: Path)
     assert wav2vec2.inputs == {"input_values": [2, builds.AUDIO_SAMPLES]}
     for built in (vit, wav2vec2):
         verdict = report.judge(built, cache)
-        assert verdict.verdict == report.REFUSED and "are not served yet" in verdict.note
+        assert verdict.verdict == report.LEVELS["residual"], verdict.note
+    swin = report.judge(builds.build("swin", cache, builds.kind("image-classification")), cache)
+    assert swin.verdict == report.REFUSED and "hierarchical" in swin.note
+
+
+def test_the_signal_check_fails_on_a_stream_read_from_the_wrong_blocks(cache: Path) -> None:
+    """Fault injection: tl's sites on a ViT's blocks in reverse order, behind the boot's
+    back; the scan's independent check must name the blocks whose input differs."""
+
+    import torch
+
+    from tl_driver_hf import HFDriver
+
+    vit = builds.build("vit", cache, builds.kind("image-classification"))
+    driver = HFDriver.boot(str(vit.folder), dtype=torch.float32)
+    assert not checks.independent_signal_check(driver, builds.tensors(vit.inputs)).problems
+    driver._layout = dataclasses.replace(driver.layout, blocks=driver.layout.blocks[::-1])
+    found = checks.independent_signal_check(driver, builds.tensors(vit.inputs)).problems
+    assert any("blocks.0.hook_in vs layer 0's input" in p for p in found), found
 
 
 #: The families issue #18 names, with the level tl serves each at today: none is described

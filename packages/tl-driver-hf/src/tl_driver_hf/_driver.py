@@ -44,6 +44,7 @@ from tl_driver_hf._runtime._torch_hooks import (
 )
 from tl_driver_hf._runtime._wiring import Wiring
 from tl_driver_hf._seq2seq._boot import boot_seq2seq, is_encoder_decoder
+from tl_driver_hf._signal._boot import SIGNAL_KINDS, boot_signal, signal_reads
 from tl_driver_hf._weights._compat import CompatState, enable_compatibility
 from tl_driver_hf._weights._image_processor import load_image_processor, processed_pixels
 from tl_driver_hf._weights._loading import (
@@ -256,6 +257,9 @@ class HFDriver(LocalDriver):
         if opts.hf_model is not None and is_encoder_decoder(opts.hf_model):
             name = str(getattr(opts.hf_model, "name_or_path", "") or type(opts.hf_model).__name__)
             return boot_seq2seq(opts, model=opts.hf_model, name=name)  # type: ignore[return-value]
+        if signal_reads(opts.hf_model) is not None:
+            name = str(getattr(opts.hf_model, "name_or_path", "") or type(opts.hf_model).__name__)
+            return boot_signal(opts, model=opts.hf_model, name=name)  # type: ignore[return-value]
         if opts.hf_model is not None:
             model = opts.hf_model
             adapter = adapter_or_none(getattr(model, "config", None), opts, type(model).__name__)
@@ -271,6 +275,8 @@ class HFDriver(LocalDriver):
         config = load_config(opts)
         if opts.model_class is None and lm_kind(config) == "seq2seq":
             return boot_seq2seq(opts, config)  # type: ignore[return-value]
+        if opts.model_class is None and lm_kind(config) in SIGNAL_KINDS:
+            return boot_signal(opts, config)  # type: ignore[return-value]
         adapter = adapter_or_none(config, opts, built_class(config, opts))
         if opts.n_ctx is not None and adapter is not None:
             apply_n_ctx(config, adapter, opts.n_ctx)

@@ -180,6 +180,7 @@ class Bridge:
         token_type_ids: Any = None,
         images: Any = None,
         decoder_input: Any = None,
+        signal: torch.Tensor | None = None,
     ) -> ForwardRequest:
         """The one request of a bridge call: names canonical, layers resolved, specs planned."""
         return planned_request(
@@ -200,6 +201,7 @@ class Bridge:
             decoder_batch=decoder_batch(
                 self.driver, self._decoder_ids(decoder_input), len(batch.lengths)
             ),
+            signal=signal,
         )
 
     def _decoder_ids(self, decoder_input: Any) -> Any:
@@ -234,6 +236,13 @@ class Bridge:
         Raises:
             UnsupportedFeatureError: The architecture is a masked LM.
         """
+        reads = getattr(self.driver, "signal_input", None)
+        if reads is not None:
+            raise UnsupportedFeatureError(
+                f"{what} needs the next-token loss, and {self._name!r} reads {reads}, not "
+                "tokens: it predicts a label per input (or per audio frame), not a next token. "
+                "Take the loss you need from the logits"
+            )
         described = self.architecture
         if described is not None and described.kind == "masked_lm":
             raise UnsupportedFeatureError(
@@ -320,11 +329,34 @@ class Bridge:
         Every malformed input is refused here, before any engine work, with the prompt (and
         position) at fault; ``check_vocab`` also refuses ids outside ``0..d_vocab-1``.
         """
+        reads = getattr(self.driver, "signal_input", None)
+        if reads is not None:
+            raise UnsupportedFeatureError(
+                f"{self._name!r} reads {reads}, not tokens: pass them as a float tensor to "
+                f"forward or run_with_cache ({self.driver.signal_shape}); this call needs "
+                "token ids"
+            )
         rows = prompt_rows(self.tokenizer, inputs, prepend_bos)
         batch = pad_batch(rows, pad_id=padding_id(self.tokenizer), padding_side=padding_side)
         if check_vocab:
             check_token_range(batch, self.driver.info.d_vocab)
         return batch
+
+    def _inputs(
+        self, source: Any, prepend_bos: bool, images: Any
+    ) -> tuple[TokenBatch, torch.Tensor | None]:
+        """The batch of a call's input, and the signal when the model reads no tokens (its
+        batch then holds one placeholder id per position of the stream its blocks read)."""
+        if getattr(self.driver, "signal_input", None) is None:
+            batch = self._token_batch(source, prepend_bos=prepend_bos)
+            return self._image_batch(batch, images), None
+        if images is not None:
+            raise UserError(
+                f"images= feeds a vision-language model's image tokens; {self._name!r} "
+                "reads its pixels as its input: pass them as input"
+            )
+        signal, batch = self.driver.signal_batch(source)
+        return batch, signal
 
     def _check_context(self, batch: TokenBatch, max_new_tokens: int = 0) -> None:
         """Refuse prompts (plus new tokens) past the model's context, before engine work."""
@@ -462,7 +494,9 @@ class Bridge:
 
         Args:
             input: Text, texts or token ids. Ragged batches are right-padded; padding never
-                reaches the loss.
+                reaches the loss. A model that reads no tokens (``driver.signal_input``: an
+                image classifier, a CTC speech recogniser) takes its pixels
+                ``[batch, channels, height, width]`` or audio samples ``[batch, samples]``.
             return_type: ``"logits"``, ``"loss"``, ``"both"`` (a ``(logits, loss)`` pair)
                 or ``None``.
             intervene: Specs (and, on local drivers, callables) per hook; see
@@ -515,8 +549,9 @@ class Bridge:
         if source is None:
             assert residual is not None
             batch = pad_batch(torch.zeros(residual.shape[:2], dtype=torch.long), pad_id=0)
+            signal = None
         else:
-            batch = self._image_batch(self._token_batch(source, prepend_bos=prepend_bos), images)
+            batch, signal = self._inputs(source, prepend_bos, images)
         self._check_context(batch)
         wants_loss = stop is None and return_type in ("loss", "both")
         if wants_loss and source is None:
@@ -533,6 +568,7 @@ class Bridge:
             token_type_ids=token_type_ids,
             images=images,
             decoder_input=decoder_input,
+            signal=signal,
         )
         result = self._execute(request)
         targets = batch if request.decoder_batch is None else request.decoder_batch
@@ -575,7 +611,8 @@ class Bridge:
 
         Args:
             input: Text, texts or ids; ragged batches are right-padded and the cache keeps
-                each prompt's length (``cache.lengths``; ``cache.prompt(i)`` trims).
+                each prompt's length (``cache.lengths``; ``cache.prompt(i)`` trims). Pixels
+                or audio samples for a model that reads no tokens, as in ``forward``.
             names_filter: ``None`` for every hook, a name, a list of names (aliases ok), or
                 a predicate over canonical names.
             device: Where cached tensors go (default: where they were computed).
@@ -611,7 +648,7 @@ class Bridge:
         _, stop = partial_layers(None, stop_at_layer, None, n_layers=self.driver.info.n_layers)
         if stop is not None:
             names = self._reached_names(names_filter, names, stop)
-        batch = self._image_batch(self._token_batch(input, prepend_bos=prepend_bos), images)
+        batch, signal = self._inputs(input, prepend_bos, images)
         self._check_context(batch)
         grads: dict[str, torch.Tensor] = {}
         bwd: list[HookSpec] = []
@@ -634,6 +671,7 @@ class Bridge:
                 token_type_ids=token_type_ids,
                 images=images,
                 decoder_input=decoder_input,
+                signal=signal,
             )
             result = self._execute(request)
             targets = batch if request.decoder_batch is None else request.decoder_batch

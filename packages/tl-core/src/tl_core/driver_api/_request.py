@@ -110,6 +110,12 @@ class ForwardRequest:
         decoder_batch: An encoder-decoder's decoder inputs, right-padded, one per prompt
             (``batch`` is then what the encoder reads); ``None`` for other models. Logits,
             generation and the sites over the decoder's positions follow it.
+        signal: What a model that reads no tokens reads instead (a driver whose
+            ``signal_input`` names it): pixels ``[batch, channels, height, width]`` of an
+            image classifier, or audio samples ``[batch, samples]`` of a speech encoder.
+            ``batch`` then holds placeholder ids, one per position of the stream its blocks
+            read (patches, audio frames), so that positions in specs and captures mean
+            what they mean for text.
     """
 
     batch: TokenBatch
@@ -126,6 +132,7 @@ class ForwardRequest:
     token_type_ids: torch.Tensor | None = None
     images: torch.Tensor | None = None
     decoder_batch: TokenBatch | None = None
+    signal: torch.Tensor | None = None
 
     @property
     def lengths(self) -> tuple[int, ...]:

@@ -2,10 +2,11 @@
 
 The hf driver serves decoder-only causal LMs, masked LMs (encoders with a head that
 predicts each position's token: BERT, RoBERTa, ...), vision-language models (a causal
-language stack that reads images through a vision tower: LLaVA, Gemma 3, ...) and
-encoder-decoders (T5, BART, ...). A checkpoint of another kind (a speech-to-text model, an
-image classifier) is refused, and the
-refusal names the kind by the task mapping transformers files the class under.
+language stack that reads images through a vision tower: LLaVA, Gemma 3, ...),
+encoder-decoders (T5, BART, ...), and image classifiers and CTC speech recognisers that run
+one stack of blocks (ViT, DeiT, wav2vec2, HuBERT). A checkpoint of another kind (a
+speech-to-text model, an audio classifier) is refused, and the refusal names the kind by
+the task mapping transformers files the class under.
 """
 
 from __future__ import annotations
@@ -33,8 +34,18 @@ MASKED_LM = "masked language model"
 VISION_LANGUAGE = "vision-language model"
 #: The kind of an encoder-decoder's class, as ``_KINDS`` names it.
 SEQ2SEQ = "sequence-to-sequence model"
+#: The kinds of models that read pixels or audio, as ``_KINDS`` names them.
+IMAGE_CLASSIFIER = "image classifier"
+CTC = "CTC speech recogniser"
 #: The kinds besides causal LMs that the hf driver builds whole (``lm_kind``).
-SERVED_KINDS: frozenset[str] = frozenset({MASKED_LM, VISION_LANGUAGE, SEQ2SEQ})
+SERVED_KINDS: frozenset[str] = frozenset(
+    {MASKED_LM, VISION_LANGUAGE, SEQ2SEQ, IMAGE_CLASSIFIER, CTC}
+)
+#: What the hf driver serves, for refusals.
+SERVED_TEXT = (
+    "decoder-only causal LMs, masked LMs, vision-language models, encoder-decoders, image "
+    "classifiers and CTC speech recognisers"
+)
 
 #: transformers' task mappings, most specific first (BART's ``ForConditionalGeneration``
 #: is filed under both sequence-to-sequence and masked LM), with what their classes are.
@@ -45,8 +56,8 @@ _KINDS: tuple[tuple[str, str, str], ...] = (
     ("MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "a", "multimodal model"),
     ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "a", "masked language model"),
     ("MODEL_FOR_PRETRAINING_MAPPING_NAMES", "a", "model with pretraining heads"),
-    ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "an", "image classifier"),
-    ("MODEL_FOR_CTC_MAPPING_NAMES", "a", "CTC speech recogniser"),
+    ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "an", IMAGE_CLASSIFIER),
+    ("MODEL_FOR_CTC_MAPPING_NAMES", "a", CTC),
     ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "an", "audio classifier"),
     ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "a", "sequence classifier"),
     ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "a", "token classifier"),
@@ -123,12 +134,14 @@ def _checkpoint_kind(config: Any) -> tuple[str | None, str]:
     return _kind_by_type().get(model_type), f"model_type {model_type!r}"
 
 
-LMKind = Literal["causal_lm", "masked_lm", "vision_language", "seq2seq"]
+LMKind = Literal["causal_lm", "masked_lm", "vision_language", "seq2seq", "image_classifier", "ctc"]
 
 _BY_KIND: dict[str, LMKind] = {
     MASKED_LM: "masked_lm",
     VISION_LANGUAGE: "vision_language",
     SEQ2SEQ: "seq2seq",
+    IMAGE_CLASSIFIER: "image_classifier",
+    CTC: "ctc",
 }
 
 
@@ -175,8 +188,7 @@ def refuse_without_causal_lm(config: Any, *, name: str) -> None:
     raise ConfigError(
         f"the checkpoint {name!r} is {what}: transformers has no causal-LM class for model "
         f"type {model_type!r} (AutoModelForCausalLM cannot build it), and the hf driver "
-        f"serves decoder-only causal LMs, masked LMs, vision-language models and "
-        f"encoder-decoders; {served}."
+        f"serves {SERVED_TEXT}; {served}."
     )
 
 
@@ -211,8 +223,7 @@ def refuse_other_kind(model: Any, config: Any, *, name: str) -> None:
         f"the checkpoint {name!r} is {with_article(kind)}: its config's architectures name "
         f"{other}, and transformers builds {built} from it, a causal LM the checkpoint was "
         f"not written for (another model over its weights, or a part of them). The hf "
-        f"driver serves decoder-only causal LMs, masked LMs, vision-language models and encoder-decoders; "
-        f"{kind}s are not served yet."
+        f"driver serves {SERVED_TEXT}; {kind}s are not served yet."
     )
 
 

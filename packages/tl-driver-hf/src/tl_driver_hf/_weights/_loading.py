@@ -17,6 +17,8 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForCTC,
+    AutoModelForImageClassification,
     AutoModelForImageTextToText,
     AutoModelForMaskedLM,
     AutoModelForSeq2SeqLM,
@@ -200,6 +202,8 @@ _AUTO_CLASSES: Final = {
     "masked_lm": AutoModelForMaskedLM,
     "vision_language": AutoModelForImageTextToText,
     "seq2seq": AutoModelForSeq2SeqLM,
+    "image_classifier": AutoModelForImageClassification,
+    "ctc": AutoModelForCTC,
 }
 
 

@@ -23,18 +23,26 @@ from tl_driver_hf.testing._seq2seq import (
     tiny_seq2seq_model,
     write_seq2seq_checkpoint,
 )
+from tl_driver_hf.testing._signal import (
+    SIGNAL_SIZES,
+    tiny_signal_model,
+    write_signal_checkpoint,
+)
 from tl_driver_hf.testing._tokenizer import train_tiny_tokenizer
 
 __all__ = [
     "SEQ2SEQ_SIZES",
+    "SIGNAL_SIZES",
     "TINY_FAMILIES",
     "TINY_SIZES",
     "VLLM_TINY_SIZES",
     "tiny_config",
     "tiny_default_model",
     "tiny_seq2seq_model",
+    "tiny_signal_model",
     "train_tiny_tokenizer",
     "write_tiny_checkpoint",
     "write_seq2seq_checkpoint",
+    "write_signal_checkpoint",
     "write_tiny_default_checkpoint",
 ]

@@ -326,11 +326,12 @@ def write_tiny_checkpoint(
 
 
 def save_with_tokenizer(
-    model: PreTrainedModel, path: str | os.PathLike[str], *, vocab_size: int, n_ctx: int
+    model: PreTrainedModel, path: str | os.PathLike[str], *, vocab_size: int | None, n_ctx: int
 ) -> Path:
-    """Write ``model`` and a tiny tokenizer of ``vocab_size`` ids into the folder ``path``,
-    atomically: the folder is written next to ``path`` under a temporary name and renamed
-    into place (``path`` must not exist, or be an empty folder).
+    """Write ``model`` and a tiny tokenizer of ``vocab_size`` ids (none for ``None``: a
+    model that reads pixels or audio) into the folder ``path``, atomically: the folder is
+    written next to ``path`` under a temporary name and renamed into place (``path`` must
+    not exist, or be an empty folder).
 
     Returns:
         The absolute path of the written folder.
@@ -343,10 +344,11 @@ def save_with_tokenizer(
     staging.mkdir()
     try:
         model.save_pretrained(staging)
-        tokenizer = train_tiny_tokenizer(vocab_size)
-        tokenizer.model_max_length = n_ctx
-        tokenizer.save_pretrained(staging)
-        _use_portable_tokenizer_class(staging)
+        if vocab_size is not None:
+            tokenizer = train_tiny_tokenizer(vocab_size)
+            tokenizer.model_max_length = n_ctx
+            tokenizer.save_pretrained(staging)
+            _use_portable_tokenizer_class(staging)
         if _is_empty_dir(target):
             # An empty folder (such as pytest's tmp_path) is taken over.
             target.rmdir()
