@@ -575,3 +575,58 @@ def test_every_served_name_of_an_encoder_decoder_equals_transformer_lens(
         f"{model_type}: {equal} of {len(their_cache)} names equal to TransformerLens 4.3's, "
         f"{slips} TransformerLens slips confirmed, {refused} refused as not served yet"
     )
+
+
+#: TransformerLens 4.3's image classifiers and CTC speech recognisers, with one input each.
+SIGNAL_MODELS = {
+    "vit": (2, 3, 32, 32),
+    "deit": (2, 3, 32, 32),
+    "wav2vec2": (2, 1600),
+    "hubert": (2, 1600),
+}
+#: tl serves these models' residual stream only: every other name TransformerLens serves
+#: on them is refused by name, as not served yet.
+STREAM = re.compile(r"^blocks\.\d+\.(hook_in|hook_out|hook_resid_pre|hook_resid_post)$")
+
+
+@pytest.mark.parametrize("model_type", sorted(SIGNAL_MODELS))
+def test_every_stream_name_of_a_pixel_or_audio_model_equals_transformer_lens(
+    model_type: str, tmp_path: Path
+) -> None:
+    """Pixels or audio through TransformerLens 4.3 and tl: every residual-stream name
+    TransformerLens serves resolves in tl to an equal tensor; every other name is refused
+    by tl by name (tl serves the blocks' insides of these models not yet), and the logits
+    are equal."""
+    from tl_driver_hf.testing import write_signal_checkpoint
+
+    folder = write_signal_checkpoint(model_type, tmp_path / model_type)
+    signal = torch.randn(SIGNAL_MODELS[model_type], generator=torch.Generator().manual_seed(5))
+    theirs = _shared.boot_theirs(folder, False)
+    exact = _shared.boot_theirs(folder, False, dtype=torch.float64)
+    ours = _shared.boot_ours(folder, False)
+    with torch.no_grad():
+        their_logits, their_cache = theirs.run_with_cache(signal)
+        exact_logits, exact_cache = exact.run_with_cache(signal.double())
+        our_logits, our_cache = ours.run_with_cache(signal)
+    assert _difference("logits", our_logits, their_logits, exact_logits) <= 1
+    failures: list[str] = []
+    equal = refused = 0
+    for name, want in dict(their_cache.items()).items():
+        try:
+            canonical = ours.namespace.lookup(name)
+            got = our_cache[canonical]
+        except (HookNameError, KeyError) as error:
+            if STREAM.match(name):
+                failures.append(f"{name}: refused by tl ({error})")
+            refused += 1
+            continue
+        diff = _difference(name, got, want, exact_cache[name])
+        if not diff <= 1:
+            failures.append(f"{name} -> {canonical}: error {diff:.3g}x the band")
+        equal += 1
+    assert not failures, f"{model_type}: {len(failures)} names differ:\n" + "\n".join(failures)
+    assert equal >= 4 * ours.cfg.n_layers, f"{model_type}: only {equal} names compared"
+    print(
+        f"{model_type}: {equal} of {len(dict(their_cache.items()))} names equal to "
+        f"TransformerLens 4.3's, {refused} refused as not served yet"
+    )
