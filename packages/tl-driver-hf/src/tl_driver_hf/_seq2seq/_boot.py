@@ -6,9 +6,10 @@ from typing import Any
 
 from torch import nn
 
-from tl_core import ConfigError, UserError
+from tl_core import ConfigError
 from tl_core.driver_api import HFTokenizer, Tokenizer
 from tl_driver_hf._options import BootOptions
+from tl_driver_hf._runtime._whole_model import refuse_unserved_options
 from tl_driver_hf._seq2seq._certify import certify_seq2seq
 from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
 from tl_driver_hf._weights._loading import load_model, load_tokenizer
@@ -24,23 +25,6 @@ def is_encoder_decoder(model: Any) -> bool:
     )
 
 
-def _refuse_options(opts: BootOptions) -> None:
-    unsupported = {
-        "load_weights=False": not opts.load_weights,
-        "use_attn_result=True": opts.use_attn_result,
-        "n_devices": opts.n_devices is not None,
-        "n_ctx": opts.n_ctx is not None,
-        "certify=False": not opts.certify,
-        "a GGUF file": opts.gguf_path is not None,
-    }
-    named = [k for k, v in unsupported.items() if v]
-    if named:
-        raise UserError(
-            f"{', '.join(named)}: not served on encoder-decoders yet (tl boots them whole and "
-            "certifies every site it serves); drop the option"
-        )
-
-
 def boot_seq2seq(
     opts: BootOptions, config: Any = None, model: nn.Module | None = None, name: str = ""
 ) -> Seq2SeqDriver:
@@ -51,7 +35,7 @@ def boot_seq2seq(
         ConfigError: Weights that do not fit, a block form tl does not know, or a run that
             does not reproduce the model.
     """
-    _refuse_options(opts)
+    refuse_unserved_options(opts, "encoder-decoders")
     tokenizer: Tokenizer
     if model is None:
         model = load_model(opts, config, None)

@@ -26,7 +26,8 @@ from tl_core.certification import (
     statuses_from_checks,
 )
 from tl_core.driver_api import canonical_hook_names
-from tl_driver_hf._runtime._torch_hooks import _input_of, _with_input
+from tl_driver_hf._runtime._torch_hooks import _input_of
+from tl_driver_hf._runtime._whole_model import plain_add
 
 if TYPE_CHECKING:
     from tl_driver_hf._seq2seq._driver import Seq2SeqDriver
@@ -188,24 +189,8 @@ def _edit_check(
     finally:
         handle.remove()
 
-    def add_in(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        return _with_input(a, k, _input_of(a, k) + delta)
-
-    def add_out(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
-        return (out[0] + delta, *out[1:]) if isinstance(out, tuple) else out + delta
-
-    plain_handle = (
-        module.register_forward_pre_hook(add_in, with_kwargs=True)
-        if pre
-        else module.register_forward_hook(add_out)
-    )
-    try:
-        with torch.no_grad():
-            want = driver.hf_model(
-                input_ids=encoder, decoder_input_ids=decoder, use_cache=False
-            ).logits
-    finally:
-        plain_handle.remove()
+    with plain_add(module, delta, at_input=pre), torch.no_grad():
+        want = driver.hf_model(input_ids=encoder, decoder_input_ids=decoder, use_cache=False).logits
     return compare(
         f"add at {name} == the same add by a plain torch hook", (name,), got, want, rtol=_RTOL
     )

@@ -21,12 +21,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import ConfigError, HookPoint, UnsupportedFeatureError
-from tl_core.certification import Certification
 from tl_core.driver_api import (
     FEATURES,
     ForwardRequest,
     ForwardResult,
-    LocalDriver,
     ModelInfo,
     TokenBatch,
     Tokenizer,
@@ -40,6 +38,7 @@ from tl_driver_hf._runtime._torch_hooks import (
     _output_hook,
     _viewed_input_hook,
 )
+from tl_driver_hf._runtime._whole_model import WholeModelDriver
 from tl_driver_hf._seq2seq._layout import (
     Site,
     StackLayout,
@@ -143,10 +142,9 @@ def seq2seq_info(model: nn.Module, post_norm: bool, encoder: int, decoder: int) 
     )
 
 
-class Seq2SeqDriver(LocalDriver):
+class Seq2SeqDriver(WholeModelDriver):
     """Runs a transformers encoder-decoder with both stacks' sites (see the module doc)."""
 
-    name = "hf"
     features: ClassVar[frozenset[str]] = FEATURES - {"token_type_ids", "images", "weight_access"}
     forward_options: ClassVar[frozenset[str]] = frozenset({"capture_device"})
     #: Requests carry a decoder input (``ForwardRequest.decoder_batch``).
@@ -158,13 +156,12 @@ class Seq2SeqDriver(LocalDriver):
         Raises:
             ConfigError: Stacks or blocks of a form tl does not know.
         """
-        self._model_name = name or type(model).__name__
+        super().__init__(model, name=name)
         if "decoder_input_ids" not in inspect.signature(model.forward).parameters:
             raise ConfigError(
                 f"{type(model).__name__} takes no decoder_input_ids: tl serves encoder-decoders "
                 "that read token ids in both stacks"
             )
-        self._hf_model = model
         self._tokenizer = tokenizer
         self._stacks = find_stacks(model)
         self._post_norm = measure_post_norm(model, self._stacks[0])
@@ -180,25 +177,6 @@ class Seq2SeqDriver(LocalDriver):
             self._sites["ln_final.hook_out"] = Site(norm, "out")
         self._sites["unembed.hook_out"] = Site(model.get_output_embeddings(), "out")  # type: ignore[operator]
         self._points = {name: HookPoint(name) for name in forward_order(self._sites)}
-        self._refused: dict[str, str] = {}
-        self._certification: Certification | None = None
-
-    # -- what LocalDriver needs --------------------------------------------------------
-
-    @property
-    def module(self) -> nn.Module:
-        """The transformers model."""
-        return self._hf_model
-
-    @property
-    def hf_model(self) -> nn.Module:
-        """The transformers model."""
-        return self._hf_model
-
-    @property
-    def hook_points(self) -> Mapping[str, HookPoint]:
-        """Canonical name -> HookPoint of every served site."""
-        return self._served(self._points)
 
     @property
     def info(self) -> ModelInfo:
@@ -214,11 +192,6 @@ class Seq2SeqDriver(LocalDriver):
     def masks_padding(self) -> bool:
         """The encoder attends both ways, so a ragged batch's padding is masked."""
         return True
-
-    @property
-    def certification(self) -> Certification | None:
-        """The certification report of the boot."""
-        return self._certification
 
     @property
     def decoder_start_ids(self) -> tuple[int, ...]:
@@ -260,44 +233,9 @@ class Seq2SeqDriver(LocalDriver):
         return out
 
     @property
-    def absent_reasons(self) -> Mapping[str, str]:
-        """Sites certification refused, and sites this driver does not serve yet."""
-        return self._refused
-
-    @property
     def stacks(self) -> tuple[StackLayout, StackLayout]:
         """The encoder's and the decoder's blocks and sites."""
         return self._stacks
-
-    @property
-    def candidate_points(self) -> dict[str, HookPoint]:
-        """Every site served now (before certification: every one the blocks offer)."""
-        return dict(self._points)
-
-    def certify(self) -> Certification:
-        """The certification report (``tl certify``): every check already runs at boot.
-
-        Raises:
-            UnsupportedFeatureError: The driver was built without certifying (not by
-                ``HFDriver.boot``).
-        """
-        if self._certification is None:
-            raise UnsupportedFeatureError(
-                "this encoder-decoder driver was built without certification; boot it with "
-                "HFDriver.boot, which certifies every site it serves"
-            )
-        return self._certification
-
-    def set_certification(self, certification: Certification) -> None:
-        """Keep the boot's certification report (``certify_seq2seq`` served its verdict)."""
-        self._certification = certification
-
-    def serve(self, names: Mapping[str, str]) -> None:
-        """Stop serving ``names`` (name -> why), as certification decided."""
-        self._refused.update(names)
-        self._points = {n: p for n, p in self._points.items() if n not in names}
-        self.__dict__.pop("_namespace", None)
-        self.__dict__.pop("_served_points", None)
 
     # -- running -----------------------------------------------------------------------
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from tl_core import ConfigError, UserError
+from tl_core import ConfigError
 from tl_driver_hf._options import BootOptions
+from tl_driver_hf._runtime._whole_model import refuse_unserved_options
 from tl_driver_hf._signal._certify import certify_signal
 from tl_driver_hf._signal._driver import SignalDriver
 from tl_driver_hf._signal._layout import SIGNAL_KEYS, SignalReads
@@ -37,24 +38,6 @@ def signal_reads(model: Any) -> SignalReads | None:
     return None
 
 
-def _refuse_options(opts: BootOptions) -> None:
-    unsupported = {
-        "load_weights=False": not opts.load_weights,
-        "use_attn_result=True": opts.use_attn_result,
-        "n_devices": opts.n_devices is not None,
-        "n_ctx": opts.n_ctx is not None,
-        "certify=False": not opts.certify,
-        "a GGUF file": opts.gguf_path is not None,
-        "tokenizer": opts.tokenizer is not None,
-    }
-    named = [k for k, v in unsupported.items() if v]
-    if named:
-        raise UserError(
-            f"{', '.join(named)}: not served on models that read pixels or audio (tl boots "
-            "them whole and certifies every site it serves); drop the option"
-        )
-
-
 def boot_signal(
     opts: BootOptions, config: Any = None, model: nn.Module | None = None, name: str = ""
 ) -> SignalDriver:
@@ -66,7 +49,9 @@ def boot_signal(
         ConfigError: Weights that do not fit, an input tl cannot give, no one stack of
             blocks, or a run that does not reproduce the model.
     """
-    _refuse_options(opts)
+    refuse_unserved_options(
+        opts, "models that read pixels or audio", tokenizer=opts.tokenizer is not None
+    )
     if model is None:
         model = load_model(opts, config, None)
         name = str(opts.model_name)

@@ -25,7 +25,8 @@ from tl_core.certification import (
     statuses_from_checks,
 )
 from tl_core.driver_api import canonical_hook_names
-from tl_driver_hf._runtime._torch_hooks import _input_of, _with_input
+from tl_driver_hf._runtime._torch_hooks import _input_of
+from tl_driver_hf._runtime._whole_model import plain_add
 from tl_driver_hf._signal._layout import probe_signal, run_plain
 
 if TYPE_CHECKING:
@@ -103,22 +104,8 @@ def _edit_check(
     finally:
         handle.remove()
 
-    def add_in(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        return _with_input(a, k, _input_of(a, k) + delta)
-
-    def add_out(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
-        return (out[0] + delta, *out[1:]) if isinstance(out, tuple) else out + delta
-
-    plain = (
-        block.register_forward_pre_hook(add_in, with_kwargs=True)
-        if pre
-        else block.register_forward_hook(add_out)
-    )
-    try:
-        with torch.no_grad():
-            want = run_plain(driver.hf_model, driver.signal_input, signal).logits
-    finally:
-        plain.remove()
+    with plain_add(block, delta, at_input=pre), torch.no_grad():
+        want = run_plain(driver.hf_model, driver.signal_input, signal).logits
     check = compare(
         f"add at {name} == the same add by a plain torch hook", (name,), got, want, rtol=_RTOL
     )

@@ -21,18 +21,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tl_core import ConfigError, HookPoint, UnsupportedFeatureError, UserError
-from tl_core.certification import Certification
 from tl_core.driver_api import (
     FEATURES,
     ForwardRequest,
     ForwardResult,
-    LocalDriver,
     ModelInfo,
     TokenBatch,
     Tokenizer,
 )
 from tl_core.hooks import forward_order
 from tl_driver_hf._runtime._torch_hooks import _input_hook, _output_hook
+from tl_driver_hf._runtime._whole_model import WholeModelDriver
 from tl_driver_hf._signal._layout import (
     SignalLayout,
     SignalReads,
@@ -107,10 +106,9 @@ def signal_info(model: nn.Module, layout: SignalLayout, positions: int | None) -
     )
 
 
-class SignalDriver(LocalDriver):
+class SignalDriver(WholeModelDriver):
     """Runs a transformers pixel or audio model with its block stack's residual sites."""
 
-    name = "hf"
     features: ClassVar[frozenset[str]] = FEATURES - {
         "token_type_ids",
         "images",
@@ -125,8 +123,7 @@ class SignalDriver(LocalDriver):
         Raises:
             ConfigError: No one stack of blocks (see ``find_blocks``).
         """
-        self._model_name = name or type(model).__name__
-        self._hf_model = model
+        super().__init__(model, name=name)
         self._reads: SignalReads = reads
         self._layout = find_blocks(model, reads)
         self._positions: dict[tuple[int, ...], int] = {}
@@ -147,30 +144,11 @@ class SignalDriver(LocalDriver):
                 }
             )
         }
-        self._refused: dict[str, str] = {}
-        self._certification: Certification | None = None
-
-    # -- what LocalDriver needs --------------------------------------------------------
-
-    @property
-    def module(self) -> nn.Module:
-        """The transformers model."""
-        return self._hf_model
-
-    @property
-    def hf_model(self) -> nn.Module:
-        """The transformers model."""
-        return self._hf_model
 
     @property
     def layout(self) -> SignalLayout:
         """The block stack found at boot."""
         return self._layout
-
-    @property
-    def hook_points(self) -> Mapping[str, HookPoint]:
-        """Canonical name -> HookPoint of every served site."""
-        return self._served(self._points)
 
     @property
     def info(self) -> ModelInfo:
@@ -186,21 +164,6 @@ class SignalDriver(LocalDriver):
     def masks_padding(self) -> bool:
         """Every input of a batch has one shape: there is no padding."""
         return True
-
-    @property
-    def certification(self) -> Certification | None:
-        """The certification report of the boot."""
-        return self._certification
-
-    @property
-    def absent_reasons(self) -> Mapping[str, str]:
-        """Sites this driver does not serve, and why."""
-        return self._refused
-
-    @property
-    def candidate_points(self) -> dict[str, HookPoint]:
-        """Every site served now (before certification: every block's input and output)."""
-        return dict(self._points)
 
     # -- the signal --------------------------------------------------------------------
 
@@ -301,32 +264,6 @@ class SignalDriver(LocalDriver):
             if key not in self._positions:
                 raise ConfigError(f"{self._model_name!r} ran without its first block")
         return self._positions[key]
-
-    # -- certification -------------------------------------------------------------------
-
-    def certify(self) -> Certification:
-        """The certification report (``tl certify``): every check already runs at boot.
-
-        Raises:
-            UnsupportedFeatureError: The driver was built without certifying.
-        """
-        if self._certification is None:
-            raise UnsupportedFeatureError(
-                "this driver was built without certification; boot it with HFDriver.boot, "
-                "which certifies every site it serves"
-            )
-        return self._certification
-
-    def set_certification(self, certification: Certification) -> None:
-        """Keep the boot's certification report."""
-        self._certification = certification
-
-    def serve(self, names: Mapping[str, str]) -> None:
-        """Stop serving ``names`` (name -> why), as certification decided."""
-        self._refused.update(names)
-        self._points = {n: p for n, p in self._points.items() if n not in names}
-        self.__dict__.pop("_namespace", None)
-        self.__dict__.pop("_served_points", None)
 
     # -- running -------------------------------------------------------------------------
 

@@ -19,7 +19,13 @@ from transformers import AutoConfig, PreTrainedModel
 from tl_driver_hf._architecture._describe import SHRUNK_SIZES, shrunk_model
 from tl_driver_hf.testing._checkpoint import save_with_tokenizer
 
-__all__ = ["TINY_SIZES", "VLLM_TINY_SIZES", "tiny_default_model", "write_tiny_default_checkpoint"]
+__all__ = [
+    "TINY_SIZES",
+    "VLLM_TINY_SIZES",
+    "sized_config",
+    "tiny_default_model",
+    "write_tiny_default_checkpoint",
+]
 
 #: The sizes set on a default config, where it has the field (others stay as they are).
 TINY_SIZES: Final[dict[str, int]] = SHRUNK_SIZES
@@ -27,6 +33,24 @@ TINY_SIZES: Final[dict[str, int]] = SHRUNK_SIZES
 VLLM_TINY_SIZES: Final[dict[str, int]] = {
     **SHRUNK_SIZES, "hidden_size": 128, "head_dim": 32, "intermediate_size": 256,
 }  # fmt: skip
+
+
+def sized_config(
+    model_type: str, sizes: Mapping[str, Any], overrides: Mapping[str, Any] | None = None
+) -> Any:
+    """``model_type``'s default config with the ``sizes`` it has fields for and every
+    override, through its constructor (configs derive fields there: T5's
+    ``feed_forward_proj`` sets ``is_gated_act``); special token ids past the vocabulary are
+    moved to 0."""
+    default = AutoConfig.for_model(model_type)
+    kept = {k: v for k, v in sizes.items() if hasattr(default, k)}
+    config = AutoConfig.for_model(model_type, **{**kept, **(overrides or {})})
+    vocab = getattr(config, "vocab_size", None)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        token_id = getattr(config, key, None)
+        if isinstance(vocab, int) and isinstance(token_id, int) and token_id >= vocab:
+            setattr(config, key, 0)
+    return config
 
 
 def tiny_default_model(

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any, Final
 
 import torch
-from transformers import AutoConfig, AutoModelForSeq2SeqLM, PreTrainedModel
+from transformers import AutoModelForSeq2SeqLM, PreTrainedModel
 
 from tl_driver_hf._architecture._describe import widen_weights
 from tl_driver_hf.testing._checkpoint import save_with_tokenizer
+from tl_driver_hf.testing._default_configs import sized_config
 
 __all__ = ["SEQ2SEQ_SIZES", "tiny_seq2seq_model", "write_seq2seq_checkpoint"]
 
@@ -44,15 +45,7 @@ def tiny_seq2seq_model(
     Matrices are drawn with std ``d_model ** -0.5`` and vectors (norm weights, biases)
     jittered by 0.1, from a generator seeded with ``seed``, so every weight visibly matters.
     """
-    default = AutoConfig.for_model(model_type)
-    sizes = {k: v for k, v in SEQ2SEQ_SIZES.items() if hasattr(default, k)}
-    # Through the constructor, not setattr: configs derive fields there (T5's
-    # feed_forward_proj sets is_gated_act and dense_act_fn).
-    config = AutoConfig.for_model(model_type, **{**sizes, **(overrides or {})})
-    vocab = int(config.vocab_size)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= vocab:
-            setattr(config, key, 0)
+    config = sized_config(model_type, SEQ2SEQ_SIZES, overrides)
     if getattr(config, "decoder_start_token_id", None) is None:
         # T5's released checkpoints start the decoder at the padding id; its default config
         # names no start token, and transformers can then neither shift labels nor generate.

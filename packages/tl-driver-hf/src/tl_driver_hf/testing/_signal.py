@@ -10,11 +10,12 @@ from typing import Any, Final
 
 import torch
 import transformers
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.models.auto import modeling_auto
 
 from tl_driver_hf._architecture._describe import widen_weights
 from tl_driver_hf.testing._checkpoint import save_with_tokenizer
+from tl_driver_hf.testing._default_configs import sized_config
 
 __all__ = ["SIGNAL_SIZES", "tiny_signal_model", "write_signal_checkpoint"]
 
@@ -59,14 +60,7 @@ def tiny_signal_model(
         KeyError: transformers maps ``model_type`` to neither kind.
     """
     class_name, auto = _class_of(model_type)
-    default = AutoConfig.for_model(model_type)
-    sizes = {k: v for k, v in SIGNAL_SIZES.items() if hasattr(default, k)}
-    config = AutoConfig.for_model(model_type, **{**sizes, **(overrides or {})})
-    vocab = getattr(config, "vocab_size", None)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        token_id = getattr(config, key, None)
-        if isinstance(vocab, int) and isinstance(token_id, int) and token_id >= vocab:
-            setattr(config, key, 0)
+    config = sized_config(model_type, SIGNAL_SIZES, overrides)
     # Classes that share a model type (DeiT's with and without a teacher) need the name.
     config.architectures = [class_name]
     torch.manual_seed(seed)

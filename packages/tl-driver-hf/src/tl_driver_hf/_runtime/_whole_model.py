@@ -1,0 +1,146 @@
+"""What the hf driver's drivers of whole models share: an encoder-decoder's and a pixel or
+audio model's (``Seq2SeqDriver``, ``SignalDriver``).
+
+Such a model is booted whole, as the class its config names; every site is a torch hook on
+one of its modules' inputs or outputs, installed only for the forward that needs it; every
+check runs at boot, and a site that fails one is not served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from tl_core import HookPoint, UnsupportedFeatureError, UserError
+from tl_core.certification import Certification
+from tl_core.driver_api import LocalDriver
+from tl_driver_hf._options import BootOptions
+from tl_driver_hf._runtime._torch_hooks import _input_of, _with_input
+
+__all__ = ["WholeModelDriver", "plain_add", "refuse_unserved_options"]
+
+
+class WholeModelDriver(LocalDriver):
+    """A transformers model booted whole and certified at boot (see the module doc).
+
+    Subclasses fill ``_points`` (canonical name -> ``HookPoint``, every site the model
+    offers) and run the model.
+    """
+
+    name = "hf"
+
+    def __init__(self, model: nn.Module, *, name: str = "") -> None:
+        self._model_name = name or type(model).__name__
+        self._hf_model = model
+        self._points: dict[str, HookPoint] = {}
+        self._refused: dict[str, str] = {}
+        self._certification: Certification | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The transformers model."""
+        return self._hf_model
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers model."""
+        return self._hf_model
+
+    @property
+    def hook_points(self) -> Mapping[str, HookPoint]:
+        """Canonical name -> HookPoint of every served site."""
+        return self._served(self._points)
+
+    @property
+    def certification(self) -> Certification | None:
+        """The certification report of the boot."""
+        return self._certification
+
+    @property
+    def absent_reasons(self) -> Mapping[str, str]:
+        """Sites certification refused, and sites this driver does not serve yet."""
+        return self._refused
+
+    @property
+    def candidate_points(self) -> dict[str, HookPoint]:
+        """Every site served now (before certification: every one the model offers)."""
+        return dict(self._points)
+
+    def certify(self) -> Certification:
+        """The certification report (``tl certify``): every check already runs at boot.
+
+        Raises:
+            UnsupportedFeatureError: The driver was built without certifying (not by
+                ``HFDriver.boot``).
+        """
+        if self._certification is None:
+            raise UnsupportedFeatureError(
+                "this driver was built without certification; boot it with HFDriver.boot, "
+                "which certifies every site it serves"
+            )
+        return self._certification
+
+    def set_certification(self, certification: Certification) -> None:
+        """Keep the boot's certification report (certification served its verdict)."""
+        self._certification = certification
+
+    def serve(self, names: Mapping[str, str]) -> None:
+        """Stop serving ``names`` (name -> why), as certification decided."""
+        self._refused.update(names)
+        self._points = {n: p for n, p in self._points.items() if n not in names}
+        self.__dict__.pop("_namespace", None)
+        self.__dict__.pop("_served_points", None)
+
+
+@contextmanager
+def plain_add(module: nn.Module, delta: torch.Tensor, *, at_input: bool) -> Iterator[None]:
+    """Add ``delta`` to ``module``'s input (``at_input``) or output with a plain torch hook:
+    the reference a certification's edit check compares tl's ``add`` with."""
+
+    def add_in(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        return _with_input(a, k, _input_of(a, k) + delta)
+
+    def add_out(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
+        return (out[0] + delta, *out[1:]) if isinstance(out, tuple) else out + delta
+
+    handle = (
+        module.register_forward_pre_hook(add_in, with_kwargs=True)
+        if at_input
+        else module.register_forward_hook(add_out)
+    )
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def refuse_unserved_options(opts: BootOptions, kind: str, **more: bool) -> None:
+    """Refuse boot options a whole model's driver does not serve, before any weight loads.
+
+    Args:
+        opts: The parsed options.
+        kind: What the model is, plural, for the message (``"encoder-decoders"``).
+        **more: Further options refused for this kind: their text -> whether given.
+
+    Raises:
+        UserError: Naming every such option given.
+    """
+    unsupported = {
+        "load_weights=False": not opts.load_weights,
+        "use_attn_result=True": opts.use_attn_result,
+        "n_devices": opts.n_devices is not None,
+        "n_ctx": opts.n_ctx is not None,
+        "certify=False": not opts.certify,
+        "a GGUF file": opts.gguf_path is not None,
+        **more,
+    }
+    named = [k for k, v in unsupported.items() if v]
+    if named:
+        raise UserError(
+            f"{', '.join(named)}: not served on {kind} yet (tl boots them whole and certifies "
+            "every site it serves); drop the option"
+        )
