@@ -7,6 +7,7 @@ and label loss, and plain torch hooks make the same edits tl's specs make.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -346,3 +347,35 @@ def test_attribution_defaults_cover_both_stacks_and_edges_are_refused(
     assert set(result.nodes) == set(sites)
     with pytest.raises(UnsupportedFeatureError, match="two joined by cross-attention"):
         attribution_patch(bridge, ids, ids, logit_diff_metric(5, 9), granularity="edge")
+
+
+def test_capture_stores_the_encoder_s_sites_and_refuses_the_decoder_s(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A store holds one row per corpus token: the encoder's, and cross-attention's keys
+    (over the encoder's positions); decoder positions are refused before anything is
+    written. Each row equals run_with_cache of its context alone."""
+    from tl_core.capture import CaptureConfig, CaptureStore, capture
+
+    text = tmp_path / "docs.txt"
+    text.write_text("the cat sat on the mat\nhello world\n")
+    hooks = ("encoder_blocks.1.hook_out", "decoder_blocks.0.cross_attn.hook_k")
+    config = CaptureConfig(
+        model=str(folders["t5"]), driver="hf", hooks=hooks, input=str(text), context_size=8,
+        batch_size=2, pack=False,
+    )  # fmt: skip
+    assert capture(config, tmp_path / "store", progress=False).complete
+    store = CaptureStore(tmp_path / "store")
+    bridge = TransformerBridge.boot_transformers(str(folders["t5"]))
+    tokens, contexts = store.read("tokens"), store.read("contexts")
+    for i in range(int(contexts.max()) + 1):
+        rows = (contexts == i).nonzero().flatten()
+        ids = tokens[rows].tolist()
+        _, cache = bridge.run_with_cache([ids], names_filter=list(hooks), prepend_bos=False)
+        for hook in hooks:
+            got = store.read(hook, int(rows[0]), int(rows[-1]) + 1)
+            torch.testing.assert_close(got, cache[hook][0], atol=2e-5, rtol=1e-5)
+    decoder = dataclasses.replace(config, hooks=("decoder_blocks.1.hook_out",))
+    with pytest.raises(UserError, match=r"lie over the decoder's positions.*nothing was written"):
+        capture(decoder, tmp_path / "refused", progress=False)
+    assert not (tmp_path / "refused").exists()

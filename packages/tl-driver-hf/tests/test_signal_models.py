@@ -199,3 +199,20 @@ def test_certification_refuses_a_stream_read_from_the_wrong_blocks(
     broken._layout = replace(broken.layout, blocks=broken.layout.blocks[::-1])
     with pytest.raises(ConfigError, match="does not reproduce the model"):
         certify_signal(broken, name="broken")
+
+
+def test_tl_capture_refuses_a_model_that_reads_no_text(
+    bridges: dict[str, TransformerBridge], tmp_path: Path
+) -> None:
+    from tl_core.capture import CaptureConfig, capture
+
+    text = tmp_path / "docs.txt"
+    text.write_text("a photo of a cat\n")
+    folder = bridges["vit"].driver.hf_model.name_or_path
+    config = CaptureConfig(
+        model=str(folder), driver="hf", hooks=("blocks.0.hook_out",), input=str(text),
+        context_size=8,
+    )  # fmt: skip
+    with pytest.raises(UserError, match=r"reads pixels, not text.*nothing was written"):
+        capture(config, tmp_path / "store", progress=False)
+    assert not (tmp_path / "store").exists()

@@ -127,9 +127,12 @@ def shard_contexts(config: CaptureConfig, plan: HookPlan) -> int:
 
 
 def stop_layer(names: list[str], n_layers: int) -> int | None:
-    """The block to stop before when every hook lies before it (``None``: run to the end)."""
+    """The block to stop before when every hook lies before it (``None``: run to the end,
+    as always on an encoder-decoder, whose two stacks have no one block to stop before)."""
     last = -1
     for name in names:
+        if not name.startswith(("blocks.", *BEFORE_BLOCKS)):
+            return None
         split = split_canonical(name)
         layer = None if split is None else split[1]
         if layer is None and name not in BEFORE_BLOCKS:

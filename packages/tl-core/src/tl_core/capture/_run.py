@@ -51,6 +51,7 @@ from tl_core.capture._preflight import SPECS, Preflight, preflight
 from tl_core.capture._progress import Progress
 from tl_core.capture._shards import shard_name, write_shard
 from tl_core.capture._source import DocumentSource
+from tl_core.hooks._vocabulary import on_decoder_positions
 
 __all__ = [
     "CaptureSummary",
@@ -220,6 +221,26 @@ def _check_padding(bridge: Any, config: CaptureConfig) -> None:
             "attends both ways (an encoder): every position of the context would read them, "
             "so its activations would depend on the padding. Keep drop_padding=True (the "
             "default; drop --keep-padding), which runs short contexts with the padding masked"
+        )
+
+
+def _refuse_decoder_sites(bridge: Any, names: Sequence[str]) -> None:
+    """Refuse, on an encoder-decoder, sites over the decoder's positions: a store holds one
+    row per corpus token, and the corpus is what the encoder reads.
+
+    Raises:
+        UserError: Naming the sites, and what to capture instead.
+    """
+    if not getattr(bridge.driver, "encoder_decoder", False):
+        return
+    decoder = [n for n in names if on_decoder_positions(n)]
+    if decoder:
+        raise UserError(
+            f"tl capture stores one row per corpus token, which an encoder-decoder's encoder "
+            f"reads; {decoder[:3]} lie over the decoder's positions (its start token alone "
+            "here): capture encoder_blocks.* sites (or cross-attention's hook_k/hook_v, which "
+            "lie over the encoder's), or run decoder inputs from Python with run_with_cache("
+            "..., decoder_input=...); nothing was written"
         )
 
 
@@ -417,6 +438,13 @@ def _boot_and_run(
         bridge = boot(config.model, driver=config.driver, **config.boot_options)
     spliced: list[Any] = []
     try:
+        reads = getattr(bridge.driver, "signal_input", None)
+        if reads is not None:
+            raise UserError(
+                f"tl capture runs a text corpus through the model, and {config.model!r} reads "
+                f"{reads}, not text: capture its activations from Python "
+                "(bridge.run_with_cache(pixels_or_audio, names_filter=...)); nothing was written"
+            )
         spliced.extend(attach_dictionaries(bridge, config, checked.dictionaries))
         limit = booted_limit(bridge, config)
         if limit is not None:
@@ -426,6 +454,7 @@ def _boot_and_run(
         check_intervene_on(bridge, config, SPECS)
         probe = bridge.tokenizer.bos_token_id
         plan = plan_hooks(bridge, config, probe if probe is not None else 0)
+        _refuse_decoder_sites(bridge, plan.names)
         model = refreshed(config, checked.model)  # a hub id is what the boot resolved
         wanted = identity(config, plan, bridge, checked.digest, shard_contexts(config, plan), model)
         with _no_space(folder, "writing the store"):
