@@ -37,14 +37,19 @@ _hooks_spec.loader.exec_module(_plain_hooks)
 layer_inputs = _plain_hooks.layer_inputs
 
 #: model type -> config overrides: T5 (pre-LN RMS, relative bias), T5 v1.1 (gated MLP),
-#: BART and Marian (post-LN, learned positions), mBART (pre-LN with a final norm).
+#: BART and Marian (post-LN, learned positions), mBART (pre-LN with a final norm), and
+#: two with mixtures of experts in some blocks' MLPs: Switch Transformers (T5's form) and
+#: NLLB-MoE (BART's form, with its MLP in an ``ffn`` module).
 TYPES: dict[str, dict[str, Any]] = {
     "t5": {},
     "t5-gated": {"feed_forward_proj": "gated-gelu"},
     "bart": {},
     "marian": {},
     "mbart": {},
-}
+    "switch_transformers": {"num_experts": 4, "num_sparse_encoder_layers": 1,
+                            "num_sparse_decoder_layers": 1},
+    "nllb-moe": {"num_experts": 4, "encoder_sparse_step": 2, "decoder_sparse_step": 2},
+}  # fmt: skip
 PROMPTS = ["the cat sat", "a b"]
 
 
@@ -52,7 +57,9 @@ PROMPTS = ["the cat sat", "a b"]
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("seq2seq")
     return {
-        name: write_seq2seq_checkpoint(name.split("-")[0], root / name, overrides=overrides)
+        name: write_seq2seq_checkpoint(
+            name.removesuffix("-gated"), root / name, overrides=overrides
+        )
         for name, overrides in TYPES.items()
     }
 

@@ -88,9 +88,17 @@ def _norm(module: nn.Module, prefix: str) -> dict[str, Site]:
     return {f"{prefix}.hook_in": Site(module, "in"), f"{prefix}.hook_out": Site(module, "out")}
 
 
+#: The MLP inside a T5 feed-forward sublayer: T5's dense one, or Switch Transformers' (a
+#: dense one or a mixture of experts, alternating by block).
+_T5_MLP = ("DenseReluDense", "mlp")
+
+
 def _t5_mlp(ff: Any) -> dict[str, Site]:
-    dense = ff.DenseReluDense
+    dense = next(getattr(ff, n) for n in _T5_MLP if hasattr(ff, n))
     sites = {"mlp.hook_in": Site(dense, "in"), "mlp.hook_out": Site(dense, "out")}
+    if not isinstance(getattr(dense, "wo", None), nn.Linear):
+        # A mixture of experts: its input and output only (no one neuron axis).
+        return sites
     if isinstance(getattr(dense, "wi", None), nn.Linear):
         sites["mlp.hook_pre"] = Site(dense.wi, "out")
     elif isinstance(getattr(dense, "wi_0", None), nn.Linear):
@@ -110,12 +118,11 @@ def _t5_block(block: Any, decoder: bool, where: str) -> dict[str, Site]:
     attention = next(
         (getattr(attn_layer, n) for n in _T5_SELF_ATTENTION if hasattr(attn_layer, n)), None
     )
-    if attention is None or not hasattr(ff_layer, "DenseReluDense"):
+    if attention is None or not any(hasattr(ff_layer, n) for n in _T5_MLP):
         raise ConfigError(
             f"tl does not know the blocks of the {where} ({type(block).__name__}): a T5-style "
             f"block whose sublayers ({', '.join(type(p).__name__ for p in parts)}) hold no "
-            "self-attention or no dense MLP (DenseReluDense) it knows (a mixture of experts "
-            "is not served on encoder-decoders yet)"
+            "self-attention or no MLP (DenseReluDense, or Switch Transformers' mlp) it knows"
         )
     sites = {"hook_in": Site(block, "in")}
     sites.update(_norm(attn_layer.layer_norm, "ln1"))
@@ -136,40 +143,73 @@ def _t5_block(block: Any, decoder: bool, where: str) -> dict[str, Site]:
     return sites
 
 
-def _bart_block(block: Any, decoder: bool) -> dict[str, Site]:
+#: A BART-style block's parts, each by the names its families give it: BART and its
+#: descendants (``encoder_attn``, ``fc1``/``fc2`` on the block, ``final_layer_norm``),
+#: NLLB-MoE and SeamlessM4T (``cross_attention``, an ``ffn`` module, ``ff_layer_norm``).
+_BART_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn": ("self_attn",),
+    "ln1": ("self_attn_layer_norm",),
+    "cross_attn": ("encoder_attn", "cross_attention"),
+    "ln_cross": ("encoder_attn_layer_norm", "cross_attention_layer_norm"),
+    "ln_mlp": ("final_layer_norm", "ff_layer_norm", "ffn_layer_norm"),
+}
+
+
+def _part(block: nn.Module, role: str) -> nn.Module | None:
+    found = (getattr(block, n, None) for n in _BART_PARTS[role])
+    return next((m for m in found if isinstance(m, nn.Module)), None)
+
+
+def _bart_mlp(block: Any) -> dict[str, Site] | None:
+    """The MLP's sites: ``fc1``/``fc2`` on the block (BART), or an ``ffn`` module (dense,
+    with ``fc1``/``fc2`` inside; or a mixture of experts: its input and output only)."""
+    ffn = getattr(block, "ffn", None)
+    holder = ffn if isinstance(ffn, nn.Module) else block
+    fc1, fc2 = getattr(holder, "fc1", None), getattr(holder, "fc2", None)
+    # The MLP's input and output: the ffn module's, else fc1's input and fc2's output.
+    first, last = (holder, holder) if holder is not block else (fc1, fc2)
+    if not isinstance(first, nn.Module) or not isinstance(last, nn.Module):
+        return None
+    sites = {"mlp.hook_in": Site(first, "in")}
+    if isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear):
+        sites.update({"mlp.hook_pre": Site(fc1, "out"), "mlp.hook_post": Site(fc2, "in")})
+    sites["mlp.hook_out"] = Site(last, "out")
+    return sites
+
+
+def _bart_block(block: Any, decoder: bool) -> dict[str, Site] | None:
+    """A BART-style block's sites, or ``None`` when it lacks a part (see ``_BART_PARTS``)."""
+    roles = ["self_attn", "ln1", "ln_mlp", *(["cross_attn", "ln_cross"] if decoder else [])]
+    found = {role: _part(block, role) for role in roles}
+    parts = {role: m for role, m in found.items() if m is not None}
+    mlp = _bart_mlp(block)
+    if mlp is None or len(parts) < len(roles):
+        return None
     sites = {"hook_in": Site(block, "in")}
-    sites.update(_norm(block.self_attn_layer_norm, "ln1"))
-    sites.update(_attention(block.self_attn, "attn"))
+    sites.update(_norm(parts["ln1"], "ln1"))
+    sites.update(_attention(parts["self_attn"], "attn"))
     if decoder:
-        sites.update(_norm(block.encoder_attn_layer_norm, "ln2"))
-        sites.update(_attention(block.encoder_attn, "cross_attn"))
-        sites.update(_norm(block.final_layer_norm, "ln3"))
+        sites.update(_norm(parts["ln_cross"], "ln2"))
+        sites.update(_attention(parts["cross_attn"], "cross_attn"))
+        sites.update(_norm(parts["ln_mlp"], "ln3"))
     else:
-        sites.update(_norm(block.final_layer_norm, "ln2"))
-    sites.update(
-        {
-            "mlp.hook_in": Site(block.fc1, "in"),
-            "mlp.hook_pre": Site(block.fc1, "out"),
-            "mlp.hook_post": Site(block.fc2, "in"),
-            "mlp.hook_out": Site(block.fc2, "out"),
-            "hook_out": Site(block, "out"),
-        }
-    )
+        sites.update(_norm(parts["ln_mlp"], "ln2"))
+    sites.update(mlp)
+    sites["hook_out"] = Site(block, "out")
     return sites
 
 
 def _block_sites(block: nn.Module, decoder: bool, where: str) -> dict[str, Site]:
     if isinstance(getattr(block, "layer", None), nn.ModuleList):
         return _t5_block(block, decoder, where)
-    needed = ["self_attn", "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm"]
-    if decoder:
-        needed += ["encoder_attn", "encoder_attn_layer_norm"]
-    if all(isinstance(getattr(block, n, None), nn.Module) for n in needed):
-        return _bart_block(block, decoder)
+    sites = _bart_block(block, decoder)
+    if sites is not None:
+        return sites
     raise ConfigError(
         f"tl does not know the blocks of the {where} ({type(block).__name__}): it serves "
         "encoder-decoders built like T5 (a `layer` list of sublayers) or like BART "
-        "(`self_attn`, `encoder_attn`, `fc1`/`fc2` and a norm per sublayer)"
+        "(`self_attn`, cross-attention, an MLP (`fc1`/`fc2` or `ffn`) and a norm per "
+        "sublayer)"
     )
 
 
