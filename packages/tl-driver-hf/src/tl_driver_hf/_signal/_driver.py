@@ -68,13 +68,21 @@ class LabelTokenizer:
         )
 
     def decode(self, ids: int | Sequence[int]) -> str:
-        """Label names of output ids, space-separated."""
-        values = [ids] if isinstance(ids, int) else [int(i) for i in ids]
-        return " ".join(self.token_to_str(i) for i in values)
+        """Label names of output ids (one, a sequence, or a tensor), space-separated."""
+        values = torch.as_tensor(ids).flatten().tolist()
+        return " ".join(self.token_to_str(int(i)) for i in values)
 
     def token_to_str(self, token_id: int) -> str:
         """The label name of one output id (``LABEL_3`` where the config names none)."""
         return str(self._labels.get(int(token_id), f"LABEL_{int(token_id)}"))
+
+
+def _partial_forward() -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        "partial forwards (start_at_layer/stop_at_layer) are not served on models that read "
+        "pixels or audio yet: run the whole model and capture the block you need (e.g. "
+        "blocks.1.hook_in)"
+    )
 
 
 class _Measured(Exception):
@@ -303,11 +311,7 @@ class SignalDriver(WholeModelDriver):
             UnsupportedFeatureError: A partial forward, or no signal.
         """
         if start_at_layer is not None or stop_at_layer is not None or residual is not None:
-            raise UnsupportedFeatureError(
-                "partial forwards (start_at_layer/stop_at_layer) are not served on models "
-                "that read pixels or audio yet: run the whole model and capture the block "
-                "you need (e.g. blocks.1.hook_in)"
-            )
+            raise _partial_forward()
         if input_ids is None or not input_ids.is_floating_point():
             raise UnsupportedFeatureError(f"{self._model_name!r} runs on {self._reads} only")
         with self._wired():
@@ -329,8 +333,9 @@ class SignalDriver(WholeModelDriver):
             raise UnsupportedFeatureError(
                 f"{self._model_name!r} reads {self._reads} and generates no tokens"
             )
-        if any(x is not None for x in (request.start_at_layer, request.stop_at_layer)):
-            self.run_model(None, start_at_layer=request.start_at_layer, stop_at_layer=0)
+        partial = (request.start_at_layer, request.stop_at_layer, request.residual)
+        if any(x is not None for x in partial):
+            raise _partial_forward()
         batch = request.batch.to(self.device)
         store: dict[str, torch.Tensor] = {}
         with self.attached(request.plan, batch, capture=request.capture, store=store):
