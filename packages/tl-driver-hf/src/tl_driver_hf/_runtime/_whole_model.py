@@ -17,7 +17,7 @@ from torch import nn
 
 from tl_core import HookPoint, UnsupportedFeatureError, UserError
 from tl_core.certification import Certification
-from tl_core.driver_api import LocalDriver
+from tl_core.driver_api import LocalDriver, ModelInfo, Tokenizer
 from tl_driver_hf._options import BootOptions
 from tl_driver_hf._runtime._torch_hooks import _input_of, _with_input
 
@@ -27,9 +27,12 @@ __all__ = ["WholeModelDriver", "plain_add", "refuse_unserved_options"]
 class WholeModelDriver(LocalDriver):
     """A transformers model booted whole and certified at boot (see the module doc).
 
-    Subclasses fill ``_points`` (canonical name -> ``HookPoint``, every site the model
-    offers) and run the model.
+    Subclasses set ``_info`` and ``_tokenizer``, fill ``_points`` (canonical name ->
+    ``HookPoint``, every site the model offers) and run the model.
     """
+
+    _info: ModelInfo
+    _tokenizer: Tokenizer
 
     name = "hf"
 
@@ -49,6 +52,25 @@ class WholeModelDriver(LocalDriver):
     def hf_model(self) -> nn.Module:
         """The transformers model."""
         return self._hf_model
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's sizes (an encoder-decoder's ``n_layers`` is its decoder's, and
+        ``encoder_layers`` its encoder's; a pixel or audio model's ``d_vocab`` is its
+        logits' width)."""
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer (for a model that reads no text, one that decodes
+        output ids to label names)."""
+        return self._tokenizer
+
+    @property
+    def masks_padding(self) -> bool:
+        """Padding never reaches a real position: an encoder's ragged batch is masked, and
+        a pixel or audio batch has none."""
+        return True
 
     @property
     def hook_points(self) -> Mapping[str, HookPoint]:

@@ -179,21 +179,6 @@ class Seq2SeqDriver(WholeModelDriver):
         self._points = {name: HookPoint(name) for name in forward_order(self._sites)}
 
     @property
-    def info(self) -> ModelInfo:
-        """Both stacks' sizes: ``n_layers`` the decoder's, ``encoder_layers`` the encoder's."""
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """The checkpoint's tokenizer (prompts closed as its template closes them)."""
-        return self._tokenizer
-
-    @property
-    def masks_padding(self) -> bool:
-        """The encoder attends both ways, so a ragged batch's padding is masked."""
-        return True
-
-    @property
     def decoder_start_ids(self) -> tuple[int, ...]:
         """The ids a decoder input starts from (the model's decoder start token)."""
         config: Any = self._hf_model.config

@@ -27,7 +27,6 @@ from tl_core.driver_api import (
     ForwardResult,
     ModelInfo,
     TokenBatch,
-    Tokenizer,
 )
 from tl_core.hooks import forward_order
 from tl_driver_hf._runtime._torch_hooks import _input_hook, _output_hook
@@ -157,21 +156,6 @@ class SignalDriver(WholeModelDriver):
     def layout(self) -> SignalLayout:
         """The block stack found at boot."""
         return self._layout
-
-    @property
-    def info(self) -> ModelInfo:
-        """The stack's sizes; ``d_vocab`` is the head's output count (labels, CTC tokens)."""
-        return self._info
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        """Encodes nothing; decodes output ids to the config's label names."""
-        return self._tokenizer
-
-    @property
-    def masks_padding(self) -> bool:
-        """Every input of a batch has one shape: there is no padding."""
-        return True
 
     # -- the signal --------------------------------------------------------------------
 
