@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import example, given, settings, strategies as st
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageClassification
 
@@ -216,3 +217,29 @@ def test_tl_capture_refuses_a_model_that_reads_no_text(
     with pytest.raises(UserError, match=r"reads pixels, not text.*nothing was written"):
         capture(config, tmp_path / "store", progress=False)
     assert not (tmp_path / "store").exists()
+
+
+@settings(max_examples=30, deadline=None)
+@example(shape=[0, 3, 32, 32], floating=True)
+@example(shape=[3, 32, 32], floating=True)
+@given(
+    shape=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=5),
+    floating=st.booleans(),
+)
+def test_any_input_is_taken_or_refused_before_the_model_runs(
+    bridges: dict[str, TransformerBridge], shape: list[int], floating: bool
+) -> None:
+    """Every tensor handed to a ViT is either a batch of 32x32 RGB images (served, one
+    position per patch and the class token) or refused with a UserError naming the shape
+    it reads; nothing else escapes."""
+    bridge = bridges["vit"]
+    x = torch.zeros(shape, dtype=torch.float32 if floating else torch.long)
+    fits = floating and (
+        tuple(shape) == (3, 32, 32) or (len(shape) == 4 and tuple(shape[1:]) == (3, 32, 32))
+    )
+    if fits and x.numel():
+        logits = bridge(x)
+        assert logits.shape == (1 if len(shape) == 3 else shape[0], bridge.cfg.d_vocab)
+    else:
+        with pytest.raises(UserError, match=r"\[batch, 3, 32, 32\]|empty batch"):
+            bridge(x)

@@ -204,24 +204,25 @@ class SignalDriver(WholeModelDriver):
                 f"{want}; got {got}"
             )
         batched = {"pixels": 4, "audio samples": 2, "audio features": 3}[self._reads]
+        given = tuple(signal.shape)
         if signal.ndim == batched - 1:
             signal = signal[None]
+        if signal.ndim == batched and signal.shape[0] == 0:
+            raise UserError(f"{self._model_name!r} got an empty batch (shape {given})")
         if self._reads == "pixels":
             size = config_value(self._hf_model.config, "image_size") or 224
             expected = self._expected_pixels(signal.shape[0], size)
             if tuple(signal.shape) != expected:
                 raise UserError(
-                    f"{self._model_name!r} reads pixels {want}; got shape "
-                    f"{tuple(signal.shape)} (resize the images to the config's size)"
+                    f"{self._model_name!r} reads pixels {want}; got shape {given} (resize "
+                    "the images to the config's size)"
                 )
         elif (
             signal.ndim != batched
             or signal.shape[1] == 0
             or (batched == 3 and signal.shape[2] != feature_size(self._hf_model.config))
         ):
-            raise UserError(
-                f"{self._model_name!r} reads audio samples {want}; got shape {tuple(signal.shape)}"
-            )
+            raise UserError(f"{self._model_name!r} reads {self._reads} {want}; got shape {given}")
         positions = self._stream_length(tuple(signal.shape))
         batch = TokenBatch(
             torch.zeros(signal.shape[0], positions, dtype=torch.long),
