@@ -332,7 +332,8 @@ def image_check(driver: Any, inputs: Mapping[str, Any]) -> tuple[bool, str | Non
     ids, pixels = tensors["input_ids"], tensors["pixel_values"]
     with torch.no_grad():
         want = driver.hf_model(input_ids=ids, pixel_values=pixels, use_cache=False).logits
-        got = TransformerBridge(driver)(ids, images=pixels)
+        # tl takes images as [n, c, h, w] (a model's list of images per prompt flattened).
+        got = TransformerBridge(driver)(ids, images=pixels.flatten(0, -4))
     return True, _difference(got, want, "logits with an image")
 
 

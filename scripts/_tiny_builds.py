@@ -249,8 +249,20 @@ def _with_image(config: Any, model: Any) -> tuple[dict[str, Any] | None, str | N
         return None, "no image token id or get_image_features"
     shape = _pixel_shape(config, 1)
     try:
-        with torch.no_grad():
-            n = _image_tokens(getter(pixel_values=tensors({"pixel_values": shape})["pixel_values"]))
+        try:
+            with torch.no_grad():
+                n = _image_tokens(
+                    getter(pixel_values=tensors({"pixel_values": shape})["pixel_values"])
+                )
+        except ValueError as error:
+            # Idefics2/3 and SmolVLM take a list of images per prompt: [batch, n, c, h, w].
+            if "unpack" not in str(error):
+                raise
+            shape = [1, *shape]
+            with torch.no_grad():
+                n = _image_tokens(
+                    getter(pixel_values=tensors({"pixel_values": shape})["pixel_values"])
+                )
         ids = tiny.input_ids(config)[0]
         spec = {"input_ids": [ids[:3] + [token] * n + ids[3:]], "pixel_values": shape}
         run(model, spec)

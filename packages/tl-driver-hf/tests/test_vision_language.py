@@ -22,6 +22,8 @@ from torch import nn
 from transformers import (
     AutoModelForImageTextToText,
     CLIPImageProcessor,
+    Idefics2Config,
+    Idefics2ForConditionalGeneration,
     LlavaConfig,
     LlavaForConditionalGeneration,
 )
@@ -340,7 +342,7 @@ def broken_projection(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     from tl_driver_hf._certification import _image_checks
 
     real = _image_checks.image_features
-    monkeypatch.setattr(_image_checks, "image_features", lambda m, p: 2 * real(m, p))
+    monkeypatch.setattr(_image_checks, "image_features", lambda m, p, **kw: 2 * real(m, p, **kw))
     yield
 
 
@@ -359,3 +361,63 @@ def test_a_failed_image_check_stops_images_and_keeps_the_text(
     assert driver.images_refused is not None and "FAIL" in driver.images_refused
     with pytest.raises(UnsupportedFeatureError, match="takes no images"):
         TransformerBridge(driver)(torch.tensor([[1, _IMAGE]]), images=_pixels(1))
+
+
+@pytest.fixture(scope="module")
+def idefics2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Idefics2: a SigLIP-style tower on 32 x 32 pixels and a perceiver resampler
+    that gives each image 4 positions, over a Mistral of width 64. It takes its images as
+    one list per prompt, ``[batch, n, c, h, w]``."""
+    config = Idefics2Config(
+        text_config={**_TEXT, "model_type": "mistral"},
+        vision_config={key: v for key, v in _VISION.items() if key != "model_type"},
+        perceiver_config={
+            "resampler_n_latents": 4, "resampler_depth": 1, "resampler_n_heads": 2,
+            "resampler_head_dim": 16, "num_key_value_heads": 1, "hidden_size": 64,
+        },
+        image_token_id=_IMAGE,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Idefics2ForConditionalGeneration(config)
+    for p in model.parameters():
+        p.data.add_(0.05 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp("idefics2") / "idefics2"
+    model.save_pretrained(folder)
+    train_tiny_tokenizer(512).save_pretrained(folder)
+    return folder
+
+
+def test_a_model_that_takes_a_list_of_images_per_prompt_gets_them_in_order(
+    idefics2: Path,
+) -> None:
+    """tl's ``[n, c, h, w]`` images reach Idefics2 as its ``[1, n, c, h, w]`` list: logits
+    and an ablation of the image positions equal plain transformers'."""
+    bridge = TransformerBridge(HFDriver.boot(str(idefics2)))
+    assert bridge.driver.grouped_pixels and bridge.driver.supports("images")
+    assert bridge.architecture.vision.tokens_per_image == 4
+    plain = AutoModelForImageTextToText.from_pretrained(idefics2, attn_implementation="eager")
+    ids = [1, 40, _IMAGE, 77, 9, _IMAGE, 3]
+    full = [t for i in ids for t in ([i] * 4 if i == _IMAGE else [i])]
+    pixels = _pixels(2, seed=6)
+    spec = {"blocks.1.hook_in": {"op": "suppress", "pos": "image"}}
+    logits = bridge(torch.tensor([ids]), images=pixels)
+    ablated = bridge(torch.tensor([ids]), images=pixels, intervene=spec)
+    at_image = [i for i, t in enumerate(full) if t == _IMAGE]
+
+    def zero(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        hidden = (args[0] if args else kwargs["hidden_states"]).clone()
+        hidden[:, at_image] = 0.0
+        return (
+            ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+        )
+
+    with torch.no_grad():
+        want = plain(input_ids=torch.tensor([full]), pixel_values=pixels[None]).logits
+        handle = plain.model.text_model.layers[1].register_forward_pre_hook(zero, with_kwargs=True)
+        try:
+            want_ablated = plain(input_ids=torch.tensor([full]), pixel_values=pixels[None]).logits
+        finally:
+            handle.remove()
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ablated, want_ablated, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(ablated, logits)

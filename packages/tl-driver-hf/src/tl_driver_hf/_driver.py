@@ -27,7 +27,7 @@ from tl_core.driver_api import (
 from tl_driver_hf._architecture._infer import InferredArchitecture, infer_architecture
 from tl_driver_hf._architecture._kinds import lm_kind
 from tl_driver_hf._architecture._modules import resolve_modules
-from tl_driver_hf._architecture._vision import read_vision
+from tl_driver_hf._architecture._vision import model_pixels, read_vision
 from tl_driver_hf._certification._boot_certification import BootDecision, BootFacts, certify_at_boot
 from tl_driver_hf._certification._certify import certify_driver
 from tl_driver_hf._certification._image_checks import IMAGE_EQUATIONS
@@ -112,7 +112,9 @@ class HFDriver(LocalDriver):
             hasattr(m, "_hf_hook") for m in hf_model.modules()
         )
         #: How images reach the language stack (``None``: the model takes none, and why).
-        self._vision, self._no_images = read_vision(hf_model, config, measure=not self._meta)
+        self._vision, self._no_images, self._grouped_pixels = read_vision(
+            hf_model, config, measure=not self._meta
+        )
         if self._vision is not None:
             info = dataclasses.replace(info, reads_images=True)
         self._hf_model = hf_model
@@ -555,6 +557,12 @@ class HFDriver(LocalDriver):
         return load_image_processor(str(source))
 
     @property
+    def grouped_pixels(self) -> bool:
+        """Whether the model takes its images as one list ``[1, n, c, h, w]`` (Idefics2
+        and 3, SmolVLM) rather than ``[n, c, h, w]`` (see ``model_pixels``)."""
+        return self._grouped_pixels
+
+    @property
     def images_refused(self) -> str | None:
         """Why this model takes no images from tl, or ``None`` when it takes them."""
         if self._vision is None:
@@ -666,7 +674,7 @@ class HFDriver(LocalDriver):
                 extra["token_type_ids"] = token_type_ids.to(device)
             if images is not None:
                 dtype = next(self.hf_model.parameters()).dtype
-                extra["pixel_values"] = images.to(device, dtype)
+                extra["pixel_values"] = model_pixels(images, self._grouped_pixels).to(device, dtype)
             try:
                 out = self.hf_model(
                     input_ids=ids,

@@ -16,7 +16,7 @@ import torch
 
 from tl_core.certification import CertificationCheck, compare
 from tl_driver_hf._architecture._probe import probe_ids
-from tl_driver_hf._architecture._vision import image_features
+from tl_driver_hf._architecture._vision import image_features, model_pixels
 
 if TYPE_CHECKING:
     from tl_core.architecture import VisionDescription
@@ -50,10 +50,13 @@ def image_checks(
     shape = (1, vision.channels, *vision.image_size)
     pixels = torch.randn(shape, generator=generator).to(param.device, param.dtype)
     logits_eq, features_eq = IMAGE_EQUATIONS
+    grouped = bool(getattr(driver, "grouped_pixels", False))
     try:
         with torch.no_grad():
-            plain = model(input_ids=ids, pixel_values=pixels, use_cache=False).logits
-            features = image_features(model, pixels)
+            plain = model(
+                input_ids=ids, pixel_values=model_pixels(pixels, grouped), use_cache=False
+            ).logits
+            features = image_features(model, pixels, grouped=grouped)
     except Exception as error:
         detail = f"plain transformers raised {type(error).__name__}: {error}"[:200]
         return [
