@@ -215,3 +215,16 @@ def test_report_card_with_vllm_skips_families_it_does_not_serve(
     assert rows["gpt_neo"][2] == "SKIP" and "GPTNeoForCausalLM" in rows["gpt_neo"][3], rows[
         "gpt_neo"
     ]
+
+
+def test_a_model_that_reads_no_text_is_refused_with_why(tmp_path: Path) -> None:
+    """tl parity runs token ids: a ViT's driver says it reads pixels instead (no crash in
+    the tokenizer, no empty PASS)."""
+    import types
+
+    from tl_core import UserError
+    from tl_parity._worker import _encode
+
+    bridge = types.SimpleNamespace(driver=types.SimpleNamespace(signal_input="pixels"))
+    with pytest.raises(UserError, match=r"compares drivers on token ids.*reads pixels"):
+        _encode(bridge, ["hello"])

@@ -52,6 +52,14 @@ def _boot_options(driver: str, dtype: str, options: dict[str, Any]) -> dict[str,
 
 
 def _encode(bridge: Any, texts: list[str]) -> list[list[int]]:
+    reads = getattr(bridge.driver, "signal_input", None)
+    if reads is not None:
+        from tl_core import UserError
+
+        raise UserError(
+            f"tl parity compares drivers on token ids, and this model reads {reads}, not "
+            "text: compare its blocks from Python (run_with_cache on both bridges)"
+        )
     tok = bridge.tokenizer
     bos = tok.bos_token_id
     n_ctx = int(getattr(bridge.driver.info, "n_ctx", 0) or 0)
