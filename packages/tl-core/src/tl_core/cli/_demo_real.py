@@ -192,7 +192,8 @@ def _patching(model: Any) -> tuple[Any, list[str], str]:
     )
     for i in _PATCH_ROWS:
         print(
-            f"{i:>5}  {scores[i, SUBJECT].item():12.2f}  {scores[i, last].item():8.2f}  {predicted[i][last]!r}"
+            f"{i:>5}  {_unsigned_zero(scores[i, SUBJECT].item()):12.2f}  "
+            f"{_unsigned_zero(scores[i, last].item()):8.2f}  {predicted[i][last]!r}"
         )
     flips = next(
         i
@@ -264,3 +265,10 @@ def _steering(model: Any) -> None:
     print(f"prompt:  {STEER_PROMPT!r}")
     print(f"plain:   {plain!r}")
     print(f"steered: {steered!r}")
+
+
+def _unsigned_zero(value: float, decimals: int = 2) -> float:
+    """``value`` rounded as it is shown, with a zero's sign dropped: a score within rounding
+    of 0 comes out of the kernels as +0 or -0 depending on the thread count, and the
+    printed table must not."""
+    return round(value, decimals) + 0.0
