@@ -253,7 +253,13 @@ def test_the_signal_check_fails_on_a_stream_read_from_the_wrong_blocks(cache: Pa
     vit = builds.build("vit", cache, builds.kind("image-classification"))
     driver = HFDriver.boot(str(vit.folder), dtype=torch.float32)
     assert not checks.independent_signal_check(driver, builds.tensors(vit.inputs)).problems
-    driver._layout = dataclasses.replace(driver.layout, blocks=driver.layout.blocks[::-1])
+    n = driver.info.n_layers
+    driver._sites = {  # blocks.{i}.* read from block n-1-i
+        name: dataclasses.replace(
+            site, module=driver.layout.blocks[n - 1 - int(name.split(".")[1])]
+        )
+        for name, site in driver._sites.items()
+    }
     found = checks.independent_signal_check(driver, builds.tensors(vit.inputs)).problems
     assert any("blocks.0.hook_in vs layer 0's input" in p for p in found), found
 

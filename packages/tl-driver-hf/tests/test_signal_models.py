@@ -197,7 +197,11 @@ def test_certification_refuses_a_stream_read_from_the_wrong_blocks(
     good = bridges["vit"].driver
     assert isinstance(good, SignalDriver)
     broken = SignalDriver(good.hf_model, "pixels", name="broken")
-    broken._layout = replace(broken.layout, blocks=broken.layout.blocks[::-1])
+    n = broken.info.n_layers
+    broken._sites = {  # blocks.{i}.* read from block n-1-i
+        name: replace(site, module=broken.layout.blocks[n - 1 - int(name.split(".")[1])])
+        for name, site in broken._sites.items()
+    }
     with pytest.raises(ConfigError, match="does not reproduce the model"):
         certify_signal(broken, name="broken")
 

@@ -10,29 +10,66 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from tl_core import HookPoint, UnsupportedFeatureError, UserError
 from tl_core.certification import Certification
 from tl_core.driver_api import LocalDriver, ModelInfo, Tokenizer
 from tl_driver_hf._options import BootOptions
-from tl_driver_hf._runtime._torch_hooks import _input_of, _with_input
+from tl_driver_hf._runtime._torch_hooks import (
+    HeadView,
+    _heads_hook,
+    _input_hook,
+    _input_of,
+    _output_hook,
+    _viewed_input_hook,
+    _with_input,
+)
 
-__all__ = ["WholeModelDriver", "plain_add", "refuse_unserved_options"]
+__all__ = ["Site", "SiteKind", "WholeModelDriver", "plain_add", "refuse_unserved_options"]
+
+
+#: A module's input or output, per head (``heads_*``), or the last element of the tuple it
+#: returns (``weights``: the attention probabilities an eager attention module hands out).
+SiteKind = Literal["in", "out", "heads_in", "heads_out", "weights"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """One canonical site: a module's input or output, per head where ``kind`` says so."""
+
+    module: nn.Module
+    kind: SiteKind
+
+
+def _weights_hook(point: HookPoint) -> Any:
+    """Read the attention probabilities an eager attention module returns last (read-only:
+    the module has used them already)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        weights = output[-1] if isinstance(output, tuple) else None
+        if isinstance(weights, torch.Tensor):
+            point(weights)
+
+    return hook
 
 
 class WholeModelDriver(LocalDriver):
     """A transformers model booted whole and certified at boot (see the module doc).
 
-    Subclasses set ``_info`` and ``_tokenizer``, fill ``_points`` (canonical name ->
-    ``HookPoint``, every site the model offers) and run the model.
+    Subclasses set ``_info`` and ``_tokenizer``, fill ``_sites`` (canonical name -> the
+    module input or output it reads) and ``_points`` (a ``HookPoint`` per site), and run the
+    model inside ``_wired()``.
     """
 
     _info: ModelInfo
     _tokenizer: Tokenizer
+    _sites: dict[str, Site]
 
     name = "hf"
 
@@ -116,6 +153,38 @@ class WholeModelDriver(LocalDriver):
         self._points = {n: p for n, p in self._points.items() if n not in names}
         self.__dict__.pop("_namespace", None)
         self.__dict__.pop("_served_points", None)
+
+    @contextmanager
+    def _wired(self) -> Iterator[None]:
+        """Torch hooks for the sites with something attached, for one forward."""
+        handles: list[RemovableHandle] = []
+        view = HeadView("flat", self._info.n_heads)
+        for name, point in self._points.items():
+            if not point.has_hooks:
+                continue
+            site = self._sites[name]
+            if site.kind == "in":
+                handles.append(
+                    site.module.register_forward_pre_hook(_input_hook(point), with_kwargs=True)
+                )
+            elif site.kind == "out":
+                handles.append(site.module.register_forward_hook(_output_hook(point)))
+            elif site.kind == "weights":
+                handles.append(site.module.register_forward_hook(_weights_hook(point)))
+            elif site.kind == "heads_out":
+                hook = _heads_hook(point, self._info.n_heads, self._info.d_head)
+                handles.append(site.module.register_forward_hook(hook))
+            else:
+                handles.append(
+                    site.module.register_forward_pre_hook(
+                        _viewed_input_hook(point, view), with_kwargs=True
+                    )
+                )
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 @contextmanager

@@ -12,13 +12,11 @@ certification (``certify_seq2seq``) decides which are served.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from tl_core import ConfigError, HookPoint, UnsupportedFeatureError
 from tl_core.driver_api import (
@@ -31,13 +29,6 @@ from tl_core.driver_api import (
     next_tokens,
 )
 from tl_core.hooks import forward_order
-from tl_driver_hf._runtime._torch_hooks import (
-    HeadView,
-    _heads_hook,
-    _input_hook,
-    _output_hook,
-    _viewed_input_hook,
-)
 from tl_driver_hf._runtime._whole_model import WholeModelDriver
 from tl_driver_hf._seq2seq._layout import (
     Site,
@@ -55,18 +46,6 @@ def _first(module: Any, names: tuple[str, ...]) -> Any:
         if value is not None:
             return value
     return None
-
-
-def _weights_hook(point: HookPoint) -> Any:
-    """Read the attention probabilities an eager attention module returns last (read-only:
-    the module has used them already)."""
-
-    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        weights = output[-1] if isinstance(output, tuple) else None
-        if isinstance(weights, torch.Tensor):
-            point(weights)
-
-    return hook
 
 
 def measure_post_norm(model: nn.Module, encoder: StackLayout) -> bool:
@@ -223,38 +202,6 @@ class Seq2SeqDriver(WholeModelDriver):
         return self._stacks
 
     # -- running -----------------------------------------------------------------------
-
-    @contextmanager
-    def _wired(self) -> Iterator[None]:
-        """Torch hooks for the sites with something attached, for one forward."""
-        handles: list[RemovableHandle] = []
-        view = HeadView("flat", self._info.n_heads)
-        for name, point in self._points.items():
-            if not point.has_hooks:
-                continue
-            site = self._sites[name]
-            if site.kind == "in":
-                handles.append(
-                    site.module.register_forward_pre_hook(_input_hook(point), with_kwargs=True)
-                )
-            elif site.kind == "out":
-                handles.append(site.module.register_forward_hook(_output_hook(point)))
-            elif site.kind == "weights":
-                handles.append(site.module.register_forward_hook(_weights_hook(point)))
-            elif site.kind == "heads_out":
-                hook = _heads_hook(point, self._info.n_heads, self._info.d_head)
-                handles.append(site.module.register_forward_hook(hook))
-            else:
-                handles.append(
-                    site.module.register_forward_pre_hook(
-                        _viewed_input_hook(point, view), with_kwargs=True
-                    )
-                )
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def run_model(
         self,

@@ -13,25 +13,14 @@ block) and ``ln3`` the MLP's on a decoder block, whether it sits before its subl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 
 from tl_core import ConfigError
+from tl_driver_hf._runtime._whole_model import Site
 
 __all__ = ["Site", "StackLayout", "find_stacks"]
-
-#: A module's input or output, per head (``heads_*``), or the last element of the tuple it
-#: returns (``weights``: the attention probabilities an eager attention module hands out).
-SiteKind = Literal["in", "out", "heads_in", "heads_out", "weights"]
-
-
-@dataclass(frozen=True)
-class Site:
-    """One canonical site: a module's input or output, per head where ``kind`` says so."""
-
-    module: nn.Module
-    kind: SiteKind
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,12 @@ hands block ``i``, ``blocks.{i}.hook_out`` what it returns; the logits are the m
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from tl_core import ConfigError, HookPoint, UnsupportedFeatureError, UserError
 from tl_core.driver_api import (
@@ -29,8 +27,7 @@ from tl_core.driver_api import (
     TokenBatch,
 )
 from tl_core.hooks import forward_order
-from tl_driver_hf._runtime._torch_hooks import _input_hook, _output_hook
-from tl_driver_hf._runtime._whole_model import WholeModelDriver
+from tl_driver_hf._runtime._whole_model import Site, WholeModelDriver
 from tl_driver_hf._signal._layout import (
     SignalLayout,
     SignalReads,
@@ -141,16 +138,15 @@ class SignalDriver(WholeModelDriver):
         self._info = signal_info(model, self._layout, fixed)
         labels = getattr(model.config, "id2label", None) or {}
         self._tokenizer = LabelTokenizer(self._model_name, reads, labels)
-        self._points = {
-            name: HookPoint(name)
-            for name in forward_order(
-                {
-                    f"blocks.{i}.{s}": None
-                    for i in range(self._info.n_layers)
-                    for s in ("hook_in", "hook_out")
-                }
+        self._sites = {
+            name: site
+            for i, block in enumerate(self._layout.blocks)
+            for name, site in (
+                (f"blocks.{i}.hook_in", Site(block, "in")),
+                (f"blocks.{i}.hook_out", Site(block, "out")),
             )
         }
+        self._points = {name: HookPoint(name) for name in forward_order(self._sites)}
 
     @property
     def layout(self) -> SignalLayout:
@@ -259,25 +255,6 @@ class SignalDriver(WholeModelDriver):
         return self._positions[key]
 
     # -- running -------------------------------------------------------------------------
-
-    @contextmanager
-    def _wired(self) -> Iterator[None]:
-        handles: list[RemovableHandle] = []
-        for name, point in self._points.items():
-            if not point.has_hooks:
-                continue
-            block = self._layout.blocks[int(name.split(".")[1])]
-            if name.endswith(".hook_in"):
-                handles.append(
-                    block.register_forward_pre_hook(_input_hook(point), with_kwargs=True)
-                )
-            else:
-                handles.append(block.register_forward_hook(_output_hook(point)))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def run_model(
         self,
